@@ -1,0 +1,235 @@
+#include "ferry/common/config.h"
+
+#include <c10/util/Exception.h>
+
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <iomanip>
+#include <sstream>
+
+#include "ferry/common/cpu_features.h"
+
+namespace ferry {
+namespace {
+
+std::string lower(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+int parse_int(std::string_view key, std::string_view text) {
+  std::string s(text);
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(s.c_str(), &end, 10);
+  TORCH_CHECK(!s.empty() && end == s.c_str() + s.size() && errno == 0 && v >= INT32_MIN && v <= INT32_MAX,
+              "ferry config: expected an integer for ", key, ", got '", s, "'");
+  return static_cast<int>(v);
+}
+
+DeviceKind parse_device(std::string_view text) {
+  const std::string s = lower(text);
+  if (s == "auto") return DeviceKind::kAuto;
+  if (s == "cuda" || s == "gpu") return DeviceKind::kCuda;
+  if (s == "simulated" || s == "sim" || s == "cpu") return DeviceKind::kSimulated;
+  TORCH_CHECK(false, "ferry config: expected device auto|cuda|simulated, got '", text, "'");
+}
+
+Precision parse_precision(std::string_view text) {
+  const std::string s = lower(text);
+  if (s == "fp32" || s == "float32") return Precision::kFp32;
+  if (s == "bf16" || s == "bfloat16") return Precision::kBf16;
+  if (s == "fp16" || s == "float16" || s == "half") return Precision::kFp16;
+  TORCH_CHECK(false, "ferry config: expected precision fp32|bf16|fp16, got '", text, "'");
+}
+
+const char* const kEnvKeys[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS",
+                                "SLURM_LOCALID", "FERRY_LOG_LEVEL"};
+
+}  // namespace
+
+int64_t parse_bytes(std::string_view text) {
+  std::string s(text);
+  size_t pos = 0;
+  while (pos < s.size() && (std::isdigit(static_cast<unsigned char>(s[pos])) || s[pos] == '.')) ++pos;
+  TORCH_CHECK(pos > 0, "ferry config: expected a size such as 64MiB or 4096, got '", s, "'");
+  const double number = std::strtod(s.substr(0, pos).c_str(), nullptr);
+  double scale = 0;
+  const std::string u = lower(s.substr(pos));
+  if (u.empty() || u == "b") scale = 1;
+  else if (u == "k" || u == "kib" || u == "ki") scale = 1024.0;
+  else if (u == "m" || u == "mib" || u == "mi") scale = 1024.0 * 1024;
+  else if (u == "g" || u == "gib" || u == "gi") scale = 1024.0 * 1024 * 1024;
+  else if (u == "t" || u == "tib" || u == "ti") scale = 1024.0 * 1024 * 1024 * 1024;
+  else if (u == "kb") scale = 1e3;
+  else if (u == "mb") scale = 1e6;
+  else if (u == "gb") scale = 1e9;
+  else if (u == "tb") scale = 1e12;
+  TORCH_CHECK(scale > 0, "ferry config: expected a size unit of B, KiB, MiB, GiB, TiB, KB, MB, GB or TB, got '",
+              s.substr(pos), "' in '", s, "'");
+  const double bytes = number * scale;
+  TORCH_CHECK(std::isfinite(bytes) && bytes < 9.0e18, "ferry config: size '", s, "' is out of range");
+  return static_cast<int64_t>(std::llround(bytes));
+}
+
+std::string format_bytes(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (std::fabs(v) >= 1024.0 && u < 4) {
+    v /= 1024.0;
+    ++u;
+  }
+  std::ostringstream os;
+  if (u == 0) os << bytes << " B";
+  else os << std::fixed << std::setprecision(1) << v << ' ' << units[u];
+  return os.str();
+}
+
+log::Level parse_log_level(std::string_view text) {
+  const std::string s = lower(text);
+  for (log::Level l : {log::Level::kTrace, log::Level::kDebug, log::Level::kInfo, log::Level::kWarn,
+                       log::Level::kError, log::Level::kOff}) {
+    if (s == log::to_string(l)) return l;
+  }
+  if (s == "warning") return log::Level::kWarn;
+  TORCH_CHECK(false, "ferry config: expected log level trace|debug|info|warn|error|off, got '", text, "'");
+}
+
+const char* to_string(DeviceKind kind) {
+  switch (kind) {
+    case DeviceKind::kAuto: return "auto";
+    case DeviceKind::kCuda: return "cuda";
+    case DeviceKind::kSimulated: return "simulated";
+  }
+  return "?";
+}
+
+const char* to_string(Precision precision) {
+  switch (precision) {
+    case Precision::kFp32: return "fp32";
+    case Precision::kBf16: return "bf16";
+    case Precision::kFp16: return "fp16";
+  }
+  return "?";
+}
+
+std::map<std::string, std::string> read_environment() {
+  std::map<std::string, std::string> env;
+  for (const char* key : kEnvKeys) {
+    if (const char* v = std::getenv(key)) env[key] = v;
+  }
+  return env;
+}
+
+void Config::set(std::string_view key, std::string_view value) {
+  const std::string k = lower(key);
+  if (k == "device") device = parse_device(value);
+  else if (k == "precision") precision = parse_precision(value);
+  else if (k == "chunk-size" || k == "chunk_size") chunk_size_bytes = parse_bytes(value);
+  else if (k == "device-budget" || k == "device_budget") device_budget_bytes = parse_bytes(value);
+  else if (k == "host-budget" || k == "host_budget") host_budget_bytes = parse_bytes(value);
+  else if (k == "cpu-threads" || k == "cpu_threads") cpu_threads = parse_int(key, value);
+  else if (k == "cpu-isa" || k == "cpu_isa") cpu_isa = lower(value);
+  else if (k == "log-level" || k == "log_level") log_level = parse_log_level(value);
+  else if (k == "rank") rank = parse_int(key, value);
+  else if (k == "world-size" || k == "world_size") world_size = parse_int(key, value);
+  else if (k == "local-rank" || k == "local_rank") local_rank = parse_int(key, value);
+  else TORCH_CHECK(false, "ferry config: unknown option '", key, "' (=", value, "); known options:\n", help());
+  validate();
+}
+
+Config Config::from_env(const std::map<std::string, std::string>& env) {
+  Config c;
+  auto get = [&](const char* k) -> const std::string* {
+    auto it = env.find(k);
+    return it == env.end() ? nullptr : &it->second;
+  };
+  // torchrun / mpirun-style variables first; SLURM's only when no launcher set RANK.
+  if (auto v = get("RANK")) {
+    c.rank = parse_int("RANK", *v);
+    if (auto w = get("WORLD_SIZE")) c.world_size = parse_int("WORLD_SIZE", *w);
+    if (auto l = get("LOCAL_RANK")) c.local_rank = parse_int("LOCAL_RANK", *l);
+  } else if (auto s = get("SLURM_PROCID")) {
+    c.rank = parse_int("SLURM_PROCID", *s);
+    if (auto w = get("SLURM_NTASKS")) c.world_size = parse_int("SLURM_NTASKS", *w);
+    if (auto l = get("SLURM_LOCALID")) c.local_rank = parse_int("SLURM_LOCALID", *l);
+  }
+  if (auto v = get("FERRY_LOG_LEVEL")) c.log_level = parse_log_level(*v);
+  c.validate();
+  return c;
+}
+
+Config Config::from_args(int argc, const char* const* argv, std::vector<std::string>* rest) {
+  Config c = from_env(read_environment());
+  for (int i = 1; i < argc; ++i) {
+    std::string_view arg(argv[i]);
+    if (arg.rfind("--", 0) == 0) {
+      const auto eq = arg.find('=');
+      TORCH_CHECK(eq != std::string_view::npos || rest != nullptr,
+                  "ferry config: expected --key=value, got '", arg, "'");
+      if (eq != std::string_view::npos) {
+        const std::string_view key = arg.substr(2, eq - 2);
+        const std::string_view value = arg.substr(eq + 1);
+        if (rest) {
+          // Unknown keys belong to the program; known keys must still parse.
+          try {
+            c.set(key, value);
+          } catch (const c10::Error& e) {
+            if (std::string(e.what()).find("unknown option") == std::string::npos) throw;
+            rest->emplace_back(arg);
+          }
+        } else {
+          c.set(key, value);
+        }
+        continue;
+      }
+    }
+    TORCH_CHECK(rest != nullptr, "ferry config: expected --key=value, got '", arg, "'");
+    rest->emplace_back(arg);
+  }
+  return c;
+}
+
+void Config::validate() const {
+  TORCH_CHECK(chunk_size_bytes >= 4096, "ferry config: expected chunk-size >= 4 KiB, got ",
+              format_bytes(chunk_size_bytes));
+  TORCH_CHECK(device_budget_bytes >= 0, "ferry config: expected device-budget >= 0 (0 = no limit), got ",
+              device_budget_bytes);
+  TORCH_CHECK(host_budget_bytes >= 0, "ferry config: expected host-budget >= 0 (0 = no limit), got ",
+              host_budget_bytes);
+  TORCH_CHECK(cpu_threads >= 0, "ferry config: expected cpu-threads >= 0 (0 = all), got ", cpu_threads);
+  TORCH_CHECK(cpu_isa == "auto" || parse_cpu_isa(cpu_isa).has_value(),
+              "ferry config: expected cpu-isa auto|scalar|avx2|avx512|avx512_bf16, got '", cpu_isa, "'");
+  TORCH_CHECK(world_size >= 1, "ferry config: expected world-size >= 1, got ", world_size);
+  TORCH_CHECK(rank >= 0 && rank < world_size, "ferry config: expected 0 <= rank < world-size (", world_size,
+              "), got ", rank);
+  TORCH_CHECK(local_rank >= 0, "ferry config: expected local-rank >= 0, got ", local_rank);
+}
+
+std::string Config::to_string() const {
+  std::ostringstream os;
+  os << "device=" << ferry::to_string(device) << " precision=" << ferry::to_string(precision)
+     << " chunk-size=" << format_bytes(chunk_size_bytes)
+     << " device-budget=" << (device_budget_bytes ? format_bytes(device_budget_bytes) : "unlimited")
+     << " host-budget=" << (host_budget_bytes ? format_bytes(host_budget_bytes) : "unlimited")
+     << " cpu-threads=" << cpu_threads << " cpu-isa=" << cpu_isa << " log-level=" << log::to_string(log_level)
+     << " rank=" << rank << "/" << world_size << " local-rank=" << local_rank;
+  return os.str();
+}
+
+std::string Config::help() {
+  return "  --device=auto|cuda|simulated   where device chunks live (default auto)\n"
+         "  --precision=fp32|bf16|fp16     compute dtype of parameters (default fp32)\n"
+         "  --chunk-size=SIZE              bytes per chunk, e.g. 64MiB (default 64MiB)\n"
+         "  --device-budget=SIZE           device bytes for chunks, 0 = no limit\n"
+         "  --host-budget=SIZE             host bytes for chunks, 0 = no limit\n"
+         "  --cpu-threads=N                CPU Adam threads, 0 = all\n"
+         "  --cpu-isa=auto|scalar|avx2|avx512|avx512_bf16   CPU Adam kernel\n"
+         "  --log-level=trace|debug|info|warn|error|off\n"
+         "  --rank=N --world-size=N --local-rank=N   (normally from RANK/WORLD_SIZE/LOCAL_RANK or SLURM_*)\n";
+}
+
+}  // namespace ferry

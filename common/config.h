@@ -1,0 +1,73 @@
+#pragma once
+// ferry's one configuration struct, parsed and validated in one place (config.cpp).
+//
+// Sources, later ones win: built-in defaults < environment (launchers' RANK/WORLD_SIZE/LOCAL_RANK or
+// SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, and FERRY_LOG_LEVEL) < command line (--key=value).
+// No other file of ferry reads the environment.
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ferry/common/logging.h"
+
+namespace ferry {
+
+// Where "device" chunks live.
+enum class DeviceKind {
+  kAuto,       // CUDA if a GPU is present, else the simulated device
+  kCuda,       // the current CUDA device; an error where there is none
+  kSimulated,  // device tier simulated in host memory, same API and budgets (CPU-only machines, CI)
+};
+
+// dtype of the compute copy of parameters.
+enum class Precision { kFp32, kBf16, kFp16 };
+
+struct Config {
+  DeviceKind device = DeviceKind::kAuto;
+  Precision precision = Precision::kFp32;
+  int64_t chunk_size_bytes = int64_t{64} << 20;  // bytes per chunk
+  int64_t device_budget_bytes = 0;               // bytes for chunks on the device; 0 = no limit
+  int64_t host_budget_bytes = 0;                 // bytes for chunks on the host; 0 = no limit
+  int cpu_threads = 0;                           // CPU Adam threads; 0 = all of OpenMP's
+  std::string cpu_isa = "auto";                  // CPU Adam kernel: auto|scalar|avx2|avx512|avx512_bf16
+  log::Level log_level = log::Level::kInfo;
+
+  // Launch (read from the environment; overridable on the command line).
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+
+  // Defaults overridden by the environment `env` (pass read_environment() in programs).
+  static Config from_env(const std::map<std::string, std::string>& env);
+  // from_env(read_environment()), then --key=value arguments. argv[0] is skipped. Arguments that are
+  // not ferry's (do not start with --, or name no known key) are returned in `rest` when given,
+  // otherwise they are an error.
+  static Config from_args(int argc, const char* const* argv, std::vector<std::string>* rest = nullptr);
+
+  // Applies one "key=value" (the form of --key=value without the dashes). Fails on an unknown key or
+  // a bad value, naming both.
+  void set(std::string_view key, std::string_view value);
+
+  // TORCH_CHECKs every field; called by from_env/from_args/set.
+  void validate() const;
+  // One line per field, for logs and reports.
+  std::string to_string() const;
+  // The --key=value options this struct understands, with a one-line help each.
+  static std::string help();
+};
+
+// The process environment as a map (only the variables Config reads).
+std::map<std::string, std::string> read_environment();
+
+// "64MiB", "1.5GiB", "512MB", "4096" (bytes) -> bytes. Binary (KiB/MiB/GiB/TiB, K/M/G/T) and
+// decimal (KB/MB/GB/TB) units. Fails on anything else, negative or overflowing values.
+int64_t parse_bytes(std::string_view text);
+// 67108864 -> "64.0 MiB".
+std::string format_bytes(int64_t bytes);
+log::Level parse_log_level(std::string_view text);
+const char* to_string(DeviceKind kind);
+const char* to_string(Precision precision);
+
+}  // namespace ferry

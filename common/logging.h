@@ -1,0 +1,46 @@
+#pragma once
+// ferry's log: spdlog underneath, one logger named "ferry", every line prefixed with the rank.
+//
+// Contract
+//  - Call sites format with operator<< (log::info("moved ", n, " bytes")); this header includes no
+//    spdlog or fmt, on purpose: torch ships its own fmt headers (12.x) that would otherwise meet the
+//    fmt spdlog was built against (Debian: 9.x) in one translation unit. logging.cpp is the only file
+//    that sees spdlog, and it is compiled without torch's include paths (docs/ARCHITECTURE.md, D3).
+//  - Thread-safe: spdlog's _mt logger; configure() may be called again at any time (last one wins).
+//  - Before configure() the level is Info and the rank prefix is 0.
+#include <sstream>
+#include <string>
+#include <string_view>
+
+namespace ferry::log {
+
+enum class Level { kTrace, kDebug, kInfo, kWarn, kError, kOff };
+
+// Sets the level and the rank shown in every line's prefix.
+void configure(Level level, int rank);
+Level level();
+bool enabled(Level level);
+// Writes one line at `level` (no-op below the configured level).
+void write(Level level, std::string_view message);
+// Writes `message` at Warn the first time `key` is seen in this process; returns whether it wrote.
+bool warn_once(std::string_view key, std::string_view message);
+// "1.10.0": the spdlog this binary runs with (for the environment report).
+std::string spdlog_version();
+const char* to_string(Level level);
+
+namespace detail {
+template <class... Args>
+std::string concat(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+}  // namespace detail
+
+template <class... Args> void trace(const Args&... a) { if (enabled(Level::kTrace)) write(Level::kTrace, detail::concat(a...)); }
+template <class... Args> void debug(const Args&... a) { if (enabled(Level::kDebug)) write(Level::kDebug, detail::concat(a...)); }
+template <class... Args> void info(const Args&... a) { if (enabled(Level::kInfo)) write(Level::kInfo, detail::concat(a...)); }
+template <class... Args> void warn(const Args&... a) { if (enabled(Level::kWarn)) write(Level::kWarn, detail::concat(a...)); }
+template <class... Args> void error(const Args&... a) { if (enabled(Level::kError)) write(Level::kError, detail::concat(a...)); }
+
+}  // namespace ferry::log

@@ -1,0 +1,36 @@
+// ferry_info: prints the environment report (versions, CPU vector ISA, GPU present or not).
+//   ferry_info [--json] [--key=value ...]   (any ferry Config option, e.g. --log-level=debug)
+#include <iostream>
+
+#include <ferry/ferry.h>
+
+int main(int argc, char** argv) {
+  try {
+    std::vector<std::string> rest;
+    const ferry::Config config = ferry::Config::from_args(argc, argv, &rest);
+    ferry::log::configure(config.log_level, config.rank);
+    bool json = false;
+    for (const std::string& arg : rest) {
+      if (arg == "--json") {
+        json = true;
+      } else if (arg == "--help" || arg == "-h") {
+        std::cout << "usage: ferry_info [--json] [--key=value ...]\n" << ferry::Config::help();
+        return 0;
+      } else {
+        std::cerr << "ferry_info: unknown argument '" << arg << "' (try --help)\n";
+        return 2;
+      }
+    }
+    const ferry::EnvReport report = ferry::collect_env_report();
+    if (json) {
+      std::cout << ferry::env_report_json(report) << "\n";
+    } else {
+      std::cout << ferry::format_env_report(report);
+      ferry::log::debug("config: ", config.to_string());
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "ferry_info: " << e.what() << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,8 @@
+#pragma once
+// ferry's public API in one include: #include <ferry/ferry.h>
+#include "ferry/common/config.h"
+#include "ferry/common/cpu_features.h"
+#include "ferry/common/env_report.h"
+#include "ferry/common/gpu_info.h"
+#include "ferry/common/logging.h"
+#include "ferry/common/version.h"

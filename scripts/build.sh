@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Configures and builds ferry into build/ (Release, Ninja, ccache). Runs setup.sh first.
+# Extra arguments are passed to CMake's configure step (e.g. -DFERRY_SANITIZE=ON).
+# BUILD_DIR overrides the build directory (default: build/ at the repository root).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build=${BUILD_DIR:-$root/build}
+python=$("$root/scripts/setup.sh")
+torch_prefix=$("$python" -c "import torch.utils; print(torch.utils.cmake_prefix_path)")
+jobs=${FERRY_JOBS:-$(nproc)}
+
+launcher=()
+if command -v ccache >/dev/null; then
+  export CCACHE_DIR=${CCACHE_DIR:-${FERRY_CACHE:-$HOME/.cache/ferry}/ccache}
+  export CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-5G}
+  export CCACHE_BASEDIR=$root        # clones at other paths share hits
+  export CCACHE_NOHASHDIR=1
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+fi
+
+cmake -S "$root" -B "$build" -G Ninja \
+  -DCMAKE_BUILD_TYPE=${FERRY_BUILD_TYPE:-Release} \
+  -DCMAKE_PREFIX_PATH="$torch_prefix" \
+  -DPython3_EXECUTABLE="$python" \
+  "${launcher[@]}" "$@" >&2
+cmake --build "$build" -j "$jobs" >&2

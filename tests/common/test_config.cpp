@@ -1,0 +1,117 @@
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include "ferry/common/config.h"
+
+namespace ferry {
+namespace {
+
+TEST(ParseBytes, UnitsBinaryAndDecimal) {
+  EXPECT_EQ(parse_bytes("4096"), 4096);
+  EXPECT_EQ(parse_bytes("12B"), 12);
+  EXPECT_EQ(parse_bytes("64MiB"), int64_t{64} << 20);
+  EXPECT_EQ(parse_bytes("64M"), int64_t{64} << 20);
+  EXPECT_EQ(parse_bytes("1.5GiB"), int64_t{3} << 29);
+  EXPECT_EQ(parse_bytes("2gib"), int64_t{2} << 30);
+  EXPECT_EQ(parse_bytes("512MB"), 512000000);
+  EXPECT_EQ(parse_bytes("1TB"), 1000000000000);
+  EXPECT_EQ(parse_bytes("3KiB"), 3072);
+}
+
+TEST(ParseBytes, RejectsGarbage) {
+  for (const char* bad : {"", "MiB", "-5", "12 parsecs", "1e400GiB", "99999999TiB"}) {
+    EXPECT_THROW(parse_bytes(bad), c10::Error) << bad;
+  }
+  try {
+    parse_bytes("7furlongs");
+    FAIL() << "expected a throw";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("furlongs"), std::string::npos) << e.what();
+  }
+}
+
+TEST(FormatBytes, Readable) {
+  EXPECT_EQ(format_bytes(100), "100 B");
+  EXPECT_EQ(format_bytes(int64_t{64} << 20), "64.0 MiB");
+  EXPECT_EQ(format_bytes(int64_t{3} << 29), "1.5 GiB");
+}
+
+TEST(Config, DefaultsAreValid) {
+  Config c;
+  EXPECT_NO_THROW(c.validate());
+  EXPECT_EQ(c.chunk_size_bytes, int64_t{64} << 20);
+  EXPECT_EQ(c.world_size, 1);
+}
+
+TEST(Config, EnvironmentTorchrunThenSlurm) {
+  Config c = Config::from_env({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"SLURM_PROCID", "5"}});
+  EXPECT_EQ(c.rank, 3);
+  EXPECT_EQ(c.world_size, 8);
+  EXPECT_EQ(c.local_rank, 1);
+  Config s = Config::from_env({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "6"}, {"SLURM_LOCALID", "2"}});
+  EXPECT_EQ(s.rank, 5);
+  EXPECT_EQ(s.world_size, 6);
+  EXPECT_EQ(s.local_rank, 2);
+  Config l = Config::from_env({{"FERRY_LOG_LEVEL", "DEBUG"}});
+  EXPECT_EQ(l.log_level, log::Level::kDebug);
+}
+
+TEST(Config, EnvironmentInconsistentRankFails) {
+  EXPECT_THROW(Config::from_env({{"RANK", "8"}, {"WORLD_SIZE", "8"}}), c10::Error);
+  EXPECT_THROW(Config::from_env({{"RANK", "two"}}), c10::Error);
+}
+
+TEST(Config, ArgumentsOverrideAndValidate) {
+  const char* argv[] = {"prog", "--chunk-size=32MiB", "--device=simulated", "--precision=bf16",
+                        "--device-budget=1GiB", "--cpu-isa=avx2", "--log-level=error", "--cpu-threads=3"};
+  Config c = Config::from_args(8, argv);
+  EXPECT_EQ(c.chunk_size_bytes, int64_t{32} << 20);
+  EXPECT_EQ(c.device, DeviceKind::kSimulated);
+  EXPECT_EQ(c.precision, Precision::kBf16);
+  EXPECT_EQ(c.device_budget_bytes, int64_t{1} << 30);
+  EXPECT_EQ(c.cpu_isa, "avx2");
+  EXPECT_EQ(c.log_level, log::Level::kError);
+  EXPECT_EQ(c.cpu_threads, 3);
+}
+
+TEST(Config, BadArgumentsNameWhatWasExpected) {
+  auto fails_with = [](std::vector<const char*> args, const std::string& needle) {
+    args.insert(args.begin(), "prog");
+    try {
+      Config::from_args(static_cast<int>(args.size()), args.data());
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      return;
+    }
+    ADD_FAILURE() << "no error for " << args[1];
+  };
+  fails_with({"--chunk-size=1KiB"}, "chunk-size >= 4 KiB");
+  fails_with({"--device=tpu"}, "auto|cuda|simulated, got 'tpu'");
+  fails_with({"--precision=fp8"}, "fp32|bf16|fp16, got 'fp8'");
+  fails_with({"--cpu-isa=neon"}, "got 'neon'");
+  fails_with({"--cpu-threads=-1"}, "cpu-threads >= 0");
+  fails_with({"--no-such-option=1"}, "unknown option 'no-such-option'");
+  fails_with({"positional"}, "expected --key=value, got 'positional'");
+}
+
+TEST(Config, UnknownArgumentsGoToRestWhenAsked) {
+  const char* argv[] = {"prog", "--json", "--steps=10", "--chunk-size=8MiB", "file.txt"};
+  std::vector<std::string> rest;
+  Config c = Config::from_args(5, argv, &rest);
+  EXPECT_EQ(c.chunk_size_bytes, int64_t{8} << 20);
+  EXPECT_EQ(rest, (std::vector<std::string>{"--json", "--steps=10", "file.txt"}));
+  // A known key with a bad value is still an error, not "rest".
+  const char* bad[] = {"prog", "--chunk-size=lots"};
+  EXPECT_THROW(Config::from_args(2, bad, &rest), c10::Error);
+}
+
+TEST(Config, ToStringNamesEveryField) {
+  const std::string s = Config{}.to_string();
+  for (const char* key : {"device=", "precision=", "chunk-size=", "device-budget=", "host-budget=", "cpu-threads=",
+                          "cpu-isa=", "log-level=", "rank="}) {
+    EXPECT_NE(s.find(key), std::string::npos) << key;
+  }
+}
+
+}  // namespace
+}  // namespace ferry

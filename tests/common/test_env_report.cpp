@@ -1,0 +1,39 @@
+#include <gtest/gtest.h>
+#include <torch/version.h>
+
+#include "ferry/common/env_report.h"
+#include "ferry/common/gpu_info.h"
+
+namespace ferry {
+namespace {
+
+TEST(EnvReport, NamesTheRealVersions) {
+  const EnvReport r = collect_env_report();
+  EXPECT_EQ(r.torch_version, TORCH_VERSION);
+  EXPECT_EQ(r.torch_version.rfind("2.11", 0), 0u) << r.torch_version;
+  EXPECT_FALSE(r.tbb.empty());
+  EXPECT_FALSE(r.spdlog.empty());
+  EXPECT_FALSE(r.cpu_isa_best.empty());
+  EXPECT_EQ(r.gpu_count, query_gpus().count);
+  const std::string text = format_env_report(r);
+  for (const char* key : {"torch", "CUDA runtime", "NCCL", "GPU", "oneTBB", "spdlog", "OpenMP", "CPU kernels"}) {
+    EXPECT_NE(text.find(key), std::string::npos) << key << "\n" << text;
+  }
+  const std::string json = env_report_json(r);
+  EXPECT_EQ(json.front(), '{');
+  EXPECT_EQ(json.back(), '}');
+  EXPECT_NE(json.find("\"torch\":\"" + r.torch_version + "\""), std::string::npos) << json;
+}
+
+TEST(EnvReport, CudaBuildReportsItsRuntime) {
+#ifdef FERRY_WITH_CUDA
+  const EnvReport r = collect_env_report();
+  EXPECT_TRUE(r.torch_cuda_build);
+  EXPECT_FALSE(r.cuda_runtime.empty());
+#else
+  GTEST_SKIP() << "torch without CUDA";
+#endif
+}
+
+}  // namespace
+}  // namespace ferry
