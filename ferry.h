@@ -6,3 +6,5 @@
 #include "ferry/common/gpu_info.h"
 #include "ferry/common/logging.h"
 #include "ferry/common/version.h"
+#include "ferry/cpu_adam/adam_options.h"
+#include "ferry/cpu_adam/cpu_adam.h"

@@ -1,0 +1,24 @@
+#pragma once
+// Hyper-parameters of one Adam/AdamW parameter group, shared by CpuAdam and (later) HybridAdam.
+namespace ferry {
+
+enum class AdamMode {
+  kAdam,   // L2 penalty: grad += weight_decay * param (torch::optim::Adam)
+  kAdamW,  // decoupled decay: param *= 1 - lr * weight_decay (torch::optim::AdamW)
+};
+
+struct AdamOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  AdamMode mode = AdamMode::kAdamW;
+
+  // TORCH_CHECKs: lr >= 0, 0 <= beta1, beta2 < 1, eps > 0, weight_decay >= 0, all finite.
+  void validate() const;
+};
+
+const char* to_string(AdamMode mode);
+
+}  // namespace ferry

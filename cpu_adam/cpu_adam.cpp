@@ -1,0 +1,335 @@
+// CpuAdam: argument checks, the OpenMP split, the async worker. The arithmetic lives in kernels/.
+//
+// Threads: one `omp parallel` region per update() covering the whole span, split statically into
+// one contiguous range per thread whose boundaries are multiples of 16 elements (64 bytes of fp32), so
+// no two threads write the same cache line. Spans shorter than kMinPerThread per thread use fewer
+// threads (a fork/join costs more than it saves on small spans).
+#include "ferry/cpu_adam/cpu_adam.h"
+
+#include <c10/util/Exception.h>
+#include <omp.h>
+#include <oneapi/tbb/task_arena.h>
+
+#include <cmath>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+
+#include "ferry/common/logging.h"
+#include "ferry/cpu_adam/kernels/kernel_abi.h"
+
+namespace ferry {
+namespace {
+
+constexpr int64_t kAlignElems = 16;
+constexpr int64_t kMinPerThread = int64_t{1} << 15;
+
+const cpu_adam::KernelTable& kernels_for(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kScalar: return cpu_adam::kScalarKernels;
+    case CpuIsa::kAvx2: return cpu_adam::kAvx2Kernels;
+    case CpuIsa::kAvx512: return cpu_adam::kAvx512Kernels;
+    case CpuIsa::kAvx512Bf16: return cpu_adam::kAvx512Bf16Kernels;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown CpuIsa");
+}
+
+cpu_adam::GradType grad_type_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return cpu_adam::GradType::kF32;
+    case at::kBFloat16: return cpu_adam::GradType::kBf16;
+    case at::kHalf: return cpu_adam::GradType::kF16;
+    default: break;
+  }
+  TORCH_CHECK(false, "CpuAdam: expected grad dtype Float, BFloat16 or Half, got ", t);
+}
+
+cpu_adam::LowpType lowp_type_of(at::ScalarType t) {
+  switch (t) {
+    case at::ScalarType::Undefined: return cpu_adam::LowpType::kNone;
+    case at::kBFloat16: return cpu_adam::LowpType::kBf16;
+    case at::kHalf: return cpu_adam::LowpType::kF16;
+    default: break;
+  }
+  TORCH_CHECK(false, "CpuAdam: expected param_lowp dtype BFloat16 or Half (or none), got ", t);
+}
+
+void check_span(const AdamSpan& s) {
+  TORCH_CHECK(s.numel >= 0, "CpuAdam: expected numel >= 0, got ", s.numel);
+  grad_type_of(s.grad_dtype);
+  lowp_type_of(s.lowp_dtype);
+  if (s.numel == 0) return;  // empty spans may carry null pointers
+  TORCH_CHECK(s.param && s.grad && s.exp_avg && s.exp_avg_sq,
+              "CpuAdam: expected non-null param, grad, exp_avg and exp_avg_sq for a span of ", s.numel,
+              " elements");
+  TORCH_CHECK((s.param_lowp != nullptr) == (s.lowp_dtype != at::ScalarType::Undefined),
+              "CpuAdam: param_lowp and lowp_dtype must be given together, got pointer ",
+              s.param_lowp ? "set" : "null", " and dtype ", s.lowp_dtype);
+}
+
+void check_grad_scale(double grad_scale) {
+  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0.0, "CpuAdam: expected a finite grad_scale > 0, got ",
+              grad_scale);
+}
+
+// Calls f(begin, end) on disjoint, 16-element-aligned ranges covering [0, n), on up to `threads`
+// OpenMP threads; f must not throw.
+template <class F>
+void parallel_ranges(int64_t n, int threads, F&& f) {
+  const int64_t useful = (n + kMinPerThread - 1) / kMinPerThread;
+  const int t = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, useful)));
+  if (t <= 1) {
+    f(0, n, 0);
+    return;
+  }
+#pragma omp parallel num_threads(t)
+  {
+    const int64_t nt = omp_get_num_threads();
+    const int64_t id = omp_get_thread_num();
+    int64_t per = (n + nt - 1) / nt;
+    per = (per + kAlignElems - 1) / kAlignElems * kAlignElems;
+    const int64_t b = std::min(n, id * per);
+    const int64_t e = std::min(n, b + per);
+    if (b < e) f(b, e, static_cast<int>(id));
+  }
+}
+
+}  // namespace
+
+// ---- async worker ------------------------------------------------------------------------------
+
+// Updates of one chunk must apply in submission order, and task_arena::enqueue promises only roughly
+// FIFO: so jobs go into our own queue, and one drain task at a time (enqueued when the queue goes from
+// empty to non-empty) runs them in order on a oneTBB worker.
+struct CpuAdam::Async {
+  tbb::task_arena arena{1, 0};  // one slot, none reserved for callers: runs on a oneTBB worker
+  std::mutex mutex;
+  std::condition_variable idle;
+  std::deque<std::function<void()>> queue;
+  bool draining = false;
+
+  void submit(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      queue.push_back(std::move(job));
+      if (draining) return;
+      draining = true;
+    }
+    arena.enqueue([this] { drain(); });
+  }
+
+  void drain() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (queue.empty()) {
+          draining = false;
+          idle.notify_all();
+          return;
+        }
+        job = std::move(queue.front());
+        queue.pop_front();
+      }
+      job();  // packaged tasks: exceptions land in their futures
+    }
+  }
+
+  ~Async() {
+    std::unique_lock<std::mutex> lock(mutex);
+    idle.wait(lock, [&] { return !draining; });
+  }
+};
+
+// ---- CpuAdamConfig ----------------------------------------------------------------------------
+
+CpuAdamConfig CpuAdamConfig::from(const Config& config) {
+  CpuAdamConfig c;
+  c.threads = config.cpu_threads;
+  if (config.cpu_isa != "auto") c.isa = parse_cpu_isa(config.cpu_isa);
+  return c;
+}
+
+// ---- CpuAdam ----------------------------------------------------------------------------------
+
+CpuAdam::CpuAdam(const AdamOptions& defaults, const CpuAdamConfig& config)
+    : isa_(config.isa.value_or(best_cpu_isa())),
+      threads_(config.threads > 0 ? config.threads : omp_get_max_threads()),
+      kernels_(nullptr),
+      async_(std::make_unique<Async>()) {
+  TORCH_CHECK(config.threads >= 0, "CpuAdam: expected threads >= 0 (0 = all), got ", config.threads);
+  TORCH_CHECK(cpu_supports(isa_), "CpuAdam: the ", to_string(isa_), " kernel needs CPU features this machine lacks",
+              " (best available: ", to_string(best_cpu_isa()), ")");
+  kernels_ = &kernels_for(isa_);
+  add_param_group(defaults);
+  static std::once_flag logged;
+  std::call_once(logged, [&] {
+    log::info("cpu_adam: ", to_string(isa_), " kernel (", kernels_->vector_width, " fp32 lanes), ", threads_,
+              " threads", config.isa ? " (forced)" : "");
+  });
+}
+
+CpuAdam::~CpuAdam() = default;
+
+int CpuAdam::add_param_group(const AdamOptions& options) {
+  options.validate();
+  groups_.push_back({options, 0});
+  return num_param_groups() - 1;
+}
+
+const CpuAdam::Group& CpuAdam::group_at(int group) const {
+  TORCH_CHECK(group >= 0 && group < num_param_groups(), "CpuAdam: expected a param group in [0, ",
+              num_param_groups(), "), got ", group);
+  return groups_[group];
+}
+
+const AdamOptions& CpuAdam::options(int group) const { return group_at(group).options; }
+
+void CpuAdam::set_options(int group, const AdamOptions& options) {
+  group_at(group);
+  options.validate();
+  groups_[group].options = options;
+}
+
+void CpuAdam::set_lr(int group, double lr) {
+  AdamOptions o = options(group);
+  o.lr = lr;
+  set_options(group, o);
+}
+
+int64_t CpuAdam::step_count(int group) const { return group_at(group).step; }
+
+int64_t CpuAdam::advance_step(int group) {
+  group_at(group);
+  return ++groups_[group].step;
+}
+
+void CpuAdam::set_step_count(int group, int64_t step) {
+  group_at(group);
+  TORCH_CHECK(step >= 0, "CpuAdam: expected step count >= 0, got ", step);
+  groups_[group].step = step;
+}
+
+GradNorm CpuAdam::grad_norm_sq(const void* grad, at::ScalarType dtype, int64_t numel, double grad_scale) const {
+  const cpu_adam::GradType type = grad_type_of(dtype);
+  TORCH_CHECK(numel >= 0, "CpuAdam: expected numel >= 0, got ", numel);
+  TORCH_CHECK(numel == 0 || grad, "CpuAdam: expected a non-null grad for ", numel, " elements");
+  check_grad_scale(grad_scale);
+  std::vector<cpu_adam::GradStats> parts(threads_);
+  const float scale = static_cast<float>(grad_scale);
+  parallel_ranges(numel, threads_, [&](int64_t b, int64_t e, int id) {
+    parts[id] = kernels_->grad_stats(grad, type, scale, b, e);
+  });
+  GradNorm out;
+  for (const auto& p : parts) {
+    out.sum_sq += p.sum_sq;
+    out.nonfinite = out.nonfinite || p.nonfinite;
+  }
+  return out;
+}
+
+GradNorm CpuAdam::grad_norm_sq(const at::Tensor& grad, double grad_scale) const {
+  TORCH_CHECK(grad.defined() && grad.device().is_cpu() && grad.is_contiguous(),
+              "CpuAdam: expected a contiguous CPU grad tensor, got ", grad.defined() ? grad.toString() : "undefined");
+  return grad_norm_sq(grad.data_ptr(), grad.scalar_type(), grad.numel(), grad_scale);
+}
+
+UpdateResult CpuAdam::run_update(const AdamOptions& o, int64_t step, const AdamSpan& s,
+                                 const UpdateOptions& u) const {
+  if (!u.grads_checked && s.numel > 0) {
+    if (grad_norm_sq(s.grad, s.grad_dtype, s.numel, u.grad_scale).nonfinite) return {false, true};
+  }
+  cpu_adam::AdamKernelArgs a;
+  a.param = s.param;
+  a.grad = s.grad;
+  a.exp_avg = s.exp_avg;
+  a.exp_avg_sq = s.exp_avg_sq;
+  a.param_lowp = s.param_lowp;
+  a.grad_type = grad_type_of(s.grad_dtype);
+  a.lowp_type = lowp_type_of(s.lowp_dtype);
+  a.decoupled_decay = o.mode == AdamMode::kAdamW;
+  a.grad_scale = static_cast<float>(u.grad_scale);
+  a.beta1 = static_cast<float>(o.beta1);
+  a.one_minus_beta1 = static_cast<float>(1.0 - o.beta1);
+  a.beta2 = static_cast<float>(o.beta2);
+  a.one_minus_beta2 = static_cast<float>(1.0 - o.beta2);
+  a.eps = static_cast<float>(o.eps);
+  a.weight_decay = a.decoupled_decay ? 0.0f : static_cast<float>(o.weight_decay);
+  a.decay_factor = a.decoupled_decay ? static_cast<float>(1.0 - o.lr * o.weight_decay) : 1.0f;
+  const double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(step));
+  a.step_size = static_cast<float>(o.lr / bc1);
+  a.inv_bias_correction2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+  const cpu_adam::AdamFn fn = kernels_->adam;
+  parallel_ranges(s.numel, threads_, [&](int64_t b, int64_t e, int) { fn(a, b, e); });
+  return {true, false};
+}
+
+UpdateResult CpuAdam::update(int group, const AdamSpan& span, const UpdateOptions& options) {
+  const Group& g = group_at(group);
+  TORCH_CHECK(g.step >= 1, "CpuAdam: update() of group ", group, " before advance_step() (step count is 0)");
+  check_span(span);
+  check_grad_scale(options.grad_scale);
+  return run_update(g.options, g.step, span, options);
+}
+
+UpdateResult CpuAdam::update(int group, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                             const at::Tensor& exp_avg_sq, const at::Tensor& param_lowp,
+                             const UpdateOptions& options) {
+  auto check = [](const at::Tensor& t, const char* name, bool fp32) {
+    TORCH_CHECK(t.defined(), "CpuAdam: expected a tensor for ", name, ", got undefined");
+    TORCH_CHECK(t.device().is_cpu(), "CpuAdam: expected ", name, " on the CPU, got ", t.device());
+    TORCH_CHECK(t.is_contiguous(), "CpuAdam: expected a contiguous ", name);
+    TORCH_CHECK(!fp32 || t.scalar_type() == at::kFloat, "CpuAdam: expected ", name, " of dtype Float, got ",
+                t.scalar_type());
+  };
+  check(param, "param", true);
+  check(grad, "grad", false);
+  check(exp_avg, "exp_avg", true);
+  check(exp_avg_sq, "exp_avg_sq", true);
+  const int64_t n = param.numel();
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{grad, "grad"}, {exp_avg, "exp_avg"},
+                                {exp_avg_sq, "exp_avg_sq"}}) {
+    TORCH_CHECK(t.numel() == n, "CpuAdam: expected ", name, " with ", n, " elements (as param), got ", t.numel());
+  }
+  AdamSpan s{param.data_ptr<float>(), grad.data_ptr(), grad.scalar_type(), exp_avg.data_ptr<float>(),
+             exp_avg_sq.data_ptr<float>(), nullptr, at::ScalarType::Undefined, n};
+  if (param_lowp.defined()) {
+    check(param_lowp, "param_lowp", false);
+    TORCH_CHECK(param_lowp.numel() == n, "CpuAdam: expected param_lowp with ", n, " elements (as param), got ",
+                param_lowp.numel());
+    s.param_lowp = param_lowp.data_ptr();
+    s.lowp_dtype = param_lowp.scalar_type();
+  }
+  return update(group, s, options);
+}
+
+std::future<UpdateResult> CpuAdam::update_async(int group, const AdamSpan& span, const UpdateOptions& options) {
+  const Group& g = group_at(group);
+  TORCH_CHECK(g.step >= 1, "CpuAdam: update_async() of group ", group, " before advance_step() (step count is 0)");
+  check_span(span);
+  check_grad_scale(options.grad_scale);
+  auto task = std::make_shared<std::packaged_task<UpdateResult()>>(
+      [this, o = g.options, step = g.step, span, options] { return run_update(o, step, span, options); });
+  std::future<UpdateResult> result = task->get_future();
+  async_->submit([task] { (*task)(); });
+  return result;
+}
+
+UpdateResult CpuAdam::step(int group, const std::vector<AdamSpan>& spans, double grad_scale) {
+  group_at(group);
+  check_grad_scale(grad_scale);
+  for (const AdamSpan& s : spans) {
+    check_span(s);
+    if (s.numel > 0 && grad_norm_sq(s.grad, s.grad_dtype, s.numel, grad_scale).nonfinite) return {false, true};
+  }
+  advance_step(group);
+  UpdateOptions u;
+  u.grad_scale = grad_scale;
+  u.grads_checked = true;
+  for (const AdamSpan& s : spans) update(group, s, u);
+  return {true, false};
+}
+
+}  // namespace ferry

@@ -1,0 +1,130 @@
+#pragma once
+// CpuAdam: Adam/AdamW over flat host buffers (chunks), one fused pass per chunk, vectorized with the
+// best instruction set this CPU has (chosen at run time) and parallel over OpenMP threads.
+//
+// Per element it reads the fp32 master param, the grad (fp32, bf16 or fp16), exp_avg and exp_avg_sq,
+// and writes master, moments and optionally a bf16/fp16 copy of the param for the device: 28 bytes of
+// DRAM traffic per parameter with bf16 grads and a bf16 copy. Grads are multiplied by grad_scale
+// (clip coefficient / loss scale) in the same pass.
+//
+// Contract
+//  - Spans are non-owning; their memory must stay valid and untouched by others until update()
+//    returns, or until the future of update_async() is ready.
+//  - No partial update: update() first checks the grads for inf/NaN (a grad-only read) unless the
+//    caller says it already did (UpdateOptions::grads_checked, e.g. after grad_norm_sq() for clipping);
+//    with a non-finite grad nothing is written and the result says so.
+//  - Step counts are per parameter group: advance_step(g) once per optimizer step, before that step's
+//    update()s of group g; the bias corrections use the count at the time update() is called.
+//  - Not thread-safe: call from one thread. update_async() runs updates one at a time, in submission
+//    order, on a oneTBB arena owned by this object; the destructor waits for them.
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <future>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "ferry/common/config.h"
+#include "ferry/common/cpu_features.h"
+#include "ferry/cpu_adam/adam_options.h"
+
+namespace ferry {
+namespace cpu_adam {
+struct KernelTable;
+}
+
+// One contiguous range of a chunk's optimizer state. All arrays have `numel` elements.
+struct AdamSpan {
+  float* param = nullptr;                       // fp32 master, updated in place
+  const void* grad = nullptr;                   // grad_dtype: kFloat, kBFloat16 or kHalf
+  at::ScalarType grad_dtype = at::kFloat;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  void* param_lowp = nullptr;                   // optional copy of the updated param
+  at::ScalarType lowp_dtype = at::ScalarType::Undefined;  // kBFloat16 or kHalf when param_lowp is set
+  int64_t numel = 0;
+};
+
+struct UpdateOptions {
+  double grad_scale = 1.0;     // grads are multiplied by this (clip_coef / loss_scale); finite, > 0
+  bool grads_checked = false;  // caller guarantees finite grads: skip the inf/NaN pre-check
+};
+
+struct UpdateResult {
+  bool applied = false;    // the update was written
+  bool nonfinite = false;  // a grad was inf or NaN (then applied == false)
+};
+
+struct GradNorm {
+  double sum_sq = 0.0;     // sum of (grad * grad_scale)^2, accumulated in fp64 across blocks
+  bool nonfinite = false;  // any inf/NaN in the grads
+};
+
+struct CpuAdamConfig {
+  int threads = 0;              // OpenMP threads per update; 0 = omp_get_max_threads()
+  std::optional<CpuIsa> isa;    // force a kernel (tests, benchmarks); must be supported by this CPU
+
+  // threads and isa from ferry's Config (cpu_threads, cpu_isa).
+  static CpuAdamConfig from(const Config& config);
+};
+
+class CpuAdam {
+ public:
+  // Group 0 gets `defaults`.
+  explicit CpuAdam(const AdamOptions& defaults = {}, const CpuAdamConfig& config = {});
+  ~CpuAdam();
+  CpuAdam(const CpuAdam&) = delete;
+  CpuAdam& operator=(const CpuAdam&) = delete;
+
+  // Returns the new group's index.
+  int add_param_group(const AdamOptions& options);
+  int num_param_groups() const { return static_cast<int>(groups_.size()); }
+  const AdamOptions& options(int group) const;
+  void set_options(int group, const AdamOptions& options);
+  void set_lr(int group, double lr);
+  int64_t step_count(int group) const;
+  // Advances group's step count by one and returns it.
+  int64_t advance_step(int group);
+  // For resuming from a checkpoint.
+  void set_step_count(int group, int64_t step);
+
+  UpdateResult update(int group, const AdamSpan& span, const UpdateOptions& options = {});
+  // Tensor form: contiguous CPU tensors with equal numel; param, exp_avg, exp_avg_sq fp32; grad fp32,
+  // bf16 or fp16; param_lowp undefined or bf16/fp16.
+  UpdateResult update(int group, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                      const at::Tensor& exp_avg_sq, const at::Tensor& param_lowp = {},
+                      const UpdateOptions& options = {});
+  // Queues update(group, span, options) with the group's current options and step count.
+  std::future<UpdateResult> update_async(int group, const AdamSpan& span, const UpdateOptions& options = {});
+
+  // One optimizer step of `group` over all its spans, all or nothing: if any grad is non-finite,
+  // nothing is written and the step count is unchanged; otherwise advance_step + update each span.
+  UpdateResult step(int group, const std::vector<AdamSpan>& spans, double grad_scale = 1.0);
+
+  GradNorm grad_norm_sq(const void* grad, at::ScalarType dtype, int64_t numel, double grad_scale = 1.0) const;
+  GradNorm grad_norm_sq(const at::Tensor& grad, double grad_scale = 1.0) const;
+
+  CpuIsa isa() const { return isa_; }
+  int threads() const { return threads_; }
+
+ private:
+  struct Group {
+    AdamOptions options;
+    int64_t step = 0;
+  };
+  struct Async;
+
+  const Group& group_at(int group) const;
+  UpdateResult run_update(const AdamOptions& options, int64_t step, const AdamSpan& span,
+                          const UpdateOptions& update_options) const;
+
+  std::vector<Group> groups_;
+  CpuIsa isa_;
+  int threads_;
+  const cpu_adam::KernelTable* kernels_;
+  std::unique_ptr<Async> async_;
+};
+
+}  // namespace ferry

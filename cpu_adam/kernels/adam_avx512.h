@@ -1,0 +1,52 @@
+#pragma once
+// AVX-512 kernels (16 fp32 lanes), shared by adam_avx512.cpp and adam_avx512_bf16.cpp, which differ
+// only in FERRY_NATIVE_BF16: with it, fp32 -> bf16 uses VCVTNEPS2BF16 (which, unlike the integer
+// rounding path, flushes subnormal inputs |x| < 1.18e-38 to zero). See kernel_abi.h for the rules.
+#include <immintrin.h>
+
+#include "ferry/cpu_adam/kernels/kernel_abi.h"
+
+namespace ferry::cpu_adam {
+namespace {
+
+#include "ferry/cpu_adam/kernels/adam_body.h"
+
+struct Avx512Ops {
+  using F = __m512;
+  static constexpr int W = 16;
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F load_bf16(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static F load_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void store_bf16(uint16_t* p, F v) {
+#if FERRY_NATIVE_BF16
+    const __m256bh b = _mm512_cvtneps_pbh(v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<const __m256i&>(b));
+#else
+    const __m512i x = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __m512i quiet_nan = _mm512_or_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(0x40));
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, quiet_nan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+#endif
+  }
+  static void store_f16(uint16_t* p, F v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static float hsum(F v) { return _mm512_reduce_add_ps(v); }
+};
+
+}  // namespace
+}  // namespace ferry::cpu_adam

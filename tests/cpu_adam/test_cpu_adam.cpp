@@ -1,0 +1,439 @@
+// CpuAdam against an fp64 reference, against torch's fused Adam/AdamW, across every kernel this CPU
+// runs (each forced in turn), every tail length and unaligned starts; inf/NaN handling; bad input.
+#include <ATen/ATen.h>
+#include <ATen/ops/_fused_adam.h>
+#include <ATen/ops/_fused_adamw.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "ferry/cpu_adam/cpu_adam.h"
+
+namespace ferry {
+namespace {
+
+constexpr CpuIsa kAllIsas[] = {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16};
+constexpr at::ScalarType kGradTypes[] = {at::kFloat, at::kBFloat16, at::kHalf};
+constexpr at::ScalarType kLowpTypes[] = {at::ScalarType::Undefined, at::kBFloat16, at::kHalf};
+
+// Host buffers for one span, with `offset` elements of slack in front so starts can be unaligned.
+struct Buffers {
+  int64_t n = 0;
+  int64_t offset = 0;
+  at::ScalarType grad_dtype = at::kFloat;
+  at::ScalarType lowp_dtype = at::ScalarType::Undefined;
+  std::vector<float> p, m, v, g32;
+  std::vector<uint16_t> g16, lowp;
+
+  Buffers(int64_t n_, int64_t offset_, at::ScalarType gd, at::ScalarType ld, uint32_t seed)
+      : n(n_), offset(offset_), grad_dtype(gd), lowp_dtype(ld) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    const size_t total = static_cast<size_t>(n + offset);
+    p.resize(total);
+    m.resize(total);
+    v.resize(total);
+    g32.resize(total);
+    g16.resize(total);
+    lowp.assign(total, 0);
+    for (size_t i = 0; i < total; ++i) {
+      p[i] = normal(rng);
+      m[i] = 0.1f * normal(rng);
+      v[i] = 0.01f * std::fabs(normal(rng));
+    }
+    fill_grads(seed + 1);
+  }
+
+  void fill_grads(uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    for (size_t i = 0; i < g32.size(); ++i) set_grad(i, normal(rng));
+  }
+  void set_grad(size_t i, float x) {
+    g32[i] = x;
+    if (grad_dtype == at::kBFloat16) g16[i] = c10::BFloat16(x).x;
+    if (grad_dtype == at::kHalf) g16[i] = c10::Half(x).x;
+  }
+  void set_grad_bits(size_t i, uint16_t bits16, float f32) {  // exact inf/NaN patterns
+    g32[i] = f32;
+    g16[i] = bits16;
+  }
+  // The grad value the kernel sees, as a double.
+  double grad(size_t i) const {
+    if (grad_dtype == at::kBFloat16) {
+      c10::BFloat16 b;
+      b.x = g16[i];
+      return static_cast<float>(b);
+    }
+    if (grad_dtype == at::kHalf) {
+      c10::Half h;
+      h.x = g16[i];
+      return static_cast<float>(h);
+    }
+    return g32[i];
+  }
+
+  AdamSpan span() {
+    AdamSpan s;
+    s.param = p.data() + offset;
+    s.grad = grad_dtype == at::kFloat ? static_cast<const void*>(g32.data() + offset) : g16.data() + offset;
+    s.grad_dtype = grad_dtype;
+    s.exp_avg = m.data() + offset;
+    s.exp_avg_sq = v.data() + offset;
+    if (lowp_dtype != at::ScalarType::Undefined) {
+      s.param_lowp = lowp.data() + offset;
+      s.lowp_dtype = lowp_dtype;
+    }
+    s.numel = n;
+    return s;
+  }
+};
+
+struct Reference {
+  std::vector<double> p, m, v;
+  explicit Reference(const Buffers& b) {
+    for (int64_t i = 0; i < b.n; ++i) {
+      p.push_back(b.p[b.offset + i]);
+      m.push_back(b.m[b.offset + i]);
+      v.push_back(b.v[b.offset + i]);
+    }
+  }
+  void step(const Buffers& b, const AdamOptions& o, int64_t t, double grad_scale) {
+    const double bc1 = 1 - std::pow(o.beta1, t), bc2 = 1 - std::pow(o.beta2, t);
+    for (size_t i = 0; i < p.size(); ++i) {
+      double g = b.grad(b.offset + i) * grad_scale;
+      if (o.mode == AdamMode::kAdam) g += o.weight_decay * p[i];
+      if (o.mode == AdamMode::kAdamW) p[i] *= 1 - o.lr * o.weight_decay;
+      m[i] = o.beta1 * m[i] + (1 - o.beta1) * g;
+      v[i] = o.beta2 * v[i] + (1 - o.beta2) * g * g;
+      p[i] -= o.lr / bc1 * m[i] / (std::sqrt(v[i]) / std::sqrt(bc2) + o.eps);
+    }
+  }
+};
+
+uint16_t narrow(float x, at::ScalarType t) {
+  return t == at::kBFloat16 ? c10::BFloat16(x).x : c10::Half(x).x;
+}
+
+std::string combo(at::ScalarType g, at::ScalarType l, const AdamOptions& o) {
+  std::ostringstream os;
+  os << "grad " << g << ", lowp " << (l == at::ScalarType::Undefined ? "none" : c10::toString(l)) << ", "
+     << to_string(o.mode) << ", wd " << o.weight_decay;
+  return os.str();
+}
+
+class CpuAdamIsa : public ::testing::TestWithParam<CpuIsa> {
+ protected:
+  void SetUp() override {
+    if (!cpu_supports(GetParam())) GTEST_SKIP() << "this CPU cannot run the " << to_string(GetParam()) << " kernel";
+  }
+  CpuAdamConfig config(int threads = 2) const {
+    CpuAdamConfig c;
+    c.threads = threads;
+    c.isa = GetParam();
+    return c;
+  }
+};
+
+TEST_P(CpuAdamIsa, MatchesFp64ReferenceOverManySteps) {
+  constexpr int kSteps = 25;
+  constexpr double kGradScale = 0.5;
+  for (at::ScalarType gd : kGradTypes) {
+    for (at::ScalarType ld : kLowpTypes) {
+      for (AdamMode mode : {AdamMode::kAdam, AdamMode::kAdamW}) {
+        for (double wd : {0.0, 0.5}) {
+          AdamOptions o;
+          o.lr = 1e-2;
+          o.mode = mode;
+          o.weight_decay = wd;
+          CpuAdam adam(o, config());
+          Buffers b(1237, 3, gd, ld, 11);
+          Reference ref(b);
+          for (int t = 1; t <= kSteps; ++t) {
+            b.fill_grads(100 + t);
+            adam.advance_step(0);
+            UpdateOptions u;
+            u.grad_scale = kGradScale;
+            const UpdateResult r = adam.update(0, b.span(), u);
+            ASSERT_TRUE(r.applied && !r.nonfinite);
+            ref.step(b, o, t, kGradScale);
+          }
+          double worst = 0;
+          for (int64_t i = 0; i < b.n; ++i) {
+            const size_t k = b.offset + i;
+            const double tol = 4e-6 * (1 + std::fabs(ref.p[i]));
+            worst = std::max(worst, std::fabs(b.p[k] - ref.p[i]) / tol);
+            ASSERT_NEAR(b.p[k], ref.p[i], tol) << combo(gd, ld, o) << " at " << i;
+            ASSERT_NEAR(b.m[k], ref.m[i], 1e-5 * (1 + std::fabs(ref.m[i]))) << combo(gd, ld, o) << " at " << i;
+            ASSERT_NEAR(b.v[k], ref.v[i], 1e-5 * (1 + std::fabs(ref.v[i]))) << combo(gd, ld, o) << " at " << i;
+            if (ld != at::ScalarType::Undefined) {
+              ASSERT_EQ(b.lowp[k], narrow(b.p[k], ld)) << combo(gd, ld, o) << " at " << i;
+            }
+          }
+          EXPECT_LT(worst, 1.0);
+        }
+      }
+    }
+  }
+}
+
+// Every kernel gives the scalar kernel's bits, for lengths 0, 1, ..., every tail up to two AVX-512
+// vectors past a multiple, and unaligned starts.
+TEST_P(CpuAdamIsa, BitIdenticalToScalarForEveryTailAndOffset) {
+  std::vector<int64_t> lengths = {0, 1, 2, 3};
+  for (int64_t k = 0; k <= 32; ++k) lengths.push_back(64 + k);
+  for (at::ScalarType gd : kGradTypes) {
+    for (at::ScalarType ld : kLowpTypes) {
+      for (int64_t n : lengths) {
+        for (int64_t offset : {int64_t{0}, int64_t{1}, int64_t{5}, int64_t{7}}) {
+          AdamOptions o;
+          o.lr = 3e-3;
+          o.weight_decay = 0.1;
+          o.mode = (n % 2) ? AdamMode::kAdam : AdamMode::kAdamW;
+          CpuAdamConfig sc;
+          sc.isa = CpuIsa::kScalar;
+          CpuAdam scalar(o, sc), simd(o, config());
+          Buffers a(n, offset, gd, ld, static_cast<uint32_t>(n * 31 + offset));
+          Buffers b = a;
+          for (int t = 0; t < 3; ++t) {
+            scalar.advance_step(0);
+            simd.advance_step(0);
+            scalar.update(0, a.span());
+            simd.update(0, b.span());
+          }
+          ASSERT_EQ(0, std::memcmp(a.p.data(), b.p.data(), a.p.size() * 4)) << combo(gd, ld, o) << " n=" << n;
+          ASSERT_EQ(0, std::memcmp(a.m.data(), b.m.data(), a.m.size() * 4)) << combo(gd, ld, o) << " n=" << n;
+          ASSERT_EQ(0, std::memcmp(a.v.data(), b.v.data(), a.v.size() * 4)) << combo(gd, ld, o) << " n=" << n;
+          ASSERT_EQ(a.lowp, b.lowp) << combo(gd, ld, o) << " n=" << n;
+        }
+      }
+    }
+  }
+}
+
+TEST_P(CpuAdamIsa, MatchesTorchFusedAdamAndAdamW) {
+  for (AdamMode mode : {AdamMode::kAdam, AdamMode::kAdamW}) {
+    AdamOptions o;
+    o.lr = 1e-3;
+    o.weight_decay = 0.01;
+    o.mode = mode;
+    CpuAdam adam(o, config());
+    const int64_t n = 4099;
+    at::manual_seed(3);
+    at::Tensor p = at::randn({n}), m = at::zeros({n}), v = at::zeros({n});
+    at::Tensor tp = p.clone(), tm = m.clone(), tv = v.clone();
+    at::Tensor steps = at::zeros({}, at::kFloat);
+    for (int t = 1; t <= 10; ++t) {
+      at::Tensor g = at::randn({n});
+      adam.advance_step(0);
+      adam.update(0, p, g, m, v);
+      steps.fill_(t);
+      if (mode == AdamMode::kAdamW) {
+        at::_fused_adamw_({tp}, {g}, {tm}, {tv}, {}, {steps}, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps, false,
+                          false);
+      } else {
+        at::_fused_adam_({tp}, {g}, {tm}, {tv}, {}, {steps}, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps, false,
+                         false);
+      }
+    }
+    EXPECT_TRUE(at::allclose(p, tp, 1e-6, 1e-6)) << to_string(mode) << " max diff " << (p - tp).abs().max().item<float>();
+    EXPECT_TRUE(at::allclose(m, tm, 1e-6, 1e-7)) << to_string(mode);
+    EXPECT_TRUE(at::allclose(v, tv, 1e-6, 1e-9)) << to_string(mode);
+  }
+}
+
+TEST_P(CpuAdamIsa, NonFiniteGradWritesNothing) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  struct Bad {
+    float f32;
+    uint16_t bf16, f16;
+  };
+  for (const Bad bad : {Bad{inf, 0x7f80, 0x7c00}, Bad{-inf, 0xff80, 0xfc00}, Bad{nan, 0x7fc0, 0x7e00}}) {
+    for (at::ScalarType gd : kGradTypes) {
+      for (int64_t where : {int64_t{0}, int64_t{500}, int64_t{1036}}) {  // first, middle, in the tail
+        CpuAdam adam({}, config());
+        adam.advance_step(0);
+        Buffers b(1037, 1, gd, at::kBFloat16, 5);
+        b.set_grad_bits(b.offset + where, gd == at::kBFloat16 ? bad.bf16 : bad.f16, bad.f32);
+        const Buffers before = b;
+        const UpdateResult r = adam.update(0, b.span());
+        EXPECT_FALSE(r.applied);
+        EXPECT_TRUE(r.nonfinite);
+        EXPECT_EQ(0, std::memcmp(b.p.data(), before.p.data(), b.p.size() * 4));
+        EXPECT_EQ(0, std::memcmp(b.m.data(), before.m.data(), b.m.size() * 4));
+        EXPECT_EQ(0, std::memcmp(b.v.data(), before.v.data(), b.v.size() * 4));
+        EXPECT_EQ(b.lowp, before.lowp);
+        EXPECT_TRUE(adam.grad_norm_sq(b.span().grad, gd, b.n).nonfinite);
+      }
+    }
+  }
+}
+
+TEST_P(CpuAdamIsa, GradNormMatchesFp64) {
+  CpuAdam adam({}, config());
+  for (at::ScalarType gd : kGradTypes) {
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{17}, int64_t{100003}}) {
+      Buffers b(n, 3, gd, at::ScalarType::Undefined, 9);
+      double want = 0;
+      for (int64_t i = 0; i < n; ++i) want += (b.grad(b.offset + i) * 0.25) * (b.grad(b.offset + i) * 0.25);
+      const GradNorm got = adam.grad_norm_sq(b.span().grad, gd, n, 0.25);
+      EXPECT_FALSE(got.nonfinite);
+      EXPECT_NEAR(got.sum_sq, want, 1e-6 * want + 1e-30) << gd << " n=" << n;
+    }
+  }
+}
+
+TEST_P(CpuAdamIsa, ThreadSplitDoesNotChangeBits) {
+  const int64_t n = 300007;  // several threads' worth above the minimum span per thread
+  Buffers one(n, 0, at::kBFloat16, at::kBFloat16, 21);
+  for (int threads : {2, 3, 7}) {
+    Buffers many = one;
+    Buffers single = one;
+    CpuAdam a({}, config(1)), b({}, config(threads));
+    a.advance_step(0);
+    b.advance_step(0);
+    a.update(0, single.span());
+    b.update(0, many.span());
+    ASSERT_EQ(single.p, many.p) << threads << " threads";
+    ASSERT_EQ(single.lowp, many.lowp) << threads << " threads";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryKernel, CpuAdamIsa, ::testing::ValuesIn(kAllIsas),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+TEST(CpuAdam, AsyncEqualsSyncAndKeepsOrder) {
+  Buffers a(50000, 0, at::kHalf, at::kHalf, 1);
+  Buffers b = a;
+  CpuAdam sync, async;
+  std::vector<std::future<UpdateResult>> futures;
+  for (int t = 0; t < 4; ++t) {
+    sync.advance_step(0);
+    async.advance_step(0);
+    sync.update(0, a.span());
+    futures.push_back(async.update_async(0, b.span()));  // queued: each sees its own step count
+  }
+  for (auto& f : futures) EXPECT_TRUE(f.get().applied);
+  EXPECT_EQ(a.p, b.p);
+  EXPECT_EQ(a.lowp, b.lowp);
+}
+
+TEST(CpuAdam, StepIsAllOrNothingAcrossSpans) {
+  CpuAdam adam;
+  Buffers good(1000, 0, at::kFloat, at::ScalarType::Undefined, 1);
+  Buffers bad(1000, 0, at::kFloat, at::ScalarType::Undefined, 2);
+  bad.set_grad(999, std::numeric_limits<float>::infinity());
+  const Buffers good_before = good;
+  const UpdateResult r = adam.step(0, {good.span(), bad.span()});
+  EXPECT_FALSE(r.applied);
+  EXPECT_TRUE(r.nonfinite);
+  EXPECT_EQ(adam.step_count(0), 0);
+  EXPECT_EQ(good.p, good_before.p);
+  bad.set_grad(999, 1.0f);
+  EXPECT_TRUE(adam.step(0, {good.span(), bad.span()}).applied);
+  EXPECT_EQ(adam.step_count(0), 1);
+  EXPECT_NE(good.p, good_before.p);
+}
+
+TEST(CpuAdam, ParamGroupsKeepTheirOwnStepsAndLr) {
+  AdamOptions slow;
+  slow.lr = 1e-4;
+  CpuAdam adam(slow);
+  AdamOptions fast = slow;
+  fast.lr = 1e-1;
+  const int g1 = adam.add_param_group(fast);
+  EXPECT_EQ(g1, 1);
+  adam.advance_step(0);
+  adam.advance_step(g1);
+  adam.advance_step(g1);
+  EXPECT_EQ(adam.step_count(0), 1);
+  EXPECT_EQ(adam.step_count(g1), 2);
+  adam.set_lr(0, 5e-4);
+  EXPECT_EQ(adam.options(0).lr, 5e-4);
+  EXPECT_EQ(adam.options(g1).lr, 1e-1);
+  Buffers a(100, 0, at::kFloat, at::ScalarType::Undefined, 4), b = a;
+  adam.update(0, a.span());
+  adam.update(g1, b.span());
+  EXPECT_GT(std::fabs(b.p[0] - a.p[0]), 1e-3);  // the fast group moved much further
+}
+
+template <class F>
+void expect_error(F&& f, const std::string& needle) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    return;
+  }
+  ADD_FAILURE() << "expected an error mentioning '" << needle << "'";
+}
+
+TEST(CpuAdam, BadOptionsAreRejectedWithWhatWasExpected) {
+  auto with = [](auto change) {
+    AdamOptions o;
+    change(o);
+    return o;
+  };
+  expect_error([&] { CpuAdam a(with([](AdamOptions& o) { o.lr = -1e-3; })); }, "expected lr >= 0, got -0.001");
+  expect_error([&] { CpuAdam a(with([](AdamOptions& o) { o.beta1 = 1.0; })); }, "expected 0 <= beta1 < 1, got 1");
+  expect_error([&] { CpuAdam a(with([](AdamOptions& o) { o.beta2 = -0.1; })); }, "0 <= beta2 < 1, got -0.1");
+  expect_error([&] { CpuAdam a(with([](AdamOptions& o) { o.eps = 0; })); }, "expected eps > 0, got 0");
+  expect_error([&] { CpuAdam a(with([](AdamOptions& o) { o.weight_decay = -1; })); }, "weight_decay >= 0");
+  CpuAdam adam;
+  expect_error([&] { adam.set_lr(0, -1.0); }, "expected lr >= 0");
+  EXPECT_EQ(adam.options(0).lr, AdamOptions{}.lr);  // unchanged after the failed set
+  expect_error([&] { adam.set_lr(3, 1.0); }, "param group in [0, 1), got 3");
+}
+
+TEST(CpuAdam, BadSpansAndTensorsAreRejected) {
+  CpuAdam adam;
+  Buffers b(10, 0, at::kFloat, at::ScalarType::Undefined, 1);
+  expect_error([&] { adam.update(0, b.span()); }, "before advance_step()");
+  adam.advance_step(0);
+  AdamSpan s = b.span();
+  s.grad_dtype = at::kInt;
+  expect_error([&] { adam.update(0, s); }, "grad dtype Float, BFloat16 or Half, got Int");
+  s = b.span();
+  s.lowp_dtype = at::kFloat;
+  s.param_lowp = b.lowp.data();
+  expect_error([&] { adam.update(0, s); }, "param_lowp dtype BFloat16 or Half");
+  s = b.span();
+  s.param_lowp = b.lowp.data();
+  expect_error([&] { adam.update(0, s); }, "must be given together");
+  s = b.span();
+  s.exp_avg = nullptr;
+  expect_error([&] { adam.update(0, s); }, "non-null");
+  s = b.span();
+  UpdateOptions u;
+  u.grad_scale = 0;
+  expect_error([&] { adam.update(0, s, u); }, "grad_scale > 0, got 0");
+
+  const at::Tensor p = at::zeros({8}), g = at::zeros({8}), m = at::zeros({8}), v = at::zeros({8});
+  expect_error([&] { adam.update(0, p, at::zeros({9}), m, v); }, "grad with 8 elements (as param), got 9");
+  expect_error([&] { adam.update(0, p.to(at::kDouble), g, m, v); }, "param of dtype Float, got Double");
+  expect_error([&] { adam.update(0, p, g.to(at::kDouble), m, v); }, "got Double");
+  expect_error([&] { adam.update(0, p, g, at::zeros({16}).slice(0, 0, 16, 2), v); }, "contiguous exp_avg");
+  expect_error([&] { adam.update(0, p, g, m, v, at::zeros({8}, at::kFloat)); }, "BFloat16 or Half");
+  expect_error([&] { adam.update(0, p, g, m, v, at::zeros({7}, at::kBFloat16)); }, "param_lowp with 8 elements");
+}
+
+TEST(CpuAdam, ForcingAKernelTheCpuLacksFails) {
+  for (CpuIsa isa : kAllIsas) {
+    CpuAdamConfig c;
+    c.isa = isa;
+    if (cpu_supports(isa)) {
+      EXPECT_EQ(CpuAdam({}, c).isa(), isa);
+    } else {
+      expect_error([&] { CpuAdam a({}, c); }, "needs CPU features this machine lacks");
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ferry
