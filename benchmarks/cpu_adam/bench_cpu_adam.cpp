@@ -1,0 +1,234 @@
+// bench_cpu_adam: the mixed-precision Adam step on the host (fp32 master/moments, bf16 grads, bf16
+// param copy out), measured in one run against
+//   roof         a streaming kernel with the same 4 read and 4 write streams and almost no arithmetic
+//                (the machine's attainable bandwidth for this access pattern),
+//   torch_fused  at::_fused_adamw_ on fp32 plus the casts torch needs (bf16 grad -> fp32 before,
+//                fp32 param -> bf16 after), into preallocated buffers,
+//   torch_optim  torch::optim::AdamW::step() with the same casts.
+// Effective GB/s = 28 declared bytes per parameter / time (read master 4, grad 2, m 4, v 4; write
+// master 4, m 4, v 4, bf16 copy 2), the same for every row so ratios are ratios of time.
+//
+//   bench_cpu_adam [--sizes=16M,64M,256M] [--threads=1,2,...] [--min-time=0.5] [--commit=SHA] [--config...]
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/_fused_adamw.h>
+#include <omp.h>
+#include <torch/optim/adamw.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include <ferry/ferry.h>
+
+namespace {
+
+constexpr double kDeclaredBytesPerParam = 28.0;
+using Clock = std::chrono::steady_clock;
+
+struct Timing {
+  double median_s = 0, best_s = 0;
+  int reps = 0;
+};
+
+// Runs f once to warm up, then until min_time has passed (at least 3 times).
+template <class F>
+Timing measure(F&& f, double min_time) {
+  f();
+  std::vector<double> t;
+  const auto start = Clock::now();
+  while (t.size() < 3 || std::chrono::duration<double>(Clock::now() - start).count() < min_time) {
+    const auto a = Clock::now();
+    f();
+    t.push_back(std::chrono::duration<double>(Clock::now() - a).count());
+    if (t.size() >= 50) break;
+  }
+  std::sort(t.begin(), t.end());
+  return {t[t.size() / 2], t.front(), static_cast<int>(t.size())};
+}
+
+// Same streams as the Adam step: reads p, g(bf16), m, v; writes p, m, v, lowp(bf16).
+template <int>
+void roof_body(float* __restrict p, const uint16_t* __restrict g, float* __restrict m, float* __restrict v,
+               uint16_t* __restrict lowp, int64_t b, int64_t e) {
+#pragma omp simd
+  for (int64_t i = b; i < e; ++i) {
+    uint32_t gb = static_cast<uint32_t>(g[i]) << 16;
+    float gf;
+    __builtin_memcpy(&gf, &gb, 4);
+    const float pi = p[i] + gf;
+    m[i] += gf;
+    v[i] += gf;
+    p[i] = pi;
+    uint32_t pb;
+    __builtin_memcpy(&pb, &pi, 4);
+    lowp[i] = static_cast<uint16_t>(pb >> 16);
+  }
+}
+__attribute__((target("avx2,fma,f16c"))) void roof_avx2(float* p, const uint16_t* g, float* m, float* v,
+                                                         uint16_t* lowp, int64_t b, int64_t e) {
+  roof_body<1>(p, g, m, v, lowp, b, e);
+}
+void roof_plain(float* p, const uint16_t* g, float* m, float* v, uint16_t* lowp, int64_t b, int64_t e) {
+  roof_body<0>(p, g, m, v, lowp, b, e);
+}
+
+void roof(float* p, const uint16_t* g, float* m, float* v, uint16_t* lowp, int64_t n, int threads, bool avx2) {
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+    int64_t per = ((n + nt - 1) / nt + 15) / 16 * 16;
+    const int64_t b = std::min(n, id * per), e = std::min(n, b + per);
+    if (b < e) (avx2 ? roof_avx2 : roof_plain)(p, g, m, v, lowp, b, e);
+  }
+}
+
+std::string timing_json(const Timing& t, int64_t n) {
+  std::ostringstream os;
+  os << "{\"median_s\":" << t.median_s << ",\"best_s\":" << t.best_s << ",\"reps\":" << t.reps
+     << ",\"params_per_s\":" << n / t.median_s << ",\"gb_per_s\":" << kDeclaredBytesPerParam * n / t.median_s / 1e9
+     << "}";
+  return os.str();
+}
+
+std::vector<int64_t> parse_list(const std::string& s, bool bytes) {
+  std::vector<int64_t> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (!item.empty() && (item.back() == 'M' || item.back() == 'm')) {
+      out.push_back(std::stoll(item.substr(0, item.size() - 1)) << 20);
+    } else {
+      out.push_back(bytes ? ferry::parse_bytes(item) : std::stoll(item));
+    }
+  }
+  return out;
+}
+
+int64_t available_memory_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  int64_t kb = 0;
+  std::string unit;
+  while (in >> key >> kb >> unit) {
+    if (key == "MemAvailable:") return kb * 1024;
+  }
+  return int64_t{8} << 30;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> rest;
+  const ferry::Config config = ferry::Config::from_args(argc, argv, &rest);
+  ferry::log::configure(config.log_level, config.rank);
+  std::vector<int64_t> sizes = {int64_t{16} << 20, int64_t{64} << 20, int64_t{256} << 20};
+  std::vector<int64_t> threads;
+  double min_time = 0.5;
+  std::string commit = "unknown";
+  for (const std::string& a : rest) {
+    auto value = [&](const char* key) -> const char* {
+      const std::string k = std::string("--") + key + "=";
+      return a.rfind(k, 0) == 0 ? a.c_str() + k.size() : nullptr;
+    };
+    if (auto v = value("sizes")) sizes = parse_list(v, false);
+    else if (auto v = value("threads")) threads = parse_list(v, false);
+    else if (auto v = value("min-time")) min_time = std::stod(v);
+    else if (auto v = value("commit")) commit = v;
+    else {
+      std::cerr << "bench_cpu_adam: unknown argument " << a << "\n"
+                << "usage: bench_cpu_adam [--sizes=16M,64M] [--threads=1,2] [--min-time=S] [--commit=SHA]\n";
+      return 2;
+    }
+  }
+  const int max_threads = omp_get_max_threads();
+  if (threads.empty()) {
+    for (int t = 1; t < max_threads; t *= 2) threads.push_back(t);
+    threads.push_back(max_threads);
+  }
+  // Largest footprint: torch_optim holds p, grad, m, v fp32 + bf16 grad + bf16 copy = 20 B/param beside
+  // ferry's 16 B/param buffers. Keep everything under 60% of available memory.
+  const int64_t budget = available_memory_bytes() * 6 / 10;
+  const bool avx2 = ferry::cpu_supports(ferry::CpuIsa::kAvx2);
+
+  std::ostringstream results;
+  bool first = true;
+  for (int64_t n : sizes) {
+    if (n * 36 > budget) {
+      ferry::log::warn("skipping N=", n, ": needs ", ferry::format_bytes(n * 36), ", budget ",
+                       ferry::format_bytes(budget));
+      continue;
+    }
+    at::manual_seed(0);
+    at::Tensor p = at::randn({n}), m = at::zeros({n}), v = at::zeros({n});
+    at::Tensor g16 = (at::randn({n}) * 1e-2).to(at::kBFloat16), lowp = at::empty({n}, at::kBFloat16);
+    for (int64_t t : threads) {
+      const int nt = static_cast<int>(t);
+      at::set_num_threads(nt);
+      ferry::log::info("N=", n, " threads=", nt);
+      // ferry
+      ferry::AdamOptions o;
+      o.lr = 1e-4;
+      o.weight_decay = 0.01;
+      ferry::CpuAdamConfig cc = ferry::CpuAdamConfig::from(config);
+      cc.threads = nt;
+      ferry::CpuAdam adam(o, cc);
+      ferry::AdamSpan span{p.data_ptr<float>(), g16.data_ptr(), at::kBFloat16, m.data_ptr<float>(),
+                           v.data_ptr<float>(), lowp.data_ptr(), at::kBFloat16, n};
+      ferry::UpdateOptions checked;
+      checked.grads_checked = true;
+      const Timing ferry_t = measure([&] { adam.advance_step(0); adam.update(0, span, checked); }, min_time);
+      const Timing ferry_checked_t = measure([&] { adam.advance_step(0); adam.update(0, span); }, min_time);
+      // roof
+      const Timing roof_t = measure([&] {
+        roof(p.data_ptr<float>(), reinterpret_cast<const uint16_t*>(g16.data_ptr()), m.data_ptr<float>(),
+             v.data_ptr<float>(), reinterpret_cast<uint16_t*>(lowp.data_ptr()), n, nt, avx2);
+      }, min_time);
+      // torch fused + casts
+      Timing fused_t, optim_t;
+      {
+        at::Tensor g32 = at::empty({n});
+        at::Tensor steps = at::zeros({});
+        int step = 0;
+        fused_t = measure([&] {
+          g32.copy_(g16);
+          steps.fill_(++step);
+          at::_fused_adamw_({p}, {g32}, {m}, {v}, {}, {steps}, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps, false,
+                            false);
+          lowp.copy_(p);
+        }, min_time);
+      }
+      {
+        at::Tensor param = p.clone().requires_grad_(false);
+        param.mutable_grad() = at::empty({n});
+        torch::optim::AdamW optim({param}, torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
+        optim_t = measure([&] {
+          param.mutable_grad().copy_(g16);
+          optim.step();
+          lowp.copy_(param);
+        }, min_time);
+      }
+      if (!first) results << ",";
+      first = false;
+      results << "\n    {\"n\":" << n << ",\"threads\":" << nt << ",\"ferry\":" << timing_json(ferry_t, n)
+              << ",\"ferry_with_finite_check\":" << timing_json(ferry_checked_t, n)
+              << ",\"roof\":" << timing_json(roof_t, n) << ",\"torch_fused\":" << timing_json(fused_t, n)
+              << ",\"torch_optim_adamw\":" << timing_json(optim_t, n)
+              << ",\"ferry_vs_roof\":" << roof_t.median_s / ferry_t.median_s
+              << ",\"ferry_vs_torch_fused\":" << fused_t.median_s / ferry_t.median_s
+              << ",\"ferry_vs_torch_optim\":" << optim_t.median_s / ferry_t.median_s << "}";
+      ferry::log::info("  ferry ", kDeclaredBytesPerParam * n / ferry_t.median_s / 1e9, " GB/s, roof ",
+                       kDeclaredBytesPerParam * n / roof_t.median_s / 1e9, " GB/s, torch fused ",
+                       kDeclaredBytesPerParam * n / fused_t.median_s / 1e9, " GB/s, torch optim ",
+                       kDeclaredBytesPerParam * n / optim_t.median_s / 1e9, " GB/s");
+    }
+  }
+  const ferry::CpuAdam probe;
+  std::cout << "{\n  \"benchmark\": \"cpu_adam\",\n  \"commit\": \"" << commit << "\",\n  \"kernel\": \""
+            << ferry::to_string(probe.isa()) << "\",\n  \"declared_bytes_per_param\": " << kDeclaredBytesPerParam
+            << ",\n  \"env\": " << ferry::env_report_json(ferry::collect_env_report()) << ",\n  \"results\": ["
+            << results.str() << "\n  ]\n}\n";
+  return 0;
+}
