@@ -1,9 +1,23 @@
 #!/usr/bin/env bash
-# The whole test suite: set-up, build into build/, then every ctest test.
-# Tests labelled `gpu` skip (GTEST_SKIP) where no GPU is present.
+# The whole test suite (README's test command; .ci/run calls exactly this):
+#  1. set-up, Release build into build/, every ctest test (tests labelled `gpu` skip without a GPU);
+#  2. ferry's own code rebuilt with AddressSanitizer + UndefinedBehaviorSanitizer into build-asan/,
+#     and the CPU tests run under it. FERRY_SANITIZE=0 skips this part.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+jobs=${FERRY_JOBS:-$(nproc)}
 start=$(date +%s)
+
 "$root/scripts/build.sh" "$@"
-ctest --test-dir "${BUILD_DIR:-$root/build}" --output-on-failure -j "${FERRY_JOBS:-$(nproc)}"
-echo "[ferry test] finished in $(( $(date +%s) - start )) s"
+ctest --test-dir "${BUILD_DIR:-$root/build}" --output-on-failure -j "$jobs"
+echo "[ferry test] release suite passed in $(( $(date +%s) - start )) s" >&2
+
+if [[ "${FERRY_SANITIZE:-1}" != 0 ]]; then
+  asan_start=$(date +%s)
+  BUILD_DIR="$root/build-asan" FERRY_BUILD_TYPE=RelWithDebInfo "$root/scripts/build.sh" \
+    -DFERRY_SANITIZE=ON -DFERRY_BUILD_BENCHMARKS=OFF "$@"
+  # The install test rebuilds a consumer outside the sanitizer set-up; it ran in the release suite.
+  ctest --test-dir "$root/build-asan" --output-on-failure -j "$jobs" -L cpu -E install_consumer
+  echo "[ferry test] sanitizer suite passed in $(( $(date +%s) - asan_start )) s" >&2
+fi
+echo "[ferry test] all passed in $(( $(date +%s) - start )) s"
