@@ -4,7 +4,8 @@
 #
 #  1. uses the python3 that imports torch 2.11 (FERRY_PYTHON to choose another), installs nothing;
 #  2. spdlog, oneTBB, GoogleTest: the system's if CMake finds them, else the Debian packages in
-#     third_party/gpu-deps unpacked into build-gpu/_deps (no network needed);
+#     third_party/gpu-deps unpacked into build-gpu/_deps (no network needed; FERRY_CARRIED_DEPS=1
+#     forces this path, to test it on a machine that has the packages);
 #  3. builds ferry into build-gpu/ (Release, Ninja) and runs the whole ctest suite (the `gpu`-labelled
 #     tests run for real here; CPU tests also exercise the AVX-512 kernels if this CPU has them);
 #  4. optionally runs benchmarks/bench_BENCHMARK with the given arguments.
@@ -18,6 +19,7 @@ bench=${1:-}
 [[ $# -gt 0 ]] && shift
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
+: > "$out/summary.txt"
 build=${BUILD_DIR:-$root/build-gpu}
 say() { echo "[gpu_check] $*" | tee -a "$out/summary.txt" >&2; }
 
@@ -31,7 +33,8 @@ torch_prefix=$("$python" -c "import torch.utils; print(torch.utils.cmake_prefix_
 # Dependencies: prefer the system's; otherwise the carried Debian packages.
 prefix_path="$torch_prefix"
 deps="$build/_deps"
-if [[ ! -f /usr/lib/x86_64-linux-gnu/cmake/spdlog/spdlogConfig.cmake || \
+if [[ "${FERRY_CARRIED_DEPS:-0}" == 1 || \
+      ! -f /usr/lib/x86_64-linux-gnu/cmake/spdlog/spdlogConfig.cmake || \
       ! -f /usr/lib/x86_64-linux-gnu/cmake/TBB/TBBConfig.cmake || \
       ! -f /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake ]]; then
   mkdir -p "$deps"
