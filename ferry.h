@@ -8,3 +8,5 @@
 #include "ferry/common/version.h"
 #include "ferry/cpu_adam/adam_options.h"
 #include "ferry/cpu_adam/cpu_adam.h"
+#include "ferry/chunk/chunk_store.h"
+#include "ferry/chunk/layout.h"

@@ -1,0 +1,99 @@
+#pragma once
+// Chunk: one flat buffer of one dtype and one role, with up to two payloads (device, host), the
+// tensor slots packed in it, and its state derived from theirs. Mechanism only: budgets, moves and
+// eviction are ChunkStore's.
+//
+// Identity (Note [Chunk identity]). Every chunk owns one resizable device storage for life. Tensors
+// bound to the chunk (the model's parameters) are views of that storage, so they keep their
+// TensorImpl, dtype and device for life, and autograd keeps their grad accumulators. When the chunk
+// leaves the device the storage is resized to 0 bytes (its DataPtr swapped for a null one, as FSDP2's
+// untyped_storage().resize_(0)); every view sees that. Touching such a view is undefined: torch's
+// kernels do not check, and read a null pointer (a segfault on the CPU, an illegal address on CUDA),
+// so the hooks must make a chunk resident before any op uses its tensors. When the chunk comes back,
+// the same storage gets fresh memory from the device allocator. The host payload is a separate,
+// exact-size buffer (pinned when the device is CUDA) from a HostBufferPool.
+//
+// Contract: not thread-safe (ChunkStore serializes). Payload views (device_flat(), host_flat(),
+// device_view()) must only be read or written while the payload exists and no copy is pending on it.
+#include <ATen/core/Tensor.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/Storage.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "ferry/chunk/copy_engine.h"
+#include "ferry/chunk/role.h"
+#include "ferry/chunk/state.h"
+
+namespace ferry {
+
+class Chunk {
+ public:
+  // A chunk with no payload (RELEASED). `allocator` serves its device storage; `device` is where it is.
+  Chunk(ChunkId id, ChunkRole role, at::ScalarType dtype, int64_t numel, c10::Allocator* allocator,
+        c10::Device device);
+  Chunk(const Chunk&) = delete;
+  Chunk& operator=(const Chunk&) = delete;
+
+  ChunkId id() const { return id_; }
+  ChunkRole role() const { return role_; }
+  at::ScalarType dtype() const { return dtype_; }
+  int64_t numel() const { return numel_; }
+  int64_t nbytes() const { return nbytes_; }
+
+  // Where the payload is, as far as users are concerned; a copy into it may still be pending.
+  Location location() const { return location_; }
+  void set_location(Location location) { location_ = location; }
+  ChunkState state() const { return derive_chunk_state(location_ != Location::kNone, counts_); }
+
+  // Device payload: allocate (contents undefined) or release the storage's memory.
+  bool has_device_memory() const;
+  const void* device_data() const { return device_storage_.data(); }
+  void allocate_device_memory();
+  void free_device_memory();
+  // Flat (numel,) view of the device storage; valid to touch only while it has memory.
+  const at::Tensor& device_flat() const { return device_flat_; }
+  // A view of [offset, offset + prod(shape)) of the device storage with `shape`, valid whether or not
+  // the storage has memory now (it follows the storage).
+  at::Tensor device_view(int64_t offset, at::IntArrayRef shape) const;
+
+  // Host payload: a uint8 buffer of exactly nbytes(), or undefined.
+  bool has_host_buffer() const { return host_bytes_.defined(); }
+  void attach_host_buffer(at::Tensor bytes);
+  at::Tensor detach_host_buffer();
+  const at::Tensor& host_flat() const { return host_flat_; }
+
+  // The copy that fills the current payload, if one may still be running. While a host->device copy
+  // is pending, the chunk keeps its host buffer (the copy reads it); the store frees it afterwards.
+  std::unique_ptr<CopyTicket>& pending() { return pending_; }
+
+  // Slots: tensor ids packed in this chunk, and how many are in each state.
+  std::vector<TensorId>& tensors() { return tensors_; }
+  const std::vector<TensorId>& tensors() const { return tensors_; }
+  TensorStateCounts& counts() { return counts_; }
+  const TensorStateCounts& counts() const { return counts_; }
+
+  // Access tick of the last access of any of its tensors (0: never).
+  uint64_t last_use = 0;
+
+ private:
+  const ChunkId id_;
+  const ChunkRole role_;
+  const at::ScalarType dtype_;
+  const int64_t numel_;
+  const int64_t nbytes_;
+  c10::Allocator* const allocator_;
+  const c10::Device device_;
+  Location location_ = Location::kNone;
+  c10::Storage device_storage_;
+  at::Tensor device_flat_;
+  at::Tensor host_bytes_;
+  at::Tensor host_flat_;
+  std::unique_ptr<CopyTicket> pending_;
+  std::vector<TensorId> tensors_;
+  TensorStateCounts counts_;
+};
+
+}  // namespace ferry

@@ -1,0 +1,588 @@
+// ChunkStore (see chunk_store.h for the contract).
+//
+// The algorithm in short:
+//  1. Every public method takes the mutex, then reaps copies that completed (their host buffers go).
+//  2. A move first makes room in the destination tier (make_room), then allocates there, then starts
+//     the copy on the engine; the source payload is freed at once for device->host (the allocator
+//     defers reuse, record_stream) and when the copy is known complete for host->device.
+//  3. Copies of one engine complete in the order they were started (one copy stream), so a move that
+//     reverses a pending one needs no host wait: its copy runs after the pending one on the stream, and
+//     its ticket replaces the old ticket.
+//  4. make_room(device) asks the policy; make_room(host) can only wait for pending host->device copies.
+#include "ferry/chunk/chunk_store.h"
+
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <sstream>
+#include <unordered_set>
+
+#include "ferry/common/logging.h"
+
+namespace ferry {
+
+ChunkStoreOptions ChunkStoreOptions::from(const Config& config) {
+  ChunkStoreOptions options;
+  options.device = config.device;
+  options.device_budget_bytes = config.device_budget_bytes;
+  options.host_budget_bytes = config.host_budget_bytes;
+  return options;
+}
+
+void ChunkStoreOptions::validate() const {
+  TORCH_CHECK(device_budget_bytes >= 0, "ferry: device budget must be >= 0 bytes (0 = no limit), got ",
+              device_budget_bytes);
+  TORCH_CHECK(host_budget_bytes >= 0, "ferry: host budget must be >= 0 bytes (0 = no limit), got ",
+              host_budget_bytes);
+  TORCH_CHECK(host_cache_bytes >= 0, "ferry: host cache must be >= 0 bytes, got ", host_cache_bytes);
+}
+
+namespace {
+
+ChunkStoreOptions validated(ChunkStoreOptions options) {
+  options.validate();
+  return options;
+}
+
+}  // namespace
+
+ChunkStore::ChunkStore(ChunkStoreOptions options, std::unique_ptr<CopyEngine> engine)
+    : options_(validated(std::move(options))),
+      engine_(engine ? std::move(engine) : make_copy_engine(options_.device)),
+      policy_(options_.policy ? options_.policy : std::make_shared<LruEvictionPolicy>()),
+      host_pool_(engine_->pinned_host() && options_.pin_host_memory, options_.host_cache_bytes) {
+  device_.budget_bytes = options_.device_budget_bytes;
+  host_.budget_bytes = options_.host_budget_bytes;
+  log::debug("chunk store: engine ", engine_->name(), " on ", engine_->device().str(), ", device budget ",
+             device_.budget_bytes ? format_bytes(device_.budget_bytes) : "unlimited", ", host budget ",
+             host_.budget_bytes ? format_bytes(host_.budget_bytes) : "unlimited", ", policy ",
+             policy_->name());
+}
+
+ChunkStore::~ChunkStore() {
+  try {
+    synchronize();
+  } catch (const std::exception& e) {
+    log::error("chunk store: waiting for pending copies failed: ", e.what());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Lookups and accounting (mutex held)
+
+Chunk& ChunkStore::chunk_at(ChunkId id) {
+  TORCH_CHECK(id >= 0 && id < static_cast<ChunkId>(chunks_.size()), "ferry: chunk id ", id,
+              " out of range [0, ", chunks_.size(), ")");
+  return *chunks_[id];
+}
+
+const Chunk& ChunkStore::chunk_at(ChunkId id) const {
+  return const_cast<ChunkStore*>(this)->chunk_at(id);
+}
+
+ChunkStore::Slot& ChunkStore::slot_at(TensorId id) {
+  TORCH_CHECK(id >= 0 && id < static_cast<TensorId>(slots_.size()), "ferry: tensor id ", id,
+              " out of range [0, ", slots_.size(), ")");
+  return slots_[id];
+}
+
+const ChunkStore::Slot& ChunkStore::slot_at(TensorId id) const {
+  return const_cast<ChunkStore*>(this)->slot_at(id);
+}
+
+TierStats& ChunkStore::tier(Tier t) {
+  switch (t) {
+    case Tier::kDevice: return device_;
+    case Tier::kHost: return host_;
+  }
+  TORCH_INTERNAL_ASSERT(false);
+}
+
+void ChunkStore::charge(Tier t, int64_t bytes) {
+  TierStats& s = tier(t);
+  s.current_bytes += bytes;
+  TORCH_INTERNAL_ASSERT(s.budget_bytes == 0 || s.current_bytes <= s.budget_bytes, to_string(t),
+                        " tier over budget: ", s.current_bytes, " > ", s.budget_bytes);
+  s.peak_bytes = std::max(s.peak_bytes, s.current_bytes);
+}
+
+void ChunkStore::discharge(Tier t, int64_t bytes) {
+  TierStats& s = tier(t);
+  s.current_bytes -= bytes;
+  TORCH_INTERNAL_ASSERT(s.current_bytes >= 0, to_string(t), " tier bytes went negative");
+}
+
+std::string ChunkStore::describe(const Chunk& chunk) const {
+  std::ostringstream os;
+  os << "chunk " << chunk.id() << " (" << to_string(chunk.role()) << ", " << chunk.dtype() << ", "
+     << format_bytes(chunk.nbytes()) << ")";
+  return os.str();
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Room in a tier
+
+TierShortfall ChunkStore::shortfall(Tier t, int64_t bytes, ChunkId incoming) const {
+  TierShortfall s;
+  s.tier = t;
+  s.needed = bytes;
+  const TierStats& stats = t == Tier::kDevice ? device_ : host_;
+  s.budget = stats.budget_bytes;
+  s.used = stats.current_bytes;
+  if (t == Tier::kDevice) {
+    for (const auto& c : chunks_) {
+      if (!c->has_device_memory()) continue;
+      if (c->state() == ChunkState::kCompute) {
+        s.in_compute += c->nbytes();
+      } else if (!c->pending() && c->id() != incoming) {
+        s.evictable += c->nbytes();
+      }
+    }
+  }
+  s.what = incoming >= 0 && incoming < static_cast<ChunkId>(chunks_.size()) ? describe(*chunks_[incoming])
+                                                                            : std::string("a new chunk");
+  return s;
+}
+
+bool ChunkStore::make_room(Tier t, int64_t bytes, ChunkId incoming, bool must) {
+  const TierStats& s = tier(t);
+  auto fits = [&] { return s.budget_bytes == 0 || s.current_bytes + bytes <= s.budget_bytes; };
+  if (fits()) return true;
+  reap_completed();
+  if (t == Tier::kHost) {
+    // No lower tier: only host buffers still read by host->device copies can go.
+    const std::vector<ChunkId> pending = pending_;
+    for (ChunkId id : pending) {
+      if (fits()) break;
+      Chunk& c = *chunks_[id];
+      if (c.location() == Location::kDevice && c.has_host_buffer()) finish_pending(c, /*block=*/true);
+    }
+  } else {
+    EvictionRequest request;
+    request.tier = t;
+    request.bytes_needed = s.current_bytes + bytes - s.budget_bytes;
+    request.incoming = incoming;
+    request.now = tick_;
+    int64_t evictable = 0;
+    for (const auto& c : chunks_) {
+      if (!c->has_device_memory() || c->state() == ChunkState::kCompute || c->pending() ||
+          c->id() == incoming) {
+        continue;
+      }
+      request.candidates.push_back({c->id(), c->nbytes(), c->last_use});
+      evictable += c->nbytes();
+    }
+    if (evictable >= request.bytes_needed) {
+      const std::vector<ChunkId> victims = policy_->choose(request);
+      std::unordered_set<ChunkId> allowed, seen;
+      for (const auto& c : request.candidates) allowed.insert(c.chunk);
+      for (ChunkId v : victims) {
+        TORCH_CHECK(allowed.count(v) && seen.insert(v).second, "ferry: eviction policy ", policy_->name(),
+                    " returned chunk ", v, ", which is not a candidate or is repeated");
+      }
+      for (ChunkId v : victims) {
+        if (fits()) break;
+        if (!start_move(*chunks_[v], Location::kHost, must)) return false;
+        ++moves_.evictions;
+        log::trace("chunk store: evicted ", describe(*chunks_[v]), " for ",
+                   incoming >= 0 && incoming < static_cast<ChunkId>(chunks_.size()) ? describe(*chunks_[incoming]) : std::string("a new chunk"));
+      }
+    }
+  }
+  if (fits()) return true;
+  if (must) throw OutOfMemoryError(shortfall(t, bytes, incoming));
+  return false;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Copies
+
+bool ChunkStore::start_move(Chunk& chunk, Location to, bool must) {
+  if (chunk.location() == to) return true;
+  TORCH_CHECK(to != Location::kNone, "ferry: a chunk moves to the device or the host; use "
+              "release_payload() to drop it");
+  TORCH_CHECK(chunk.location() != Location::kNone, "ferry: ", describe(chunk),
+              " has no payload (RELEASED) to move");
+  TORCH_CHECK(chunk.state() != ChunkState::kCompute, "ferry: ", describe(chunk),
+              " is in COMPUTE and cannot move");
+  const int64_t n = chunk.nbytes();
+  if (to == Location::kDevice) {
+    if (!make_room(Tier::kDevice, n, chunk.id(), must)) return false;
+    chunk.allocate_device_memory();
+    charge(Tier::kDevice, n);
+    // Runs after any pending device->host copy into the host buffer (same copy stream).
+    chunk.pending() = engine_->copy(chunk.device_flat(), chunk.host_flat());
+    chunk.set_location(Location::kDevice);
+    ++moves_.h2d_count;
+    moves_.h2d_bytes += n;
+  } else {
+    if (!chunk.has_host_buffer()) {
+      if (!make_room(Tier::kHost, n, chunk.id(), must)) return false;
+      chunk.attach_host_buffer(host_pool_.acquire(n));
+      charge(Tier::kHost, n);
+    }
+    // A host buffer still attached is the source of a pending host->device copy: this copy runs after
+    // it on the copy stream, so it may overwrite it.
+    chunk.pending() = engine_->copy(chunk.host_flat(), chunk.device_flat());
+    chunk.free_device_memory();
+    discharge(Tier::kDevice, n);
+    chunk.set_location(Location::kHost);
+    ++moves_.d2h_count;
+    moves_.d2h_bytes += n;
+  }
+  if (std::find(pending_.begin(), pending_.end(), chunk.id()) == pending_.end()) {
+    pending_.push_back(chunk.id());
+  }
+  finish_pending(chunk, /*block=*/false);  // the simulated engine is done already
+  return true;
+}
+
+void ChunkStore::finish_pending(Chunk& chunk, bool block) {
+  auto& ticket = chunk.pending();
+  if (!ticket) return;
+  if (!ticket->done()) {
+    if (!block) return;
+    const auto start = std::chrono::steady_clock::now();
+    ticket->wait();
+    moves_.wait_ns +=
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+            .count();
+    ++moves_.wait_count;
+  }
+  ticket.reset();
+  pending_.erase(std::remove(pending_.begin(), pending_.end(), chunk.id()), pending_.end());
+  if (chunk.location() == Location::kDevice && chunk.has_host_buffer()) {
+    at::Tensor buffer = chunk.detach_host_buffer();
+    host_pool_.release(buffer);
+    discharge(Tier::kHost, chunk.nbytes());
+  }
+}
+
+void ChunkStore::reap_completed() {
+  const std::vector<ChunkId> pending = pending_;
+  for (ChunkId id : pending) finish_pending(*chunks_[id], /*block=*/false);
+}
+
+void ChunkStore::ready_for_use(Chunk& chunk) {
+  if (!chunk.pending()) return;
+  switch (chunk.location()) {
+    case Location::kHost: finish_pending(chunk, /*block=*/true); return;
+    case Location::kDevice: chunk.pending()->order_before_compute(); return;
+    case Location::kNone: return;
+  }
+}
+
+void ChunkStore::fill_zero(Chunk& chunk, Location at) {
+  TORCH_INTERNAL_ASSERT(chunk.location() == Location::kNone);
+  const int64_t n = chunk.nbytes();
+  switch (at) {
+    case Location::kDevice:
+      make_room(Tier::kDevice, n, chunk.id(), /*must=*/true);
+      chunk.allocate_device_memory();
+      charge(Tier::kDevice, n);
+      chunk.device_flat().zero_();
+      break;
+    case Location::kHost:
+      make_room(Tier::kHost, n, chunk.id(), /*must=*/true);
+      chunk.attach_host_buffer(host_pool_.acquire(n));
+      charge(Tier::kHost, n);
+      chunk.host_flat().zero_();
+      break;
+    case Location::kNone: TORCH_CHECK(false, "ferry: a payload goes to the device or the host, not none");
+  }
+  chunk.set_location(at);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Building
+
+ChunkId ChunkStore::add_chunk(ChunkRole role, at::ScalarType dtype, int64_t numel, Location initial) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reap_completed();
+  const ChunkId id = static_cast<ChunkId>(chunks_.size());
+  auto chunk = std::make_unique<Chunk>(id, role, dtype, numel, engine_->device_allocator(),
+                                       engine_->device());
+  chunks_.push_back(std::move(chunk));
+  if (initial != Location::kNone) {
+    try {
+      fill_zero(*chunks_.back(), initial);
+    } catch (...) {
+      chunks_.pop_back();  // nothing refers to it yet
+      throw;
+    }
+  }
+  return id;
+}
+
+TensorId ChunkStore::add_tensor(ChunkId chunk_id, int64_t offset, at::IntArrayRef shape) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Chunk& chunk = chunk_at(chunk_id);
+  int64_t numel = 1;
+  for (int64_t d : shape) {
+    TORCH_CHECK(d >= 0, "ferry: tensor shape ", shape, " has a negative dimension");
+    numel *= d;
+  }
+  TORCH_CHECK(offset >= 0 && offset + numel <= chunk.numel(), "ferry: slot [", offset, ", ", offset + numel,
+              ") does not fit in ", describe(chunk), " of ", chunk.numel(), " elements");
+  if (numel > 0) {
+    for (TensorId other : chunk.tensors()) {
+      const Slot& o = slots_[other];
+      const bool overlap = o.numel > 0 && offset < o.offset + o.numel && o.offset < offset + numel;
+      TORCH_CHECK(!overlap, "ferry: slot [", offset, ", ", offset + numel, ") overlaps tensor ", other,
+                  " at [", o.offset, ", ", o.offset + o.numel, ") in ", describe(chunk));
+    }
+  }
+  Slot slot;
+  slot.chunk = chunk_id;
+  slot.offset = offset;
+  slot.numel = numel;
+  slot.shape = shape.vec();
+  slot.state = chunk.location() == Location::kNone ? TensorState::kFree : TensorState::kHold;
+  const TensorId id = static_cast<TensorId>(slots_.size());
+  slots_.push_back(std::move(slot));
+  chunk.tensors().push_back(id);
+  chunk.counts().add(slots_.back().state);
+  return id;
+}
+
+ChunkStore::RoleChunks ChunkStore::add_layout(ChunkRole role, at::ScalarType dtype, const ChunkLayout& layout,
+                                              const std::vector<std::vector<int64_t>>& shapes,
+                                              Location initial) {
+  check_role_dtype(role, dtype);
+  TORCH_CHECK(shapes.size() == layout.slots().size(), "ferry: add_layout needs one shape per packed tensor: "
+              "expected ", layout.slots().size(), ", got ", shapes.size());
+  for (size_t j = 0; j < shapes.size(); ++j) {
+    int64_t numel = 1;
+    for (int64_t d : shapes[j]) numel *= d;
+    TORCH_CHECK(numel == layout.slots()[j].numel, "ferry: tensor ", j, " has shape ", at::IntArrayRef(shapes[j]),
+                " (", numel, " elements) but its slot holds ", layout.slots()[j].numel);
+  }
+  RoleChunks out;
+  for (const ChunkExtent& extent : layout.chunks()) {
+    out.chunks.push_back(add_chunk(role, dtype, extent.numel, initial));
+  }
+  out.tensors.resize(shapes.size());
+  for (const ChunkExtent& extent : layout.chunks()) {
+    for (int64_t j : extent.tensors) {
+      const ferry::Slot& slot_layout = layout.slots()[j];
+      out.tensors[j] = add_tensor(out.chunks[slot_layout.chunk], slot_layout.offset, shapes[j]);
+    }
+  }
+  return out;
+}
+
+void ChunkStore::bind(TensorId id, at::Tensor& tensor) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reap_completed();
+  Slot& slot = slot_at(id);
+  Chunk& chunk = chunk_at(slot.chunk);
+  TORCH_CHECK(tensor.defined(), "ferry: bind needs a defined tensor");
+  TORCH_CHECK(tensor.layout() == at::kStrided, "ferry: bind needs a dense (strided) tensor, got ", tensor.layout());
+  TORCH_CHECK(tensor.sizes() == at::IntArrayRef(slot.shape), "ferry: tensor ", id, " has slot shape ",
+              at::IntArrayRef(slot.shape), ", got a tensor of shape ", tensor.sizes());
+  TORCH_CHECK(chunk.location() != Location::kNone, "ferry: ", describe(chunk),
+              " has no payload (RELEASED); allocate_payload before bind");
+  TORCH_CHECK(slot.state != TensorState::kCompute, "ferry: tensor ", id, " is in COMPUTE and cannot be bound");
+  ready_for_use(chunk);
+  at::Tensor values = tensor.detach();
+  at::Tensor target = chunk.location() == Location::kDevice
+                          ? chunk.device_view(slot.offset, slot.shape)
+                          : chunk.host_flat().narrow(0, slot.offset, slot.numel).view(slot.shape);
+  target.copy_(values);
+  tensor.set_data(chunk.device_view(slot.offset, slot.shape));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Use
+
+at::Tensor ChunkStore::access(TensorId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reap_completed();
+  Slot& slot = slot_at(id);
+  Chunk& chunk = chunk_at(slot.chunk);
+  TORCH_CHECK(chunk.location() != Location::kNone, "ferry: tensor ", id, " is in ", describe(chunk),
+              ", which has no payload (RELEASED)");
+  if (slot.compute_uses == 0) check_transition(slot.state, TensorState::kCompute, "tensor");
+  if (chunk.location() != Location::kDevice) {
+    start_move(chunk, Location::kDevice, /*must=*/true);
+  }
+  ready_for_use(chunk);
+  if (slot.compute_uses == 0) {
+    chunk.counts().move(slot.state, TensorState::kCompute);
+    slot.state = TensorState::kCompute;
+  }
+  ++slot.compute_uses;
+  chunk.last_use = ++tick_;
+  return chunk.device_view(slot.offset, slot.shape);
+}
+
+void ChunkStore::release(TensorId id, TensorState after) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Slot& slot = slot_at(id);
+  TORCH_CHECK(slot.compute_uses > 0, "ferry: release of tensor ", id, " without a matching access (state ",
+              to_string(slot.state), ")");
+  if (slot.compute_uses == 1) {
+    check_transition(TensorState::kCompute, after, "tensor");
+    chunk_at(slot.chunk).counts().move(TensorState::kCompute, after);
+    slot.state = after;
+  }
+  --slot.compute_uses;
+}
+
+void ChunkStore::set_state(TensorId id, TensorState to) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Slot& slot = slot_at(id);
+  TORCH_CHECK(to != TensorState::kCompute && slot.state != TensorState::kCompute,
+              "ferry: set_state does not enter or leave COMPUTE (use access/release): tensor ", id, " ",
+              to_string(slot.state), " -> ", to_string(to));
+  check_transition(slot.state, to, "tensor");
+  Chunk& chunk = chunk_at(slot.chunk);
+  TORCH_CHECK(to == TensorState::kFree || chunk.location() != Location::kNone, "ferry: tensor ", id,
+              " cannot hold data: ", describe(chunk), " has no payload (RELEASED)");
+  chunk.counts().move(slot.state, to);
+  slot.state = to;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Moves
+
+void ChunkStore::move(ChunkId id, Location to) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reap_completed();
+  Chunk& chunk = chunk_at(id);
+  start_move(chunk, to, /*must=*/true);
+  ready_for_use(chunk);
+}
+
+void ChunkStore::move_async(ChunkId id, Location to) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reap_completed();
+  start_move(chunk_at(id), to, /*must=*/true);
+}
+
+bool ChunkStore::prefetch(ChunkId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reap_completed();
+  Chunk& chunk = chunk_at(id);
+  if (chunk.location() == Location::kDevice) return true;
+  if (chunk.location() == Location::kNone) return false;
+  return start_move(chunk, Location::kDevice, /*must=*/false);
+}
+
+void ChunkStore::wait(ChunkId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  finish_pending(chunk_at(id), /*block=*/true);
+}
+
+void ChunkStore::synchronize() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::vector<ChunkId> pending = pending_;
+  for (ChunkId id : pending) finish_pending(*chunks_[id], /*block=*/true);
+}
+
+void ChunkStore::release_payload(ChunkId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Chunk& chunk = chunk_at(id);
+  TORCH_CHECK(chunk.state() == ChunkState::kFree, "ferry: ", describe(chunk),
+              " can release its payload only when all its tensors are FREE; it is ", to_string(chunk.state()));
+  finish_pending(chunk, /*block=*/true);
+  if (chunk.has_device_memory()) {
+    chunk.free_device_memory();
+    discharge(Tier::kDevice, chunk.nbytes());
+  }
+  if (chunk.has_host_buffer()) {
+    at::Tensor buffer = chunk.detach_host_buffer();
+    host_pool_.release(buffer);
+    discharge(Tier::kHost, chunk.nbytes());
+  }
+  chunk.set_location(Location::kNone);
+}
+
+void ChunkStore::allocate_payload(ChunkId id, Location at) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reap_completed();
+  Chunk& chunk = chunk_at(id);
+  TORCH_CHECK(chunk.location() == Location::kNone, "ferry: ", describe(chunk), " already has a payload on the ",
+              to_string(chunk.location()));
+  fill_zero(chunk, at);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Views and queries
+
+at::Tensor ChunkStore::view(TensorId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reap_completed();
+  const Slot& slot = slot_at(id);
+  Chunk& chunk = chunk_at(slot.chunk);
+  TORCH_CHECK(chunk.location() != Location::kNone, "ferry: tensor ", id, " is in ", describe(chunk),
+              ", which has no payload (RELEASED)");
+  ready_for_use(chunk);
+  if (chunk.location() == Location::kDevice) return chunk.device_view(slot.offset, slot.shape);
+  return chunk.host_flat().narrow(0, slot.offset, slot.numel).view(slot.shape);
+}
+
+at::Tensor ChunkStore::payload(ChunkId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reap_completed();
+  Chunk& chunk = chunk_at(id);
+  TORCH_CHECK(chunk.location() != Location::kNone, "ferry: ", describe(chunk), " has no payload (RELEASED)");
+  ready_for_use(chunk);
+  return chunk.location() == Location::kDevice ? chunk.device_flat() : chunk.host_flat();
+}
+
+int64_t ChunkStore::num_chunks() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<int64_t>(chunks_.size());
+}
+
+int64_t ChunkStore::num_tensors() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<int64_t>(slots_.size());
+}
+
+ChunkInfo ChunkStore::chunk_info(ChunkId id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Chunk& c = chunk_at(id);
+  ChunkInfo info;
+  info.id = c.id();
+  info.role = c.role();
+  info.dtype = c.dtype();
+  info.numel = c.numel();
+  info.nbytes = c.nbytes();
+  info.location = c.location();
+  info.state = c.state();
+  info.copy_pending = std::find(pending_.begin(), pending_.end(), id) != pending_.end();
+  info.device_data = c.device_data();
+  info.tensors = c.tensors();
+  return info;
+}
+
+TensorInfo ChunkStore::tensor_info(TensorId id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Slot& s = slot_at(id);
+  return TensorInfo{id, s.chunk, s.offset, s.numel, s.shape, s.state, s.compute_uses};
+}
+
+uint64_t ChunkStore::access_tick() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return tick_;
+}
+
+ChunkStoreStats ChunkStore::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return ChunkStoreStats{device_, host_, moves_, host_pool_.stats()};
+}
+
+void ChunkStore::reset_peak_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  device_.peak_bytes = device_.current_bytes;
+  host_.peak_bytes = host_.current_bytes;
+}
+
+const char* ChunkStore::engine_name() const { return engine_->name(); }
+c10::Device ChunkStore::device() const { return engine_->device(); }
+const char* ChunkStore::policy_name() const { return policy_->name(); }
+
+}  // namespace ferry

@@ -1,0 +1,228 @@
+#pragma once
+// ChunkStore: the chunks of one process, their tensor slots, the two memory tiers with their budgets,
+// and the moves between them.
+//
+// How it works
+//  - Chunks are created per role (add_chunk, or add_layout for a whole ChunkLayout); tensor slots are
+//    added into them (add_tensor). bind() makes an existing tensor (a model parameter) a view of its
+//    slot, keeping its TensorImpl (see Note [Chunk identity] in chunk.h).
+//  - access(t) is the pre-use hook: it makes t's chunk resident on the device (making room by asking
+//    the eviction policy which chunks to move to the host), orders the compute stream after any copy
+//    still filling it, and puts t in COMPUTE. release(t, after) is the post-use hook. Nested accesses
+//    of one tensor are counted; its state changes on the first access and the last release.
+//  - Moves: move() is synchronous for the host (the payload is usable on return); move_async() and
+//    prefetch() only start the copy, on the engine's copy stream. A device->host move frees the device
+//    memory at once (the CUDA allocator will not reuse it before the copy is done: record_stream); a
+//    host->device move keeps the host buffer until the copy is known complete, then frees it.
+//  - Budgets: a tier's bytes are the sum of its chunks' payload sizes (device: allocated storages; host:
+//    host buffers, including those still read by a pending copy). A budget of 0 means no limit. Making
+//    room on the device asks the EvictionPolicy with the legal candidates: resident on the device, not
+//    in COMPUTE, no copy pending. The host tier has no lower tier: making room there only waits for
+//    pending host->device copies, whose host buffers then go. If room cannot be made: OutOfMemoryError.
+//
+// Invariants (checked; the property test drives random sequences against them)
+//  - A tier's bytes never exceed its budget.
+//  - A chunk with a tensor in COMPUTE never moves and is never evicted.
+//  - A payload is only read or written by ferry after the copy that fills it completed (host) or is
+//    ordered before the reader (device compute stream).
+//
+// Contract: all public methods take the store's mutex, so the store may be used from autograd's
+// threads; the eviction policy is called with it held. Tensors bound with bind() may outlive the store
+// (they keep their storage alive), but then no longer move.
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "ferry/chunk/chunk.h"
+#include "ferry/chunk/copy_engine.h"
+#include "ferry/chunk/eviction_policy.h"
+#include "ferry/chunk/host_buffer.h"
+#include "ferry/chunk/layout.h"
+#include "ferry/chunk/out_of_memory.h"
+#include "ferry/common/config.h"
+
+namespace ferry {
+
+struct ChunkStoreOptions {
+  DeviceKind device = DeviceKind::kAuto;
+  int64_t device_budget_bytes = 0;             // 0 = no limit
+  int64_t host_budget_bytes = 0;               // 0 = no limit
+  int64_t host_cache_bytes = int64_t{256} << 20;  // freed host buffers kept for reuse, at most
+  bool pin_host_memory = true;                 // page-lock host payloads when the device is CUDA
+  std::shared_ptr<EvictionPolicy> policy;      // null: LRU
+
+  // device and budgets from ferry's Config.
+  static ChunkStoreOptions from(const Config& config);
+  void validate() const;
+};
+
+// Sums of bytes, not counts, unless the name says count.
+struct TierStats {
+  int64_t budget_bytes = 0;   // 0 = no limit
+  int64_t current_bytes = 0;  // payload bytes in the tier now
+  int64_t peak_bytes = 0;     // max of current_bytes since construction or reset_peak_stats()
+};
+
+struct MoveStats {
+  int64_t h2d_count = 0;      // host->device moves started
+  int64_t h2d_bytes = 0;
+  int64_t d2h_count = 0;      // device->host moves started
+  int64_t d2h_bytes = 0;
+  int64_t evictions = 0;      // device->host moves chosen by the eviction policy (count)
+  int64_t wait_count = 0;     // times the host blocked on a pending copy
+  int64_t wait_ns = 0;        // total host time blocked on pending copies
+};
+
+struct ChunkStoreStats {
+  TierStats device;
+  TierStats host;
+  MoveStats moves;
+  HostBufferStats host_buffers;
+};
+
+struct ChunkInfo {
+  ChunkId id = -1;
+  ChunkRole role = ChunkRole::kParam;
+  at::ScalarType dtype = at::kFloat;
+  int64_t numel = 0;
+  int64_t nbytes = 0;
+  Location location = Location::kNone;
+  ChunkState state = ChunkState::kReleased;
+  bool copy_pending = false;
+  const void* device_data = nullptr;  // the device memory it has now (null: none); for tests, reports
+  std::vector<TensorId> tensors;
+};
+
+struct TensorInfo {
+  TensorId id = -1;
+  ChunkId chunk = -1;
+  int64_t offset = 0;  // elements
+  int64_t numel = 0;
+  std::vector<int64_t> shape;
+  TensorState state = TensorState::kFree;
+  int compute_uses = 0;  // nested accesses not yet released
+};
+
+class ChunkStore {
+ public:
+  // `engine` null: make_copy_engine(options.device).
+  explicit ChunkStore(ChunkStoreOptions options, std::unique_ptr<CopyEngine> engine = nullptr);
+  // Waits for every pending copy.
+  ~ChunkStore();
+  ChunkStore(const ChunkStore&) = delete;
+  ChunkStore& operator=(const ChunkStore&) = delete;
+
+  // ---- building
+  // A chunk of `numel` elements. `initial` kNone: RELEASED; kDevice/kHost: a zero-filled payload there
+  // (room is made as for a move).
+  ChunkId add_chunk(ChunkRole role, at::ScalarType dtype, int64_t numel, Location initial);
+  // A slot of prod(shape) elements at `offset` (elements) of `chunk`; it must lie inside the chunk and
+  // not overlap another slot. State HOLD if the chunk has a payload, else FREE.
+  TensorId add_tensor(ChunkId chunk, int64_t offset, at::IntArrayRef shape);
+  struct RoleChunks {
+    std::vector<ChunkId> chunks;    // layout chunk i -> chunks[i]
+    std::vector<TensorId> tensors;  // layout tensor j -> tensors[j]
+  };
+  // One chunk per layout chunk and one slot per tensor (shapes[j] has layout.slots()[j].numel
+  // elements), in role `role`.
+  RoleChunks add_layout(ChunkRole role, at::ScalarType dtype, const ChunkLayout& layout,
+                        const std::vector<std::vector<int64_t>>& shapes, Location initial);
+  // Copies `tensor`'s values into its slot (converting to the chunk's dtype), then makes `tensor` a
+  // view of the slot in the chunk's device storage (Tensor::set_data: same TensorImpl, autograd
+  // metadata kept). Its shape must match the slot's; the chunk must have a payload. Call before the
+  // tensor is used in any autograd graph: if its dtype or device change here, autograd resets its
+  // grad accumulator.
+  void bind(TensorId id, at::Tensor& tensor);
+
+  // ---- use
+  // Pre-use hook (see the file comment). Returns the tensor's device view.
+  at::Tensor access(TensorId id);
+  // Post-use hook: the last release moves the tensor COMPUTE -> `after`.
+  void release(TensorId id, TensorState after);
+  // Any legal transition that neither enters nor leaves COMPUTE (those are access/release).
+  void set_state(TensorId id, TensorState to);
+
+  // ---- moves
+  // Moves the chunk's payload to `to` (kDevice or kHost) and waits until it is usable there: on the
+  // host, the copy has completed; on the device, the caller's stream is ordered after it.
+  void move(ChunkId id, Location to);
+  // Starts the move; returns at once. Fails like move() if room cannot be made.
+  void move_async(ChunkId id, Location to);
+  // Starts a move to the device if room can be made; returns whether it started (or the chunk is
+  // already there). Never throws OutOfMemoryError.
+  bool prefetch(ChunkId id);
+  // Blocks until the copy filling the chunk's payload, if any, has completed.
+  void wait(ChunkId id);
+  // Blocks until every pending copy has completed.
+  void synchronize();
+  // Frees the payload; every tensor of the chunk must be FREE. The chunk becomes RELEASED.
+  void release_payload(ChunkId id);
+  // Gives a RELEASED chunk a zero-filled payload at `at` (kDevice or kHost). Its tensors stay FREE.
+  void allocate_payload(ChunkId id, Location at);
+
+  // ---- views
+  // The tensor's slot in the chunk's current payload (device or host), with its shape. Waits for a
+  // pending copy into the host; orders the caller's stream after one into the device.
+  at::Tensor view(TensorId id);
+  // The chunk's whole current payload, flat, under the same rules.
+  at::Tensor payload(ChunkId id);
+
+  // ---- queries
+  int64_t num_chunks() const;
+  int64_t num_tensors() const;
+  ChunkInfo chunk_info(ChunkId id) const;
+  TensorInfo tensor_info(TensorId id) const;
+  uint64_t access_tick() const;  // number of access() calls so far
+  ChunkStoreStats stats() const;
+  void reset_peak_stats();
+  const char* engine_name() const;
+  c10::Device device() const;
+  const char* policy_name() const;
+
+ private:
+  struct Slot {
+    ChunkId chunk = -1;
+    int64_t offset = 0;
+    int64_t numel = 0;
+    std::vector<int64_t> shape;
+    TensorState state = TensorState::kFree;
+    int compute_uses = 0;
+  };
+  // All below: the mutex is held.
+  Chunk& chunk_at(ChunkId id);
+  const Chunk& chunk_at(ChunkId id) const;
+  Slot& slot_at(TensorId id);
+  const Slot& slot_at(TensorId id) const;
+  TierStats& tier(Tier t);
+  void charge(Tier t, int64_t bytes);
+  void discharge(Tier t, int64_t bytes);
+  // Makes room for `bytes` in `t`. Returns false (or throws OutOfMemoryError when `must`) if it can't.
+  bool make_room(Tier t, int64_t bytes, ChunkId incoming, bool must);
+  TierShortfall shortfall(Tier t, int64_t bytes, ChunkId incoming) const;
+  // Starts a move; returns false only when !must and room could not be made.
+  bool start_move(Chunk& chunk, Location to, bool must);
+  void finish_pending(Chunk& chunk, bool block);  // completes (or, !block, polls) its pending copy
+  void reap_completed();
+  void ready_for_use(Chunk& chunk);  // host: wait; device: order the caller's stream
+  void fill_zero(Chunk& chunk, Location at);
+  std::string describe(const Chunk& chunk) const;
+
+  mutable std::mutex mutex_;
+  ChunkStoreOptions options_;
+  std::unique_ptr<CopyEngine> engine_;
+  std::shared_ptr<EvictionPolicy> policy_;
+  HostBufferPool host_pool_;
+  std::vector<std::unique_ptr<Chunk>> chunks_;
+  std::vector<Slot> slots_;
+  std::vector<ChunkId> pending_;  // chunks whose copy may still be running
+  uint64_t tick_ = 0;
+  TierStats device_;
+  TierStats host_;
+  MoveStats moves_;
+};
+
+}  // namespace ferry

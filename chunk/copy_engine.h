@@ -1,0 +1,66 @@
+#pragma once
+// The mechanism of chunk moves: where device memory comes from and how bytes cross between the tiers.
+// Policy (what to move, when) lives in ChunkStore and the scheduler; this only copies.
+//
+// Two engines with one API:
+//  - CUDA: device memory from the CUDA caching allocator; copies run on a dedicated copy stream. A copy
+//    first waits (on the GPU, not the host) for the work queued so far on the caller's current stream,
+//    so it sees the data that work writes; its completion is a CUDA event, which the compute stream can
+//    wait for on the GPU (order_before_compute) or the host can wait for (wait). Device memory used by a
+//    copy is marked with record_stream, so the caching allocator does not hand it out again before the
+//    copy is done even if its owner frees it right away.
+//  - Simulated: the "device" is host memory from the CPU allocator; copies are plain synchronous
+//    copies that are done when copy() returns. Everything above runs unchanged, in CI.
+//
+// Contract: not thread-safe by itself (the ChunkStore serializes calls). Tensors passed to copy() are
+// kept alive by the ticket until it is destroyed.
+#include <ATen/core/Tensor.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/Device.h>
+
+#include <memory>
+
+#include "ferry/common/config.h"
+
+namespace ferry {
+
+// A started copy.
+class CopyTicket {
+ public:
+  virtual ~CopyTicket() = default;
+  // Whether the copy has completed (never blocks).
+  virtual bool done() = 0;
+  // Blocks the calling host thread until the copy has completed.
+  virtual void wait() = 0;
+  // Makes work queued after this call on the caller's current stream wait for the copy (on the GPU;
+  // the host does not block). A no-op once done.
+  virtual void order_before_compute() = 0;
+};
+
+class CopyEngine {
+ public:
+  virtual ~CopyEngine() = default;
+  virtual const char* name() const = 0;
+  // The device of device-tier payloads (cuda:N, or cpu for the simulated device).
+  virtual c10::Device device() const = 0;
+  // The allocator device payload storages are created with (and re-allocated from after a release).
+  virtual c10::Allocator* device_allocator() const = 0;
+  // Whether host payloads should be pinned.
+  virtual bool pinned_host() const = 0;
+  // Copies src into dst (same dtype and numel, one on each tier, both contiguous); see the file comment
+  // for the ordering guarantees.
+  virtual std::unique_ptr<CopyTicket> copy(const at::Tensor& dst, const at::Tensor& src) = 0;
+};
+
+// kSimulated -> the simulated engine; kCuda -> the CUDA engine on the current CUDA device (fails
+// without a GPU or in a build without CUDA); kAuto -> CUDA when a GPU is present, else simulated.
+std::unique_ptr<CopyEngine> make_copy_engine(DeviceKind kind);
+// kAuto resolved as make_copy_engine would.
+DeviceKind resolve_device_kind(DeviceKind kind);
+
+std::unique_ptr<CopyEngine> make_simulated_copy_engine();
+#ifdef FERRY_WITH_CUDA
+std::unique_ptr<CopyEngine> make_cuda_copy_engine();  // defined in copy_engine_cuda.cpp
+#endif
+
+}  // namespace ferry

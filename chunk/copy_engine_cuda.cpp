@@ -1,0 +1,71 @@
+// The CUDA copy engine (see copy_engine.h). Compiled only in CUDA builds of ferry.
+#ifdef FERRY_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include "ferry/chunk/copy_engine.h"
+
+namespace ferry {
+namespace {
+
+class CudaTicket final : public CopyTicket {
+ public:
+  CudaTicket(at::Tensor dst, at::Tensor src, c10::DeviceIndex device)
+      : dst_(std::move(dst)), src_(std::move(src)), device_(device) {}
+  at::cuda::CUDAEvent& event() { return event_; }
+  bool done() override { return event_.query(); }
+  void wait() override { event_.synchronize(); }
+  void order_before_compute() override { event_.block(c10::cuda::getCurrentCUDAStream(device_)); }
+
+ private:
+  at::cuda::CUDAEvent event_;  // recorded on the copy stream after the copy
+  at::Tensor dst_, src_;       // kept alive until the ticket goes
+  c10::DeviceIndex device_;
+};
+
+class CudaCopyEngine final : public CopyEngine {
+ public:
+  CudaCopyEngine()
+      : device_(c10::cuda::current_device()),
+        copy_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_)) {}
+
+  const char* name() const override { return "cuda"; }
+  c10::Device device() const override { return c10::Device(c10::kCUDA, device_); }
+  c10::Allocator* device_allocator() const override { return c10::cuda::CUDACachingAllocator::get(); }
+  bool pinned_host() const override { return true; }
+
+  std::unique_ptr<CopyTicket> copy(const at::Tensor& dst, const at::Tensor& src) override {
+    TORCH_INTERNAL_ASSERT(dst.numel() == src.numel() && dst.scalar_type() == src.scalar_type());
+    c10::cuda::CUDAGuard device_guard(device_);
+    const c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream(device_);
+    // The copy must see everything the compute stream wrote so far.
+    at::cuda::CUDAEvent ready;
+    ready.record(compute);
+    ready.block(copy_stream_);
+    auto ticket = std::make_unique<CudaTicket>(dst, src, device_);
+    {
+      c10::cuda::CUDAStreamGuard stream_guard(copy_stream_);
+      dst.copy_(src, /*non_blocking=*/true);
+    }
+    // Device memory now has a use on the copy stream: keep the allocator from reusing it early.
+    if (dst.is_cuda()) dst.record_stream(copy_stream_);
+    if (src.is_cuda()) src.record_stream(copy_stream_);
+    ticket->event().record(copy_stream_);
+    return ticket;
+  }
+
+ private:
+  c10::DeviceIndex device_;
+  c10::cuda::CUDAStream copy_stream_;
+};
+
+}  // namespace
+
+std::unique_ptr<CopyEngine> make_cuda_copy_engine() { return std::make_unique<CudaCopyEngine>(); }
+
+}  // namespace ferry
+#endif  // FERRY_WITH_CUDA

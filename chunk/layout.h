@@ -1,0 +1,114 @@
+#pragma once
+// Packing tensors into fixed-size chunks, the packing waste, the chunk-size search, and the layout of
+// chunks into communication groups across ranks. Pure functions of sizes: no memory is touched.
+//
+// Units are elements, not bytes: every role's chunks mirror the parameter chunks element for element,
+// so one layout serves the compute copy (2 or 4 B/elem) and the fp32 optimizer state alike.
+// PackOptions::from_bytes turns the configured chunk size in bytes (of the compute copy) into elements.
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace ferry {
+
+struct PackOptions {
+  int64_t chunk_numel = int64_t{32} << 20;  // capacity of a regular chunk, elements
+  int64_t align_numel = 32;                 // every slot offset is a multiple of this, elements
+
+  // chunk_size_bytes of `dtype` (the compute copy), slots aligned to 64 bytes of that dtype. The
+  // capacity is rounded down to the alignment. Fails if the size holds less than one aligned slot.
+  static PackOptions from_bytes(int64_t chunk_size_bytes, at::ScalarType dtype);
+  void validate() const;
+};
+
+// Where one tensor lives: chunk index, offset and length in elements.
+struct Slot {
+  int64_t chunk = -1;
+  int64_t offset = 0;
+  int64_t numel = 0;
+};
+
+// One chunk of a layout.
+struct ChunkExtent {
+  int64_t numel = 0;             // capacity, elements (chunk_numel, or the aligned size of an oversize tensor)
+  int64_t used_numel = 0;        // sum of the numels of its tensors (alignment gaps are not "used")
+  std::vector<int64_t> tensors;  // indices into the packed tensor list, in packing order
+  bool dedicated = false;        // holds one tensor larger than chunk_numel
+};
+
+class ChunkLayout {
+ public:
+  // Packs tensors of the given element counts in `order` (a permutation of 0..numels.size()-1; empty
+  // means 0, 1, 2, ...): each tensor goes at the next aligned offset of the open chunk; when it does not
+  // fit, a new chunk is opened. A tensor larger than chunk_numel gets a dedicated chunk of its own
+  // (aligned) size, which closes the open chunk, so chunk indices follow the order. Zero-element tensors
+  // get a slot of length 0 and take no space.
+  static ChunkLayout pack(const std::vector<int64_t>& numels, const std::vector<int64_t>& order,
+                          const PackOptions& options);
+
+  const PackOptions& options() const { return options_; }
+  const std::vector<ChunkExtent>& chunks() const { return chunks_; }
+  // Indexed by tensor index (not by order).
+  const std::vector<Slot>& slots() const { return slots_; }
+  int64_t num_chunks() const { return static_cast<int64_t>(chunks_.size()); }
+
+  int64_t allocated_numel() const;  // sum of chunk capacities
+  int64_t used_numel() const;       // sum of tensor numels
+  // Unused share of the allocation: (allocated - used) / allocated; 0 for an empty layout.
+  double waste() const;
+
+ private:
+  PackOptions options_;
+  std::vector<ChunkExtent> chunks_;
+  std::vector<Slot> slots_;
+};
+
+// One chunk size of a search and what it gives.
+struct ChunkSizeChoice {
+  int64_t chunk_numel = 0;
+  int64_t num_chunks = 0;
+  int64_t allocated_numel = 0;
+  double waste = 0.0;
+};
+
+struct ChunkSizeSearch {
+  ChunkSizeChoice best;                // least waste; ties go to fewer chunks, then the smaller size
+  std::vector<ChunkSizeChoice> tried;  // every size tried, ascending
+};
+
+// Tries chunk_numel = min_numel, min_numel + step_numel, ... <= max_numel (all multiples of align_numel)
+// and keeps the one with the least waste. Sizes below the largest tensor are allowed: oversize
+// tensors then take dedicated chunks, as in pack().
+ChunkSizeSearch search_chunk_size(const std::vector<int64_t>& numels, const std::vector<int64_t>& order,
+                                  int64_t min_numel, int64_t max_numel, int64_t step_numel,
+                                  int64_t align_numel);
+
+// Chunks laid out for sharding across `world_size` ranks: the chunk list is padded with empty chunks
+// to a multiple of world_size; chunk i belongs to communication group i / world_size and is owned
+// (kept, updated) by rank i % world_size. A group is what one all-gather brings in and one
+// reduce-scatter sends out.
+class CommGroups {
+ public:
+  CommGroups(int64_t num_chunks, int world_size);
+
+  int world_size() const { return world_size_; }
+  int64_t num_chunks() const { return num_chunks_; }        // real chunks
+  int64_t padded_num_chunks() const { return padded_; }     // real + padding
+  int64_t num_groups() const { return padded_ / world_size_; }
+  bool is_padding(int64_t chunk) const;
+  int64_t group_of(int64_t chunk) const;
+  int owner_of(int64_t chunk) const;
+  // The world_size chunks of group g, in rank order (chunk g*world_size + r is rank r's).
+  std::vector<int64_t> chunks_of_group(int64_t group) const;
+  // The chunks rank r owns, ascending (one per group).
+  std::vector<int64_t> chunks_owned_by(int rank) const;
+
+ private:
+  void check_chunk(int64_t chunk) const;
+  int world_size_;
+  int64_t num_chunks_;
+  int64_t padded_;
+};
+
+}  // namespace ferry

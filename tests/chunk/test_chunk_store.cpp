@@ -1,0 +1,348 @@
+// ChunkStore on the simulated device: binding keeps tensor identity, views alias chunk memory, round
+// trips preserve bytes, budgets force evictions, COMPUTE chunks never move, out-of-memory and bad
+// input give clear errors.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+
+#include "deferred_copy_engine.h"
+#include "ferry/chunk/chunk_store.h"
+
+namespace ferry {
+namespace {
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+ChunkStoreOptions simulated(int64_t device_budget = 0, int64_t host_budget = 0) {
+  ChunkStoreOptions o;
+  o.device = DeviceKind::kSimulated;
+  o.device_budget_bytes = device_budget;
+  o.host_budget_bytes = host_budget;
+  return o;
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no error)";
+}
+
+#define EXPECT_ERROR_HAS(stmt, text)                                      \
+  do {                                                                    \
+    const std::string msg_ = error_of([&] { stmt; });                     \
+    EXPECT_NE(msg_.find(text), std::string::npos) << "message: " << msg_; \
+  } while (0)
+
+TEST(ChunkStore, BindKeepsIdentityAndAliasesChunkMemory) {
+  ChunkStore store(simulated());
+  torch::manual_seed(0);
+  std::vector<torch::Tensor> params = {torch::randn({3, 5}), torch::randn({7}), torch::randn({2, 2, 2})};
+  std::vector<torch::Tensor> originals;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<int64_t> numels;
+  for (auto& p : params) {
+    originals.push_back(p.clone());
+    shapes.push_back(p.sizes().vec());
+    numels.push_back(p.numel());
+  }
+  PackOptions pack;
+  pack.chunk_numel = 32;
+  pack.align_numel = 16;
+  const auto layout = ChunkLayout::pack(numels, {}, pack);
+  const auto role = store.add_layout(ChunkRole::kParam, at::kFloat, layout, shapes, Location::kDevice);
+  ASSERT_EQ(role.chunks.size(), 2u);  // 15 -> [0,15), 7 -> [16,23); 8 does not fit in 9 left
+
+  for (size_t i = 0; i < params.size(); ++i) {
+    const c10::TensorImpl* impl = params[i].unsafeGetTensorImpl();
+    store.bind(role.tensors[i], params[i]);
+    EXPECT_EQ(params[i].unsafeGetTensorImpl(), impl) << "bind must keep the TensorImpl";
+    EXPECT_TRUE(torch::equal(params[i], originals[i]));
+  }
+  // A write through a parameter is visible in the chunk payload, and the other way round.
+  params[1].fill_(42.0f);
+  const auto chunk0 = store.payload(role.chunks[0]);
+  EXPECT_EQ(chunk0[16].item<float>(), 42.0f);
+  EXPECT_EQ(chunk0[22].item<float>(), 42.0f);
+  EXPECT_EQ(chunk0[15].item<float>(), 0.0f);  // alignment gap stays zero
+  chunk0[0] = -1.0f;
+  EXPECT_EQ(params[0][0][0].item<float>(), -1.0f);
+  EXPECT_EQ(store.view(role.tensors[2]).data_ptr(), params[2].data_ptr());
+
+  // Round trip: off the device the parameter's storage has no memory (touching it now would read a
+  // null pointer: torch does not check); back on the device it holds the same values, written while
+  // on the host included.
+  const auto before = params[0].clone();
+  store.move(role.chunks[0], Location::kHost);
+  EXPECT_EQ(params[0].storage().nbytes(), 0u);
+  EXPECT_EQ(params[0].storage().data(), nullptr);
+  EXPECT_FALSE(params[0].unsafeGetTensorImpl()->storage_initialized());
+  store.view(role.tensors[1]).fill_(7.0f);  // host view
+  store.move(role.chunks[0], Location::kDevice);
+  EXPECT_TRUE(torch::equal(params[0], before));
+  EXPECT_TRUE(torch::equal(params[1], torch::full({7}, 7.0f)));
+  EXPECT_EQ(params[0].unsafeGetTensorImpl()->storage().nbytes(), 32u * 4u);
+}
+
+TEST(ChunkStore, RoundTripsPreserveBytesForEveryDtype) {
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    ChunkStore store(simulated());
+    const ChunkId c = store.add_chunk(ChunkRole::kParam, dtype, 1000, Location::kHost);
+    const TensorId t = store.add_tensor(c, 0, {1000});
+    // Every bit pattern class: random bits, including NaN payloads and subnormals.
+    auto bits = torch::randint(0, 1 << 15, {1000}, torch::kInt16);
+    auto payload = store.payload(c);
+    auto raw = payload.view(dtype == at::kFloat ? at::kInt : at::kShort);
+    if (dtype == at::kFloat) {
+      raw.copy_(torch::randint(std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max(),
+                               {1000}, torch::kInt32));
+    } else {
+      raw.copy_(bits);
+    }
+    const auto expected = raw.clone();
+    for (int i = 0; i < 3; ++i) {
+      store.move(c, Location::kDevice);
+      store.move(c, Location::kHost);
+    }
+    EXPECT_TRUE(torch::equal(store.view(t).view(expected.scalar_type()), expected)) << dtype;
+  }
+  for (auto role : {ChunkRole::kMaster, ChunkRole::kExpAvg, ChunkRole::kExpAvgSq, ChunkRole::kGrad}) {
+    ChunkStore store(simulated());
+    const ChunkId c = store.add_chunk(role, at::kFloat, 64, Location::kDevice);
+    store.payload(c).copy_(torch::arange(64, torch::kFloat));
+    store.move(c, Location::kHost);
+    store.move(c, Location::kDevice);
+    EXPECT_TRUE(torch::equal(store.payload(c), torch::arange(64, torch::kFloat))) << to_string(role);
+  }
+}
+
+TEST(ChunkStore, BindKeepsAutogradWorkingAcrossMoves) {
+  ChunkStore store(simulated());
+  auto w = torch::randn({4, 4}, torch::requires_grad());
+  const ChunkId c = store.add_chunk(ChunkRole::kParam, at::kFloat, 16, Location::kDevice);
+  const TensorId t = store.add_tensor(c, 0, {4, 4});
+  store.bind(t, w);
+  EXPECT_TRUE(w.requires_grad());
+  auto x = torch::randn({2, 4});
+  auto y1 = torch::mm(x, w).sum();
+  y1.backward();
+  const auto g1 = w.grad().clone();
+  const auto accumulator = torch::autograd::impl::grad_accumulator(w);
+  store.move(c, Location::kHost);
+  store.move(c, Location::kDevice);
+  EXPECT_EQ(torch::autograd::impl::grad_accumulator(w), accumulator) << "grad accumulator was reset";
+  torch::mm(x, w).sum().backward();
+  EXPECT_TRUE(torch::allclose(w.grad(), 2 * g1));  // accumulated into the same .grad
+}
+
+TEST(ChunkStore, BudgetForcesLruEvictionsAndStats) {
+  const int64_t chunk_bytes = 1024 * 4;
+  ChunkStore store(simulated(/*device=*/2 * chunk_bytes));
+  std::vector<TensorId> tensors;
+  for (int i = 0; i < 3; ++i) {
+    const ChunkId c = store.add_chunk(ChunkRole::kParam, at::kFloat, 1024, Location::kHost);
+    tensors.push_back(store.add_tensor(c, 0, {1024}));
+    store.view(tensors.back()).fill_(static_cast<float>(i));
+  }
+  for (int round = 0; round < 2; ++round) {
+    for (int i = 0; i < 3; ++i) {
+      const auto v = store.access(tensors[i]);
+      EXPECT_EQ(v[5].item<float>(), static_cast<float>(i));
+      store.release(tensors[i], TensorState::kHoldAfterFwd);
+      store.set_state(tensors[i], TensorState::kHold);
+      EXPECT_LE(store.stats().device.current_bytes, 2 * chunk_bytes);
+    }
+  }
+  // LRU over 0,1,2,0,1,2 with room for two: every access after the first two misses.
+  EXPECT_EQ(store.chunk_info(0).location, Location::kHost);
+  EXPECT_EQ(store.chunk_info(1).location, Location::kDevice);
+  EXPECT_EQ(store.chunk_info(2).location, Location::kDevice);
+  const auto stats = store.stats();
+  EXPECT_EQ(stats.moves.h2d_count, 6);
+  EXPECT_EQ(stats.moves.h2d_bytes, 6 * chunk_bytes);
+  EXPECT_EQ(stats.moves.evictions, 4);
+  EXPECT_EQ(stats.moves.d2h_count, 4);
+  EXPECT_EQ(stats.device.peak_bytes, 2 * chunk_bytes);
+  EXPECT_EQ(stats.host.peak_bytes, 3 * chunk_bytes);
+  EXPECT_EQ(store.access_tick(), 6u);
+  store.reset_peak_stats();
+  EXPECT_EQ(store.stats().device.peak_bytes, 2 * chunk_bytes);
+}
+
+TEST(ChunkStore, ComputeChunksNeverMoveAndOomNamesTheNumbers) {
+  ChunkStore store(simulated(/*device=*/2 * kMiB));
+  const ChunkId a = store.add_chunk(ChunkRole::kParam, at::kFloat, kMiB / 4, Location::kDevice);
+  const ChunkId b = store.add_chunk(ChunkRole::kParam, at::kFloat, kMiB / 4, Location::kDevice);
+  const ChunkId c = store.add_chunk(ChunkRole::kParam, at::kFloat, kMiB / 4, Location::kHost);
+  const TensorId ta = store.add_tensor(a, 0, {16});
+  const TensorId tb = store.add_tensor(b, 0, {16});
+  const TensorId tc = store.add_tensor(c, 0, {16});
+  store.access(ta);
+  store.access(tb);
+  EXPECT_ERROR_HAS(store.move(a, Location::kHost), "is in COMPUTE and cannot move");
+  try {
+    store.access(tc);
+    FAIL() << "expected OutOfMemoryError";
+  } catch (const OutOfMemoryError& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_NE(msg.find("out of device chunk memory: chunk 2 (param, Float, 1.0 MiB) needs 1.0 MiB, but the "
+                       "device budget is 2.0 MiB with 2.0 MiB used, of which 2.0 MiB in COMPUTE (cannot move) "
+                       "and 0 B evictable"),
+              std::string::npos)
+        << msg;
+    EXPECT_EQ(e.shortfall().in_compute, 2 * kMiB);
+  }
+  // Nothing changed: the failed access left c on the host, its tensor in HOLD.
+  EXPECT_EQ(store.chunk_info(c).location, Location::kHost);
+  EXPECT_EQ(store.tensor_info(tc).state, TensorState::kHold);
+  EXPECT_EQ(store.chunk_info(a).state, ChunkState::kCompute);
+  // Catchable as torch's own OOM.
+  EXPECT_THROW(store.access(tc), c10::OutOfMemoryError);
+  // Releasing one makes it evictable.
+  store.release(ta, TensorState::kHoldAfterFwd);
+  store.access(tc);
+  EXPECT_EQ(store.chunk_info(a).location, Location::kHost);
+  EXPECT_EQ(store.chunk_info(b).location, Location::kDevice);
+  EXPECT_FALSE(store.prefetch(a)) << "no room: b and c in COMPUTE";
+  store.release(tb, TensorState::kHoldAfterFwd);
+  EXPECT_TRUE(store.prefetch(a));
+  EXPECT_EQ(store.chunk_info(b).location, Location::kHost);
+}
+
+TEST(ChunkStore, HostBudgetOutOfMemory) {
+  ChunkStore store(simulated(/*device=*/0, /*host=*/4096));
+  const ChunkId a = store.add_chunk(ChunkRole::kMaster, at::kFloat, 1024, Location::kHost);
+  const ChunkId b = store.add_chunk(ChunkRole::kMaster, at::kFloat, 1024, Location::kDevice);
+  EXPECT_ERROR_HAS(store.move(b, Location::kHost), "out of host chunk memory: chunk 1 (master, Float, 4.0 KiB) "
+                                                   "needs 4.0 KiB, but the host budget is 4.0 KiB with 4.0 KiB used");
+  EXPECT_EQ(store.chunk_info(b).location, Location::kDevice);
+  store.move(a, Location::kDevice);
+  store.move(b, Location::kHost);
+  EXPECT_EQ(store.stats().host.current_bytes, 4096);
+  EXPECT_THROW(store.add_chunk(ChunkRole::kMaster, at::kFloat, 1024, Location::kHost), OutOfMemoryError);
+  EXPECT_EQ(store.num_chunks(), 2) << "a failed add_chunk leaves no chunk behind";
+}
+
+TEST(ChunkStore, StatesThroughTheStore) {
+  ChunkStore store(simulated());
+  const ChunkId c = store.add_chunk(ChunkRole::kParam, at::kFloat, 64, Location::kHost);
+  const TensorId t0 = store.add_tensor(c, 0, {16});
+  const TensorId t1 = store.add_tensor(c, 16, {16});
+  EXPECT_EQ(store.chunk_info(c).state, ChunkState::kHold);
+  // Nested accesses (a tied weight used twice in one op): the state changes once each way.
+  store.access(t0);
+  store.access(t0);
+  EXPECT_EQ(store.tensor_info(t0).compute_uses, 2);
+  store.release(t0, TensorState::kHoldAfterFwd);
+  EXPECT_EQ(store.tensor_info(t0).state, TensorState::kCompute);
+  store.release(t0, TensorState::kHoldAfterFwd);
+  EXPECT_EQ(store.tensor_info(t0).state, TensorState::kHoldAfterFwd);
+  EXPECT_EQ(store.chunk_info(c).state, ChunkState::kHold);  // t1 still HOLD
+  store.access(t1);
+  store.release(t1, TensorState::kHoldAfterFwd);
+  EXPECT_EQ(store.chunk_info(c).state, ChunkState::kHoldAfterFwd);
+
+  EXPECT_ERROR_HAS(store.release(t0, TensorState::kHold), "without a matching access");
+  EXPECT_ERROR_HAS(store.set_state(t0, TensorState::kCompute), "does not enter or leave COMPUTE");
+  store.set_state(t0, TensorState::kHoldAfterBwd);
+  EXPECT_ERROR_HAS(store.set_state(t0, TensorState::kHoldAfterFwd),
+                   "illegal state transition of tensor: HOLD_AFTER_BWD -> HOLD_AFTER_FWD");
+  store.access(t1);
+  EXPECT_ERROR_HAS(store.release(t1, TensorState::kFree), "COMPUTE -> FREE");
+  EXPECT_EQ(store.tensor_info(t1).state, TensorState::kCompute) << "a refused release changes nothing";
+  store.release(t1, TensorState::kHold);
+
+  // Payload release needs every tensor FREE; allocate gives zeros.
+  EXPECT_ERROR_HAS(store.release_payload(c), "only when all its tensors are FREE");
+  store.view(t0).fill_(3.0f);
+  store.set_state(t0, TensorState::kFree);
+  store.set_state(t1, TensorState::kFree);
+  store.release_payload(c);
+  EXPECT_EQ(store.chunk_info(c).state, ChunkState::kReleased);
+  EXPECT_EQ(store.stats().host.current_bytes, 0);
+  EXPECT_ERROR_HAS(store.access(t0), "no payload (RELEASED)");
+  EXPECT_ERROR_HAS(store.set_state(t0, TensorState::kHold), "cannot hold data");
+  store.allocate_payload(c, Location::kDevice);
+  EXPECT_EQ(store.chunk_info(c).state, ChunkState::kFree);
+  store.access(t0);  // FREE -> COMPUTE: an op produces it
+  EXPECT_TRUE(torch::equal(store.view(t0), torch::zeros({16})));
+  store.release(t0, TensorState::kHoldAfterBwd);
+}
+
+TEST(ChunkStore, BadInputIsRejected) {
+  ChunkStore store(simulated());
+  const ChunkId c = store.add_chunk(ChunkRole::kParam, at::kHalf, 64, Location::kDevice);
+  store.add_tensor(c, 0, {4, 4});
+  EXPECT_ERROR_HAS(store.add_tensor(c, 8, {16}), "overlaps tensor 0 at [0, 16)");
+  EXPECT_ERROR_HAS(store.add_tensor(c, 60, {8}), "does not fit in chunk 0");
+  EXPECT_ERROR_HAS(store.add_tensor(c, 16, {-1}), "negative dimension");
+  EXPECT_ERROR_HAS(store.add_tensor(7, 0, {1}), "chunk id 7 out of range");
+  EXPECT_ERROR_HAS(store.access(5), "tensor id 5 out of range");
+  EXPECT_ERROR_HAS(store.add_chunk(ChunkRole::kExpAvg, at::kHalf, 64, Location::kHost),
+                   "exp_avg chunks hold float, got Half");
+  EXPECT_ERROR_HAS(store.add_chunk(ChunkRole::kParam, at::kInt, 64, Location::kHost),
+                   "param chunks hold float, bfloat16 or half");
+  EXPECT_ERROR_HAS(store.add_chunk(ChunkRole::kParam, at::kHalf, 0, Location::kHost), "at least one element");
+  auto wrong = torch::zeros({16});
+  EXPECT_ERROR_HAS(store.bind(0, wrong), "has slot shape [4, 4], got a tensor of shape [16]");
+  EXPECT_ERROR_HAS(store.move(c, Location::kNone), "use release_payload()");
+  ChunkStoreOptions bad = simulated();
+  bad.device_budget_bytes = -1;
+  EXPECT_ERROR_HAS(ChunkStore store2(bad), "device budget must be >= 0");
+  ChunkStoreOptions cuda = simulated();
+  cuda.device = DeviceKind::kCuda;
+  if (!torch::cuda::is_available()) {
+    EXPECT_ERROR_HAS(ChunkStore store3(cuda), "no CUDA GPU is available");
+  }
+}
+
+// A policy that answers with a chunk it was not offered is a bug in the policy: refuse it.
+class RoguePolicy final : public EvictionPolicy {
+ public:
+  const char* name() const override { return "rogue"; }
+  std::vector<ChunkId> choose(const EvictionRequest&) override { return {99}; }
+};
+
+TEST(ChunkStore, PolicyAnswersAreChecked) {
+  ChunkStoreOptions o = simulated(/*device=*/4096);
+  o.policy = std::make_shared<RoguePolicy>();
+  ChunkStore store(o);
+  store.add_chunk(ChunkRole::kParam, at::kFloat, 1024, Location::kDevice);
+  const ChunkId b = store.add_chunk(ChunkRole::kParam, at::kFloat, 1024, Location::kHost);
+  EXPECT_ERROR_HAS(store.move(b, Location::kDevice), "eviction policy rogue returned chunk 99");
+  EXPECT_EQ(store.chunk_info(b).location, Location::kHost);
+}
+
+// Pending copies: with a copy engine that defers copies like a stream, a chunk evicted and brought
+// back before its copy ran, reversed moves, and host views all see the right bytes.
+TEST(ChunkStore, PendingCopiesAreOrderedAndWaitedFor) {
+  auto engine = std::make_unique<test::DeferredCopyEngine>(7, /*poll_one_in=*/0);
+  test::DeferredCopyEngine* raw = engine.get();
+  ChunkStore store(simulated(), std::move(engine));
+  const ChunkId c = store.add_chunk(ChunkRole::kParam, at::kFloat, 256, Location::kHost);
+  const TensorId t = store.add_tensor(c, 0, {256});
+  store.view(t).copy_(torch::arange(256, torch::kFloat));
+  store.move_async(c, Location::kDevice);
+  store.move_async(c, Location::kHost);    // reverses before the first copy ran
+  store.move_async(c, Location::kDevice);  // and again
+  EXPECT_TRUE(store.chunk_info(c).copy_pending);
+  EXPECT_EQ(raw->copies_run(), 0);
+  const auto v = store.access(t);          // orders "compute" after the copies
+  EXPECT_TRUE(torch::equal(v, torch::arange(256, torch::kFloat)));
+  v.mul_(2);
+  store.release(t, TensorState::kHold);
+  store.move_async(c, Location::kHost);
+  EXPECT_TRUE(store.chunk_info(c).copy_pending);
+  EXPECT_TRUE(torch::equal(store.view(t), 2 * torch::arange(256, torch::kFloat)));  // waits on the host
+  EXPECT_EQ(store.stats().moves.wait_count, 1);
+  store.synchronize();
+  EXPECT_FALSE(store.chunk_info(c).copy_pending);
+  EXPECT_EQ(store.stats().host.current_bytes, 1024);
+  EXPECT_EQ(store.stats().device.current_bytes, 0);
+}
+
+}  // namespace
+}  // namespace ferry
