@@ -26,7 +26,24 @@ def cpu_adam_table(doc, path):
     return "\n".join(lines)
 
 
-TABLES = {"cpu_adam": cpu_adam_table}
+def chunk_move_table(doc, path):
+    env = doc["env"]
+    lines = [
+        f"`{path}` — commit `{doc['commit']}`, engine {doc['engine']}, GPU: {env['gpu_name'] or 'none'}, "
+        f"CPU {env['cpu']}, torch {env['torch']}",
+        "",
+        "| chunk | host memory | host->device GB/s | best | device->host GB/s | best | trips |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["results"]:
+        lines.append(
+            f"| {r['size_bytes'] // (1 << 20)} MiB | {r['host_memory']} | {r['h2d']['gbps']:.1f} | "
+            f"{r['h2d']['gbps_best']:.1f} | {r['d2h']['gbps']:.1f} | {r['d2h']['gbps_best']:.1f} | "
+            f"{r['h2d']['reps']} |")
+    return "\n".join(lines)
+
+
+TABLES = {"cpu_adam": cpu_adam_table, "chunk_move": chunk_move_table}
 
 
 def main(paths):
