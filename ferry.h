@@ -10,3 +10,5 @@
 #include "ferry/cpu_adam/cpu_adam.h"
 #include "ferry/chunk/chunk_store.h"
 #include "ferry/chunk/layout.h"
+#include "ferry/hooks/chunked_model.h"
+#include "ferry/scheduler/scheduler.h"

@@ -177,11 +177,14 @@ bool ChunkStore::make_room(Tier t, int64_t bytes, ChunkId incoming, bool must) {
       const std::vector<ChunkId> victims = policy_->choose(request);
       std::unordered_set<ChunkId> allowed, seen;
       for (const auto& c : request.candidates) allowed.insert(c.chunk);
+      int64_t offered = 0;
       for (ChunkId v : victims) {
         TORCH_CHECK(allowed.count(v) && seen.insert(v).second, "ferry: eviction policy ", policy_->name(),
                     " returned chunk ", v, ", which is not a candidate or is repeated");
+        offered += chunks_[v]->nbytes();
       }
-      for (ChunkId v : victims) {
+      // Too little offered (a policy may refuse, e.g. for a prefetch): move nothing.
+      for (ChunkId v : offered >= request.bytes_needed ? victims : std::vector<ChunkId>{}) {
         if (fits()) break;
         if (!start_move(*chunks_[v], Location::kHost, must)) return false;
         ++moves_.evictions;
@@ -193,6 +196,21 @@ bool ChunkStore::make_room(Tier t, int64_t bytes, ChunkId incoming, bool must) {
   if (fits()) return true;
   if (must) throw OutOfMemoryError(shortfall(t, bytes, incoming));
   return false;
+}
+
+void ChunkStore::set_device_budget(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(bytes >= 0, "ferry: device budget must be >= 0 bytes (0 = no limit), got ", bytes);
+  reap_completed();
+  const int64_t old = device_.budget_bytes;
+  device_.budget_bytes = bytes;
+  if (bytes == 0 || device_.current_bytes <= bytes) return;
+  try {
+    make_room(Tier::kDevice, 0, -1, /*must=*/true);
+  } catch (...) {
+    device_.budget_bytes = old;
+    throw;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -372,7 +390,9 @@ ChunkStore::RoleChunks ChunkStore::add_layout(ChunkRole role, at::ScalarType dty
   return out;
 }
 
-void ChunkStore::bind(TensorId id, at::Tensor& tensor) {
+void ChunkStore::bind(TensorId id, at::Tensor& tensor) { bind(id, tensor, tensor.detach()); }
+
+void ChunkStore::bind(TensorId id, at::Tensor& tensor, const at::Tensor& values) {
   std::lock_guard<std::mutex> lock(mutex_);
   reap_completed();
   Slot& slot = slot_at(id);
@@ -384,8 +404,9 @@ void ChunkStore::bind(TensorId id, at::Tensor& tensor) {
   TORCH_CHECK(chunk.location() != Location::kNone, "ferry: ", describe(chunk),
               " has no payload (RELEASED); allocate_payload before bind");
   TORCH_CHECK(slot.state != TensorState::kCompute, "ferry: tensor ", id, " is in COMPUTE and cannot be bound");
+  TORCH_CHECK(values.sizes() == tensor.sizes(), "ferry: bind values have shape ", values.sizes(),
+              ", the tensor has ", tensor.sizes());
   ready_for_use(chunk);
-  at::Tensor values = tensor.detach();
   at::Tensor target = chunk.location() == Location::kDevice
                           ? chunk.device_view(slot.offset, slot.shape)
                           : chunk.host_flat().narrow(0, slot.offset, slot.numel).view(slot.shape);

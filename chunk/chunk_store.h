@@ -137,6 +137,9 @@ class ChunkStore {
   // tensor is used in any autograd graph: if its dtype or device change here, autograd resets its
   // grad accumulator.
   void bind(TensorId id, at::Tensor& tensor);
+  // The same with the slot's values taken from `values` (same shape, any dtype/device), for tensors
+  // whose own memory is not readable now (rebinding into a new store).
+  void bind(TensorId id, at::Tensor& tensor, const at::Tensor& values);
 
   // ---- use
   // Pre-use hook (see the file comment). Returns the tensor's device view.
@@ -163,6 +166,10 @@ class ChunkStore {
   void release_payload(ChunkId id);
   // Gives a RELEASED chunk a zero-filled payload at `at` (kDevice or kHost). Its tensors stay FREE.
   void allocate_payload(ChunkId id, Location at);
+
+  // Changes the device budget (0: no limit), evicting by policy down to it; on OutOfMemoryError the
+  // old budget stays. The scheduler uses it for the per-moment budget.
+  void set_device_budget(int64_t bytes);
 
   // ---- views
   // The tensor's slot in the chunk's current payload (device or host), with its shape. Waits for a

@@ -1,0 +1,219 @@
+#include "ferry/hooks/chunked_model.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <unordered_map>
+#include <unordered_set>
+
+#include "ferry/chunk/copy_engine.h"
+#include "ferry/common/logging.h"
+
+namespace ferry {
+namespace {
+
+at::ScalarType dtype_of(Precision p) {
+  switch (p) {
+    case Precision::kFp32: return at::kFloat;
+    case Precision::kBf16: return at::kBFloat16;
+    case Precision::kFp16: return at::kHalf;
+  }
+  return at::kFloat;
+}
+
+bool legal(ModelPhase from, ModelPhase to) {
+  using P = ModelPhase;
+  switch (from) {
+    case P::kIdle: return to == P::kForward;
+    case P::kForward: return to == P::kForwardDone || to == P::kIdle;
+    case P::kForwardDone: return to == P::kBackward || to == P::kIdle;
+    case P::kBackward: return to == P::kIdle;
+  }
+  return false;
+}
+
+}  // namespace
+
+const char* to_string(ModelPhase phase) {
+  switch (phase) {
+    case ModelPhase::kIdle: return "idle";
+    case ModelPhase::kForward: return "forward";
+    case ModelPhase::kForwardDone: return "forward done";
+    case ModelPhase::kBackward: return "backward";
+  }
+  return "?";
+}
+
+ChunkedModel::ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Config& config,
+                           ChunkedModelOptions options)
+    : module_(std::move(module)), config_(config), options_(std::move(options)), dtype_(dtype_of(config.precision)) {
+  TORCH_CHECK(module_, "ferry: ChunkedModel needs a module, got null");
+  config_.validate();
+  options_.scheduler.device_budget_bytes = config_.device_budget_bytes;
+  options_.scheduler.validate();
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    const at::Tensor& p = item.value();
+    if (!p.defined() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: once
+    TORCH_CHECK(p.layout() == at::kStrided && at::isFloatingType(p.scalar_type()), "ferry: parameter ",
+                item.key(), " must be a dense floating-point tensor, got ", p.toString());
+    params_.push_back(p);
+    shapes_.push_back(p.sizes().vec());
+    numels_.push_back(p.numel());
+  }
+  TORCH_CHECK(!params_.empty(), "ferry: the module has no parameters to manage");
+  policy_ = std::make_shared<OptEvictionPolicy>();
+  build({});
+  const c10::Device device = store_->device();
+  for (auto& b : module_->buffers(/*recurse=*/true)) {
+    if (b.defined() && b.device() != device) b.set_data(b.to(device));
+  }
+  auto probe = options_.probe ? std::move(options_.probe) : make_memory_probe(resolve_device_kind(config_.device));
+  scheduler_ = std::make_unique<Scheduler>(*store_, policy_, std::move(probe), options_.scheduler, tensor_of_param_,
+                                           chunk_of_param_);
+  int64_t bytes = 0;
+  for (int64_t n : numels_) bytes += n * static_cast<int64_t>(c10::elementSize(dtype_));
+  log::info("ferry: ChunkedModel manages ", params_.size(), " parameters (", format_bytes(bytes), " as ", dtype_,
+            ") in ", layout_.num_chunks(), " chunks of ", format_bytes(config_.chunk_size_bytes), ", waste ",
+            static_cast<int>(layout_.waste() * 1000) / 10.0, "%, device ", device.str(), " (", store_->engine_name(),
+            "), device budget ", config_.device_budget_bytes ? format_bytes(config_.device_budget_bytes) : "unlimited");
+}
+
+ChunkedModel::~ChunkedModel() {
+  try {
+    materialize();
+  } catch (const std::exception& e) {
+    log::error("ferry: ChunkedModel could not give parameters their memory back: ", e.what());
+  }
+}
+
+void ChunkedModel::build(const std::vector<int64_t>& order) {
+  const PackOptions pack = PackOptions::from_bytes(config_.chunk_size_bytes, dtype_);
+  ChunkLayout layout = ChunkLayout::pack(numels_, order, pack);
+  ChunkStoreOptions store_options = ChunkStoreOptions::from(config_);
+  store_options.policy = policy_;
+  store_options.host_cache_bytes = options_.host_cache_bytes;
+  auto store = std::make_unique<ChunkStore>(store_options);
+  const auto role = store->add_layout(ChunkRole::kParam, dtype_, layout, shapes_, Location::kHost);
+  std::vector<TensorId> tensor_of_param(params_.size());
+  std::vector<ChunkId> chunk_of_param(params_.size());
+  for (size_t p = 0; p < params_.size(); ++p) {
+    tensor_of_param[p] = role.tensors[p];
+    chunk_of_param[p] = role.chunks[layout.slots()[p].chunk];
+    // First build: the values are the parameter's own; a repack reads them from the old store.
+    const at::Tensor values = store_ ? store_->view(tensor_of_param_[p]) : params_[p].detach();
+    store->bind(tensor_of_param[p], params_[p], values);
+  }
+  unregister_storages();
+  store_ = std::move(store);  // the old store goes; parameters already view the new one
+  layout_ = std::move(layout);
+  tensor_of_param_ = std::move(tensor_of_param);
+  chunk_of_param_ = std::move(chunk_of_param);
+  register_storages();
+}
+
+void ChunkedModel::register_storages() {
+  std::unordered_map<const c10::StorageImpl*, std::vector<ParamRange>> by_storage;
+  for (size_t p = 0; p < params_.size(); ++p) {
+    const c10::StorageImpl* s = params_[p].storage().unsafeGetStorageImpl();
+    const int64_t begin = params_[p].storage_offset();
+    by_storage[s].push_back({begin, begin + params_[p].numel(), static_cast<int64_t>(p)});
+  }
+  for (auto& [storage, ranges] : by_storage) {
+    register_storage(storage, this, std::move(ranges));
+    registered_.push_back(storage);
+  }
+}
+
+void ChunkedModel::unregister_storages() {
+  for (const c10::StorageImpl* s : registered_) unregister_storage(s);
+  registered_.clear();
+}
+
+void ChunkedModel::transition(ModelPhase to) {
+  const ModelPhase from = phase_.load();
+  TORCH_CHECK(legal(from, to), "ferry: ChunkedModel cannot go from ", to_string(from), " to ", to_string(to),
+              to == ModelPhase::kBackward ? " (call backward() once after each forward())" : "");
+  phase_.store(to);
+}
+
+void ChunkedModel::pre_use(int64_t param) { scheduler_->pre_use(param); }
+
+void ChunkedModel::post_use(int64_t param) {
+  scheduler_->post_use(param, phase_.load() == ModelPhase::kBackward ? TensorState::kHoldAfterBwd
+                                                                      : TensorState::kHoldAfterFwd);
+}
+
+void ChunkedModel::begin_forward() {
+  TORCH_CHECK(!materialized_, "ferry: this ChunkedModel was materialized; wrap the module again");
+  if (phase_.load() == ModelPhase::kForwardDone) {
+    transition(ModelPhase::kIdle);  // the previous forward had no backward (evaluation)
+    finish_iteration(false);
+  }
+  transition(ModelPhase::kForward);
+  scheduler_->begin_iteration();
+  in_iteration_ = true;
+}
+
+void ChunkedModel::end_forward() { transition(ModelPhase::kForwardDone); }
+
+void ChunkedModel::backward(const at::Tensor& loss) {
+  TORCH_CHECK(loss.defined(), "ferry: backward() needs a defined loss");
+  transition(ModelPhase::kBackward);
+  try {
+    InterceptionScope scope;
+    loss.backward();
+  } catch (...) {
+    abort_iteration();
+    throw;
+  }
+  transition(ModelPhase::kIdle);
+  finish_iteration(false);
+}
+
+void ChunkedModel::end_iteration() {
+  if (phase_.load() != ModelPhase::kForwardDone) return;
+  transition(ModelPhase::kIdle);
+  finish_iteration(false);
+}
+
+void ChunkedModel::abort_iteration() {
+  if (phase_.load() != ModelPhase::kIdle) transition(ModelPhase::kIdle);
+  finish_iteration(true);
+}
+
+void ChunkedModel::finish_iteration(bool aborted) {
+  if (!in_iteration_) return;
+  in_iteration_ = false;
+  scheduler_->end_iteration(aborted);
+  if (!aborted && scheduler_->repack_wanted()) {
+    if (options_.repack_after_warmup) {
+      std::vector<int64_t> order = scheduler_->trace()->first_use_order(num_params());
+      std::vector<char> used(params_.size(), 0);
+      for (int64_t p : order) used[p] = 1;
+      for (size_t p = 0; p < params_.size(); ++p) {
+        if (!used[p]) order.push_back(static_cast<int64_t>(p));  // never used: at the end
+      }
+      build(order);
+      log::info("ferry: repacked ", params_.size(), " parameters in call order into ", layout_.num_chunks(),
+                " chunks (waste ", static_cast<int>(layout_.waste() * 1000) / 10.0, "%)");
+    }
+    scheduler_->relayout(*store_, tensor_of_param_, chunk_of_param_);
+  }
+}
+
+void ChunkedModel::materialize() {
+  if (materialized_) return;
+  TORCH_CHECK(phase_.load() == ModelPhase::kIdle || phase_.load() == ModelPhase::kForwardDone,
+              "ferry: materialize() inside forward/backward");
+  unregister_storages();
+  const c10::Device device = store_->device();
+  for (size_t p = 0; p < params_.size(); ++p) {
+    at::Tensor fresh = store_->view(tensor_of_param_[p]).to(device, /*non_blocking=*/false, /*copy=*/true);
+    params_[p].set_data(fresh);
+  }
+  store_->synchronize();
+  materialized_ = true;
+}
+
+}  // namespace ferry

@@ -1,0 +1,120 @@
+#pragma once
+// ChunkedModel: runs an existing, unmodified torch::nn::Module on chunks.
+//
+//   auto net = std::make_shared<MyNet>(...);                 // any module, unchanged
+//   ferry::ChunkedModel model(net, config);                  // parameters move into chunks
+//   auto loss = model.forward([&] { return criterion(net->forward(x), y); });
+//   model.backward(loss);
+//
+// On construction every parameter (tied ones once) is packed into parameter chunks in registration
+// order and bound to its slot (same TensorImpl for life, dtype = config.precision, on the device:
+// CUDA or the simulated device); buffers are moved to the device as plain tensors. Inside forward()
+// and backward() every op that touches a parameter goes through the scheduler's pre/post-use hooks
+// (hooks/interceptor.h). After the warm-up iteration the parameters are repacked in the order of
+// first use, and the scheduler follows the trace (OPT eviction, prefetch).
+//
+// Contract
+//  - Parameters may only be touched by ops inside forward()/backward() (or after materialize());
+//    elsewhere their memory may be on the host and reading them is undefined (chunk/chunk.h).
+//  - .grad tensors are made by autograd as usual (device, not chunked; issue 6 moves them into chunks).
+//  - An exception thrown inside forward()/backward() propagates; every parameter use it interrupted is
+//    released, the iteration is dropped from tracing, and the model stays usable.
+//  - Not for concurrent forward() calls on one ChunkedModel.
+#include <torch/nn/module.h>
+
+#include <atomic>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "ferry/chunk/chunk_store.h"
+#include "ferry/chunk/layout.h"
+#include "ferry/common/config.h"
+#include "ferry/hooks/interceptor.h"
+#include "ferry/scheduler/scheduler.h"
+
+namespace ferry {
+
+struct ChunkedModelOptions {
+  SchedulerOptions scheduler;           // device_budget_bytes is taken from the Config
+  bool repack_after_warmup = true;      // repack parameters in first-use order after warm-up
+  std::unique_ptr<MemoryProbe> probe;   // null: the device's own probe
+  int64_t host_cache_bytes = int64_t{256} << 20;
+};
+
+// Where a ChunkedModel is in its iteration; changed only by ChunkedModel::transition().
+enum class ModelPhase { kIdle, kForward, kForwardDone, kBackward };
+const char* to_string(ModelPhase phase);
+
+class ChunkedModel final : private UseListener {
+ public:
+  ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Config& config, ChunkedModelOptions options = {});
+  // Materializes the parameters as plain device tensors (so the module stays usable) and unregisters.
+  ~ChunkedModel() override;
+  ChunkedModel(const ChunkedModel&) = delete;
+  ChunkedModel& operator=(const ChunkedModel&) = delete;
+
+  // Runs fn() with parameter interception on; returns what it returns.
+  template <class F>
+  auto forward(F&& fn) -> decltype(fn()) {
+    begin_forward();
+    try {
+      InterceptionScope scope;
+      auto out = fn();
+      end_forward();
+      return out;
+    } catch (...) {
+      abort_iteration();
+      throw;
+    }
+  }
+  // loss.backward() with interception on, then ends the iteration.
+  void backward(const at::Tensor& loss);
+  // Ends an iteration that had no backward (evaluation); forward() also does it implicitly.
+  void end_iteration();
+  // Gives every parameter plain device memory again and detaches it from ferry (the destructor).
+  void materialize();
+
+  torch::nn::Module& module() { return *module_; }
+  ChunkStore& store() { return *store_; }
+  Scheduler& scheduler() { return *scheduler_; }
+  const ChunkLayout& layout() const { return layout_; }
+  int64_t num_params() const { return static_cast<int64_t>(params_.size()); }
+  // Parameter index -> the tensor (as registered in the module; tied parameters once).
+  const at::Tensor& param(int64_t index) const { return params_[index]; }
+  IterationStats last_iteration() const { return scheduler_->last_iteration(); }
+  ModelPhase phase() const { return phase_.load(); }
+
+ private:
+  void pre_use(int64_t param) override;
+  void post_use(int64_t param) override;
+  void transition(ModelPhase to);
+  void begin_forward();
+  void end_forward();
+  void abort_iteration();
+  void finish_iteration(bool aborted);
+  // Packs params in `order` into a fresh store and binds them (values from the old store if any).
+  void build(const std::vector<int64_t>& order);
+  void register_storages();
+  void unregister_storages();
+
+  std::shared_ptr<torch::nn::Module> module_;
+  Config config_;
+  ChunkedModelOptions options_;
+  at::ScalarType dtype_;
+  std::vector<at::Tensor> params_;
+  std::vector<std::vector<int64_t>> shapes_;
+  std::vector<int64_t> numels_;
+  ChunkLayout layout_;
+  std::unique_ptr<ChunkStore> store_;
+  std::shared_ptr<OptEvictionPolicy> policy_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::vector<TensorId> tensor_of_param_;
+  std::vector<ChunkId> chunk_of_param_;
+  std::vector<const c10::StorageImpl*> registered_;
+  std::atomic<ModelPhase> phase_{ModelPhase::kIdle};
+  bool in_iteration_ = false;
+  bool materialized_ = false;
+};
+
+}  // namespace ferry

@@ -1,0 +1,139 @@
+// Note [Parameter interception]: see interceptor.h.
+#include "ferry/hooks/interceptor.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <shared_mutex>
+#include <unordered_map>
+
+#include "ferry/common/logging.h"
+
+namespace ferry {
+namespace {
+
+struct Entry {
+  UseListener* listener = nullptr;
+  std::vector<ParamRange> ranges;  // sorted by begin
+};
+
+std::shared_mutex& registry_mutex() {
+  static std::shared_mutex m;
+  return m;
+}
+std::unordered_map<const c10::StorageImpl*, Entry>& registry() {
+  static std::unordered_map<const c10::StorageImpl*, Entry> r;
+  return r;
+}
+std::atomic<int64_t> registry_size{0};
+std::atomic<int64_t> op_count{0};
+std::atomic<int64_t> param_op_count{0};
+
+struct Use {
+  UseListener* listener;
+  int64_t param;
+  bool operator==(const Use& o) const { return listener == o.listener && param == o.param; }
+};
+
+void find_use(const at::Tensor& t, std::vector<Use>& uses) {
+  if (!t.defined() || !t.has_storage()) return;
+  const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  std::shared_lock<std::shared_mutex> lock(registry_mutex());
+  auto it = registry().find(storage);
+  if (it == registry().end()) return;
+  const auto& ranges = it->second.ranges;
+  const int64_t offset = t.storage_offset();
+  auto r = std::upper_bound(ranges.begin(), ranges.end(), offset,
+                            [](int64_t off, const ParamRange& range) { return off < range.begin; });
+  if (r == ranges.begin()) return;
+  --r;
+  if (offset >= r->end) return;
+  const Use use{it->second.listener, r->param};
+  if (std::find(uses.begin(), uses.end(), use) == uses.end()) uses.push_back(use);
+}
+
+void collect(const c10::IValue& v, std::vector<Use>& uses) {
+  if (v.isTensor()) {
+    find_use(v.toTensor(), uses);
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorList().vec()) find_use(t, uses);
+  } else if (v.isList()) {  // generic lists, optional-tensor lists (index) included
+    for (const c10::IValue& e : v.toListRef()) {
+      if (e.isTensor()) find_use(e.toTensor(), uses);
+    }
+  }
+}
+
+void run_excluded(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  c10::impl::ExcludeDispatchKeyGuard exclude(kInterceptKey);
+  op.callBoxed(stack);
+}
+
+void intercept(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  op_count.fetch_add(1, std::memory_order_relaxed);
+  if (registry_size.load(std::memory_order_acquire) == 0) {
+    run_excluded(op, stack);
+    return;
+  }
+  std::vector<Use> uses;
+  const size_t num_args = op.schema().arguments().size();
+  for (size_t i = stack->size() - num_args; i < stack->size(); ++i) collect((*stack)[i], uses);
+  if (uses.empty()) {
+    run_excluded(op, stack);
+    return;
+  }
+  param_op_count.fetch_add(1, std::memory_order_relaxed);
+  // The hooks themselves run ops (chunk copies, zero fills): never intercept those.
+  c10::impl::ExcludeDispatchKeyGuard no_reentry(kInterceptKey);
+  size_t started = 0;
+  auto release = [&] {
+    for (size_t i = started; i-- > 0;) {
+      try {
+        uses[i].listener->post_use(uses[i].param);
+      } catch (const std::exception& e) {
+        log::error("ferry: post-use hook of parameter ", uses[i].param, " failed: ", e.what());
+      }
+    }
+  };
+  try {
+    for (; started < uses.size(); ++started) uses[started].listener->pre_use(uses[started].param);
+    run_excluded(op, stack);
+  } catch (...) {
+    release();
+    throw;
+  }
+  release();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(_, DeferredInit, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&intercept>()); }
+
+void register_storage(const c10::StorageImpl* storage, UseListener* listener, std::vector<ParamRange> ranges) {
+  TORCH_CHECK(storage && listener, "ferry: register_storage needs a storage and a listener");
+  std::sort(ranges.begin(), ranges.end(), [](const ParamRange& a, const ParamRange& b) { return a.begin < b.begin; });
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    TORCH_CHECK(ranges[i - 1].end <= ranges[i].begin, "ferry: parameter ranges overlap in one storage");
+  }
+  std::unique_lock<std::shared_mutex> lock(registry_mutex());
+  registry()[storage] = Entry{listener, std::move(ranges)};
+  registry_size.store(static_cast<int64_t>(registry().size()), std::memory_order_release);
+}
+
+void unregister_storage(const c10::StorageImpl* storage) {
+  std::unique_lock<std::shared_mutex> lock(registry_mutex());
+  registry().erase(storage);
+  registry_size.store(static_cast<int64_t>(registry().size()), std::memory_order_release);
+}
+
+int64_t registered_storages() { return registry_size.load(); }
+
+InterceptionScope::InterceptionScope() : guard_(kInterceptKey) {}
+
+InterceptionCounters interception_counters() { return {op_count.load(), param_op_count.load()}; }
+
+}  // namespace ferry

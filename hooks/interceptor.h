@@ -1,0 +1,70 @@
+#pragma once
+// Interception of parameter use in unmodified LibTorch models (Note [Parameter interception]).
+//
+// LibTorch modules have no hooks and forward() is not virtual, so ferry watches the dispatcher: a
+// boxed fallback is registered on a mode-style dispatch key (kInterceptKey) that sits above Autograd.
+// The key is off everywhere except inside an InterceptionScope (a thread-local include guard), and
+// autograd's engine carries that thread-local state to the threads that run backward. For each op the
+// fallback finds the tensor arguments whose storage is registered (a chunk's device storage) and maps
+// each to its parameter by storage offset (views such as W.t() share the storage), calls the
+// listener's pre_use for each, runs the op with the key excluded (so ops inside the op are not seen
+// again), and calls post_use in reverse order, also when the op throws. Ops that only make views are
+// hooked too: torch checks a view's bounds against the storage's current size, which is 0 while the
+// chunk is off the device. The hooks' own ops (chunk copies) run with the key excluded.
+//
+// Contract: register/unregister are thread-safe and may not be called from inside a listener.
+// Listeners are called on whatever thread runs the op, and must outlive their registrations.
+#include <c10/core/DispatchKey.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/StorageImpl.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace ferry {
+
+// DeferredInit: a functionality key above Autograd that LibTorch itself never registers kernels or
+// fallbacks for (it belongs to the out-of-tree torchdistx). Checked at registration: if something
+// else registered a fallback on it first, torch refuses ferry's when libferry loads (a loud error,
+// never a silent double interception).
+constexpr c10::DispatchKey kInterceptKey = c10::DispatchKey::DeferredInit;
+
+class UseListener {
+ public:
+  virtual ~UseListener() = default;
+  virtual void pre_use(int64_t param) = 0;
+  virtual void post_use(int64_t param) = 0;
+};
+
+// One parameter's element range in a registered storage.
+struct ParamRange {
+  int64_t begin = 0;  // storage offset, elements
+  int64_t end = 0;    // one past the last element
+  int64_t param = 0;  // the listener's parameter index
+};
+
+// Registers `storage` (ranges need not be sorted; must not overlap). Replaces an earlier registration.
+void register_storage(const c10::StorageImpl* storage, UseListener* listener, std::vector<ParamRange> ranges);
+void unregister_storage(const c10::StorageImpl* storage);
+// How many storages are registered (tests).
+int64_t registered_storages();
+
+// Turns interception on for this thread (and the autograd work it starts) for its lifetime.
+class InterceptionScope {
+ public:
+  InterceptionScope();
+  InterceptionScope(const InterceptionScope&) = delete;
+  InterceptionScope& operator=(const InterceptionScope&) = delete;
+
+ private:
+  c10::impl::IncludeDispatchKeyGuard guard_;
+};
+
+// Count of ops the fallback has seen in this process, and of those that used a registered storage.
+struct InterceptionCounters {
+  int64_t ops = 0;
+  int64_t ops_with_params = 0;
+};
+InterceptionCounters interception_counters();
+
+}  // namespace ferry

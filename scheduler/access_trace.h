@@ -1,0 +1,63 @@
+#pragma once
+// The recorded order of parameter uses of one iteration, and what OPT needs from it.
+//
+// One entry per pre-use event: the tensor used and its chunk at recording time, plus the device's
+// non-model bytes at that moment (activations, temporaries: what the memory probe saw minus the chunk
+// payloads). Positions are indices into this sequence; "next use" of a chunk at position p is the
+// smallest q >= p whose entry is that chunk, and iterations repeat: a chunk not used again in this
+// iteration is next used at (its first position + size()), in the next one.
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "ferry/chunk/role.h"
+
+namespace ferry {
+
+class AccessTrace {
+ public:
+  static constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+
+  void record(TensorId tensor, ChunkId chunk, int64_t non_model_bytes);
+  void clear();
+  int64_t size() const { return static_cast<int64_t>(tensors_.size()); }
+  bool empty() const { return tensors_.empty(); }
+  TensorId tensor_at(int64_t position) const { return tensors_[position]; }
+  ChunkId chunk_at(int64_t position) const { return chunks_[position]; }
+  int64_t non_model_at(int64_t position) const { return non_model_[position]; }
+  const std::vector<TensorId>& tensors() const { return tensors_; }
+  const std::vector<ChunkId>& chunks() const { return chunks_; }
+
+  // Rewrites chunk ids after a repack: chunk_of_tensor[t] is tensor t's new chunk.
+  void remap_chunks(const std::vector<ChunkId>& chunk_of_tensor);
+  // Builds the next-use index; call after recording or remapping, before next_use().
+  void finalize(int64_t num_chunks);
+  // The first position q >= position where `chunk` is used (wrapping into the next iteration), or
+  // kNever if the trace never uses it.
+  int64_t next_use(ChunkId chunk, int64_t position) const;
+  // The largest non-model bytes in positions [position, position + window).
+  int64_t non_model_peak(int64_t position, int64_t window) const;
+  // Tensors in order of first use (each once): the packing order.
+  std::vector<TensorId> first_use_order(int64_t num_tensors) const;
+
+ private:
+  std::vector<TensorId> tensors_;
+  std::vector<ChunkId> chunks_;
+  std::vector<int64_t> non_model_;
+  std::vector<std::vector<int64_t>> positions_of_chunk_;  // ascending
+};
+
+// Bytes moved by a Belady (furthest next use) schedule of one steady-state iteration of `trace` under
+// a device budget (0: no limit): the trace is run twice back to back from an empty device and the
+// second run's moves are counted. Every use of a non-resident chunk moves it in; making room moves
+// the resident chunk with the furthest next use out. With equal chunk sizes this is the minimum
+// number of moves (Belady); with mixed sizes it is the Belady schedule's count, a reference rather
+// than a proven minimum.
+struct MoveCount {
+  int64_t h2d_bytes = 0;
+  int64_t d2h_bytes = 0;
+  int64_t total() const { return h2d_bytes + d2h_bytes; }
+};
+MoveCount belady_moves(const AccessTrace& trace, const std::vector<int64_t>& chunk_bytes, int64_t budget_bytes);
+
+}  // namespace ferry

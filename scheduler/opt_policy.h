@@ -1,0 +1,38 @@
+#pragma once
+// OPT (Belady) eviction over a recorded trace: move out the chunk whose next use is furthest away.
+//
+// The scheduler tells the policy where in the trace the model is (set_position) before every access.
+// For a demand access every candidate may go; for a prefetch (the incoming chunk's next use lies in
+// the future) only candidates used after both the incoming chunk and the next use of the chunk at the
+// current position may go: a prefetch never evicts a chunk needed sooner than the one it brings in,
+// nor makes a choice Belady would not make once the current chunk leaves COMPUTE. Without a trace (or once the run diverged from it) it falls
+// back to LRU.
+//
+// Contract: set_trace/set_position and choose() may be called from different threads (hooks run on
+// autograd's threads); they are serialized by the policy's mutex.
+#include <memory>
+#include <mutex>
+
+#include "ferry/chunk/eviction_policy.h"
+#include "ferry/scheduler/access_trace.h"
+
+namespace ferry {
+
+class OptEvictionPolicy final : public EvictionPolicy {
+ public:
+  const char* name() const override { return "opt"; }
+  std::vector<ChunkId> choose(const EvictionRequest& request) override;
+
+  // The trace to plan with (finalized); null: LRU.
+  void set_trace(std::shared_ptr<const AccessTrace> trace);
+  // The position of the access about to happen; -1: not following the trace (LRU).
+  void set_position(int64_t position);
+
+ private:
+  std::mutex mutex_;
+  std::shared_ptr<const AccessTrace> trace_;
+  int64_t position_ = -1;
+  LruEvictionPolicy lru_;
+};
+
+}  // namespace ferry

@@ -1,0 +1,204 @@
+// Scheduler (see scheduler.h).
+#include "ferry/scheduler/scheduler.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <unordered_set>
+
+#include "ferry/common/logging.h"
+
+namespace ferry {
+
+void SchedulerOptions::validate() const {
+  TORCH_CHECK(warmup_iterations >= 1, "ferry: warmup_iterations must be >= 1, got ", warmup_iterations);
+  TORCH_CHECK(prefetch_depth >= 0, "ferry: prefetch_depth must be >= 0, got ", prefetch_depth);
+  TORCH_CHECK(prefetch_window >= 1, "ferry: prefetch_window must be >= 1, got ", prefetch_window);
+  TORCH_CHECK(non_model_window >= 1, "ferry: non_model_window must be >= 1, got ", non_model_window);
+  TORCH_CHECK(device_budget_bytes >= 0, "ferry: device budget must be >= 0, got ", device_budget_bytes);
+}
+
+double IterationStats::moved_over_optimal() const {
+  if (optimal_bytes < 0) return -1.0;
+  const int64_t moved = h2d_bytes + d2h_bytes;
+  if (optimal_bytes == 0) return moved == 0 ? 1.0 : -1.0;
+  return static_cast<double>(moved) / static_cast<double>(optimal_bytes);
+}
+
+Scheduler::Scheduler(ChunkStore& store, std::shared_ptr<OptEvictionPolicy> policy,
+                     std::unique_ptr<MemoryProbe> probe, SchedulerOptions options,
+                     std::vector<TensorId> tensor_of_param, std::vector<ChunkId> chunk_of_param)
+    : store_(&store),
+      policy_(std::move(policy)),
+      probe_(std::move(probe)),
+      options_(options),
+      tensor_of_param_(std::move(tensor_of_param)),
+      chunk_of_param_(std::move(chunk_of_param)) {
+  options_.validate();
+  TORCH_CHECK(policy_ && probe_, "ferry: the scheduler needs a policy and a memory probe");
+  TORCH_CHECK(tensor_of_param_.size() == chunk_of_param_.size(), "ferry: scheduler maps differ in length");
+}
+
+void Scheduler::begin_iteration() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_INTERNAL_ASSERT(!in_iteration_, "begin_iteration twice");
+  in_iteration_ = true;
+  diverged_ = false;
+  position_ = 0;
+  current_ = IterationStats{};
+  current_.index = iteration_;
+  const bool record = !trace_ || retrace_next_ || warmups_done_ < options_.warmup_iterations;
+  if (record) {
+    recording_ = std::make_shared<AccessTrace>();
+    policy_->set_position(-1);  // LRU while recording
+    current_.traced = true;
+  } else {
+    recording_.reset();
+  }
+  current_.optimal_bytes = optimal_bytes_;
+  at_begin_ = store_->stats();
+  store_->reset_peak_stats();
+}
+
+int64_t Scheduler::non_model_now_locked() {
+  const int64_t allocated = probe_->device_allocated_bytes();
+  if (allocated < 0) return 0;
+  return std::max<int64_t>(0, allocated - store_->stats().device.current_bytes);
+}
+
+void Scheduler::apply_budget_locked(int64_t position) {
+  if (options_.device_budget_bytes == 0) return;
+  int64_t reserve = 0;
+  if (trace_ && !recording_ && !diverged_) reserve = trace_->non_model_peak(position, options_.non_model_window);
+  const int64_t budget = std::max<int64_t>(1, options_.device_budget_bytes - reserve);
+  store_->set_device_budget(budget);
+}
+
+void Scheduler::pre_use(int64_t param) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(param >= 0 && param < static_cast<int64_t>(tensor_of_param_.size()), "ferry: parameter index ",
+              param, " out of range [0, ", tensor_of_param_.size(), ")");
+  const int64_t position = position_++;
+  ++current_.accesses;
+  const bool following = trace_ && !recording_ && !diverged_;
+  if (following) {
+    if (position >= trace_->size() || trace_->tensor_at(position) != param) {
+      diverged_ = true;
+      current_.diverged = true;
+      retrace_next_ = true;
+      policy_->set_position(-1);
+      log::warn_once("scheduler-diverged",
+                     "ferry scheduler: the parameter access order differs from the recorded trace (at position " +
+                         std::to_string(position) + "); evicting by LRU for the rest of this iteration and "
+                         "re-tracing the next one. Conditional branches or changed shapes cause this.");
+    } else {
+      policy_->set_position(position);
+    }
+  }
+  apply_budget_locked(position);
+  const int64_t non_model = recording_ ? non_model_now_locked() : 0;
+  store_->access(tensor_of_param_[param]);
+  if (recording_) recording_->record(param, chunk_of_param_[param], non_model);
+  if (following && !diverged_) prefetch_locked(position);
+}
+
+void Scheduler::prefetch_locked(int64_t position) {
+  if (options_.prefetch_depth == 0) return;
+  std::unordered_set<ChunkId> seen = {trace_->chunk_at(position)};
+  const int64_t end = std::min(trace_->size(), position + 1 + options_.prefetch_window);
+  for (int64_t q = position + 1; q < end && static_cast<int>(seen.size()) <= options_.prefetch_depth; ++q) {
+    const ChunkId c = trace_->chunk_at(q);
+    if (!seen.insert(c).second) continue;
+    if (store_->chunk_info(c).location == Location::kDevice) continue;
+    if (store_->prefetch(c)) ++current_.prefetches;
+  }
+}
+
+void Scheduler::post_use(int64_t param, TensorState after) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  store_->release(tensor_of_param_[param], after);
+}
+
+IterationStats Scheduler::end_iteration(bool aborted) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_INTERNAL_ASSERT(in_iteration_, "end_iteration without begin_iteration");
+  in_iteration_ = false;
+  for (TensorId t : tensor_of_param_) {
+    const TensorState s = store_->tensor_info(t).state;
+    if (s == TensorState::kHoldAfterFwd || s == TensorState::kHoldAfterBwd) store_->set_state(t, TensorState::kHold);
+  }
+  const ChunkStoreStats now = store_->stats();
+  current_.h2d_bytes = now.moves.h2d_bytes - at_begin_.moves.h2d_bytes;
+  current_.d2h_bytes = now.moves.d2h_bytes - at_begin_.moves.d2h_bytes;
+  current_.evictions = now.moves.evictions - at_begin_.moves.evictions;
+  current_.wait_ns = now.moves.wait_ns - at_begin_.moves.wait_ns;
+  current_.device_peak_bytes = now.device.peak_bytes;
+  current_.aborted = aborted;
+  if (recording_ && !aborted) {
+    if (trace_ && retrace_next_) log::info("ferry scheduler: re-traced (", recording_->size(), " accesses)");
+    trace_ = recording_;
+    retrace_next_ = false;
+    ++warmups_done_;
+    if (warmups_done_ >= options_.warmup_iterations) {
+      finalize_trace_locked();
+      if (warmups_done_ == options_.warmup_iterations) repack_wanted_ = true;
+    } else {
+      trace_.reset();  // more warm-up to record
+    }
+  }
+  recording_.reset();
+  policy_->set_position(-1);
+  if (options_.device_budget_bytes) store_->set_device_budget(options_.device_budget_bytes);
+  ++iteration_;
+  last_ = current_;
+  return current_;
+}
+
+void Scheduler::finalize_trace_locked() {
+  trace_->remap_chunks(chunk_of_param_);
+  trace_->finalize(store_->num_chunks());
+  std::vector<int64_t> bytes(store_->num_chunks());
+  for (ChunkId c = 0; c < store_->num_chunks(); ++c) bytes[c] = store_->chunk_info(c).nbytes;
+  int64_t reserve = 0;
+  for (int64_t p = 0; p < trace_->size(); ++p) reserve = std::max(reserve, trace_->non_model_at(p));
+  const int64_t budget = options_.device_budget_bytes ? std::max<int64_t>(1, options_.device_budget_bytes - reserve) : 0;
+  optimal_bytes_ = belady_moves(*trace_, bytes, budget).total();
+  policy_->set_trace(trace_);
+}
+
+bool Scheduler::repack_wanted() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return repack_wanted_;
+}
+
+void Scheduler::relayout(ChunkStore& store, std::vector<TensorId> tensor_of_param, std::vector<ChunkId> chunk_of_param) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_INTERNAL_ASSERT(!in_iteration_, "relayout inside an iteration");
+  store_ = &store;
+  tensor_of_param_ = std::move(tensor_of_param);
+  chunk_of_param_ = std::move(chunk_of_param);
+  repack_wanted_ = false;
+  if (trace_) finalize_trace_locked();
+}
+
+bool Scheduler::following_trace() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return trace_ && !recording_ && !diverged_;
+}
+
+std::shared_ptr<const AccessTrace> Scheduler::trace() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return trace_;
+}
+
+IterationStats Scheduler::last_iteration() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_;
+}
+
+int64_t Scheduler::iterations() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return iteration_;
+}
+
+}  // namespace ferry

@@ -1,0 +1,113 @@
+#pragma once
+// Scheduler: turns parameter uses into chunk moves. It records the access order in warm-up
+// iterations, then follows it: OPT eviction over the trace, prefetch of the next chunks on the copy
+// stream, a per-moment device budget that leaves room for the non-model memory seen at that moment,
+// and a re-trace when the run stops matching the trace.
+//
+// Iterations
+//  - An iteration is one forward (+ backward); begin_iteration/end_iteration bracket it.
+//  - The first `warmup_iterations` record the trace with LRU eviction; the trace is then finalized
+//    and end_iteration() says the layout should be repacked in first-use order (the caller does it and
+//    calls relayout()).
+//  - Afterwards every pre_use compares the parameter with the trace at the current position. On a
+//    mismatch (a branch taken differently, a parameter unused this time) the scheduler warns once,
+//    switches to LRU for the rest of the iteration and records the next iteration as a new trace.
+//
+// Parameters are named by their index in the model (stable across repacks); `tensor_of_param` and
+// `chunk_of_param` map them into the current ChunkStore.
+//
+// Contract: pre_use/post_use may be called from autograd's threads; all methods take the scheduler's
+// mutex. A ChunkStore error (OutOfMemoryError) propagates out of pre_use with nothing half-done for
+// that parameter.
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "ferry/chunk/chunk_store.h"
+#include "ferry/scheduler/access_trace.h"
+#include "ferry/scheduler/memory_probe.h"
+#include "ferry/scheduler/opt_policy.h"
+
+namespace ferry {
+
+struct SchedulerOptions {
+  int warmup_iterations = 1;      // iterations recorded before the trace is used (>= 1)
+  int prefetch_depth = 2;         // distinct chunks ahead to start moving in (0: no prefetch)
+  int64_t prefetch_window = 256;  // trace positions searched for them
+  int64_t non_model_window = 4;   // positions ahead whose non-model peak the budget reserves
+  int64_t device_budget_bytes = 0;  // total device bytes for chunks + non-model memory (0: no limit)
+  void validate() const;
+};
+
+// Counters of one iteration (sums of bytes unless a count).
+struct IterationStats {
+  int64_t index = 0;
+  bool traced = false;      // this iteration recorded the trace (warm-up or re-trace)
+  bool diverged = false;    // it stopped matching the trace
+  bool aborted = false;     // an exception ended it
+  int64_t accesses = 0;     // pre-use events (count)
+  int64_t h2d_bytes = 0;
+  int64_t d2h_bytes = 0;
+  int64_t evictions = 0;    // count
+  int64_t prefetches = 0;   // prefetch moves started (count)
+  int64_t wait_ns = 0;      // host time blocked on copies
+  int64_t device_peak_bytes = 0;  // chunk bytes on the device, peak
+  int64_t optimal_bytes = -1;     // Belady moves of the trace at this budget (-1: no trace yet)
+  double moved_over_optimal() const;
+};
+
+class Scheduler {
+ public:
+  Scheduler(ChunkStore& store, std::shared_ptr<OptEvictionPolicy> policy, std::unique_ptr<MemoryProbe> probe,
+            SchedulerOptions options, std::vector<TensorId> tensor_of_param, std::vector<ChunkId> chunk_of_param);
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  void begin_iteration();
+  // Pre-use hook: follows/records the trace, makes the parameter resident (COMPUTE), prefetches.
+  void pre_use(int64_t param);
+  // Post-use hook: COMPUTE -> `after`.
+  void post_use(int64_t param, TensorState after);
+  // Ends the iteration: every HOLD_AFTER_* tensor back to HOLD, counters closed. Returns them.
+  IterationStats end_iteration(bool aborted = false);
+  // Whether the trace was just finalized and the caller should repack (once).
+  bool repack_wanted() const;
+  // After a repack into `store`: new maps, the trace's chunks rewritten.
+  void relayout(ChunkStore& store, std::vector<TensorId> tensor_of_param, std::vector<ChunkId> chunk_of_param);
+
+  bool following_trace() const;
+  std::shared_ptr<const AccessTrace> trace() const;
+  IterationStats last_iteration() const;
+  int64_t iterations() const;
+
+ private:
+  void finalize_trace_locked();
+  void prefetch_locked(int64_t position);
+  void apply_budget_locked(int64_t position);
+  int64_t non_model_now_locked();
+
+  mutable std::mutex mutex_;
+  ChunkStore* store_;
+  std::shared_ptr<OptEvictionPolicy> policy_;
+  std::unique_ptr<MemoryProbe> probe_;
+  SchedulerOptions options_;
+  std::vector<TensorId> tensor_of_param_;
+  std::vector<ChunkId> chunk_of_param_;
+
+  std::shared_ptr<AccessTrace> trace_;      // finalized trace in use (null before warm-up ends)
+  std::shared_ptr<AccessTrace> recording_;  // trace being recorded this iteration (null if following)
+  int64_t position_ = 0;
+  int64_t iteration_ = 0;
+  int warmups_done_ = 0;
+  bool retrace_next_ = false;
+  bool repack_wanted_ = false;
+  bool in_iteration_ = false;
+  bool diverged_ = false;
+  int64_t optimal_bytes_ = -1;
+  IterationStats current_;
+  IterationStats last_;
+  ChunkStoreStats at_begin_;
+};
+
+}  // namespace ferry

@@ -1,0 +1,329 @@
+// ChunkedModel on unmodified LibTorch models, on the simulated device with budgets small enough to
+// force evictions every iteration: losses and gradients equal the unwrapped model's (same seed, same
+// inputs), the chunk budget is never exceeded, and the special cases users hit (tied weights, a
+// submodule called twice, frozen and unused parameters, evaluation under NoGradGuard, an exception in
+// forward, a budget smaller than one op) behave.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+
+#include "ferry/chunk/out_of_memory.h"
+#include "ferry/hooks/chunked_model.h"
+
+namespace ferry {
+namespace {
+
+// ---- models (ordinary torch::nn modules, nothing ferry-specific)
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(int64_t d, int64_t heads) : heads(heads) {
+    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    qkv = register_module("qkv", torch::nn::Linear(d, 3 * d));
+    proj = register_module("proj", torch::nn::Linear(d, d));
+    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    fc = register_module("fc", torch::nn::Linear(d, 4 * d));
+    out = register_module("out", torch::nn::Linear(4 * d, d));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    const int64_t b = x.size(0), t = x.size(1), d = x.size(2);
+    auto q_k_v = qkv(ln1(x)).chunk(3, -1);
+    auto split = [&](torch::Tensor y) { return y.view({b, t, heads, d / heads}).transpose(1, 2); };
+    auto q = split(q_k_v[0]), k = split(q_k_v[1]), v = split(q_k_v[2]);
+    auto att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(d / heads));
+    auto mask = torch::ones({t, t}, torch::kBool).triu(1);
+    att = att.masked_fill(mask, -1e9).softmax(-1);
+    auto y = torch::matmul(att, v).transpose(1, 2).reshape({b, t, d});
+    x = x + proj(y);
+    return x + out(torch::gelu(fc(ln2(x))));
+  }
+  int64_t heads;
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc{nullptr}, out{nullptr};
+};
+TORCH_MODULE(Block);
+
+// GPT-style decoder with the output projection tied to the token embedding.
+struct TinyGptImpl : torch::nn::Module {
+  TinyGptImpl(int64_t vocab, int64_t d, int64_t layers, int64_t seq) {
+    wte = register_module("wte", torch::nn::Embedding(vocab, d));
+    wpe = register_module("wpe", torch::nn::Embedding(seq, d));
+    for (int64_t i = 0; i < layers; ++i) blocks.push_back(register_module("h" + std::to_string(i), Block(d, 2)));
+    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+  }
+  torch::Tensor forward(torch::Tensor idx) {
+    auto pos = torch::arange(idx.size(1), torch::kLong);
+    auto x = wte(idx) + wpe(pos);
+    for (auto& b : blocks) x = b->forward(x);
+    return torch::matmul(ln_f(x), wte->weight.t());  // tied output projection
+  }
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  std::vector<Block> blocks;
+  torch::nn::LayerNorm ln_f{nullptr};
+};
+TORCH_MODULE(TinyGpt);
+
+struct ConvNetImpl : torch::nn::Module {
+  ConvNetImpl() {
+    c1 = register_module("c1", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)));
+    b1 = register_module("b1", torch::nn::BatchNorm2d(8));
+    c2 = register_module("c2", torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 16, 3).padding(1)));
+    b2 = register_module("b2", torch::nn::BatchNorm2d(16));
+    fc = register_module("fc", torch::nn::Linear(16, 10));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(b1(c1(x)));
+    x = torch::max_pool2d(torch::relu(b2(c2(x))), 2);
+    return fc(x.mean({2, 3}));
+  }
+  torch::nn::Conv2d c1{nullptr}, c2{nullptr};
+  torch::nn::BatchNorm2d b1{nullptr}, b2{nullptr};
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(ConvNet);
+
+// A submodule called twice, a frozen layer, a layer used only when `use_extra`, and a switch that
+// throws in the middle of forward.
+struct OddNetImpl : torch::nn::Module {
+  OddNetImpl() {
+    shared = register_module("shared", torch::nn::Linear(16, 16));
+    frozen = register_module("frozen", torch::nn::Linear(16, 16));
+    extra = register_module("extra", torch::nn::Linear(16, 16));
+    head = register_module("head", torch::nn::Linear(16, 4));
+    for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::tanh(shared(x));
+    x = torch::tanh(frozen(x));
+    if (throw_now) throw std::runtime_error("boom in forward");
+    x = torch::tanh(shared(x));  // the same weights again
+    if (use_extra) x = x + extra(x);
+    return head(x);
+  }
+  bool use_extra = true;
+  bool throw_now = false;
+  torch::nn::Linear shared{nullptr}, frozen{nullptr}, extra{nullptr}, head{nullptr};
+};
+TORCH_MODULE(OddNet);
+
+// ---- helpers
+
+Config tiny_config(int64_t chunk_bytes, int64_t device_budget) {
+  Config c;
+  c.device = DeviceKind::kSimulated;
+  c.chunk_size_bytes = chunk_bytes;
+  c.device_budget_bytes = device_budget;
+  return c;
+}
+
+void zero_grads(torch::nn::Module& m) {
+  for (auto& p : m.parameters()) {
+    if (p.grad().defined()) p.mutable_grad().reset();
+  }
+}
+
+void expect_close(const torch::Tensor& a, const torch::Tensor& b, const std::string& what) {
+  ASSERT_EQ(a.defined(), b.defined()) << what;
+  if (!a.defined()) return;
+  EXPECT_TRUE(torch::allclose(a, b, /*rtol=*/1e-6, /*atol=*/1e-7))
+      << what << ": max |diff| " << (a - b).abs().max().item<double>();
+}
+
+// One training iteration on both models; compares the loss and every parameter's gradient.
+template <class Net, class Loss>
+void compare_iteration(Net& ref, Net& net, ChunkedModel& model, Loss loss_of, const std::string& what) {
+  zero_grads(*ref);
+  zero_grads(*net);
+  auto loss_ref = loss_of(ref);
+  loss_ref.backward();
+  auto loss = model.forward([&] { return loss_of(net); });
+  model.backward(loss);
+  expect_close(loss, loss_ref, what + " loss");
+  auto pr = ref->named_parameters(), pn = net->named_parameters();
+  for (const auto& item : pr) expect_close(pn[item.key()].grad(), item.value().grad(), what + " grad of " + item.key());
+}
+
+template <class Net>
+void expect_same_parameters(Net& ref, Net& net) {
+  auto pr = ref->named_parameters(), pn = net->named_parameters();
+  for (const auto& item : pr) EXPECT_TRUE(torch::equal(pn[item.key()], item.value())) << item.key();
+  auto br = ref->named_buffers(), bn = net->named_buffers();
+  for (const auto& item : br) expect_close(bn[item.key()], item.value(), "buffer " + item.key());
+}
+
+// The largest parameter chunk a model gets with this chunk size: budgets are set in multiples of it.
+int64_t largest_chunk_bytes(torch::nn::Module& m, int64_t chunk_bytes) {
+  std::vector<int64_t> numels;
+  for (auto& p : m.parameters()) numels.push_back(p.numel());
+  const auto layout = ChunkLayout::pack(numels, {}, PackOptions::from_bytes(chunk_bytes, at::kFloat));
+  int64_t largest = 0;
+  for (const auto& c : layout.chunks()) largest = std::max(largest, c.numel * 4);
+  return largest;
+}
+
+// ---- tests
+
+TEST(ChunkedModel, TinyGptMatchesUnwrappedUnderEvictions) {
+  const int64_t V = 64, D = 32, L = 2, T = 8;
+  torch::manual_seed(1);
+  TinyGpt ref(V, D, L, T);
+  torch::manual_seed(1);
+  TinyGpt net(V, D, L, T);
+  const int64_t chunk = 8 << 10;  // 8 KiB: a dozen chunks
+  const int64_t budget = 3 * largest_chunk_bytes(*net, chunk);
+  const c10::TensorImpl* wte_impl = net->wte->weight.unsafeGetTensorImpl();
+  {
+    ChunkedModel model(net.ptr(), tiny_config(chunk, budget));
+    EXPECT_EQ(model.num_params(), static_cast<int64_t>(ref->parameters().size()) - 0);
+    EXPECT_GT(model.layout().num_chunks(), 6);
+    auto loss_of = [&](TinyGpt& m) {
+      torch::manual_seed(42);
+      auto idx = torch::randint(0, V, {2, T}, torch::kLong);
+      auto logits = m->forward(idx);
+      return torch::nn::functional::cross_entropy(logits.view({-1, V}), idx.view({-1}));
+    };
+    for (int it = 0; it < 4; ++it) {
+      compare_iteration(ref, net, model, loss_of, "iteration " + std::to_string(it));
+      const auto s = model.last_iteration();
+      EXPECT_LE(s.device_peak_bytes, budget);
+      EXPECT_GT(s.h2d_bytes, 0) << "the budget should force moves every iteration";
+      if (it == 0) {
+        EXPECT_TRUE(s.traced);
+      }
+      if (it >= 1) {
+        EXPECT_FALSE(s.traced);
+        EXPECT_FALSE(s.diverged);
+        EXPECT_GT(s.optimal_bytes, 0);
+        EXPECT_GT(s.evictions, 0);
+      }
+    }
+    EXPECT_LE(model.store().stats().device.peak_bytes, budget);
+    EXPECT_EQ(net->wte->weight.unsafeGetTensorImpl(), wte_impl) << "identity lost";
+  }
+  // The destructor materialized the parameters: the module is plain again and unchanged.
+  expect_same_parameters(ref, net);
+  EXPECT_EQ(net->wte->weight.unsafeGetTensorImpl(), wte_impl);
+}
+
+TEST(ChunkedModel, ConvNetWithBatchNormMatches) {
+  torch::manual_seed(2);
+  ConvNet ref;
+  torch::manual_seed(2);
+  ConvNet net;
+  const int64_t chunk = 4 << 10;
+  const int64_t budget = 2 * largest_chunk_bytes(*net, chunk);
+  {
+    ChunkedModel model(net.ptr(), tiny_config(chunk, budget));
+    auto loss_of = [&](ConvNet& m) {
+      torch::manual_seed(7);
+      auto x = torch::randn({4, 3, 8, 8});
+      return m->forward(x).pow(2).mean();
+    };
+    for (int it = 0; it < 3; ++it) {
+      compare_iteration(ref, net, model, loss_of, "iteration " + std::to_string(it));
+      EXPECT_LE(model.last_iteration().device_peak_bytes, budget);
+    }
+  }
+  expect_same_parameters(ref, net);  // running stats of BatchNorm included
+}
+
+TEST(ChunkedModel, SharedFrozenUnusedAndDivergence) {
+  torch::manual_seed(3);
+  OddNet ref;
+  torch::manual_seed(3);
+  OddNet net;
+  const int64_t chunk = 4 << 10;  // the smallest chunk Config allows: a few weights per chunk
+  const int64_t budget = 2 * largest_chunk_bytes(*net, chunk);
+  ChunkedModel model(net.ptr(), tiny_config(chunk, budget));
+  auto loss_of = [&](OddNet& m) {
+    torch::manual_seed(9);
+    return m->forward(torch::randn({3, 16})).sum();
+  };
+  compare_iteration(ref, net, model, loss_of, "warm-up");
+  EXPECT_FALSE(net->frozen->weight.grad().defined());
+  ref->use_extra = net->use_extra = false;  // `extra` unused from now on: the trace diverges
+  compare_iteration(ref, net, model, loss_of, "without extra");
+  EXPECT_TRUE(model.last_iteration().diverged);
+  EXPECT_FALSE(net->extra->weight.grad().defined());
+  compare_iteration(ref, net, model, loss_of, "re-traced");
+  EXPECT_TRUE(model.last_iteration().traced);
+  compare_iteration(ref, net, model, loss_of, "following");
+  EXPECT_FALSE(model.last_iteration().traced);
+  EXPECT_FALSE(model.last_iteration().diverged);
+  EXPECT_LE(model.store().stats().device.peak_bytes, budget);
+}
+
+TEST(ChunkedModel, EvaluationUnderNoGrad) {
+  torch::manual_seed(4);
+  OddNet ref;
+  torch::manual_seed(4);
+  OddNet net;
+  ChunkedModel model(net.ptr(), tiny_config(4 << 10, 2 * largest_chunk_bytes(*net, 4 << 10)));
+  auto x = torch::randn({5, 16});
+  torch::NoGradGuard no_grad;
+  for (int i = 0; i < 3; ++i) {
+    auto y = model.forward([&] { return net->forward(x); });
+    expect_close(y, ref->forward(x), "eval output");
+    EXPECT_FALSE(y.requires_grad());
+  }
+  model.end_iteration();
+  EXPECT_EQ(model.phase(), ModelPhase::kIdle);
+}
+
+TEST(ChunkedModel, ExceptionInForwardLeavesTheModelUsable) {
+  torch::manual_seed(5);
+  OddNet ref;
+  torch::manual_seed(5);
+  OddNet net;
+  const int64_t budget = 2 * largest_chunk_bytes(*net, 4 << 10);
+  ChunkedModel model(net.ptr(), tiny_config(4 << 10, budget));
+  auto loss_of = [&](OddNet& m) {
+    torch::manual_seed(11);
+    return m->forward(torch::randn({3, 16})).sum();
+  };
+  compare_iteration(ref, net, model, loss_of, "before");
+  net->throw_now = true;
+  EXPECT_THROW(model.forward([&] { return loss_of(net); }), std::runtime_error);
+  EXPECT_EQ(model.phase(), ModelPhase::kIdle);
+  EXPECT_TRUE(model.last_iteration().aborted);
+  for (TensorId t = 0; t < model.store().num_tensors(); ++t) {
+    EXPECT_NE(model.store().tensor_info(t).state, TensorState::kCompute) << "tensor " << t << " left in COMPUTE";
+  }
+  net->throw_now = false;
+  compare_iteration(ref, net, model, loss_of, "after");
+  compare_iteration(ref, net, model, loss_of, "after, again");
+}
+
+TEST(ChunkedModel, BudgetBelowOneOpIsAClearOutOfMemoryError) {
+  torch::manual_seed(6);
+  OddNet net;
+  // One byte less than the largest chunk: the first op using it cannot run.
+  ChunkedModel model(net.ptr(), tiny_config(4 << 10, largest_chunk_bytes(*net, 4 << 10) - 1));
+  try {
+    model.forward([&] { return net->forward(torch::randn({2, 16})); });
+    FAIL() << "expected OutOfMemoryError";
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_NE(std::string(e.what()).find("out of device chunk memory"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(model.phase(), ModelPhase::kIdle);
+}
+
+TEST(ChunkedModel, BadUse) {
+  torch::manual_seed(7);
+  OddNet net;
+  ChunkedModel model(net.ptr(), tiny_config(4 << 10, 0));
+  auto loss = model.forward([&] { return net->forward(torch::randn({2, 16})).sum(); });
+  model.backward(loss);
+  try {
+    model.backward(loss);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot go from idle to backward"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(ChunkedModel(nullptr, tiny_config(4 << 10, 0)), c10::Error);
+  auto empty = std::make_shared<torch::nn::Module>();
+  EXPECT_THROW(ChunkedModel(empty, tiny_config(4 << 10, 0)), c10::Error);
+}
+
+}  // namespace
+}  // namespace ferry
