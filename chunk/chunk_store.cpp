@@ -120,6 +120,12 @@ std::string ChunkStore::describe(const Chunk& chunk) const {
   return os.str();
 }
 
+std::string ChunkStore::describe_incoming(ChunkId incoming) const {
+  // A chunk being added is not in chunks_ yet.
+  return incoming >= 0 && incoming < static_cast<ChunkId>(chunks_.size()) ? describe(*chunks_[incoming])
+                                                                         : std::string("a new chunk");
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Room in a tier
 
@@ -140,8 +146,7 @@ TierShortfall ChunkStore::shortfall(Tier t, int64_t bytes, ChunkId incoming) con
       }
     }
   }
-  s.what = incoming >= 0 && incoming < static_cast<ChunkId>(chunks_.size()) ? describe(*chunks_[incoming])
-                                                                            : std::string("a new chunk");
+  s.what = describe_incoming(incoming);
   return s;
 }
 
@@ -188,8 +193,7 @@ bool ChunkStore::make_room(Tier t, int64_t bytes, ChunkId incoming, bool must) {
         if (fits()) break;
         if (!start_move(*chunks_[v], Location::kHost, must)) return false;
         ++moves_.evictions;
-        log::trace("chunk store: evicted ", describe(*chunks_[v]), " for ",
-                   incoming >= 0 && incoming < static_cast<ChunkId>(chunks_.size()) ? describe(*chunks_[incoming]) : std::string("a new chunk"));
+        log::trace("chunk store: evicted ", describe(*chunks_[v]), " for ", describe_incoming(incoming));
       }
     }
   }
@@ -226,20 +230,14 @@ bool ChunkStore::start_move(Chunk& chunk, Location to, bool must) {
               " is in COMPUTE and cannot move");
   const int64_t n = chunk.nbytes();
   if (to == Location::kDevice) {
-    if (!make_room(Tier::kDevice, n, chunk.id(), must)) return false;
-    chunk.allocate_device_memory();
-    charge(Tier::kDevice, n);
+    if (!give_device_memory(chunk, must)) return false;
     // Runs after any pending device->host copy into the host buffer (same copy stream).
     chunk.pending() = engine_->copy(chunk.device_flat(), chunk.host_flat());
     chunk.set_location(Location::kDevice);
     ++moves_.h2d_count;
     moves_.h2d_bytes += n;
   } else {
-    if (!chunk.has_host_buffer()) {
-      if (!make_room(Tier::kHost, n, chunk.id(), must)) return false;
-      chunk.attach_host_buffer(host_pool_.acquire(n));
-      charge(Tier::kHost, n);
-    }
+    if (!chunk.has_host_buffer() && !give_host_buffer(chunk, must)) return false;
     // A host buffer still attached is the source of a pending host->device copy: this copy runs after
     // it on the copy stream, so it may overwrite it.
     chunk.pending() = engine_->copy(chunk.host_flat(), chunk.device_flat());
@@ -253,6 +251,20 @@ bool ChunkStore::start_move(Chunk& chunk, Location to, bool must) {
     pending_.push_back(chunk.id());
   }
   finish_pending(chunk, /*block=*/false);  // the simulated engine is done already
+  return true;
+}
+
+bool ChunkStore::give_device_memory(Chunk& chunk, bool must) {
+  if (!make_room(Tier::kDevice, chunk.nbytes(), chunk.id(), must)) return false;
+  chunk.allocate_device_memory();
+  charge(Tier::kDevice, chunk.nbytes());
+  return true;
+}
+
+bool ChunkStore::give_host_buffer(Chunk& chunk, bool must) {
+  if (!make_room(Tier::kHost, chunk.nbytes(), chunk.id(), must)) return false;
+  chunk.attach_host_buffer(host_pool_.acquire(chunk.nbytes()));
+  charge(Tier::kHost, chunk.nbytes());
   return true;
 }
 
@@ -293,18 +305,13 @@ void ChunkStore::ready_for_use(Chunk& chunk) {
 
 void ChunkStore::fill_zero(Chunk& chunk, Location at) {
   TORCH_INTERNAL_ASSERT(chunk.location() == Location::kNone);
-  const int64_t n = chunk.nbytes();
   switch (at) {
     case Location::kDevice:
-      make_room(Tier::kDevice, n, chunk.id(), /*must=*/true);
-      chunk.allocate_device_memory();
-      charge(Tier::kDevice, n);
+      give_device_memory(chunk, /*must=*/true);
       chunk.device_flat().zero_();
       break;
     case Location::kHost:
-      make_room(Tier::kHost, n, chunk.id(), /*must=*/true);
-      chunk.attach_host_buffer(host_pool_.acquire(n));
-      charge(Tier::kHost, n);
+      give_host_buffer(chunk, /*must=*/true);
       chunk.host_flat().zero_();
       break;
     case Location::kNone: TORCH_CHECK(false, "ferry: a payload goes to the device or the host, not none");
@@ -561,6 +568,11 @@ int64_t ChunkStore::num_chunks() const {
 int64_t ChunkStore::num_tensors() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return static_cast<int64_t>(slots_.size());
+}
+
+Location ChunkStore::location(ChunkId id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return chunk_at(id).location();
 }
 
 ChunkInfo ChunkStore::chunk_info(ChunkId id) const {

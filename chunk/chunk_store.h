@@ -181,6 +181,8 @@ class ChunkStore {
   // ---- queries
   int64_t num_chunks() const;
   int64_t num_tensors() const;
+  // Where the chunk's payload is (cheap; chunk_info copies the tensor list).
+  Location location(ChunkId id) const;
   ChunkInfo chunk_info(ChunkId id) const;
   TensorInfo tensor_info(TensorId id) const;
   uint64_t access_tick() const;  // number of access() calls so far
@@ -216,7 +218,11 @@ class ChunkStore {
   void reap_completed();
   void ready_for_use(Chunk& chunk);  // host: wait; device: order the caller's stream
   void fill_zero(Chunk& chunk, Location at);
+  // Make room, allocate, charge the tier; false (or OutOfMemoryError when `must`) without room.
+  bool give_device_memory(Chunk& chunk, bool must);
+  bool give_host_buffer(Chunk& chunk, bool must);
   std::string describe(const Chunk& chunk) const;
+  std::string describe_incoming(ChunkId incoming) const;
 
   mutable std::mutex mutex_;
   ChunkStoreOptions options_;

@@ -109,7 +109,7 @@ void Scheduler::prefetch_locked(int64_t position) {
   for (int64_t q = position + 1; q < end && static_cast<int>(seen.size()) <= options_.prefetch_depth; ++q) {
     const ChunkId c = trace_->chunk_at(q);
     if (!seen.insert(c).second) continue;
-    if (store_->chunk_info(c).location == Location::kDevice) continue;
+    if (store_->location(c) == Location::kDevice) continue;
     if (store_->prefetch(c)) ++current_.prefetches;
   }
 }

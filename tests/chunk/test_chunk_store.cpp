@@ -289,6 +289,7 @@ TEST(ChunkStore, BadInputIsRejected) {
   auto wrong = torch::zeros({16});
   EXPECT_ERROR_HAS(store.bind(0, wrong), "has slot shape [4, 4], got a tensor of shape [16]");
   EXPECT_ERROR_HAS(store.move(c, Location::kNone), "use release_payload()");
+  EXPECT_ERROR_HAS(store.set_device_budget(-5), "device budget must be >= 0 bytes");
   ChunkStoreOptions bad = simulated();
   bad.device_budget_bytes = -1;
   EXPECT_ERROR_HAS(ChunkStore store2(bad), "device budget must be >= 0");

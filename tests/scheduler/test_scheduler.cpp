@@ -190,3 +190,22 @@ TEST(Scheduler, PerMomentBudgetLeavesRoomForNonModelMemory) {
 
 }  // namespace
 }  // namespace ferry
+
+namespace ferry {
+namespace {
+
+TEST(SchedulerOptions, BadValuesAreRejected) {
+  SchedulerOptions o;
+  o.warmup_iterations = 0;
+  EXPECT_THROW(o.validate(), c10::Error);
+  o = SchedulerOptions{};
+  o.prefetch_depth = -1;
+  EXPECT_THROW(o.validate(), c10::Error);
+  o = SchedulerOptions{};
+  o.device_budget_bytes = -1;
+  EXPECT_THROW(o.validate(), c10::Error);
+  EXPECT_NO_THROW(SchedulerOptions{}.validate());
+}
+
+}  // namespace
+}  // namespace ferry
