@@ -1,8 +1,12 @@
 #include "ferry/hooks/chunked_model.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full_like.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -34,6 +38,14 @@ bool legal(ModelPhase from, ModelPhase to) {
 
 }  // namespace
 
+// Runs after autograd accumulated a parameter's .grad: hands it to the model's sink.
+struct GradLandingHook final : torch::autograd::PostAccumulateGradHook {
+  GradLandingHook(ChunkedModel* model, int64_t param) : model(model), param(param) {}
+  void operator()(const torch::autograd::Variable& tensor) override { model->land_grad(param, tensor); }
+  ChunkedModel* model;
+  int64_t param;
+};
+
 const char* to_string(ModelPhase phase) {
   switch (phase) {
     case ModelPhase::kIdle: return "idle";
@@ -58,6 +70,7 @@ ChunkedModel::ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Conf
     TORCH_CHECK(p.layout() == at::kStrided && at::isFloatingType(p.scalar_type()), "ferry: parameter ",
                 item.key(), " must be a dense floating-point tensor, got ", p.toString());
     params_.push_back(p);
+    names_.push_back(item.key());
     shapes_.push_back(p.sizes().vec());
     numels_.push_back(p.numel());
   }
@@ -97,6 +110,8 @@ void ChunkedModel::build(const std::vector<int64_t>& order) {
   const auto role = store->add_layout(ChunkRole::kParam, dtype_, layout, shapes_, Location::kHost);
   std::vector<TensorId> tensor_of_param(params_.size());
   std::vector<ChunkId> chunk_of_param(params_.size());
+  param_chunks_ = role.chunks;
+  ++layout_version_;
   for (size_t p = 0; p < params_.size(); ++p) {
     tensor_of_param[p] = role.tensors[p];
     chunk_of_param[p] = role.chunks[layout.slots()[p].chunk];
@@ -130,6 +145,36 @@ void ChunkedModel::unregister_storages() {
   registered_.clear();
 }
 
+void ChunkedModel::set_loss_scale(double scale) {
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, "ferry: loss scale must be finite and > 0, got ", scale);
+  loss_scale_ = scale;
+}
+
+void ChunkedModel::set_grad_sink(GradSink* sink) {
+  TORCH_CHECK(phase_.load() == ModelPhase::kIdle, "ferry: set_grad_sink() inside an iteration (phase ",
+              to_string(phase_.load()), ")");
+  TORCH_CHECK(!materialized_, "ferry: set_grad_sink() on a materialized ChunkedModel");
+  grad_sink_ = sink;
+  install_grad_hooks(sink != nullptr);
+}
+
+void ChunkedModel::install_grad_hooks(bool on) {
+  for (size_t p = 0; p < params_.size(); ++p) {
+    if (!params_[p].requires_grad()) continue;
+    std::unique_ptr<torch::autograd::PostAccumulateGradHook> hook;
+    if (on) hook = std::make_unique<GradLandingHook>(this, static_cast<int64_t>(p));
+    torch::autograd::impl::set_post_acc_grad_hooks(params_[p], std::move(hook));
+  }
+}
+
+void ChunkedModel::land_grad(int64_t param, const at::Tensor& variable) {
+  if (!grad_sink_) return;
+  const at::Tensor& grad = variable.grad();
+  if (!grad.defined()) return;
+  grad_sink_->land_grad(param, grad);
+  variable.mutable_grad().reset();
+}
+
 void ChunkedModel::transition(ModelPhase to) {
   const ModelPhase from = phase_.load();
   TORCH_CHECK(legal(from, to), "ferry: ChunkedModel cannot go from ", to_string(from), " to ", to_string(to),
@@ -158,11 +203,16 @@ void ChunkedModel::begin_forward() {
 void ChunkedModel::end_forward() { transition(ModelPhase::kForwardDone); }
 
 void ChunkedModel::backward(const at::Tensor& loss) {
-  TORCH_CHECK(loss.defined(), "ferry: backward() needs a defined loss");
+  TORCH_CHECK(loss.defined() && loss.numel() == 1, "ferry: backward() needs a defined scalar loss, got ",
+              loss.defined() ? loss.sizes().vec() : std::vector<int64_t>{});
   transition(ModelPhase::kBackward);
   try {
     InterceptionScope scope;
-    loss.backward();
+    if (loss_scale_ == 1.0) {
+      loss.backward();
+    } else {
+      loss.backward(at::full_like(loss, loss_scale_));
+    }
   } catch (...) {
     abort_iteration();
     throw;
@@ -206,6 +256,10 @@ void ChunkedModel::materialize() {
   if (materialized_) return;
   TORCH_CHECK(phase_.load() == ModelPhase::kIdle || phase_.load() == ModelPhase::kForwardDone,
               "ferry: materialize() inside forward/backward");
+  if (grad_sink_) {
+    install_grad_hooks(false);
+    grad_sink_ = nullptr;
+  }
   unregister_storages();
   const c10::Device device = store_->device();
   for (size_t p = 0; p < params_.size(); ++p) {

@@ -16,7 +16,10 @@
 // Contract
 //  - Parameters may only be touched by ops inside forward()/backward() (or after materialize());
 //    elsewhere their memory may be on the host and reading them is undefined (chunk/chunk.h).
-//  - .grad tensors are made by autograd as usual (device, not chunked; issue 6 moves them into chunks).
+//  - Gradients: without a GradSink, .grad tensors are made by autograd as usual (device tensors, not
+//    chunked). With one (HybridAdam installs itself), each parameter's gradient is handed to the sink
+//    as soon as autograd has accumulated it (a post-accumulate-grad hook) and .grad is reset, so no
+//    device gradient outlives its parameter's last use in backward.
 //  - An exception thrown inside forward()/backward() propagates; every parameter use it interrupted is
 //    released, the iteration is dropped from tracing, and the model stays usable.
 //  - Not for concurrent forward() calls on one ChunkedModel.
@@ -24,6 +27,7 @@
 
 #include <atomic>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -40,6 +44,14 @@ struct ChunkedModelOptions {
   bool repack_after_warmup = true;      // repack parameters in first-use order after warm-up
   std::unique_ptr<MemoryProbe> probe;   // null: the device's own probe
   int64_t host_cache_bytes = int64_t{256} << 20;
+};
+
+// Receives each parameter's gradient during backward (on autograd's thread), in compute dtype on the
+// device, already multiplied by the loss scale. The tensor is only valid during the call.
+class GradSink {
+ public:
+  virtual ~GradSink() = default;
+  virtual void land_grad(int64_t param, const at::Tensor& grad) = 0;
 };
 
 // Where a ChunkedModel is in its iteration; changed only by ChunkedModel::transition().
@@ -68,8 +80,14 @@ class ChunkedModel final : private UseListener {
       throw;
     }
   }
-  // loss.backward() with interception on, then ends the iteration.
+  // (loss * loss_scale()).backward() with interception on, then ends the iteration. `loss` must be
+  // a scalar.
   void backward(const at::Tensor& loss);
+  // The factor backward() multiplies the loss by (fp16 loss scaling; HybridAdam sets it). > 0.
+  void set_loss_scale(double scale);
+  double loss_scale() const { return loss_scale_; }
+  // Routes gradients to `sink` (null: back to autograd's .grad). Not inside an iteration.
+  void set_grad_sink(GradSink* sink);
   // Ends an iteration that had no backward (evaluation); forward() also does it implicitly.
   void end_iteration();
   // Gives every parameter plain device memory again and detaches it from ferry (the destructor).
@@ -82,6 +100,16 @@ class ChunkedModel final : private UseListener {
   int64_t num_params() const { return static_cast<int64_t>(params_.size()); }
   // Parameter index -> the tensor (as registered in the module; tied parameters once).
   const at::Tensor& param(int64_t index) const { return params_[index]; }
+  const std::string& param_name(int64_t index) const { return names_[index]; }
+  const std::vector<std::vector<int64_t>>& param_shapes() const { return shapes_; }
+  at::ScalarType compute_dtype() const { return dtype_; }
+  const Config& config() const { return config_; }
+  // The parameter's values in its chunk, wherever that is now (device or host); between iterations.
+  at::Tensor param_values(int64_t index) { return store_->view(tensor_of_param_[index]); }
+  // layout().chunks()[i] -> the ChunkId in store().
+  ChunkId param_chunk(int64_t layout_chunk) const { return param_chunks_[layout_chunk]; }
+  // Incremented by every (re)pack; who mirrors the layout compares it.
+  int64_t layout_version() const { return layout_version_; }
   IterationStats last_iteration() const { return scheduler_->last_iteration(); }
   ModelPhase phase() const { return phase_.load(); }
 
@@ -97,12 +125,20 @@ class ChunkedModel final : private UseListener {
   void build(const std::vector<int64_t>& order);
   void register_storages();
   void unregister_storages();
+  void install_grad_hooks(bool on);
+  friend struct GradLandingHook;
+  void land_grad(int64_t param, const at::Tensor& variable);
 
   std::shared_ptr<torch::nn::Module> module_;
   Config config_;
   ChunkedModelOptions options_;
   at::ScalarType dtype_;
   std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  std::vector<ChunkId> param_chunks_;
+  int64_t layout_version_ = 0;
+  double loss_scale_ = 1.0;
+  GradSink* grad_sink_ = nullptr;
   std::vector<std::vector<int64_t>> shapes_;
   std::vector<int64_t> numels_;
   ChunkLayout layout_;

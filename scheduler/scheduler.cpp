@@ -67,10 +67,11 @@ int64_t Scheduler::non_model_now_locked() {
 }
 
 void Scheduler::apply_budget_locked(int64_t position) {
-  if (options_.device_budget_bytes == 0) return;
+  const int64_t chunk_budget = chunk_budget_locked();
+  if (chunk_budget == 0) return;
   int64_t reserve = 0;
   if (trace_ && !recording_ && !diverged_) reserve = trace_->non_model_peak(position, options_.non_model_window);
-  const int64_t budget = std::max<int64_t>(1, options_.device_budget_bytes - reserve);
+  const int64_t budget = std::max<int64_t>(1, chunk_budget - reserve);
   store_->set_device_budget(budget);
 }
 
@@ -148,7 +149,7 @@ IterationStats Scheduler::end_iteration(bool aborted) {
   }
   recording_.reset();
   policy_->set_position(-1);
-  if (options_.device_budget_bytes) store_->set_device_budget(options_.device_budget_bytes);
+  if (chunk_budget_locked()) store_->set_device_budget(chunk_budget_locked());
   ++iteration_;
   last_ = current_;
   return current_;
@@ -161,7 +162,7 @@ void Scheduler::finalize_trace_locked() {
   for (ChunkId c = 0; c < store_->num_chunks(); ++c) bytes[c] = store_->chunk_info(c).nbytes;
   int64_t reserve = 0;
   for (int64_t p = 0; p < trace_->size(); ++p) reserve = std::max(reserve, trace_->non_model_at(p));
-  const int64_t budget = options_.device_budget_bytes ? std::max<int64_t>(1, options_.device_budget_bytes - reserve) : 0;
+  const int64_t budget = chunk_budget_locked() ? std::max<int64_t>(1, chunk_budget_locked() - reserve) : 0;
   optimal_bytes_ = belady_moves(*trace_, bytes, budget).total();
   policy_->set_trace(trace_);
 }
@@ -179,6 +180,36 @@ void Scheduler::relayout(ChunkStore& store, std::vector<TensorId> tensor_of_para
   chunk_of_param_ = std::move(chunk_of_param);
   repack_wanted_ = false;
   if (trace_) finalize_trace_locked();
+}
+
+int64_t Scheduler::chunk_budget_locked() const {
+  if (options_.device_budget_bytes == 0) return 0;
+  return std::max<int64_t>(1, options_.device_budget_bytes - reserved_bytes_);
+}
+
+void Scheduler::set_reserved_device_bytes(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!in_iteration_, "ferry: set_reserved_device_bytes() inside an iteration");
+  TORCH_CHECK(bytes >= 0, "ferry: reserved device bytes must be >= 0, got ", bytes);
+  TORCH_CHECK(options_.device_budget_bytes == 0 || bytes < options_.device_budget_bytes,
+              "ferry: reserving ", format_bytes(bytes), " of a device budget of ",
+              format_bytes(options_.device_budget_bytes), " leaves nothing for parameter chunks");
+  reserved_bytes_ = bytes;
+  if (options_.device_budget_bytes) store_->set_device_budget(chunk_budget_locked());
+  if (trace_) finalize_trace_locked();  // optimal bytes at the new budget
+}
+
+int64_t Scheduler::reserved_device_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return reserved_bytes_;
+}
+
+int64_t Scheduler::non_model_peak() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!trace_) return -1;
+  int64_t peak = 0;
+  for (int64_t p = 0; p < trace_->size(); ++p) peak = std::max(peak, trace_->non_model_at(p));
+  return peak;
 }
 
 bool Scheduler::following_trace() const {

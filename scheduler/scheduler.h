@@ -76,6 +76,14 @@ class Scheduler {
   // After a repack into `store`: new maps, the trace's chunks rewritten.
   void relayout(ChunkStore& store, std::vector<TensorId> tensor_of_param, std::vector<ChunkId> chunk_of_param);
 
+  // Device bytes the caller keeps outside this scheduler's chunks (HybridAdam's device-resident
+  // optimizer state): the chunk budget becomes device_budget - reserved. Between iterations only;
+  // must leave a positive budget.
+  void set_reserved_device_bytes(int64_t bytes);
+  int64_t reserved_device_bytes() const;
+  // Peak non-model device bytes over the trace (-1: no trace yet).
+  int64_t non_model_peak() const;
+
   bool following_trace() const;
   std::shared_ptr<const AccessTrace> trace() const;
   IterationStats last_iteration() const;
@@ -86,6 +94,7 @@ class Scheduler {
   void prefetch_locked(int64_t position);
   void apply_budget_locked(int64_t position);
   int64_t non_model_now_locked();
+  int64_t chunk_budget_locked() const;  // device budget minus reserved bytes (0: no limit)
 
   mutable std::mutex mutex_;
   ChunkStore* store_;
@@ -105,6 +114,7 @@ class Scheduler {
   bool in_iteration_ = false;
   bool diverged_ = false;
   int64_t optimal_bytes_ = -1;
+  int64_t reserved_bytes_ = 0;
   IterationStats current_;
   IterationStats last_;
   ChunkStoreStats at_begin_;

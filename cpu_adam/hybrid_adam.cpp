@@ -1,0 +1,358 @@
+#include "ferry/cpu_adam/hybrid_adam.h"
+
+#include <ATen/ops/_fused_adam.h>
+#include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/linalg_vector_norm.h>
+#include <ATen/ops/stack.h>
+#include <c10/util/Exception.h>
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+
+#include "ferry/chunk/copy_engine.h"
+#include "ferry/common/logging.h"
+
+namespace ferry {
+namespace {
+
+constexpr ChunkRole kRoleOf[] = {ChunkRole::kMaster, ChunkRole::kExpAvg, ChunkRole::kExpAvgSq, ChunkRole::kGrad};
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+HybridAdamOptions HybridAdamOptions::no_decay_for_bias_and_norm(const AdamOptions& defaults) {
+  HybridAdamOptions o;
+  o.defaults = defaults;
+  AdamOptions no_decay = defaults;
+  no_decay.weight_decay = 0.0;
+  o.groups.push_back({[](const std::string&, const at::Tensor& p) { return p.dim() <= 1; }, no_decay});
+  return o;
+}
+
+void HybridAdamOptions::validate() const {
+  defaults.validate();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    TORCH_CHECK(groups[g].match, "ferry: param group rule ", g + 1, " has no match function");
+    groups[g].options.validate();
+  }
+  TORCH_CHECK(std::isfinite(max_grad_norm) && max_grad_norm >= 0, "ferry: max_grad_norm must be finite and >= 0, got ",
+              max_grad_norm);
+  TORCH_CHECK(device_state_chunks >= -1, "ferry: device_state_chunks must be -1 (auto) or >= 0, got ",
+              device_state_chunks);
+  loss_scaler.validate();
+}
+
+HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
+    : model_(model),
+      options_((options.validate(), std::move(options))),
+      cpu_adam_(options_.defaults, CpuAdamConfig::from(model.config())),
+      scaler_(options_.loss_scaler) {
+  check_idle("HybridAdam()");
+  for (const auto& rule : options_.groups) cpu_adam_.add_param_group(rule.options);
+  group_of_param_.assign(model_.num_params(), 0);
+  for (int64_t p = 0; p < model_.num_params(); ++p) {
+    for (size_t g = 0; g < options_.groups.size(); ++g) {
+      if (options_.groups[g].match(model_.param_name(p), model_.param(p))) {
+        group_of_param_[p] = static_cast<int>(g) + 1;
+        break;
+      }
+    }
+  }
+  scaling_ = model_.compute_dtype() == at::kHalf;
+  model_.set_loss_scale(scaling_ ? scaler_.scale() : 1.0);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    build_state_locked();
+  }
+  model_.set_grad_sink(this);
+  log::info("ferry: HybridAdam over ", model_.num_params(), " parameters in ", num_param_groups(), " groups, ",
+            spans_.size(), " state chunk quartets (fp32 master, exp_avg, exp_avg_sq, grad), CPU kernel ",
+            to_string(cpu_adam_.isa()), " x", cpu_adam_.threads(), " threads",
+            scaling_ ? ", fp16 dynamic loss scaling" : "");
+}
+
+HybridAdam::~HybridAdam() {
+  try {
+    if (model_.phase() == ModelPhase::kIdle) {
+      model_.set_grad_sink(nullptr);
+      model_.set_loss_scale(1.0);
+      if (placed_) model_.scheduler().set_reserved_device_bytes(0);
+    }
+  } catch (const std::exception& e) {
+    log::error("ferry: HybridAdam could not detach from the model: ", e.what());
+  }
+}
+
+void HybridAdam::check_idle(const char* what) const {
+  const ModelPhase phase = model_.phase();
+  TORCH_CHECK(phase == ModelPhase::kIdle || phase == ModelPhase::kForwardDone, "ferry: HybridAdam ", what,
+              " while the model is in ", to_string(phase), "; call it between iterations");
+}
+
+void HybridAdam::build_state_locked() {
+  const ChunkLayout& layout = model_.layout();
+  ChunkStoreOptions store_options = ChunkStoreOptions::from(model_.config());
+  store_options.device_budget_bytes = 0;  // placement is decided here, and reserved in the scheduler
+  store_options.host_budget_bytes = 0;
+  auto store = std::make_unique<ChunkStore>(store_options);
+  std::vector<ChunkStore::RoleChunks> roles;
+  for (int r = 0; r < kNumRoles; ++r) {
+    roles.push_back(store->add_layout(kRoleOf[r], at::kFloat, layout, model_.param_shapes(), Location::kHost));
+  }
+  for (int64_t p = 0; p < model_.num_params(); ++p) {
+    if (store_) {  // the model was repacked: carry every role over, parameter by parameter
+      for (int r = 0; r < kNumRoles; ++r) store->view(roles[r].tensors[p]).copy_(store_->view(roles_[r].tensors[p]));
+    } else {
+      store->view(roles[kMasterRole].tensors[p]).copy_(model_.param_values(p));
+    }
+  }
+  if (placed_ && store_) {
+    model_.scheduler().set_reserved_device_bytes(0);
+    placed_ = false;
+  }
+  store_ = std::move(store);
+  roles_ = std::move(roles);
+  layout_version_ = model_.layout_version();
+  on_device_.assign(layout.num_chunks(), 0);
+  spans_.assign(layout.num_chunks(), {});
+  for (int64_t c = 0; c < layout.num_chunks(); ++c) {
+    for (int64_t t : layout.chunks()[c].tensors) {
+      const Slot& slot = layout.slots()[t];
+      if (slot.numel == 0) continue;
+      const int g = group_of_param_[t];
+      auto& spans = spans_[c];
+      // Consecutive slots of one group form one span (alignment gaps are zero in every role and stay so).
+      if (!spans.empty() && spans.back().group == g) {
+        spans.back().end = slot.offset + slot.numel;
+      } else {
+        spans.push_back({g, slot.offset, slot.offset + slot.numel});
+      }
+    }
+  }
+}
+
+void HybridAdam::sync_layout_locked() {
+  if (layout_version_ != model_.layout_version()) build_state_locked();
+}
+
+int64_t HybridAdam::state_bytes_per_chunk(int64_t layout_chunk) const {
+  return kNumRoles * model_.layout().chunks()[layout_chunk].numel * static_cast<int64_t>(sizeof(float));
+}
+
+int64_t HybridAdam::device_state_chunks() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t n = 0;
+  for (char d : on_device_) n += d;
+  return n;
+}
+
+void HybridAdam::place_locked() {
+  if (placed_ || !model_.scheduler().trace()) return;  // decided once, after warm-up
+  const int64_t n = static_cast<int64_t>(spans_.size());
+  int64_t count = 0;
+  const int64_t budget = model_.config().device_budget_bytes;
+  int64_t margin = -1;
+  if (options_.device_state_chunks >= 0) {
+    count = std::min(options_.device_state_chunks, n);
+  } else if (budget == 0) {
+    count = n;
+  } else {
+    int64_t param_bytes = 0;
+    for (int64_t c = 0; c < n; ++c) param_bytes += model_.store().chunk_info(model_.param_chunk(c)).nbytes;
+    margin = budget - std::max<int64_t>(0, model_.scheduler().non_model_peak()) - param_bytes;
+    int64_t used = 0;
+    while (count < n && used + state_bytes_per_chunk(n - 1 - count) <= margin) used += state_bytes_per_chunk(n - 1 - count++);
+  }
+  int64_t reserved = 0;
+  for (int64_t k = 0; k < count; ++k) reserved += state_bytes_per_chunk(n - 1 - k);
+  if (budget) model_.scheduler().set_reserved_device_bytes(reserved);  // throws, changing nothing, if too much
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t c = n - 1 - k;
+    for (int r = 0; r < kNumRoles; ++r) store_->move(roles_[r].chunks[c], Location::kDevice);
+    on_device_[c] = 1;
+  }
+  placed_ = true;
+  log::info("ferry: HybridAdam placed optimizer state: ", count, " of ", n, " chunk quartets on the device (",
+            format_bytes(reserved), ")", margin >= 0 ? ", margin after parameters and non-model peak " : "",
+            margin >= 0 ? format_bytes(std::max<int64_t>(0, margin)) : std::string());
+}
+
+void HybridAdam::land_grad(int64_t param, const at::Tensor& grad) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  sync_layout_locked();
+  TORCH_CHECK(grad.layout() == at::kStrided, "ferry: HybridAdam needs dense gradients; parameter ",
+              model_.param_name(param), " got a ", grad.layout(), " one");
+  at::Tensor slot = store_->view(roles_[kGradRole].tensors[param]);
+  slot.add_(grad.to(slot.device(), at::kFloat));
+  grads_landed_ = true;
+}
+
+double HybridAdam::loss_scale() const { return scaling_ ? scaler_.scale() : 1.0; }
+
+void HybridAdam::set_lr(int group, double lr) {
+  AdamOptions o = cpu_adam_.options(group);
+  o.lr = lr;
+  o.validate();
+  cpu_adam_.set_options(group, o);
+}
+
+void HybridAdam::set_lr(double lr) {
+  TORCH_CHECK(std::isfinite(lr) && lr >= 0, "ferry: lr must be finite and >= 0, got ", lr);
+  for (int g = 0; g < num_param_groups(); ++g) set_lr(g, lr);
+}
+
+StepResult HybridAdam::step() {
+  check_idle("step()");
+  std::lock_guard<std::mutex> lock(mutex_);
+  sync_layout_locked();
+  TORCH_CHECK(grads_landed_, "ferry: HybridAdam::step() found no gradients since the last zero_grad(); call "
+                             "model.backward(loss) first");
+  place_locked();
+  StepResult result;
+  result.loss_scale = loss_scale();
+  const int64_t n = static_cast<int64_t>(spans_.size());
+
+  // 1. Norms and finiteness, one host sync for all device chunks.
+  int64_t t0 = now_ns();
+  std::vector<double> sum_sq(n, 0.0);
+  bool nonfinite = false;
+  std::vector<at::Tensor> device_norms;
+  std::vector<int64_t> device_index;
+  for (int64_t c = 0; c < n; ++c) {
+    at::Tensor g = store_->payload(roles_[kGradRole].chunks[c]);
+    if (on_device_[c]) {
+      device_norms.push_back(at::linalg_vector_norm(g, 2));
+      device_index.push_back(c);
+      ++result.device_chunks;
+    } else {
+      const GradNorm norm = cpu_adam_.grad_norm_sq(g.data_ptr(), at::kFloat, g.numel());
+      sum_sq[c] = norm.sum_sq;
+      nonfinite = nonfinite || norm.nonfinite;
+      ++result.host_chunks;
+    }
+  }
+  if (!device_norms.empty()) {
+    const at::Tensor norms = at::stack(device_norms).to(at::kCPU, at::kDouble);
+    const double* v = norms.data_ptr<double>();
+    for (size_t k = 0; k < device_index.size(); ++k) {
+      nonfinite = nonfinite || !std::isfinite(v[k]);
+      sum_sq[device_index[k]] = v[k] * v[k];
+    }
+  }
+  double total = 0.0;
+  for (double s : sum_sq) total += s;
+  result.norm_ns = now_ns() - t0;
+  if (nonfinite || !std::isfinite(total)) {
+    result.overflow = true;
+    result.grad_norm = std::numeric_limits<double>::infinity();
+    if (scaling_) {
+      scaler_.update(true);
+      model_.set_loss_scale(scaler_.scale());
+      log::info("ferry: non-finite gradient at loss scale ", result.loss_scale, ": step skipped, scale now ",
+                scaler_.scale());
+    } else {
+      log::warn("ferry: non-finite gradient: step skipped (the parameters and optimizer state are unchanged)");
+    }
+    return result;
+  }
+  result.grad_norm = std::sqrt(total) / result.loss_scale;
+  if (options_.max_grad_norm > 0) {
+    result.clip_coef = std::min(1.0, options_.max_grad_norm / (result.grad_norm + 1e-6));
+  }
+  const double grad_scale = result.clip_coef / result.loss_scale;
+
+  // 2. Update: device chunks with torch's fused kernel, host chunks with CpuAdam.
+  for (int g = 0; g < num_param_groups(); ++g) cpu_adam_.advance_step(g);
+  t0 = now_ns();
+  for (int64_t c = 0; c < n; ++c) {
+    if (!on_device_[c]) continue;
+    at::Tensor p = store_->payload(roles_[kMasterRole].chunks[c]);
+    at::Tensor m = store_->payload(roles_[kExpAvgRole].chunks[c]);
+    at::Tensor v = store_->payload(roles_[kExpAvgSqRole].chunks[c]);
+    at::Tensor g = store_->payload(roles_[kGradRole].chunks[c]);
+    for (const Span& s : spans_[c]) {
+      const AdamOptions& o = cpu_adam_.options(s.group);
+      at::Tensor gs = g.slice(0, s.begin, s.end);
+      if (grad_scale != 1.0) gs = gs * grad_scale;  // a temporary: the landed gradients stay as they are
+      at::Tensor steps = at::full({}, static_cast<double>(cpu_adam_.step_count(s.group)), p.options());
+      auto args = std::make_tuple(p.slice(0, s.begin, s.end), m.slice(0, s.begin, s.end), v.slice(0, s.begin, s.end));
+      if (o.mode == AdamMode::kAdamW) {
+        at::_fused_adamw_({std::get<0>(args)}, {gs}, {std::get<1>(args)}, {std::get<2>(args)}, {}, {steps}, o.lr,
+                          o.beta1, o.beta2, o.weight_decay, o.eps, /*amsgrad=*/false, /*maximize=*/false);
+      } else {
+        at::_fused_adam_({std::get<0>(args)}, {gs}, {std::get<1>(args)}, {std::get<2>(args)}, {}, {steps}, o.lr,
+                         o.beta1, o.beta2, o.weight_decay, o.eps, /*amsgrad=*/false, /*maximize=*/false);
+      }
+    }
+  }
+  result.device_update_ns = now_ns() - t0;
+  t0 = now_ns();
+  UpdateOptions update_options;
+  update_options.grad_scale = grad_scale;
+  update_options.grads_checked = true;
+  for (int64_t c = 0; c < n; ++c) {
+    if (on_device_[c]) continue;
+    float* p = store_->payload(roles_[kMasterRole].chunks[c]).data_ptr<float>();
+    float* m = store_->payload(roles_[kExpAvgRole].chunks[c]).data_ptr<float>();
+    float* v = store_->payload(roles_[kExpAvgSqRole].chunks[c]).data_ptr<float>();
+    const float* g = store_->payload(roles_[kGradRole].chunks[c]).data_ptr<float>();
+    for (const Span& s : spans_[c]) {
+      AdamSpan span;
+      span.param = p + s.begin;
+      span.grad = g + s.begin;
+      span.grad_dtype = at::kFloat;
+      span.exp_avg = m + s.begin;
+      span.exp_avg_sq = v + s.begin;
+      span.numel = s.end - s.begin;
+      cpu_adam_.update(s.group, span, update_options);
+    }
+  }
+  result.host_update_ns = now_ns() - t0;
+
+  // 3. The parameters in compute dtype.
+  t0 = now_ns();
+  write_back_locked();
+  result.writeback_ns = now_ns() - t0;
+  if (scaling_) {
+    scaler_.update(false);
+    model_.set_loss_scale(scaler_.scale());
+  }
+  result.applied = true;
+  return result;
+}
+
+void HybridAdam::write_back_locked() {
+  for (int64_t c = 0; c < static_cast<int64_t>(spans_.size()); ++c) {
+    model_.store().payload(model_.param_chunk(c)).copy_(store_->payload(roles_[kMasterRole].chunks[c]));
+  }
+}
+
+void HybridAdam::zero_grad() {
+  check_idle("zero_grad()");
+  std::lock_guard<std::mutex> lock(mutex_);
+  sync_layout_locked();
+  for (ChunkId c : roles_[kGradRole].chunks) store_->payload(c).zero_();
+  grads_landed_ = false;
+}
+
+at::Tensor HybridAdam::state_view(Role role, int64_t param) {
+  TORCH_CHECK(param >= 0 && param < model_.num_params(), "ferry: parameter index ", param, " out of range [0, ",
+              model_.num_params(), ")");
+  check_idle("state view");
+  std::lock_guard<std::mutex> lock(mutex_);
+  sync_layout_locked();
+  return store_->view(roles_[role].tensors[param]).clone();
+}
+
+at::Tensor HybridAdam::master(int64_t param) { return state_view(kMasterRole, param); }
+at::Tensor HybridAdam::exp_avg(int64_t param) { return state_view(kExpAvgRole, param); }
+at::Tensor HybridAdam::exp_avg_sq(int64_t param) { return state_view(kExpAvgSqRole, param); }
+at::Tensor HybridAdam::grad(int64_t param) { return state_view(kGradRole, param); }
+
+}  // namespace ferry

@@ -1,0 +1,161 @@
+#pragma once
+// HybridAdam: Adam/AdamW over a ChunkedModel's parameters with the optimizer state in chunks, each
+// chunk updated where it lives — on the device (torch's fused Adam) or on the host (CpuAdam).
+//
+//   ferry::ChunkedModel model(net, config);
+//   ferry::HybridAdam adam(model, ferry::HybridAdamOptions::no_decay_for_bias_and_norm({.lr = 3e-4}));
+//   for (...) {
+//     auto loss = model.forward([&] { return criterion(net->forward(x), y); });
+//     model.backward(loss);              // grads land in fp32 grad chunks, .grad stays undefined
+//     adam.step();                       // clip, unscale, update, write compute-dtype params back
+//     adam.zero_grad();
+//   }
+//
+// State: per layout chunk of the model, four fp32 chunks mirroring it in a ChunkStore of their own:
+// master params, exp_avg, exp_avg_sq and the accumulated gradient (so micro-batches accumulate in
+// fp32, whatever the compute dtype). All four live together, on the device or the host.
+//
+// Placement: until the model's warm-up has finished, all state is on the host. At the first step()
+// after it, HybridAdam takes the margin = device budget - peak non-model bytes - all parameter chunk
+// bytes (0 when parameters do not all fit) and moves as many state chunk quartets to the device as fit
+// there (the last layout chunks first: their grads land first in backward). Those bytes are reserved
+// out of the scheduler's chunk budget, so the budget invariant still holds. Device budget 0 means no
+// limit (everything on the device). `device_state_chunks` overrides the count.
+//
+// A step (step()):
+//  1. Per chunk, the grad norm and finiteness (device: one reduction each, one host sync for all;
+//     host: CpuAdam::grad_norm_sq). A non-finite grad anywhere skips the step: nothing is written,
+//     the loss scaler (fp16) backs off, step counts stay.
+//  2. coef = clip coefficient (max_grad_norm / (norm + 1e-6), at most 1, as clip_grad_norm_) / loss scale.
+//  3. Each group's step count advances; every chunk is updated with grads scaled by coef.
+//  4. The updated fp32 masters are written into the parameter chunks in the compute dtype.
+//
+// Contract
+//  - step(), zero_grad(), save(), load() and the state views are for between iterations (the model
+//    idle); gradients land during backward on autograd's thread.
+//  - step() needs gradients landed since the last zero_grad(); otherwise it fails and changes nothing.
+//  - Gradients accumulate across backward() calls until zero_grad() (gradient accumulation: scale each
+//    micro-batch's loss by 1/N yourself). step() leaves the gradients as they were landed.
+//  - The model's parameters must not be changed by others while a HybridAdam holds it: the masters are
+//    the truth, and every step overwrites the parameter chunks from them.
+//  - The HybridAdam must not outlive the ChunkedModel.
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "ferry/chunk/chunk_store.h"
+#include "ferry/cpu_adam/adam_options.h"
+#include "ferry/cpu_adam/cpu_adam.h"
+#include "ferry/cpu_adam/loss_scaler.h"
+#include "ferry/hooks/chunked_model.h"
+
+namespace ferry {
+
+// Parameters whose (name, tensor) `match` returns true go into a group with `options`.
+struct ParamGroupRule {
+  std::function<bool(const std::string& name, const at::Tensor& param)> match;
+  AdamOptions options;
+};
+
+struct HybridAdamOptions {
+  AdamOptions defaults;                 // group 0: every parameter no rule matched
+  std::vector<ParamGroupRule> groups;   // groups 1.. in order; the first matching rule wins
+  double max_grad_norm = 0.0;           // global L2 clipping (0: none)
+  LossScalerOptions loss_scaler;        // used when the model's precision is fp16
+  int64_t device_state_chunks = -1;     // -1: as many as fit after warm-up; else this many (at most all)
+
+  // `defaults` for matrices; biases and norm weights (tensors of dim <= 1) in group 1 without decay.
+  static HybridAdamOptions no_decay_for_bias_and_norm(const AdamOptions& defaults);
+  void validate() const;
+};
+
+struct StepResult {
+  bool applied = false;     // the update was written
+  bool overflow = false;    // a non-finite gradient skipped it
+  double grad_norm = 0.0;   // global L2 norm of the (unscaled, unclipped) gradients; inf/NaN on overflow
+  double clip_coef = 1.0;   // factor the gradients were clipped by
+  double loss_scale = 1.0;  // the scale the gradients of this step carried
+  int64_t device_chunks = 0;  // layout chunks updated on the device
+  int64_t host_chunks = 0;    // ... on the host
+  int64_t norm_ns = 0, device_update_ns = 0, host_update_ns = 0, writeback_ns = 0;
+};
+
+class HybridAdam final : private GradSink {
+ public:
+  HybridAdam(ChunkedModel& model, HybridAdamOptions options = {});
+  ~HybridAdam() override;
+  HybridAdam(const HybridAdam&) = delete;
+  HybridAdam& operator=(const HybridAdam&) = delete;
+
+  StepResult step();
+  // Zeroes the accumulated gradients.
+  void zero_grad();
+
+  int num_param_groups() const { return cpu_adam_.num_param_groups(); }
+  int group_of(int64_t param) const { return group_of_param_[param]; }
+  const AdamOptions& group_options(int group) const { return cpu_adam_.options(group); }
+  double lr(int group = 0) const { return cpu_adam_.options(group).lr; }
+  void set_lr(int group, double lr);
+  void set_lr(double lr);  // every group
+  int64_t step_count(int group = 0) const { return cpu_adam_.step_count(group); }
+  double loss_scale() const;
+  const DynamicLossScaler& loss_scaler() const { return scaler_; }
+  bool uses_loss_scaling() const { return scaling_; }
+
+  // Placement: whether it was decided (after warm-up), and how many layout chunks are on the device.
+  bool placed() const { return placed_; }
+  int64_t device_state_chunks() const;
+  int64_t state_bytes_per_chunk(int64_t layout_chunk) const;
+
+  // fp32 views of one parameter's state, wherever it lives (tests, reports); between iterations.
+  at::Tensor master(int64_t param);
+  at::Tensor exp_avg(int64_t param);
+  at::Tensor exp_avg_sq(int64_t param);
+  at::Tensor grad(int64_t param);
+  ChunkStore& state_store() { return *store_; }
+
+  // Save/resume the full training state into/from directory `dir` (see docs/CHECKPOINT.md): fp32
+  // masters and moments streamed one parameter at a time, step counts, lr and options per group,
+  // loss scaler. load() checks the whole checkpoint against this model first (names, shapes, group
+  // count, file sizes) and changes nothing if it does not match; then it writes the parameters.
+  void save(const std::string& dir);
+  void load(const std::string& dir);
+
+ private:
+  enum Role { kMasterRole = 0, kExpAvgRole, kExpAvgSqRole, kGradRole, kNumRoles };
+  struct Span {
+    int group;
+    int64_t begin, end;  // elements of the chunk
+  };
+
+  void land_grad(int64_t param, const at::Tensor& grad) override;
+  void sync_layout_locked();       // rebuilds the state store if the model was repacked
+  void build_state_locked();
+  void place_locked();             // after warm-up: decide and move
+  void check_idle(const char* what) const;
+  at::Tensor state_view(Role role, int64_t param);
+  void write_back_locked();
+
+  ChunkedModel& model_;
+  HybridAdamOptions options_;
+  CpuAdam cpu_adam_;
+  DynamicLossScaler scaler_;
+  bool scaling_ = false;
+  std::vector<int> group_of_param_;
+
+  mutable std::mutex mutex_;
+  std::unique_ptr<ChunkStore> store_;
+  int64_t layout_version_ = -1;
+  std::vector<ChunkStore::RoleChunks> roles_;       // kNumRoles
+  std::vector<std::vector<Span>> spans_;            // per layout chunk
+  std::vector<char> on_device_;                     // per layout chunk
+  bool placed_ = false;
+  bool grads_landed_ = false;
+};
+
+}  // namespace ferry

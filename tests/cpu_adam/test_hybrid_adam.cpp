@@ -1,0 +1,426 @@
+// HybridAdam on a ChunkedModel, on the simulated device with budgets that force evictions every
+// iteration and the optimizer state split between device and host: 20 steps equal the unwrapped model
+// trained by torch::optim::AdamW; gradient accumulation equals the big batch; clipping equals
+// clip_grad_norm_; fp16 overflow skips the step and backs the scale off; save/resume continues
+// bit-identically; bad input fails with a clear error and changes nothing.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+
+#include "ferry/cpu_adam/hybrid_adam.h"
+#include "ferry/hooks/chunked_model.h"
+
+namespace ferry {
+namespace {
+
+// A small language model: embedding, two residual MLP blocks with LayerNorm, tied output head.
+struct TinyLmImpl : torch::nn::Module {
+  TinyLmImpl(int64_t vocab, int64_t d) {
+    wte = register_module("wte", torch::nn::Embedding(vocab, d));
+    for (int i = 0; i < 2; ++i) {
+      ln.push_back(register_module("ln" + std::to_string(i), torch::nn::LayerNorm(torch::nn::LayerNormOptions({d}))));
+      fc.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(d, 4 * d)));
+      out.push_back(register_module("out" + std::to_string(i), torch::nn::Linear(4 * d, d)));
+    }
+    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+  }
+  torch::Tensor forward(const torch::Tensor& idx) {
+    auto x = wte(idx);
+    for (int i = 0; i < 2; ++i) x = x + out[i](torch::gelu(fc[i](ln[i](x))));
+    return torch::matmul(ln_f(x), wte->weight.t());
+  }
+  torch::nn::Embedding wte{nullptr};
+  std::vector<torch::nn::LayerNorm> ln;
+  std::vector<torch::nn::Linear> fc, out;
+  torch::nn::LayerNorm ln_f{nullptr};
+};
+TORCH_MODULE(TinyLm);
+
+constexpr int64_t kVocab = 64, kDim = 32, kChunk = 16 << 10;  // every tensor fits one 16 KiB chunk
+
+torch::Tensor lm_loss(TinyLm& net, const torch::Tensor& idx, const torch::Tensor& target) {
+  auto logits = net->forward(idx);
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), target.reshape({-1}));
+}
+
+struct Batch {
+  torch::Tensor idx, target;
+};
+Batch batch(int64_t step, int64_t b = 4, int64_t t = 8) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
+  auto idx = torch::randint(kVocab, {b, t}, gen, torch::kLong);
+  return {idx, (idx * 7 + 3) % kVocab};  // a learnable mapping
+}
+
+Config sim_config(int64_t budget, Precision precision = Precision::kFp32) {
+  Config c;
+  c.device = DeviceKind::kSimulated;
+  c.chunk_size_bytes = kChunk;
+  c.device_budget_bytes = budget;
+  c.precision = precision;
+  return c;
+}
+
+AdamOptions adamw(double lr = 1e-2) {
+  AdamOptions o;
+  o.lr = lr;
+  o.weight_decay = 0.1;
+  return o;
+}
+
+// torch's AdamW with the same two groups as HybridAdamOptions::no_decay_for_bias_and_norm.
+std::unique_ptr<torch::optim::AdamW> reference_adamw(TinyLm& ref, double lr = 1e-2) {
+  std::vector<torch::Tensor> decay, no_decay;
+  for (auto& p : ref->parameters()) (p.dim() <= 1 ? no_decay : decay).push_back(p);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
+                                 torch::optim::AdamWOptions(lr).weight_decay(0.1).eps(1e-8)));
+  groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
+                                    torch::optim::AdamWOptions(lr).weight_decay(0.0).eps(1e-8)));
+  return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(lr));
+}
+
+// Tensor-wise relative error max|a - b| / max|b|. (Element-wise ratios are dominated by entries near
+// zero, where a few ulps of op-order noise between two correct Adam implementations show up as 1e-5.)
+double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
+  const auto a64 = a.to(torch::kDouble), b64 = b.to(torch::kDouble);
+  const double scale = std::max(b64.abs().max().item<double>(), 1e-30);
+  return (a64 - b64).abs().max().item<double>() / scale;
+}
+
+// Every master equals the reference parameter of the same name within `tol`.
+void expect_masters_match(HybridAdam& adam, ChunkedModel& model, TinyLm& ref, double tol, const std::string& what) {
+  auto named = ref->named_parameters();
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    const auto& name = model.param_name(p);
+    EXPECT_LE(rel_err(adam.master(p), named[name].detach()), tol) << what << ": " << name;
+  }
+}
+
+// Budget: `param_chunks` parameter chunks plus `state_chunks` state quartets (4 fp32 chunks each).
+int64_t budget_for(int64_t param_chunks, int64_t state_chunks) { return (param_chunks + 4 * state_chunks) * kChunk; }
+
+TEST(HybridAdam, TwentyStepsEqualTorchAdamWWithEvictionsAndSplitState) {
+  torch::manual_seed(3);
+  TinyLm ref(kVocab, kDim);
+  torch::manual_seed(3);
+  TinyLm net(kVocab, kDim);
+  auto ref_opt = reference_adamw(ref);
+  ChunkedModel model(net.ptr(), sim_config(budget_for(3, 2)));
+  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+  options.device_state_chunks = 2;
+  HybridAdam adam(model, options);
+  ASSERT_EQ(adam.num_param_groups(), 2);
+  int64_t evictions = 0;
+  for (int step = 0; step < 20; ++step) {
+    const Batch b = batch(step);
+    ref_opt->zero_grad();
+    auto ref_loss = lm_loss(ref, b.idx, b.target);
+    ref_loss.backward();
+    ref_opt->step();
+    auto loss = model.forward([&] { return lm_loss(net, b.idx, b.target); });
+    model.backward(loss);
+    const StepResult r = adam.step();
+    adam.zero_grad();
+    ASSERT_TRUE(r.applied) << "step " << step;
+    EXPECT_NEAR(loss.item<double>(), ref_loss.item<double>(), 1e-5 * std::abs(ref_loss.item<double>()));
+    if (step > 0) {  // placed after warm-up: 2 quartets on the device, the rest on the host
+      EXPECT_EQ(r.device_chunks, 2);
+      EXPECT_EQ(r.host_chunks, model.layout().num_chunks() - 2);
+      const IterationStats it = model.last_iteration();
+      EXPECT_LE(it.device_peak_bytes, 3 * kChunk) << "step " << step;
+      evictions += it.evictions;
+    }
+    for (auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined()) << "grads go to chunks, not .grad";
+  }
+  EXPECT_TRUE(adam.placed());
+  EXPECT_EQ(adam.device_state_chunks(), 2);
+  EXPECT_EQ(model.scheduler().reserved_device_bytes(), 2 * 4 * kChunk);
+  EXPECT_GT(evictions, 19) << "the budget must force evictions every iteration";
+  EXPECT_EQ(adam.step_count(0), 20);
+  expect_masters_match(adam, model, ref, 1e-6, "after 20 steps");
+  // The compute copies equal the masters (fp32: exactly).
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    EXPECT_TRUE(torch::equal(model.param_values(p).cpu(), adam.master(p))) << model.param_name(p);
+  }
+}
+
+TEST(HybridAdam, PlacementFollowsTheMargin) {
+  {  // a generous budget: every quartet fits beside the parameters
+    torch::manual_seed(0);
+    TinyLm net(kVocab, kDim);
+    ChunkedModel model(net.ptr(), sim_config(budget_for(40, 40)));
+    HybridAdam adam(model, HybridAdamOptions{});
+    EXPECT_FALSE(adam.placed());
+    for (int step = 0; step < 2; ++step) {
+      const Batch b = batch(step);
+      model.backward(model.forward([&] { return lm_loss(net, b.idx, b.target); }));
+      adam.step();
+      adam.zero_grad();
+    }
+    EXPECT_TRUE(adam.placed());
+    EXPECT_EQ(adam.device_state_chunks(), model.layout().num_chunks());
+  }
+  {  // parameters alone do not fit: all state stays on the host
+    torch::manual_seed(0);
+    TinyLm net(kVocab, kDim);
+    ChunkedModel model(net.ptr(), sim_config(budget_for(3, 0)));
+    HybridAdam adam(model, HybridAdamOptions{});
+    for (int step = 0; step < 2; ++step) {
+      const Batch b = batch(step);
+      model.backward(model.forward([&] { return lm_loss(net, b.idx, b.target); }));
+      const StepResult r = adam.step();
+      adam.zero_grad();
+      EXPECT_EQ(r.device_chunks, 0);
+    }
+    EXPECT_TRUE(adam.placed());
+    EXPECT_EQ(adam.device_state_chunks(), 0);
+  }
+}
+
+TEST(HybridAdam, AccumulationEqualsTheBigBatch) {
+  torch::manual_seed(5);
+  TinyLm big_net(kVocab, kDim);
+  torch::manual_seed(5);
+  TinyLm micro_net(kVocab, kDim);
+  ChunkedModel big(big_net.ptr(), sim_config(budget_for(3, 1)));
+  ChunkedModel micro(micro_net.ptr(), sim_config(budget_for(3, 1)));
+  HybridAdamOptions options;
+  options.defaults = adamw();
+  options.device_state_chunks = 1;
+  HybridAdam big_adam(big, options), micro_adam(micro, options);
+  for (int step = 0; step < 3; ++step) {
+    const Batch b = batch(step, /*b=*/8);
+    big.backward(big.forward([&] { return lm_loss(big_net, b.idx, b.target); }));
+    const int n = 4;
+    for (int k = 0; k < n; ++k) {
+      auto idx = b.idx.narrow(0, 2 * k, 2), target = b.target.narrow(0, 2 * k, 2);
+      micro.backward(micro.forward([&] { return lm_loss(micro_net, idx, target) / n; }));
+    }
+    for (int64_t p = 0; p < big.num_params(); ++p) {
+      EXPECT_LE(rel_err(micro_adam.grad(p), big_adam.grad(p)), 1e-5) << "step " << step << " grad of "
+                                                                           << big.param_name(p);
+    }
+    big_adam.step();
+    micro_adam.step();
+    big_adam.zero_grad();
+    micro_adam.zero_grad();
+  }
+  for (int64_t p = 0; p < big.num_params(); ++p) {
+    EXPECT_LE(rel_err(micro_adam.master(p), big_adam.master(p)), 1e-5) << big.param_name(p);
+  }
+}
+
+TEST(HybridAdam, ClippingMatchesClipGradNorm) {
+  torch::manual_seed(7);
+  TinyLm ref(kVocab, kDim);
+  torch::manual_seed(7);
+  TinyLm net(kVocab, kDim);
+  auto ref_opt = reference_adamw(ref);
+  ChunkedModel model(net.ptr(), sim_config(budget_for(3, 1)));
+  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+  options.max_grad_norm = 0.05;
+  options.device_state_chunks = 1;
+  HybridAdam adam(model, options);
+  for (int step = 0; step < 5; ++step) {
+    const Batch b = batch(step);
+    ref_opt->zero_grad();
+    lm_loss(ref, b.idx, b.target).backward();
+    const double ref_norm = torch::nn::utils::clip_grad_norm_(ref->parameters(), 0.05);
+    ref_opt->step();
+    model.backward(model.forward([&] { return lm_loss(net, b.idx, b.target); }));
+    const StepResult r = adam.step();
+    adam.zero_grad();
+    EXPECT_NEAR(r.grad_norm, ref_norm, 1e-5 * ref_norm) << "step " << step;
+    EXPECT_LT(r.clip_coef, 1.0) << "the threshold must actually clip";
+  }
+  expect_masters_match(adam, model, ref, 1e-6, "clipped");
+}
+
+TEST(HybridAdam, Fp16OverflowSkipsTheStepAndBacksOff) {
+  torch::manual_seed(9);
+  TinyLm net(kVocab, kDim);
+  ChunkedModel model(net.ptr(), sim_config(0, Precision::kFp16));
+  HybridAdamOptions options;
+  options.defaults = adamw();
+  options.loss_scaler.initial_scale = 1e30;  // fp16 gradients overflow for sure
+  options.loss_scaler.hysteresis = 2;
+  options.loss_scaler.min_scale = 1.0;
+  HybridAdam adam(model, options);
+  ASSERT_TRUE(adam.uses_loss_scaling());
+  const at::Tensor master_before = adam.master(0), param_before = model.param_values(0).clone();
+  const Batch b = batch(0);
+  auto run = [&] {
+    model.backward(model.forward([&] { return lm_loss(net, b.idx, b.target); }));
+    const StepResult r = adam.step();
+    adam.zero_grad();
+    return r;
+  };
+  StepResult r = run();
+  EXPECT_TRUE(r.overflow);
+  EXPECT_FALSE(r.applied);
+  EXPECT_EQ(adam.loss_scale(), 1e30) << "hysteresis 2: the first overflow does not back off";
+  r = run();
+  EXPECT_TRUE(r.overflow);
+  EXPECT_EQ(adam.loss_scale(), 0.5e30);
+  EXPECT_EQ(model.loss_scale(), 0.5e30) << "the model's backward uses the new scale";
+  EXPECT_EQ(adam.step_count(0), 0);
+  EXPECT_TRUE(torch::equal(adam.master(0), master_before));
+  EXPECT_TRUE(torch::equal(model.param_values(0), param_before));
+  // A sane scale trains: the update is applied and the gradients were unscaled.
+  HybridAdamOptions sane = options;
+  sane.loss_scaler.initial_scale = 1024;
+  torch::manual_seed(9);
+  TinyLm net2(kVocab, kDim);
+  ChunkedModel model2(net2.ptr(), sim_config(0, Precision::kFp16));
+  HybridAdam adam2(model2, sane);
+  model2.backward(model2.forward([&] { return lm_loss(net2, b.idx, b.target); }));
+  const StepResult ok = adam2.step();
+  EXPECT_TRUE(ok.applied);
+  EXPECT_EQ(ok.loss_scale, 1024);
+  EXPECT_GT(ok.grad_norm, 0.01);
+  EXPECT_LT(ok.grad_norm, 100.0) << "the loss scale must be divided out";
+}
+
+TEST(LossScaler, GrowsBacksOffAndKeepsHysteresis) {
+  LossScalerOptions o;
+  o.initial_scale = 8;
+  o.growth_interval = 3;
+  o.hysteresis = 2;
+  o.min_scale = 2;
+  DynamicLossScaler s(o);
+  s.update(false);
+  s.update(false);
+  EXPECT_EQ(s.scale(), 8);
+  s.update(false);
+  EXPECT_EQ(s.scale(), 16);
+  s.update(true);  // hysteresis: tolerated
+  EXPECT_EQ(s.scale(), 16);
+  s.update(true);
+  EXPECT_EQ(s.scale(), 8);
+  s.update(true);
+  s.update(true);
+  EXPECT_EQ(s.scale(), 4);
+  for (int i = 0; i < 4; ++i) s.update(true);
+  EXPECT_EQ(s.scale(), 2) << "never below min_scale";
+  EXPECT_EQ(s.state().overflows, 8);
+  LossScalerOptions bad = o;
+  bad.backoff_factor = 1.5;
+  EXPECT_THROW(DynamicLossScaler{bad}, c10::Error);
+}
+
+// Runs `steps` training steps on (model, adam).
+void train(ChunkedModel& model, TinyLm& net, HybridAdam& adam, int first, int steps) {
+  for (int step = first; step < first + steps; ++step) {
+    const Batch b = batch(step);
+    model.backward(model.forward([&] { return lm_loss(net, b.idx, b.target); }));
+    ASSERT_TRUE(adam.step().applied);
+    adam.zero_grad();
+  }
+}
+
+// POSIX only: std::filesystem from libtorch.so crashes (ARCHITECTURE D21).
+std::string temp_dir(const std::string& name) {
+  std::string templ = "/tmp/ferry_test_" + name + "_XXXXXX";
+  TORCH_CHECK(::mkdtemp(templ.data()), "mkdtemp failed");
+  return templ + "/ckpt";
+}
+void remove_checkpoint(const std::string& dir) {
+  for (const char* f : {"manifest.txt", "manifest.tmp", "master.f32", "exp_avg.f32", "exp_avg_sq.f32"}) {
+    ::unlink((dir + "/" + f).c_str());
+  }
+  ::rmdir(dir.c_str());
+  ::rmdir(dir.substr(0, dir.rfind('/')).c_str());
+}
+
+TEST(HybridAdam, SaveResumeIsBitIdentical) {
+  const std::string dir = temp_dir("resume");
+  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+  options.device_state_chunks = 2;
+  torch::manual_seed(11);
+  TinyLm straight_net(kVocab, kDim);
+  ChunkedModel straight(straight_net.ptr(), sim_config(budget_for(3, 2)));
+  HybridAdam straight_adam(straight, options);
+  train(straight, straight_net, straight_adam, 0, 5);
+  straight_adam.save(dir);
+  train(straight, straight_net, straight_adam, 5, 5);
+
+  torch::manual_seed(12);  // different initial values: everything must come from the checkpoint
+  TinyLm resumed_net(kVocab, kDim);
+  ChunkedModel resumed(resumed_net.ptr(), sim_config(budget_for(3, 2)));
+  HybridAdam resumed_adam(resumed, options);
+  resumed_adam.load(dir);
+  EXPECT_EQ(resumed_adam.step_count(0), 5);
+  train(resumed, resumed_net, resumed_adam, 5, 5);
+  EXPECT_EQ(resumed_adam.step_count(1), 10);
+  for (int64_t p = 0; p < straight.num_params(); ++p) {
+    const auto& name = straight.param_name(p);
+    EXPECT_TRUE(torch::equal(resumed_adam.master(p), straight_adam.master(p))) << name;
+    EXPECT_TRUE(torch::equal(resumed_adam.exp_avg(p), straight_adam.exp_avg(p))) << name;
+    EXPECT_TRUE(torch::equal(resumed_adam.exp_avg_sq(p), straight_adam.exp_avg_sq(p))) << name;
+    EXPECT_TRUE(torch::equal(resumed.param_values(p), straight.param_values(p))) << name;
+  }
+  remove_checkpoint(dir);
+}
+
+TEST(HybridAdam, BadInputFailsAndChangesNothing) {
+  torch::manual_seed(13);
+  TinyLm net(kVocab, kDim);
+  ChunkedModel model(net.ptr(), sim_config(0));
+  AdamOptions bad_lr = adamw();
+  bad_lr.lr = -1;
+  HybridAdamOptions o1;
+  o1.defaults = bad_lr;
+  EXPECT_THROW(HybridAdam(model, o1), c10::Error);
+  AdamOptions bad_beta = adamw();
+  bad_beta.beta2 = 1.0;
+  HybridAdamOptions o2;
+  o2.defaults = bad_beta;
+  EXPECT_THROW(HybridAdam(model, o2), c10::Error);
+
+  HybridAdamOptions good;
+  good.defaults = adamw();
+  HybridAdam adam(model, good);
+  const at::Tensor before = adam.master(0);
+  try {
+    adam.step();
+    ADD_FAILURE() << "step() before any backward must fail";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no gradients"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(adam.step_count(0), 0);
+  EXPECT_THROW(adam.set_lr(0, -0.5), c10::Error);
+  EXPECT_THROW(adam.set_lr(std::nan("")), c10::Error);
+  EXPECT_EQ(adam.lr(0), 1e-2);
+
+  // A checkpoint of another model shape.
+  const std::string dir = temp_dir("othershape");
+  {
+    torch::manual_seed(1);
+    TinyLm other_net(kVocab, 2 * kDim);
+    ChunkedModel other(other_net.ptr(), sim_config(0));
+    HybridAdam other_adam(other, good);
+    other_adam.save(dir);
+  }
+  try {
+    adam.load(dir);
+    ADD_FAILURE() << "loading another model's checkpoint must fail";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("this model has"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(torch::equal(adam.master(0), before));
+  // A truncated state file.
+  adam.save(dir);
+  ASSERT_EQ(::truncate((dir + "/exp_avg.f32").c_str(), 12), 0);
+  EXPECT_THROW(adam.load(dir), c10::Error);
+  EXPECT_THROW(adam.load(dir + "/missing"), c10::Error);
+  EXPECT_TRUE(torch::equal(adam.master(0), before));
+  remove_checkpoint(dir);
+}
+
+}  // namespace
+}  // namespace ferry
