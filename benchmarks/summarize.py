@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Turns benchmark JSON files (benchmarks/results/*.json) into Markdown tables.
+"""Turns benchmark JSON files (benchmarks/results/*.json) into Markdown tables, and bench_gpt results
+into PNG plots next to them (step-time breakdown, memory) when matplotlib is installed.
 
     python3 benchmarks/summarize.py benchmarks/results/cpu_adam-*.json
+    python3 benchmarks/summarize.py --plots benchmarks/results/gpt-*.json
 """
 import json
 import sys
@@ -43,10 +45,91 @@ def chunk_move_table(doc, path):
     return "\n".join(lines)
 
 
-TABLES = {"cpu_adam": cpu_adam_table, "chunk_move": chunk_move_table}
+def mib(b):
+    return f"{b / (1 << 20):.1f}"
+
+
+def gpt_table(doc, path):
+    env, c = doc["env"], doc["config"]
+    head = (f"`{path}` — commit `{doc['commit']}`, device {doc['device']} ({env['gpu_name'] or env['cpu']}), "
+            f"torch {env['torch']}, {c['precision']}, chunk {mib(c['chunk_size_bytes'])} MiB, device budget "
+            f"{mib(c['device_budget_bytes']) + ' MiB' if c['device_budget_bytes'] else 'none'}, batch {c['batch']} x "
+            f"seq {c['seq']}, checkpointing {'on' if c['checkpoint_activations'] else 'off'}")
+    if "find_max" in doc:
+        lines = [head, "", "| preset | parameters | outcome |", "|---|---:|---|"]
+        for r in doc["find_max"]:
+            lines.append(f"| {r['preset']} | {r['params'] / 1e6:.1f}M | {r['outcome']} |")
+        lines.append(f"\nLargest preset that trains 3 steps: **{doc['largest_preset']}**")
+        return "\n".join(lines)
+    m, f = doc["model"], doc["ferry"]
+    lines = [head, "",
+             f"Model {m['preset']}: {m['params'] / 1e6:.1f}M parameters. Interception: "
+             f"{doc['interception']['overhead_ns_per_op']:.0f} ns per op over a plain op "
+             f"({doc['interception']['plain_ns_per_op']:.0f} ns).", "",
+             "| run | fwd s | bwd s | opt s | copy wait s | step s | tokens/s | TFLOPS 6N | TFLOPS 8N | "
+             "device peak MiB | host peak MiB | pinned MiB | moved MiB/step | moved/optimal |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    t = f["time"]
+    lines.append(f"| ferry | {t['forward_s']:.3f} | {t['backward_s']:.3f} | {t['optimizer_s']:.3f} | "
+                 f"{t['copy_wait_s']:.3f} | {t['step_s']:.3f} | {f['tokens_per_s']:.0f} | {f['tflops_6n']:.3f} | "
+                 f"{f['tflops_8n']:.3f} | {mib(f['device_peak_bytes'])} | {mib(f['host_peak_bytes'])} | "
+                 f"{mib(f['pinned_peak_bytes'])} | {mib(f['moved_bytes_per_step'])} | {f['moved_over_optimal']:.2f} |")
+    if "baseline" in doc:
+        b = doc["baseline"]
+        tb = b["time"]
+        lines.append(f"| baseline ({b['kind']}) | {tb['forward_s']:.3f} | {tb['backward_s']:.3f} | "
+                     f"{tb['optimizer_s']:.3f} | - | {tb['step_s']:.3f} | {b['tokens_per_s']:.0f} | "
+                     f"{b['tflops_6n']:.3f} | - | - | - | - | - | - |")
+        lines.append("")
+        lines.append(f"ferry/baseline: step time {doc['ferry_over_baseline_step_time']:.3f}x, forward+backward "
+                     f"{doc['ferry_over_baseline_fwd_bwd']:.3f}x")
+    return "\n".join(lines)
+
+
+def gpt_plots(doc, path):
+    """Step-time breakdown (ferry vs baseline) and memory of one step, as PNGs next to the JSON."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"{path}: matplotlib not installed, no plots", file=sys.stderr)
+        return []
+    if "ferry" not in doc:
+        return []
+    runs = [("ferry", doc["ferry"]["time"])]
+    if "baseline" in doc:
+        runs.append(("baseline", doc["baseline"]["time"]))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    parts = [("forward_s", "forward"), ("backward_s", "backward"), ("optimizer_s", "optimizer")]
+    bottom = [0.0] * len(runs)
+    for key, label in parts:
+        vals = [t[key] for _, t in runs]
+        ax1.bar([r for r, _ in runs], vals, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax1.set_ylabel("seconds per step")
+    ax1.set_title(f"{doc['model']['preset']}: step time")
+    ax1.legend()
+    f = doc["ferry"]
+    labels = ["device peak", "host peak", "pinned peak", "opt. state device", "opt. state host", "moved / step"]
+    vals = [f["device_peak_bytes"], f["host_peak_bytes"], f["pinned_peak_bytes"], f["optimizer_state_device_bytes"],
+            f["optimizer_state_host_bytes"], f["moved_bytes_per_step"]]
+    ax2.barh(labels, [v / (1 << 20) for v in vals])
+    ax2.set_xlabel("MiB")
+    ax2.set_title("ferry memory and traffic per step")
+    fig.tight_layout()
+    out = path.rsplit(".", 1)[0] + ".png"
+    fig.savefig(out, dpi=100)
+    return [out]
+
+
+TABLES = {"cpu_adam": cpu_adam_table, "chunk_move": chunk_move_table, "gpt": gpt_table}
+PLOTS = {"gpt": gpt_plots}
 
 
 def main(paths):
+    plots = "--plots" in paths
+    paths = [p for p in paths if p != "--plots"]
     if not paths:
         print(__doc__.strip(), file=sys.stderr)
         return 2
@@ -59,6 +142,9 @@ def main(paths):
             return 1
         print(make(doc, path))
         print()
+        if plots and doc.get("benchmark") in PLOTS:
+            for png in PLOTS[doc["benchmark"]](doc, path):
+                print(f"![{png}]({png.rsplit('/', 1)[-1]})\n")
     return 0
 
 

@@ -1,0 +1,321 @@
+// bench_gpt: one GPT preset trained through ferry (ChunkedModel + HybridAdam), measured per step, and
+// the same model trained unwrapped in plain LibTorch as the baseline when it fits. Prints one JSON
+// document (progress on stderr).
+//
+//   bench_gpt [--preset=small] [--batch=8] [--seq=256] [--steps=5] [--warmup-steps=2]
+//             [--checkpoint-activations] [--no-baseline] [--find-max] [--commit=SHA] + ferry options
+//
+// Per step it splits the time into forward, backward and optimizer (each ending in a device sync on
+// CUDA), and reports the time compute waited for copies, tokens/s, TFLOPS counted as 6*N*tokens and
+// 8*N*tokens (with recompute), peak device / host / pinned memory, bytes moved and moved/optimal.
+// It also measures the interception overhead in ns per op (an op on a managed parameter inside
+// ChunkedModel's scope against the same op on a plain tensor).
+// --find-max: the largest preset (in parameter count) that trains 3 steps within the given budgets.
+// Baseline: on CUDA bf16 autocast + fused AdamW; on the CPU fp32 + torch::optim::AdamW.
+#include <ferry/ferry.h>
+#include <torch/cuda.h>
+#include <torch/torch.h>
+#include <ATen/autocast_mode.h>
+#ifdef FERRY_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include <chrono>
+#include <iostream>
+#include <random>
+#include <sstream>
+
+#include "gpt.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+struct Args {
+  std::string preset = "small", commit = "unknown";
+  int64_t batch = 8, seq = 256, steps = 5, warmup_steps = 2;
+  bool checkpoint = false, baseline = true, find_max = false;
+};
+
+struct StepTimes {
+  double forward = 0, backward = 0, optimizer = 0, wait = 0, total = 0;
+};
+
+std::string json_times(const StepTimes& t) {
+  std::ostringstream os;
+  os.precision(6);
+  os << "{\"forward_s\":" << t.forward << ",\"backward_s\":" << t.backward << ",\"optimizer_s\":" << t.optimizer
+     << ",\"copy_wait_s\":" << t.wait << ",\"step_s\":" << t.total << "}";
+  return os.str();
+}
+
+void sync(bool cuda) {
+  if (cuda) torch::cuda::synchronize();
+}
+
+std::pair<at::Tensor, at::Tensor> batch_of(const Args& a, int64_t vocab, std::mt19937_64& rng, c10::Device d) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(rng());
+  auto x = at::randint(vocab, {a.batch, a.seq}, gen, at::kLong);
+  return {x.to(d), at::roll(x, -1, 1).to(d)};
+}
+
+struct FerryResult {
+  StepTimes mean;
+  double moved_bytes = 0, moved_over_optimal = 0, device_peak = 0, host_peak = 0, pinned_peak = 0;
+  double state_device = 0, state_host = 0, loss_first = 0, loss_last = 0;
+  int64_t chunks = 0, device_state_chunks = 0, evictions = 0;
+};
+
+FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config config, bool cuda) {
+  torch::manual_seed(1);
+  auto net = std::make_shared<gpt::GptImpl>(gc);
+  if (a.checkpoint) {
+    net->run_block = [](gpt::Block& b, const torch::Tensor& x) {
+      return ferry::checkpoint([b](const std::vector<at::Tensor>& in) mutable { return b->forward(in[0]); }, {x});
+    };
+  }
+  ferry::ChunkedModel model(net, config);
+  ferry::AdamOptions o;
+  o.lr = 1e-4;
+  o.weight_decay = 0.1;
+  ferry::HybridAdam adam(model, ferry::HybridAdamOptions::no_decay_for_bias_and_norm(o));
+  const c10::Device device = model.store().device();
+  std::mt19937_64 rng(7);
+  FerryResult r;
+  r.chunks = model.layout().num_chunks();
+  for (int64_t s = 0; s < a.warmup_steps + a.steps; ++s) {
+    const bool measured = s >= a.warmup_steps;
+    if (measured && s == a.warmup_steps) {
+      model.store().reset_peak_stats();
+      adam.state_store().reset_peak_stats();
+#ifdef FERRY_WITH_CUDA
+      if (cuda) c10::cuda::CUDACachingAllocator::resetPeakStats(c10::cuda::current_device());
+#endif
+    }
+    auto [x, y] = batch_of(a, gc.vocab, rng, device);
+    sync(cuda);
+    auto t0 = Clock::now();
+    auto loss = model.forward([&] { return gpt::GptImpl::loss(net->forward(x), y); });
+    sync(cuda);
+    const double f = since(t0);
+    auto t1 = Clock::now();
+    model.backward(loss);
+    sync(cuda);
+    const double b = since(t1);
+    auto t2 = Clock::now();
+    adam.step();
+    adam.zero_grad();
+    sync(cuda);
+    const double o_s = since(t2);
+    const ferry::IterationStats it = model.last_iteration();
+    const double l = loss.item<double>();
+    std::cerr << "bench_gpt: ferry step " << s << (measured ? "" : " (warm-up)") << ": fwd " << f << " s, bwd " << b
+              << " s, opt " << o_s << " s, loss " << l << ", moved " << ferry::format_bytes(it.h2d_bytes + it.d2h_bytes)
+              << "\n";
+    if (!measured) continue;
+    if (r.loss_first == 0) r.loss_first = l;
+    r.loss_last = l;
+    r.mean.forward += f / a.steps;
+    r.mean.backward += b / a.steps;
+    r.mean.optimizer += o_s / a.steps;
+    r.mean.wait += it.wait_ns * 1e-9 / a.steps;
+    r.mean.total += (f + b + o_s) / a.steps;
+    r.moved_bytes += static_cast<double>(it.h2d_bytes + it.d2h_bytes) / a.steps;
+    r.moved_over_optimal = it.moved_over_optimal();
+    r.evictions += it.evictions;
+  }
+  const auto ms = model.store().stats();
+  const auto ss = adam.state_store().stats();
+  r.device_peak = static_cast<double>(ms.device.peak_bytes + ss.device.peak_bytes);
+#ifdef FERRY_WITH_CUDA
+  if (cuda) {  // everything on the device: chunks, activations, temporaries
+    r.device_peak = static_cast<double>(
+        c10::cuda::CUDACachingAllocator::getDeviceStats(c10::cuda::current_device()).allocated_bytes[0].peak);
+  }
+#endif
+  r.host_peak = static_cast<double>(ms.host.peak_bytes + ss.host.peak_bytes);
+  r.pinned_peak = cuda ? static_cast<double>(ms.host_buffers.peak_reserved_bytes + ss.host_buffers.peak_reserved_bytes) : 0;
+  r.state_device = static_cast<double>(ss.device.current_bytes);
+  r.state_host = static_cast<double>(ss.host.current_bytes);
+  r.device_state_chunks = adam.device_state_chunks();
+  return r;
+}
+
+// The unwrapped model in plain LibTorch. Returns the mean step time split the same way.
+StepTimes run_baseline(const Args& a, const gpt::GptConfig& gc, bool cuda, double* loss_out) {
+  torch::manual_seed(1);
+  auto net = std::make_shared<gpt::GptImpl>(gc);
+  const c10::Device device = cuda ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU);
+  net->to(device);
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-4).weight_decay(0.1));
+  std::mt19937_64 rng(7);
+  StepTimes t;
+  for (int64_t s = 0; s < a.warmup_steps + a.steps; ++s) {
+    auto [x, y] = batch_of(a, gc.vocab, rng, device);
+    sync(cuda);
+    auto t0 = Clock::now();
+    at::Tensor loss;
+    if (cuda) {
+      at::autocast::set_autocast_enabled(at::kCUDA, true);
+      at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    }
+    loss = gpt::GptImpl::loss(net->forward(x), y);
+    if (cuda) {
+      at::autocast::set_autocast_enabled(at::kCUDA, false);
+      at::autocast::clear_cache();
+    }
+    sync(cuda);
+    const double f = since(t0);
+    auto t1 = Clock::now();
+    loss.backward();
+    sync(cuda);
+    const double b = since(t1);
+    auto t2 = Clock::now();
+    opt.step();
+    opt.zero_grad();
+    sync(cuda);
+    const double o = since(t2);
+    *loss_out = loss.item<double>();
+    std::cerr << "bench_gpt: baseline step " << s << ": fwd " << f << " s, bwd " << b << " s, opt " << o << " s\n";
+    if (s < a.warmup_steps) continue;
+    t.forward += f / a.steps;
+    t.backward += b / a.steps;
+    t.optimizer += o / a.steps;
+    t.total += (f + b + o) / a.steps;
+  }
+  return t;
+}
+
+// ns per intercepted op: `n` adds on a managed parameter inside ChunkedModel's scope, against the same
+// adds on a plain tensor. The parameter stays resident (no budget), so this is the hook path alone.
+std::pair<double, double> interception_ns(ferry::Config config, int64_t n) {
+  auto lin = std::make_shared<torch::nn::LinearImpl>(8, 8);
+  config.device_budget_bytes = 0;
+  config.precision = ferry::Precision::kFp32;
+  config.chunk_size_bytes = 4096;
+  ferry::ChunkedModel model(lin, config);
+  const at::Tensor plain = torch::randn({8, 8}, model.store().device());
+  torch::NoGradGuard no_grad;
+  auto time_loop = [&](const at::Tensor& w) {
+    at::Tensor acc;
+    auto t0 = Clock::now();
+    for (int64_t i = 0; i < n; ++i) acc = at::add(w, 1.0);
+    return since(t0) * 1e9 / n;
+  };
+  for (int rep = 0; rep < 2; ++rep) model.forward([&] { return time_loop(lin->weight); });  // warm-up + trace
+  const double managed = model.forward([&] { return time_loop(lin->weight); });
+  double unmanaged = 0;
+  unmanaged = time_loop(plain);
+  return {managed, unmanaged};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  std::vector<std::string> rest;
+  ferry::Config config = ferry::Config::from_args(argc, argv, &rest);
+  ferry::log::configure(config.log_level, config.rank);
+  Args a;
+  for (const auto& arg : rest) {
+    const auto eq = arg.find('=');
+    const std::string k = arg.substr(0, eq), v = eq == std::string::npos ? "" : arg.substr(eq + 1);
+    if (k == "--preset") a.preset = v;
+    else if (k == "--batch") a.batch = std::stoll(v);
+    else if (k == "--seq") a.seq = std::stoll(v);
+    else if (k == "--steps") a.steps = std::stoll(v);
+    else if (k == "--warmup-steps") a.warmup_steps = std::stoll(v);
+    else if (k == "--checkpoint-activations") a.checkpoint = true;
+    else if (k == "--no-baseline") a.baseline = false;
+    else if (k == "--find-max") a.find_max = true;
+    else if (k == "--commit") a.commit = v;
+    else {
+      std::cerr << "bench_gpt: unknown argument " << arg << "\n";
+      return 2;
+    }
+  }
+  TORCH_CHECK(a.steps >= 1 && a.warmup_steps >= 1, "bench_gpt: --steps and --warmup-steps must be >= 1");
+  const bool cuda = ferry::resolve_device_kind(config.device) == ferry::DeviceKind::kCuda;
+  std::ostringstream out;
+  out.precision(6);
+  out << "{\n  \"benchmark\": \"gpt\",\n  \"commit\": \"" << a.commit << "\",\n  \"env\": "
+      << ferry::env_report_json(ferry::collect_env_report()) << ",\n  \"device\": \"" << (cuda ? "cuda" : "simulated")
+      << "\",\n  \"config\": {\"precision\": \"" << ferry::to_string(config.precision) << "\", \"chunk_size_bytes\": "
+      << config.chunk_size_bytes << ", \"device_budget_bytes\": " << config.device_budget_bytes
+      << ", \"host_budget_bytes\": " << config.host_budget_bytes << ", \"batch\": " << a.batch << ", \"seq\": " << a.seq
+      << ", \"steps\": " << a.steps << ", \"checkpoint_activations\": " << (a.checkpoint ? "true" : "false") << "},\n";
+
+  if (a.find_max) {
+    std::vector<gpt::GptConfig> presets;
+    for (const auto& n : gpt::preset_names()) presets.push_back(gpt::preset(n));
+    std::sort(presets.begin(), presets.end(), [](auto& x, auto& y) { return x.num_params() < y.num_params(); });
+    std::string largest = "none";
+    out << "  \"find_max\": [";
+    bool first = true;
+    Args probe = a;
+    probe.steps = 3;
+    probe.warmup_steps = 1;
+    probe.baseline = false;
+    for (auto gc : presets) {
+      gc.seq = std::max(gc.seq, a.seq);
+      const int64_t elem = config.precision == ferry::Precision::kFp32 ? 4 : 2;
+      const double need_host = static_cast<double>(gc.num_params()) * (elem + 16);
+      std::string outcome = "ok";
+      if (config.host_budget_bytes && need_host > static_cast<double>(config.host_budget_bytes)) {
+        outcome = "exceeds the host budget (params + fp32 optimizer state)";
+      } else {
+        try {
+          run_ferry(probe, gc, config, cuda);
+          largest = gc.name;
+        } catch (const std::exception& e) {
+          outcome = std::string("failed: ") + std::string(e.what()).substr(0, 200);
+        }
+      }
+      std::cerr << "bench_gpt: find-max " << gc.name << " (" << gc.num_params() / 1e6 << "M): " << outcome << "\n";
+      std::string escaped;
+      for (char c : outcome) escaped += (c == '"' || c == '\\') ? ' ' : (c == '\n' ? ' ' : c);
+      out << (first ? "" : ",") << "\n    {\"preset\": \"" << gc.name << "\", \"params\": " << gc.num_params()
+          << ", \"outcome\": \"" << escaped << "\"}";
+      first = false;
+      if (outcome != "ok") break;
+    }
+    out << "\n  ],\n  \"largest_preset\": \"" << largest << "\"\n}\n";
+    std::cout << out.str();
+    return 0;
+  }
+
+  gpt::GptConfig gc = gpt::preset(a.preset);
+  gc.seq = std::max(gc.seq, a.seq);
+  const double n = static_cast<double>(gc.num_params());
+  const double tokens = static_cast<double>(a.batch * a.seq);
+  const auto [managed_ns, plain_ns] = interception_ns(config, 20000);
+  std::cerr << "bench_gpt: interception: " << managed_ns << " ns/op managed vs " << plain_ns << " ns/op plain\n";
+  const FerryResult f = run_ferry(a, gc, config, cuda);
+  out << "  \"model\": {\"preset\": \"" << gc.name << "\", \"params\": " << gc.num_params() << ", \"hidden\": "
+      << gc.hidden << ", \"layers\": " << gc.layers << ", \"heads\": " << gc.heads << ", \"vocab\": " << gc.vocab << "},\n";
+  out << "  \"interception\": {\"managed_ns_per_op\": " << managed_ns << ", \"plain_ns_per_op\": " << plain_ns
+      << ", \"overhead_ns_per_op\": " << managed_ns - plain_ns << "},\n";
+  out << "  \"ferry\": {\"time\": " << json_times(f.mean) << ", \"tokens_per_s\": " << tokens / f.mean.total
+      << ", \"tflops_6n\": " << 6 * n * tokens / f.mean.total / 1e12 << ", \"tflops_8n\": "
+      << 8 * n * tokens / f.mean.total / 1e12 << ", \"device_peak_bytes\": " << f.device_peak
+      << ", \"host_peak_bytes\": " << f.host_peak << ", \"pinned_peak_bytes\": " << f.pinned_peak
+      << ", \"optimizer_state_device_bytes\": " << f.state_device << ", \"optimizer_state_host_bytes\": " << f.state_host
+      << ", \"moved_bytes_per_step\": " << f.moved_bytes << ", \"moved_over_optimal\": " << f.moved_over_optimal
+      << ", \"evictions\": " << f.evictions << ", \"chunks\": " << f.chunks << ", \"device_state_chunks\": "
+      << f.device_state_chunks << ", \"loss_first\": " << f.loss_first << ", \"loss_last\": " << f.loss_last << "}";
+  if (a.baseline) {
+    double loss = 0;
+    const StepTimes b = run_baseline(a, gc, cuda, &loss);
+    out << ",\n  \"baseline\": {\"kind\": \"" << (cuda ? "bf16 autocast + fused AdamW" : "fp32 + torch::optim::AdamW")
+        << "\", \"time\": " << json_times(b) << ", \"tokens_per_s\": " << tokens / b.total << ", \"tflops_6n\": "
+        << 6 * n * tokens / b.total / 1e12 << ", \"loss_last\": " << loss << "},\n";
+    out << "  \"ferry_over_baseline_step_time\": " << f.mean.total / b.total << ",\n  \"ferry_over_baseline_fwd_bwd\": "
+        << (f.mean.forward + f.mean.backward) / (b.forward + b.backward);
+  }
+  out << "\n}\n";
+  std::cout << out.str();
+  return 0;
+} catch (const std::exception& e) {
+  std::cerr << "bench_gpt: " << e.what() << "\n";
+  return 1;
+}

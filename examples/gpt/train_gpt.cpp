@@ -1,0 +1,215 @@
+// train_gpt: trains the GPT example through ferry (ChunkedModel + HybridAdam) on a byte-level text
+// corpus, with a progress line every --log-every steps and a summary at the end. Ctrl-C stops after
+// the current step (and saves, with --save).
+//
+//   train_gpt [--preset=tiny] [--steps=300] [--batch=8] [--seq=128] [--lr=3e-3] [--warmup=20]
+//             [--micro-batches=1] [--max-grad-norm=1.0] [--checkpoint-activations]
+//             [--corpus=/usr/share/common-licenses] [--save=DIR] [--resume=DIR] [--seed=1]
+//             [--log-every=10] [--expect-loss-below=X]  + ferry's options (--device, --precision, --chunk-size, --device-budget,
+//             --host-budget, --cpu-threads, --log-level; see --help)
+//
+// Defaults follow the device: on a GPU bf16 and a device budget of 90% of its memory; on the CPU
+// (simulated device) fp32, a chunk size of 1/8 of the model and a device budget of half the model, so
+// chunks really move.
+#include <ferry/ferry.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <iostream>
+#include <random>
+
+#include "corpus.h"
+#include "gpt.h"
+
+namespace {
+
+std::atomic<bool> g_stop{false};
+void on_sigint(int) { g_stop.store(true); }
+
+struct Args {
+  std::string preset = "tiny";
+  int64_t steps = 300, batch = 8, seq = 128, micro_batches = 1, warmup = 20, log_every = 10, seed = 1;
+  double lr = 3e-3, max_grad_norm = 1.0;
+  bool checkpoint_activations = false;
+  std::string corpus = "/usr/share/common-licenses", save, resume;
+  double expect_loss_below = 0;  // > 0: exit 1 unless the last window's mean loss is below it (tests)
+};
+
+const char* kUsage =
+    "usage: train_gpt [--preset=NAME] [--steps=N] [--batch=B] [--seq=T] [--lr=X] [--warmup=N] "
+    "[--micro-batches=N] [--max-grad-norm=X] [--checkpoint-activations] [--corpus=FILE|DIR] [--save=DIR] "
+    "[--resume=DIR] [--seed=N] [--log-every=N] [ferry options]\n";
+
+Args parse(const std::vector<std::string>& rest) {
+  Args a;
+  for (const std::string& arg : rest) {
+    const auto eq = arg.find('=');
+    const std::string key = arg.substr(0, eq), value = eq == std::string::npos ? "" : arg.substr(eq + 1);
+    auto num = [&] { return std::stoll(value); };
+    if (key == "--preset") a.preset = value;
+    else if (key == "--steps") a.steps = num();
+    else if (key == "--batch") a.batch = num();
+    else if (key == "--seq") a.seq = num();
+    else if (key == "--micro-batches") a.micro_batches = num();
+    else if (key == "--warmup") a.warmup = num();
+    else if (key == "--log-every") a.log_every = num();
+    else if (key == "--seed") a.seed = num();
+    else if (key == "--lr") a.lr = std::stod(value);
+    else if (key == "--max-grad-norm") a.max_grad_norm = std::stod(value);
+    else if (key == "--checkpoint-activations") a.checkpoint_activations = true;
+    else if (key == "--corpus") a.corpus = value;
+    else if (key == "--save") a.save = value;
+    else if (key == "--resume") a.resume = value;
+    else if (key == "--expect-loss-below") a.expect_loss_below = std::stod(value);
+    else {
+      std::cerr << "train_gpt: unknown argument '" << arg << "'\n" << kUsage << ferry::Config::help();
+      std::exit(2);
+    }
+  }
+  TORCH_CHECK(a.steps >= 1 && a.batch >= 1 && a.seq >= 2 && a.micro_batches >= 1 && a.log_every >= 1,
+              "train_gpt: steps, batch, micro-batches, log-every must be >= 1 and seq >= 2");
+  TORCH_CHECK(a.batch % a.micro_batches == 0, "train_gpt: batch (", a.batch, ") must be a multiple of micro-batches (",
+              a.micro_batches, ")");
+  return a;
+}
+
+bool given(int argc, char** argv, std::initializer_list<const char*> keys) {
+  for (int i = 1; i < argc; ++i) {
+    for (const char* k : keys) {
+      if (std::string(argv[i]).rfind(std::string("--") + k + "=", 0) == 0) return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--help") {
+      std::cout << kUsage << ferry::Config::help();
+      return 0;
+    }
+  }
+  std::vector<std::string> rest;
+  ferry::Config config = ferry::Config::from_args(argc, argv, &rest);
+  ferry::log::configure(config.log_level, config.rank);
+  const Args args = parse(rest);
+  const bool cuda = ferry::resolve_device_kind(config.device) == ferry::DeviceKind::kCuda;
+
+  gpt::GptConfig gc = gpt::preset(args.preset);
+  TORCH_CHECK(args.seq <= gc.seq, "train_gpt: --seq=", args.seq, " exceeds preset ", gc.name, "'s ", gc.seq);
+  const int64_t n_params = gc.num_params();
+  if (!given(argc, argv, {"precision"})) config.precision = cuda ? ferry::Precision::kBf16 : ferry::Precision::kFp32;
+  const int64_t elem = config.precision == ferry::Precision::kFp32 ? 4 : 2;
+  if (!given(argc, argv, {"chunk-size", "chunk_size"}) && !cuda) {
+    config.chunk_size_bytes = std::clamp<int64_t>((n_params * elem / 8 + 4095) / 4096 * 4096, 4096, int64_t{64} << 20);
+  }
+  if (!given(argc, argv, {"device-budget", "device_budget"})) {
+    config.device_budget_bytes = cuda ? static_cast<int64_t>(0.9 * ferry::query_gpus().total_memory_bytes)
+                                      : std::max<int64_t>(n_params * elem / 2, 4 * config.chunk_size_bytes);
+  }
+  config.validate();
+
+  std::signal(SIGINT, on_sigint);
+  gpt::ByteCorpus corpus(args.corpus);
+  ferry::log::info("train_gpt: corpus ", corpus.path(), " (", corpus.files(), " files, ", corpus.size(),
+                   " bytes); preset ", gc.name, ": ", n_params / 1e6, "M parameters, hidden ", gc.hidden, " x ",
+                   gc.layers, " layers, ", gc.heads, " heads");
+  torch::manual_seed(args.seed);
+  auto net = std::make_shared<gpt::GptImpl>(gc);
+  if (args.checkpoint_activations) {
+    net->run_block = [](gpt::Block& b, const torch::Tensor& x) {
+      return ferry::checkpoint([b](const std::vector<at::Tensor>& in) mutable { return b->forward(in[0]); }, {x});
+    };
+  }
+  ferry::ChunkedModel model(net, config);
+  ferry::AdamOptions adam_options;
+  adam_options.lr = args.lr;
+  adam_options.weight_decay = 0.1;
+  adam_options.beta2 = 0.95;
+  ferry::HybridAdamOptions options = ferry::HybridAdamOptions::no_decay_for_bias_and_norm(adam_options);
+  options.max_grad_norm = args.max_grad_norm;
+  ferry::HybridAdam adam(model, options);
+  int64_t first_step = 0;
+  if (!args.resume.empty()) {
+    adam.load(args.resume);
+    first_step = adam.step_count(0);
+  }
+  const c10::Device device = model.store().device();
+  std::mt19937_64 rng(static_cast<uint64_t>(args.seed) * 7919 + static_cast<uint64_t>(first_step));
+  const int64_t micro = args.batch / args.micro_batches;
+  const double tokens_per_step = static_cast<double>(args.batch * args.seq);
+  const double flops_per_step = 6.0 * n_params * tokens_per_step;
+
+  using Clock = std::chrono::steady_clock;
+  const auto t_start = Clock::now();
+  auto t_window = t_start;
+  double window_loss = 0, first_window_loss = -1, last_window_loss = 0;
+  int64_t window_steps = 0, moved_window = 0, skipped = 0, steps_done = 0;
+  std::vector<double> losses;
+  for (int64_t step = first_step; step < first_step + args.steps && !g_stop.load(); ++step) {
+    const double lr = args.lr * std::min(1.0, static_cast<double>(step + 1) / std::max<int64_t>(1, args.warmup));
+    adam.set_lr(lr);
+    double loss_sum = 0;
+    for (int64_t k = 0; k < args.micro_batches; ++k) {
+      auto [x, y] = corpus.sample(micro, args.seq, rng);
+      x = x.to(device);
+      y = y.to(device);
+      auto loss = model.forward([&] { return gpt::GptImpl::loss(net->forward(x), y) / args.micro_batches; });
+      model.backward(loss);
+      loss_sum += loss.item<double>();
+      const ferry::IterationStats it = model.last_iteration();
+      moved_window += it.h2d_bytes + it.d2h_bytes;
+    }
+    const ferry::StepResult r = adam.step();
+    adam.zero_grad();
+    skipped += r.applied ? 0 : 1;
+    ++steps_done;
+    losses.push_back(loss_sum);
+    window_loss += loss_sum;
+    ++window_steps;
+    if (window_steps == args.log_every || step + 1 == first_step + args.steps || g_stop.load()) {
+      const double secs = std::chrono::duration<double>(Clock::now() - t_window).count();
+      const auto ms = model.store().stats();
+      const auto ss = adam.state_store().stats();
+      const double mean = window_loss / window_steps;
+      if (first_window_loss < 0) first_window_loss = mean;
+      last_window_loss = mean;
+      std::printf(
+          "step %6lld  loss %.4f  lr %.2e  |g| %.3f  %8.0f tok/s  %6.3f TFLOPS  device %s (+state %s)  host %s "
+          "(+state %s)  moved %s\n",
+          static_cast<long long>(step + 1), mean, lr, r.grad_norm, tokens_per_step * window_steps / secs,
+          flops_per_step * window_steps / secs / 1e12, ferry::format_bytes(ms.device.peak_bytes).c_str(),
+          ferry::format_bytes(ss.device.current_bytes).c_str(), ferry::format_bytes(ms.host.current_bytes).c_str(),
+          ferry::format_bytes(ss.host.current_bytes).c_str(), ferry::format_bytes(moved_window).c_str());
+      std::fflush(stdout);
+      model.store().reset_peak_stats();
+      window_loss = 0;
+      window_steps = 0;
+      moved_window = 0;
+      t_window = Clock::now();
+    }
+  }
+  const double total = std::chrono::duration<double>(Clock::now() - t_start).count();
+  if (g_stop.load()) std::printf("interrupted: stopped cleanly after step %lld\n", static_cast<long long>(adam.step_count(0)));
+  std::printf(
+      "summary: %lld steps in %.1f s (%.0f tokens/s), loss %.4f -> %.4f over the first/last %lld-step windows, "
+      "%lld steps skipped, %s, device %s (%s), optimizer state on the device: %lld of %lld chunks\n",
+      static_cast<long long>(steps_done), total, tokens_per_step * steps_done / total, first_window_loss,
+      last_window_loss, static_cast<long long>(args.log_every), static_cast<long long>(skipped),
+      ferry::to_string(config.precision), device.str().c_str(),
+      config.device_budget_bytes ? ("budget " + ferry::format_bytes(config.device_budget_bytes)).c_str() : "no budget",
+      static_cast<long long>(adam.device_state_chunks()), static_cast<long long>(model.layout().num_chunks()));
+  if (!args.save.empty()) adam.save(args.save);
+  if (args.expect_loss_below > 0 && !(last_window_loss < args.expect_loss_below)) {
+    std::fprintf(stderr, "train_gpt: final loss %.4f is not below %.4f\n", last_window_loss, args.expect_loss_below);
+    return 1;
+  }
+  return 0;
+} catch (const std::exception& e) {
+  std::cerr << "train_gpt: " << e.what() << "\n";
+  return 1;
+}
