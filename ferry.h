@@ -3,6 +3,7 @@
 #include "ferry/common/config.h"
 #include "ferry/common/cpu_features.h"
 #include "ferry/common/env_report.h"
+#include "ferry/common/event_trace.h"
 #include "ferry/common/gpu_info.h"
 #include "ferry/common/logging.h"
 #include "ferry/common/version.h"

@@ -67,19 +67,19 @@ def gpt_table(doc, path):
              f"{doc['interception']['overhead_ns_per_op']:.0f} ns per op over a plain op "
              f"({doc['interception']['plain_ns_per_op']:.0f} ns).", "",
              "| run | fwd s | bwd s | opt s | copy wait s | step s | tokens/s | TFLOPS 6N | TFLOPS 8N | "
-             "device peak MiB | host peak MiB | pinned MiB | moved MiB/step | moved/optimal |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "activations MiB | device peak MiB | host peak MiB | pinned MiB | moved MiB/step | moved/optimal |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     t = f["time"]
     lines.append(f"| ferry | {t['forward_s']:.3f} | {t['backward_s']:.3f} | {t['optimizer_s']:.3f} | "
                  f"{t['copy_wait_s']:.3f} | {t['step_s']:.3f} | {f['tokens_per_s']:.0f} | {f['tflops_6n']:.3f} | "
-                 f"{f['tflops_8n']:.3f} | {mib(f['device_peak_bytes'])} | {mib(f['host_peak_bytes'])} | "
+                 f"{f['tflops_8n']:.3f} | {mib(f.get('activation_bytes', 0))} | {mib(f['device_peak_bytes'])} | {mib(f['host_peak_bytes'])} | "
                  f"{mib(f['pinned_peak_bytes'])} | {mib(f['moved_bytes_per_step'])} | {f['moved_over_optimal']:.2f} |")
     if "baseline" in doc:
         b = doc["baseline"]
         tb = b["time"]
         lines.append(f"| baseline ({b['kind']}) | {tb['forward_s']:.3f} | {tb['backward_s']:.3f} | "
                      f"{tb['optimizer_s']:.3f} | - | {tb['step_s']:.3f} | {b['tokens_per_s']:.0f} | "
-                     f"{b['tflops_6n']:.3f} | - | - | - | - | - | - |")
+                     f"{b['tflops_6n']:.3f} | - | - | - | - | - | - | - |")
         lines.append("")
         lines.append(f"ferry/baseline: step time {doc['ferry_over_baseline_step_time']:.3f}x, forward+backward "
                      f"{doc['ferry_over_baseline_fwd_bwd']:.3f}x")
@@ -100,7 +100,13 @@ def gpt_plots(doc, path):
     runs = [("ferry", doc["ferry"]["time"])]
     if "baseline" in doc:
         runs.append(("baseline", doc["baseline"]["time"]))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    import os
+    trace_path = doc["config"].get("trace") or ""
+    if trace_path:  # stored next to the JSON (the recorded path may be from another checkout)
+        trace_path = os.path.join(os.path.dirname(path), os.path.basename(trace_path))
+    has_trace = bool(trace_path) and os.path.exists(trace_path)
+    fig, axes = plt.subplots(1, 3 if has_trace else 2, figsize=(17 if has_trace else 11, 4))
+    ax1, ax2 = axes[0], axes[1]
     parts = [("forward_s", "forward"), ("backward_s", "backward"), ("optimizer_s", "optimizer")]
     bottom = [0.0] * len(runs)
     for key, label in parts:
@@ -117,6 +123,24 @@ def gpt_plots(doc, path):
     ax2.barh(labels, [v / (1 << 20) for v in vals])
     ax2.set_xlabel("MiB")
     ax2.set_title("ferry memory and traffic per step")
+    if has_trace:  # memory over one step, from the Chrome trace's counters
+        with open(trace_path) as tf:
+            events = json.load(tf)["traceEvents"]
+        ax3 = axes[2]
+        series = {}
+        for e in events:
+            if e["ph"] == "C":
+                series.setdefault(e["name"], []).append((e["ts"] / 1000.0, e["args"]["bytes"] / (1 << 20)))
+        for name, pts in sorted(series.items()):
+            ax3.step([p[0] for p in pts], [p[1] for p in pts], where="post", label=name)
+        for e in events:
+            if e["ph"] == "X" and e["cat"] in ("model", "adam") and e["name"] in ("forward", "backward", "adam.step"):
+                ax3.axvspan(e["ts"] / 1000.0, (e["ts"] + e["dur"]) / 1000.0, alpha=0.08)
+                ax3.text(e["ts"] / 1000.0, 0, e["name"], fontsize=7, rotation=90, va="bottom")
+        ax3.set_xlabel("ms")
+        ax3.set_ylabel("MiB")
+        ax3.set_title("chunk memory over one step")
+        ax3.legend(fontsize=7)
     fig.tight_layout()
     out = path.rsplit(".", 1)[0] + ".png"
     fig.savefig(out, dpi=100)

@@ -18,6 +18,7 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "ferry/common/event_trace.h"
 #include "ferry/common/logging.h"
 
 namespace ferry {
@@ -105,12 +106,14 @@ void ChunkStore::charge(Tier t, int64_t bytes) {
   TORCH_INTERNAL_ASSERT(s.budget_bytes == 0 || s.current_bytes <= s.budget_bytes, to_string(t),
                         " tier over budget: ", s.current_bytes, " > ", s.budget_bytes);
   s.peak_bytes = std::max(s.peak_bytes, s.current_bytes);
+  if (trace::enabled()) trace::counter(options_.name + (t == Tier::kDevice ? " device bytes" : " host bytes"), s.current_bytes);
 }
 
 void ChunkStore::discharge(Tier t, int64_t bytes) {
   TierStats& s = tier(t);
   s.current_bytes -= bytes;
   TORCH_INTERNAL_ASSERT(s.current_bytes >= 0, to_string(t), " tier bytes went negative");
+  if (trace::enabled()) trace::counter(options_.name + (t == Tier::kDevice ? " device bytes" : " host bytes"), s.current_bytes);
 }
 
 std::string ChunkStore::describe(const Chunk& chunk) const {
@@ -193,6 +196,10 @@ bool ChunkStore::make_room(Tier t, int64_t bytes, ChunkId incoming, bool must) {
         if (fits()) break;
         if (!start_move(*chunks_[v], Location::kHost, must)) return false;
         ++moves_.evictions;
+        if (trace::enabled()) {
+          trace::instant("evict", "evict chunk " + std::to_string(v),
+                         "\"bytes\": " + std::to_string(chunks_[v]->nbytes()) + ", \"for\": " + std::to_string(incoming));
+        }
         log::trace("chunk store: evicted ", describe(*chunks_[v]), " for ", describe_incoming(incoming));
       }
     }
@@ -229,6 +236,8 @@ bool ChunkStore::start_move(Chunk& chunk, Location to, bool must) {
   TORCH_CHECK(chunk.state() != ChunkState::kCompute, "ferry: ", describe(chunk),
               " is in COMPUTE and cannot move");
   const int64_t n = chunk.nbytes();
+  trace::Span span("move", std::string(to == Location::kDevice ? "h2d" : "d2h") + " chunk " + std::to_string(chunk.id()));
+  if (trace::enabled()) span.set_args("\"bytes\": " + std::to_string(n) + ", \"role\": \"" + to_string(chunk.role()) + "\"");
   if (to == Location::kDevice) {
     if (!give_device_memory(chunk, must)) return false;
     // Runs after any pending device->host copy into the host buffer (same copy stream).
@@ -274,6 +283,7 @@ void ChunkStore::finish_pending(Chunk& chunk, bool block) {
   if (!ticket->done()) {
     if (!block) return;
     const auto start = std::chrono::steady_clock::now();
+    trace::Span span("wait", "wait chunk " + std::to_string(chunk.id()));
     ticket->wait();
     moves_.wait_ns +=
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)

@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "ferry/chunk/chunk.h"
@@ -54,6 +55,7 @@ struct ChunkStoreOptions {
   int64_t host_cache_bytes = int64_t{256} << 20;  // freed host buffers kept for reuse, at most
   bool pin_host_memory = true;                 // page-lock host payloads when the device is CUDA
   std::shared_ptr<EvictionPolicy> policy;      // null: LRU
+  std::string name = "chunks";                 // in trace counters ("<name> device bytes")
 
   // device and budgets from ferry's Config.
   static ChunkStoreOptions from(const Config& config);

@@ -12,6 +12,7 @@
 #include <limits>
 
 #include "ferry/chunk/copy_engine.h"
+#include "ferry/common/event_trace.h"
 #include "ferry/common/logging.h"
 
 namespace ferry {
@@ -19,10 +20,7 @@ namespace {
 
 constexpr ChunkRole kRoleOf[] = {ChunkRole::kMaster, ChunkRole::kExpAvg, ChunkRole::kExpAvgSq, ChunkRole::kGrad};
 
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+using trace::now_ns;
 
 }  // namespace
 
@@ -100,6 +98,7 @@ void HybridAdam::build_state_locked() {
   ChunkStoreOptions store_options = ChunkStoreOptions::from(model_.config());
   store_options.device_budget_bytes = 0;  // placement is decided here, and reserved in the scheduler
   store_options.host_budget_bytes = 0;
+  store_options.name = "optimizer state";
   auto store = std::make_unique<ChunkStore>(store_options);
   std::vector<ChunkStore::RoleChunks> roles;
   for (int r = 0; r < kNumRoles; ++r) {
@@ -218,6 +217,7 @@ StepResult HybridAdam::step() {
   result.loss_scale = loss_scale();
   const int64_t n = static_cast<int64_t>(spans_.size());
 
+  trace::Span step_span("adam", "adam.step");
   // 1. Norms and finiteness, one host sync for all device chunks.
   int64_t t0 = now_ns();
   std::vector<double> sum_sq(n, 0.0);
@@ -248,6 +248,7 @@ StepResult HybridAdam::step() {
   double total = 0.0;
   for (double s : sum_sq) total += s;
   result.norm_ns = now_ns() - t0;
+  trace::complete("adam", "adam.grad_norm", t0, t0 + result.norm_ns);
   if (nonfinite || !std::isfinite(total)) {
     result.overflow = true;
     result.grad_norm = std::numeric_limits<double>::infinity();
@@ -292,6 +293,8 @@ StepResult HybridAdam::step() {
     }
   }
   result.device_update_ns = now_ns() - t0;
+  trace::complete("adam", "adam.device_update", t0, t0 + result.device_update_ns,
+                  "\"chunks\": " + std::to_string(result.device_chunks));
   t0 = now_ns();
   UpdateOptions update_options;
   update_options.grad_scale = grad_scale;
@@ -314,11 +317,14 @@ StepResult HybridAdam::step() {
     }
   }
   result.host_update_ns = now_ns() - t0;
+  trace::complete("adam", "adam.host_update", t0, t0 + result.host_update_ns,
+                  "\"chunks\": " + std::to_string(result.host_chunks));
 
   // 3. The parameters in compute dtype.
   t0 = now_ns();
   write_back_locked();
   result.writeback_ns = now_ns() - t0;
+  trace::complete("adam", "adam.writeback", t0, t0 + result.writeback_ns);
   if (scaling_) {
     scaler_.update(false);
     model_.set_loss_scale(scaler_.scale());

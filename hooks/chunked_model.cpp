@@ -105,6 +105,7 @@ void ChunkedModel::build(const std::vector<int64_t>& order) {
   ChunkLayout layout = ChunkLayout::pack(numels_, order, pack);
   ChunkStoreOptions store_options = ChunkStoreOptions::from(config_);
   store_options.policy = policy_;
+  store_options.name = "params";
   store_options.host_cache_bytes = options_.host_cache_bytes;
   auto store = std::make_unique<ChunkStore>(store_options);
   const auto role = store->add_layout(ChunkRole::kParam, dtype_, layout, shapes_, Location::kHost);
@@ -206,6 +207,7 @@ void ChunkedModel::backward(const at::Tensor& loss) {
   TORCH_CHECK(loss.defined() && loss.numel() == 1, "ferry: backward() needs a defined scalar loss, got ",
               loss.defined() ? loss.sizes().vec() : std::vector<int64_t>{});
   transition(ModelPhase::kBackward);
+  trace::Span span("model", "backward");
   try {
     InterceptionScope scope;
     if (loss_scale_ == 1.0) {

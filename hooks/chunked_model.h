@@ -34,6 +34,7 @@
 #include "ferry/chunk/chunk_store.h"
 #include "ferry/chunk/layout.h"
 #include "ferry/common/config.h"
+#include "ferry/common/event_trace.h"
 #include "ferry/hooks/interceptor.h"
 #include "ferry/scheduler/scheduler.h"
 
@@ -70,6 +71,7 @@ class ChunkedModel final : private UseListener {
   template <class F>
   auto forward(F&& fn) -> decltype(fn()) {
     begin_forward();
+    trace::Span span("model", "forward");
     try {
       InterceptionScope scope;
       auto out = fn();

@@ -3,7 +3,8 @@
 // document (progress on stderr).
 //
 //   bench_gpt [--preset=small] [--batch=8] [--seq=256] [--steps=5] [--warmup-steps=2]
-//             [--checkpoint-activations] [--no-baseline] [--find-max] [--commit=SHA] + ferry options
+//             [--checkpoint-activations] [--no-baseline] [--find-max] [--trace=FILE.json] [--commit=SHA]
+//             + ferry options        (--trace: a Chrome trace of the last measured step)
 //
 // Per step it splits the time into forward, backward and optimizer (each ending in a device sync on
 // CUDA), and reports the time compute waited for copies, tokens/s, TFLOPS counted as 6*N*tokens and
@@ -20,6 +21,8 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include <malloc.h>
+
 #include <chrono>
 #include <iostream>
 #include <random>
@@ -33,7 +36,7 @@ using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 struct Args {
-  std::string preset = "small", commit = "unknown";
+  std::string preset = "small", commit = "unknown", trace;
   int64_t batch = 8, seq = 256, steps = 5, warmup_steps = 2;
   bool checkpoint = false, baseline = true, find_max = false;
 };
@@ -54,6 +57,19 @@ void sync(bool cuda) {
   if (cuda) torch::cuda::synchronize();
 }
 
+// Bytes of memory allocated now: the CUDA caching allocator's on a GPU, glibc's heap (arenas + mmapped
+// blocks) on the CPU. The difference across forward() is the activation memory autograd keeps.
+int64_t allocated_bytes(bool cuda) {
+#ifdef FERRY_WITH_CUDA
+  if (cuda) {
+    return c10::cuda::CUDACachingAllocator::getDeviceStats(c10::cuda::current_device()).allocated_bytes[0].current;
+  }
+#endif
+  (void)cuda;
+  const struct mallinfo2 m = mallinfo2();
+  return static_cast<int64_t>(m.uordblks + m.hblkhd);
+}
+
 std::pair<at::Tensor, at::Tensor> batch_of(const Args& a, int64_t vocab, std::mt19937_64& rng, c10::Device d) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(rng());
   auto x = at::randint(vocab, {a.batch, a.seq}, gen, at::kLong);
@@ -63,7 +79,7 @@ std::pair<at::Tensor, at::Tensor> batch_of(const Args& a, int64_t vocab, std::mt
 struct FerryResult {
   StepTimes mean;
   double moved_bytes = 0, moved_over_optimal = 0, device_peak = 0, host_peak = 0, pinned_peak = 0;
-  double state_device = 0, state_host = 0, loss_first = 0, loss_last = 0;
+  double state_device = 0, state_host = 0, loss_first = 0, loss_last = 0, activation_bytes = 0;
   int64_t chunks = 0, device_state_chunks = 0, evictions = 0;
 };
 
@@ -94,11 +110,15 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
 #endif
     }
     auto [x, y] = batch_of(a, gc.vocab, rng, device);
+    const bool tracing = !a.trace.empty() && s == a.warmup_steps + a.steps - 1;  // the last measured step
+    if (tracing) ferry::trace::start();
     sync(cuda);
+    const int64_t before_forward = allocated_bytes(cuda);
     auto t0 = Clock::now();
     auto loss = model.forward([&] { return gpt::GptImpl::loss(net->forward(x), y); });
     sync(cuda);
     const double f = since(t0);
+    const int64_t activations = allocated_bytes(cuda) - before_forward;
     auto t1 = Clock::now();
     model.backward(loss);
     sync(cuda);
@@ -108,6 +128,10 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     adam.zero_grad();
     sync(cuda);
     const double o_s = since(t2);
+    if (tracing) {
+      ferry::trace::stop();
+      ferry::trace::write_chrome_json(a.trace);
+    }
     const ferry::IterationStats it = model.last_iteration();
     const double l = loss.item<double>();
     std::cerr << "bench_gpt: ferry step " << s << (measured ? "" : " (warm-up)") << ": fwd " << f << " s, bwd " << b
@@ -116,6 +140,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     if (!measured) continue;
     if (r.loss_first == 0) r.loss_first = l;
     r.loss_last = l;
+    r.activation_bytes = std::max(r.activation_bytes, static_cast<double>(activations));
     r.mean.forward += f / a.steps;
     r.mean.backward += b / a.steps;
     r.mean.optimizer += o_s / a.steps;
@@ -229,6 +254,7 @@ int main(int argc, char** argv) try {
     else if (k == "--no-baseline") a.baseline = false;
     else if (k == "--find-max") a.find_max = true;
     else if (k == "--commit") a.commit = v;
+    else if (k == "--trace") a.trace = v;
     else {
       std::cerr << "bench_gpt: unknown argument " << arg << "\n";
       return 2;
@@ -243,7 +269,8 @@ int main(int argc, char** argv) try {
       << "\",\n  \"config\": {\"precision\": \"" << ferry::to_string(config.precision) << "\", \"chunk_size_bytes\": "
       << config.chunk_size_bytes << ", \"device_budget_bytes\": " << config.device_budget_bytes
       << ", \"host_budget_bytes\": " << config.host_budget_bytes << ", \"batch\": " << a.batch << ", \"seq\": " << a.seq
-      << ", \"steps\": " << a.steps << ", \"checkpoint_activations\": " << (a.checkpoint ? "true" : "false") << "},\n";
+      << ", \"steps\": " << a.steps << ", \"checkpoint_activations\": " << (a.checkpoint ? "true" : "false")
+      << ", \"trace\": \"" << a.trace << "\"},\n";
 
   if (a.find_max) {
     std::vector<gpt::GptConfig> presets;
@@ -301,7 +328,7 @@ int main(int argc, char** argv) try {
       << ", \"host_peak_bytes\": " << f.host_peak << ", \"pinned_peak_bytes\": " << f.pinned_peak
       << ", \"optimizer_state_device_bytes\": " << f.state_device << ", \"optimizer_state_host_bytes\": " << f.state_host
       << ", \"moved_bytes_per_step\": " << f.moved_bytes << ", \"moved_over_optimal\": " << f.moved_over_optimal
-      << ", \"evictions\": " << f.evictions << ", \"chunks\": " << f.chunks << ", \"device_state_chunks\": "
+      << ", \"activation_bytes\": " << f.activation_bytes << ", \"evictions\": " << f.evictions << ", \"chunks\": " << f.chunks << ", \"device_state_chunks\": "
       << f.device_state_chunks << ", \"loss_first\": " << f.loss_first << ", \"loss_last\": " << f.loss_last << "}";
   if (a.baseline) {
     double loss = 0;

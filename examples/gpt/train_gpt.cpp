@@ -5,7 +5,7 @@
 //   train_gpt [--preset=tiny] [--steps=300] [--batch=8] [--seq=128] [--lr=3e-3] [--warmup=20]
 //             [--micro-batches=1] [--max-grad-norm=1.0] [--checkpoint-activations]
 //             [--corpus=/usr/share/common-licenses] [--save=DIR] [--resume=DIR] [--seed=1]
-//             [--log-every=10] [--expect-loss-below=X]  + ferry's options (--device, --precision, --chunk-size, --device-budget,
+//             [--log-every=10] [--expect-loss-below=X] [--trace=FILE.json]  + ferry's options (--device, --precision, --chunk-size, --device-budget,
 //             --host-budget, --cpu-threads, --log-level; see --help)
 //
 // Defaults follow the device: on a GPU bf16 and a device budget of 90% of its memory; on the CPU
@@ -33,14 +33,15 @@ struct Args {
   int64_t steps = 300, batch = 8, seq = 128, micro_batches = 1, warmup = 20, log_every = 10, seed = 1;
   double lr = 3e-3, max_grad_norm = 1.0;
   bool checkpoint_activations = false;
-  std::string corpus = "/usr/share/common-licenses", save, resume;
+  std::string corpus = "/usr/share/common-licenses", save, resume, trace;
   double expect_loss_below = 0;  // > 0: exit 1 unless the last window's mean loss is below it (tests)
 };
 
 const char* kUsage =
     "usage: train_gpt [--preset=NAME] [--steps=N] [--batch=B] [--seq=T] [--lr=X] [--warmup=N] "
     "[--micro-batches=N] [--max-grad-norm=X] [--checkpoint-activations] [--corpus=FILE|DIR] [--save=DIR] "
-    "[--resume=DIR] [--seed=N] [--log-every=N] [ferry options]\n";
+    "[--resume=DIR] [--seed=N] [--log-every=N] [--expect-loss-below=X] [--trace=FILE.json] [ferry options]\n"
+    "  --trace: a Chrome trace (Perfetto) of the third step: chunk moves, evictions, waits, Adam phases\n";
 
 Args parse(const std::vector<std::string>& rest) {
   Args a;
@@ -62,6 +63,7 @@ Args parse(const std::vector<std::string>& rest) {
     else if (key == "--corpus") a.corpus = value;
     else if (key == "--save") a.save = value;
     else if (key == "--resume") a.resume = value;
+    else if (key == "--trace") a.trace = value;
     else if (key == "--expect-loss-below") a.expect_loss_below = std::stod(value);
     else {
       std::cerr << "train_gpt: unknown argument '" << arg << "'\n" << kUsage << ferry::Config::help();
@@ -153,6 +155,8 @@ int main(int argc, char** argv) try {
   for (int64_t step = first_step; step < first_step + args.steps && !g_stop.load(); ++step) {
     const double lr = args.lr * std::min(1.0, static_cast<double>(step + 1) / std::max<int64_t>(1, args.warmup));
     adam.set_lr(lr);
+    const bool tracing = !args.trace.empty() && step == first_step + std::min<int64_t>(2, args.steps - 1);
+    if (tracing) ferry::trace::start();
     double loss_sum = 0;
     for (int64_t k = 0; k < args.micro_batches; ++k) {
       auto [x, y] = corpus.sample(micro, args.seq, rng);
@@ -166,6 +170,10 @@ int main(int argc, char** argv) try {
     }
     const ferry::StepResult r = adam.step();
     adam.zero_grad();
+    if (tracing) {
+      ferry::trace::stop();
+      ferry::trace::write_chrome_json(args.trace);
+    }
     skipped += r.applied ? 0 : 1;
     ++steps_done;
     losses.push_back(loss_sum);

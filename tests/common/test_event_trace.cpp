@@ -1,0 +1,61 @@
+// EventTrace: nothing is recorded when off; while on, a ChunkStore move, an eviction and the chunk
+// byte counters show up in a Chrome trace that Python's json module can read back.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "ferry/chunk/chunk_store.h"
+#include "ferry/common/event_trace.h"
+
+namespace ferry {
+namespace {
+
+TEST(EventTrace, RecordsMovesEvictionsAndCountersOnlyWhenOn) {
+  ChunkStoreOptions o;
+  o.device = DeviceKind::kSimulated;
+  o.device_budget_bytes = 4096;
+  o.name = "test";
+  ChunkStore store(o);
+  const ChunkId a = store.add_chunk(ChunkRole::kParam, at::kFloat, 1024, Location::kHost);
+  const ChunkId b = store.add_chunk(ChunkRole::kParam, at::kFloat, 1024, Location::kHost);
+  trace::stop();
+  store.move(a, Location::kDevice);
+  EXPECT_FALSE(trace::enabled());
+  trace::start();
+  EXPECT_EQ(trace::size(), 0);
+  store.move(b, Location::kDevice);  // evicts a: the budget holds one chunk
+  trace::stop();
+  store.move(a, Location::kDevice);  // not recorded
+  const std::string json = trace::chrome_json();
+  EXPECT_NE(json.find("\"h2d chunk 1\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"d2h chunk 0\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"evict chunk 0\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"test device bytes\""), std::string::npos) << json;
+  EXPECT_EQ(json.find("\"h2d chunk 0\""), std::string::npos) << "recorded while off";
+  const int64_t events = trace::size();
+  EXPECT_GE(events, 4);
+
+  // The file parses as JSON with one traceEvents entry per event.
+  const std::string path = "/tmp/ferry_test_trace_" + std::to_string(::getpid()) + ".json";
+  trace::write_chrome_json(path);
+  const std::string cmd = "python3 -c \"import json,sys; d=json.load(open('" + path +
+                          "')); sys.exit(0 if len(d['traceEvents'])==" + std::to_string(events) + " else 1)\"";
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::remove(path.c_str());
+  EXPECT_THROW(trace::start(0), c10::Error);
+}
+
+TEST(EventTrace, StopsWhenFull) {
+  trace::start(3);
+  for (int i = 0; i < 10; ++i) trace::instant("test", "e" + std::to_string(i));
+  EXPECT_FALSE(trace::enabled());
+  EXPECT_EQ(trace::size(), 3);
+  trace::start();
+  EXPECT_EQ(trace::size(), 0) << "start() clears";
+  trace::stop();
+}
+
+}  // namespace
+}  // namespace ferry
