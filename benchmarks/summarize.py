@@ -136,7 +136,8 @@ def gpt_plots(doc, path):
         for e in events:
             if e["ph"] == "X" and e["cat"] in ("model", "adam") and e["name"] in ("forward", "backward", "adam.step"):
                 ax3.axvspan(e["ts"] / 1000.0, (e["ts"] + e["dur"]) / 1000.0, alpha=0.08)
-                ax3.text(e["ts"] / 1000.0, 0, e["name"], fontsize=7, rotation=90, va="bottom")
+                ax3.text(e["ts"] / 1000.0, 0.02, e["name"], fontsize=7, rotation=90, va="bottom",
+                         transform=ax3.get_xaxis_transform())
         ax3.set_xlabel("ms")
         ax3.set_ylabel("MiB")
         ax3.set_title("chunk memory over one step")
@@ -160,6 +161,8 @@ def main(paths):
     for path in paths:
         with open(path) as f:
             doc = json.load(f)
+        if "traceEvents" in doc:
+            continue  # a Chrome trace stored beside a result; the result's plot reads it
         make = TABLES.get(doc.get("benchmark"))
         if make is None:
             print(f"{path}: no table for benchmark {doc.get('benchmark')!r}", file=sys.stderr)
