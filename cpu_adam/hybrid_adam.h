@@ -119,7 +119,7 @@ class HybridAdam final : private GradSink {
   at::Tensor grad(int64_t param);
   ChunkStore& state_store() { return *store_; }
 
-  // Save/resume the full training state into/from directory `dir` (see docs/CHECKPOINT.md): fp32
+  // Save/resume the full training state into/from directory `dir` (format: docs/CHECKPOINT.md): fp32
   // masters and moments streamed one parameter at a time, step counts, lr and options per group,
   // loss scaler. load() checks the whole checkpoint against this model first (names, shapes, group
   // count, file sizes) and changes nothing if it does not match; then it writes the parameters.
