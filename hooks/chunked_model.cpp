@@ -81,7 +81,14 @@ ChunkedModel::ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Conf
   for (auto& b : module_->buffers(/*recurse=*/true)) {
     if (b.defined() && b.device() != device) b.set_data(b.to(device));
   }
-  auto probe = options_.probe ? std::move(options_.probe) : make_memory_probe(resolve_device_kind(config_.device));
+  std::unique_ptr<MemoryProbe> probe = std::move(options_.probe);
+  if (!probe && options_.measure_host_non_model && resolve_device_kind(config_.device) == DeviceKind::kSimulated) {
+    probe = make_heap_probe([this] {
+      const ChunkStoreStats s = store_->stats();
+      return s.device.current_bytes + s.host.current_bytes + s.host_buffers.cached_bytes;
+    });
+  }
+  if (!probe) probe = make_memory_probe(resolve_device_kind(config_.device));
   scheduler_ = std::make_unique<Scheduler>(*store_, policy_, std::move(probe), options_.scheduler, tensor_of_param_,
                                            chunk_of_param_);
   int64_t bytes = 0;

@@ -44,6 +44,10 @@ struct ChunkedModelOptions {
   SchedulerOptions scheduler;           // device_budget_bytes is taken from the Config
   bool repack_after_warmup = true;      // repack parameters in first-use order after warm-up
   std::unique_ptr<MemoryProbe> probe;   // null: the device's own probe
+  // Simulated device only: count the host memory forward/backward allocate beside the chunks
+  // (activations) as non-model device memory, as the CUDA allocator's stats do on a GPU
+  // (make_heap_probe). Off by default: the simulated device's budget then covers chunks only.
+  bool measure_host_non_model = false;
   int64_t host_cache_bytes = int64_t{256} << 20;
 };
 

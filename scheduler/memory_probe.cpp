@@ -5,8 +5,42 @@
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
+#include <malloc.h>
+
+#include <algorithm>
+
 namespace ferry {
+
+int64_t MemoryProbe::non_model_bytes(int64_t chunk_device_bytes) {
+  const int64_t allocated = device_allocated_bytes();
+  if (allocated < 0) return 0;
+  return std::max<int64_t>(0, allocated - chunk_device_bytes);
+}
+
 namespace {
+
+int64_t heap_in_use() {
+  const struct mallinfo2 m = mallinfo2();
+  return static_cast<int64_t>(m.uordblks + m.hblkhd);
+}
+
+class HeapProbe final : public MemoryProbe {
+ public:
+  explicit HeapProbe(std::function<int64_t()> ferry_bytes) : ferry_bytes_(std::move(ferry_bytes)) {}
+  const char* name() const override { return "glibc-heap-growth"; }
+  int64_t device_allocated_bytes() override { return -1; }  // no absolute number; see non_model_bytes
+  void begin_iteration() override {
+    base_heap_ = heap_in_use();
+    base_ferry_ = ferry_bytes_();
+  }
+  int64_t non_model_bytes(int64_t) override {
+    return std::max<int64_t>(0, (heap_in_use() - base_heap_) - (ferry_bytes_() - base_ferry_));
+  }
+
+ private:
+  std::function<int64_t()> ferry_bytes_;
+  int64_t base_heap_ = 0, base_ferry_ = 0;
+};
 
 class UnknownProbe final : public MemoryProbe {
  public:
@@ -46,6 +80,10 @@ std::unique_ptr<MemoryProbe> make_memory_probe(DeviceKind resolved_kind) {
 
 std::unique_ptr<MemoryProbe> make_function_probe(std::function<int64_t()> fn) {
   return std::make_unique<FunctionProbe>(std::move(fn));
+}
+
+std::unique_ptr<MemoryProbe> make_heap_probe(std::function<int64_t()> ferry_bytes) {
+  return std::make_unique<HeapProbe>(std::move(ferry_bytes));
 }
 
 }  // namespace ferry

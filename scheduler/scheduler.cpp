@@ -56,14 +56,13 @@ void Scheduler::begin_iteration() {
     recording_.reset();
   }
   current_.optimal_bytes = optimal_bytes_;
+  if (record) probe_->begin_iteration();
   at_begin_ = store_->stats();
   store_->reset_peak_stats();
 }
 
 int64_t Scheduler::non_model_now_locked() {
-  const int64_t allocated = probe_->device_allocated_bytes();
-  if (allocated < 0) return 0;
-  return std::max<int64_t>(0, allocated - store_->stats().device.current_bytes);
+  return probe_->non_model_bytes(store_->stats().device.current_bytes);
 }
 
 void Scheduler::apply_budget_locked(int64_t position) {

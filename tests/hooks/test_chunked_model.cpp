@@ -327,3 +327,41 @@ TEST(ChunkedModel, BadUse) {
 
 }  // namespace
 }  // namespace ferry
+
+namespace ferry {
+namespace {
+
+struct TwoLayerImpl : torch::nn::Module {
+  TwoLayerImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(128, 128));
+    fc2 = register_module("fc2", torch::nn::Linear(128, 128));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::relu(fc1(x))).sum(); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(TwoLayer);
+
+TEST(ChunkedModel, SimulatedDeviceCountsActivationsWhenAsked) {
+  const auto x = torch::randn({8192, 128});  // fc1's output and relu's output: 4 MiB each
+  for (bool measure : {false, true}) {
+    torch::manual_seed(4);
+    TwoLayer net;
+    ChunkedModelOptions options;
+    options.measure_host_non_model = measure;
+    ChunkedModel model(net.ptr(), tiny_config(64 << 10, 0), std::move(options));
+    model.backward(model.forward([&] { return net->forward(x); }));
+    const int64_t peak = model.scheduler().non_model_peak();
+    if (!measure) {
+      EXPECT_EQ(peak, 0) << "without the heap probe the simulated device reports no non-model memory";
+    } else {
+#if defined(__SANITIZE_ADDRESS__)
+      GTEST_SKIP() << "AddressSanitizer's allocator is invisible to glibc's mallinfo2";
+#endif
+      EXPECT_GE(peak, 4 << 20) << "fc1's 4 MiB output is alive when fc2's weight is used";
+      EXPECT_LE(peak, 256 << 20);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ferry
