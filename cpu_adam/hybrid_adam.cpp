@@ -3,6 +3,7 @@
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/isfinite.h>
 #include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
@@ -118,6 +119,7 @@ void HybridAdam::build_state_locked() {
   store_ = std::move(store);
   roles_ = std::move(roles);
   layout_version_ = model_.layout_version();
+  landings_.assign(model_.num_params(), 0);
   on_device_.assign(layout.num_chunks(), 0);
   spans_.assign(layout.num_chunks(), {});
   for (int64_t c = 0; c < layout.num_chunks(); ++c) {
@@ -190,6 +192,149 @@ void HybridAdam::land_grad(int64_t param, const at::Tensor& grad) {
   at::Tensor slot = store_->view(roles_[kGradRole].tensors[param]);
   slot.add_(grad.to(slot.device(), at::kFloat));
   grads_landed_ = true;
+  ++landings_[param];
+  if (!overlap_active_) return;
+  const int64_t c = model_.layout().slots()[param].chunk;
+  TORCH_CHECK(!launched_[c], "ferry: HybridAdam::backward_step: parameter ", model_.param_name(param),
+              " got more gradient contributions (", landings_[param], ") than in the previous backward_step (",
+              expected_landings_[param], ") after its chunk's update had started; that chunk's update missed "
+              "them. Use backward() + step() for models whose backward changes between steps.");
+  if (landings_[param] <= expected_landings_[param] && --remaining_[c] == 0 && !on_device_[c]) {
+    launch_overlapped_locked(c);
+  }
+}
+
+void HybridAdam::launch_overlapped_locked(int64_t c) {
+  launched_[c] = 1;
+  float* p = store_->payload(roles_[kMasterRole].chunks[c]).data_ptr<float>();
+  float* m = store_->payload(roles_[kExpAvgRole].chunks[c]).data_ptr<float>();
+  float* v = store_->payload(roles_[kExpAvgSqRole].chunks[c]).data_ptr<float>();
+  const float* g = store_->payload(roles_[kGradRole].chunks[c]).data_ptr<float>();
+  for (const Span& s : spans_[c]) {
+    AdamSpan span;
+    span.param = p + s.begin;
+    span.grad = g + s.begin;
+    span.exp_avg = m + s.begin;
+    span.exp_avg_sq = v + s.begin;
+    span.numel = s.end - s.begin;
+    pending_updates_.push_back(cpu_adam_.update_async(s.group, span));  // checks its grads first
+  }
+}
+
+void HybridAdam::host_update_chunk_locked(int64_t c, const UpdateOptions& update_options) {
+  float* p = store_->payload(roles_[kMasterRole].chunks[c]).data_ptr<float>();
+  float* m = store_->payload(roles_[kExpAvgRole].chunks[c]).data_ptr<float>();
+  float* v = store_->payload(roles_[kExpAvgSqRole].chunks[c]).data_ptr<float>();
+  const float* g = store_->payload(roles_[kGradRole].chunks[c]).data_ptr<float>();
+  for (const Span& s : spans_[c]) {
+    AdamSpan span;
+    span.param = p + s.begin;
+    span.grad = g + s.begin;
+    span.grad_dtype = at::kFloat;
+    span.exp_avg = m + s.begin;
+    span.exp_avg_sq = v + s.begin;
+    span.numel = s.end - s.begin;
+    cpu_adam_.update(s.group, span, update_options);
+  }
+}
+
+StepResult HybridAdam::backward_step(const at::Tensor& loss) {
+  TORCH_CHECK(options_.max_grad_norm == 0 && !scaling_, "ferry: HybridAdam::backward_step needs max_grad_norm == 0 "
+              "and no fp16 loss scaling (both need every gradient before any update); use backward() + step()");
+  check_idle("backward_step()");
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    sync_layout_locked();
+    place_locked();
+    const int64_t n = static_cast<int64_t>(spans_.size());
+    const bool overlap = static_cast<int64_t>(expected_landings_.size()) == model_.num_params();
+    std::fill(landings_.begin(), landings_.end(), 0);
+    launched_.assign(n, 0);
+    remaining_.assign(n, 0);
+    if (overlap) {
+      for (int64_t p = 0; p < model_.num_params(); ++p) remaining_[model_.layout().slots()[p].chunk] += expected_landings_[p];
+      for (int g = 0; g < num_param_groups(); ++g) cpu_adam_.advance_step(g);  // updates start during backward
+    }
+    overlap_active_ = overlap;
+  }
+  try {
+    model_.backward(loss);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (overlap_active_) {
+      int64_t started = 0;
+      for (char l : launched_) started += l;
+      log::error("ferry: backward_step: backward threw; ", started, " chunk(s) whose update had started are updated, ",
+                 "the others are not, and the step count has advanced");
+    }
+    overlap_active_ = false;
+    for (auto& f : pending_updates_) f.wait();
+    pending_updates_.clear();
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  const bool overlapped = overlap_active_;
+  overlap_active_ = false;
+  expected_landings_ = landings_;
+  if (!overlapped) return step_locked();  // the first call: nothing to compare against yet
+  StepResult result;
+  const int64_t n = static_cast<int64_t>(spans_.size());
+  int64_t t0 = now_ns();
+  bool nonfinite = false;
+  for (auto& f : pending_updates_) nonfinite = !f.get().applied || nonfinite;
+  pending_updates_.clear();
+  for (char l : launched_) result.overlapped_chunks += l;
+  // What backward did not finish: host chunks not final during backward, then device chunks.
+  for (int64_t c = 0; c < n; ++c) {
+    if (on_device_[c] || launched_[c]) continue;
+    const at::Tensor g = store_->payload(roles_[kGradRole].chunks[c]);
+    if (cpu_adam_.grad_norm_sq(g.data_ptr(), at::kFloat, g.numel()).nonfinite) {
+      nonfinite = true;
+      continue;
+    }
+    host_update_chunk_locked(c, UpdateOptions{1.0, true});
+  }
+  result.host_update_ns = now_ns() - t0;
+  t0 = now_ns();
+  for (int64_t c = 0; c < n; ++c) {
+    if (!on_device_[c]) continue;
+    ++result.device_chunks;
+    at::Tensor p = store_->payload(roles_[kMasterRole].chunks[c]);
+    at::Tensor m = store_->payload(roles_[kExpAvgRole].chunks[c]);
+    at::Tensor v = store_->payload(roles_[kExpAvgSqRole].chunks[c]);
+    at::Tensor g = store_->payload(roles_[kGradRole].chunks[c]);
+    if (!at::isfinite(g).all().item<bool>()) {
+      nonfinite = true;
+      continue;
+    }
+    for (const Span& s : spans_[c]) {
+      const AdamOptions& o = cpu_adam_.options(s.group);
+      at::Tensor steps = at::full({}, static_cast<double>(cpu_adam_.step_count(s.group)), p.options());
+      std::vector<at::Tensor> ps{p.slice(0, s.begin, s.end)}, gs{g.slice(0, s.begin, s.end)},
+          ms{m.slice(0, s.begin, s.end)}, vs{v.slice(0, s.begin, s.end)};
+      if (o.mode == AdamMode::kAdamW) {
+        at::_fused_adamw_(ps, gs, ms, vs, {}, {steps}, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps, false, false);
+      } else {
+        at::_fused_adam_(ps, gs, ms, vs, {}, {steps}, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps, false, false);
+      }
+    }
+  }
+  result.device_update_ns = now_ns() - t0;
+  result.host_chunks = n - result.device_chunks;
+  t0 = now_ns();
+  write_back_locked();
+  result.writeback_ns = now_ns() - t0;
+  double total = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    const at::Tensor g = store_->payload(roles_[kGradRole].chunks[c]);
+    total += on_device_[c] ? std::pow(at::linalg_vector_norm(g, 2).item<double>(), 2)
+                           : cpu_adam_.grad_norm_sq(g.data_ptr(), at::kFloat, g.numel()).sum_sq;
+  }
+  result.grad_norm = std::sqrt(total);
+  result.overflow = nonfinite;
+  result.applied = !nonfinite;
+  if (nonfinite) log::warn("ferry: backward_step: non-finite gradients; those chunks were not updated");
+  return result;
 }
 
 double HybridAdam::loss_scale() const { return scaling_ ? scaler_.scale() : 1.0; }
@@ -209,6 +354,10 @@ void HybridAdam::set_lr(double lr) {
 StepResult HybridAdam::step() {
   check_idle("step()");
   std::lock_guard<std::mutex> lock(mutex_);
+  return step_locked();
+}
+
+StepResult HybridAdam::step_locked() {
   sync_layout_locked();
   TORCH_CHECK(grads_landed_, "ferry: HybridAdam::step() found no gradients since the last zero_grad(); call "
                              "model.backward(loss) first");
@@ -300,21 +449,7 @@ StepResult HybridAdam::step() {
   update_options.grad_scale = grad_scale;
   update_options.grads_checked = true;
   for (int64_t c = 0; c < n; ++c) {
-    if (on_device_[c]) continue;
-    float* p = store_->payload(roles_[kMasterRole].chunks[c]).data_ptr<float>();
-    float* m = store_->payload(roles_[kExpAvgRole].chunks[c]).data_ptr<float>();
-    float* v = store_->payload(roles_[kExpAvgSqRole].chunks[c]).data_ptr<float>();
-    const float* g = store_->payload(roles_[kGradRole].chunks[c]).data_ptr<float>();
-    for (const Span& s : spans_[c]) {
-      AdamSpan span;
-      span.param = p + s.begin;
-      span.grad = g + s.begin;
-      span.grad_dtype = at::kFloat;
-      span.exp_avg = m + s.begin;
-      span.exp_avg_sq = v + s.begin;
-      span.numel = s.end - s.begin;
-      cpu_adam_.update(s.group, span, update_options);
-    }
+    if (!on_device_[c]) host_update_chunk_locked(c, update_options);
   }
   result.host_update_ns = now_ns() - t0;
   trace::complete("adam", "adam.host_update", t0, t0 + result.host_update_ns,

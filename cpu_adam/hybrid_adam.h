@@ -43,6 +43,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -83,6 +84,7 @@ struct StepResult {
   int64_t device_chunks = 0;  // layout chunks updated on the device
   int64_t host_chunks = 0;    // ... on the host
   int64_t norm_ns = 0, device_update_ns = 0, host_update_ns = 0, writeback_ns = 0;
+  int64_t overlapped_chunks = 0;  // backward_step: host chunks whose update started during backward
 };
 
 class HybridAdam final : private GradSink {
@@ -93,6 +95,17 @@ class HybridAdam final : private GradSink {
   HybridAdam& operator=(const HybridAdam&) = delete;
 
   StepResult step();
+  // model.backward(loss) and step() in one call, with the host Adam of each chunk started (on CpuAdam's
+  // async queue) as soon as that chunk's gradients are final during backward, while autograd goes on
+  // with the rest. "Final" = every parameter of the chunk has had as many gradient landings as in the
+  // previous backward_step (the first call only records them, and overlaps nothing). Device chunks,
+  // chunks not final by the end of backward, and the parameter write-back run after backward. The
+  // result is bit-identical to backward() + step() (the same kernels on the same gradients).
+  // Needs max_grad_norm == 0 and no fp16 loss scaling (both need every gradient before any update).
+  // A non-finite gradient skips that chunk's update only (chunks already updated stay updated; the
+  // result reports the overflow): all-or-nothing would need a copy of the state. Likewise, if backward
+  // throws, chunks whose update had started stay updated (logged as an error).
+  StepResult backward_step(const at::Tensor& loss);
   // Zeroes the accumulated gradients.
   void zero_grad();
 
@@ -140,6 +153,9 @@ class HybridAdam final : private GradSink {
   void check_idle(const char* what) const;
   at::Tensor state_view(Role role, int64_t param);
   void write_back_locked();
+  StepResult step_locked();
+  void host_update_chunk_locked(int64_t chunk, const UpdateOptions& options);
+  void launch_overlapped_locked(int64_t chunk);  // queues chunk's host spans on CpuAdam's async queue
 
   ChunkedModel& model_;
   HybridAdamOptions options_;
@@ -156,6 +172,12 @@ class HybridAdam final : private GradSink {
   std::vector<char> on_device_;                     // per layout chunk
   bool placed_ = false;
   bool grads_landed_ = false;
+  // backward_step: landings per parameter in this backward, and those of the previous backward_step.
+  std::vector<int64_t> landings_, expected_landings_;
+  bool overlap_active_ = false;
+  std::vector<int64_t> remaining_;  // per layout chunk: landings still expected before it is final
+  std::vector<char> launched_;      // per layout chunk: its host update is queued
+  std::vector<std::future<UpdateResult>> pending_updates_;
 };
 
 }  // namespace ferry

@@ -367,6 +367,49 @@ TEST(HybridAdam, SaveResumeIsBitIdentical) {
   remove_checkpoint(dir);
 }
 
+TEST(HybridAdam, BackwardStepOverlapsAndIsBitIdentical) {
+  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+  options.device_state_chunks = 2;
+  torch::manual_seed(21);
+  TinyLm plain_net(kVocab, kDim);
+  torch::manual_seed(21);
+  TinyLm overlap_net(kVocab, kDim);
+  ChunkedModel plain(plain_net.ptr(), sim_config(budget_for(3, 2)));
+  ChunkedModel overlap(overlap_net.ptr(), sim_config(budget_for(3, 2)));
+  HybridAdam plain_adam(plain, options), overlap_adam(overlap, options);
+  for (int step = 0; step < 6; ++step) {
+    const Batch b = batch(step);
+    plain.backward(plain.forward([&] { return lm_loss(plain_net, b.idx, b.target); }));
+    const StepResult p = plain_adam.step();
+    plain_adam.zero_grad();
+    const StepResult o =
+        overlap_adam.backward_step(overlap.forward([&] { return lm_loss(overlap_net, b.idx, b.target); }));
+    overlap_adam.zero_grad();
+    ASSERT_TRUE(p.applied && o.applied) << "step " << step;
+    if (step == 0) {
+      EXPECT_EQ(o.overlapped_chunks, 0) << "the first call only records the landings";
+    } else {
+      EXPECT_GT(o.overlapped_chunks, 0) << "step " << step << ": host updates should start during backward";
+      EXPECT_EQ(o.device_chunks, 2);
+    }
+    EXPECT_NEAR(o.grad_norm, p.grad_norm, 1e-9 * p.grad_norm);
+  }
+  EXPECT_EQ(overlap_adam.step_count(0), 6);
+  for (int64_t q = 0; q < plain.num_params(); ++q) {
+    const auto& name = plain.param_name(q);
+    EXPECT_TRUE(torch::equal(overlap_adam.master(q), plain_adam.master(q))) << name;
+    EXPECT_TRUE(torch::equal(overlap_adam.exp_avg_sq(q), plain_adam.exp_avg_sq(q))) << name;
+    EXPECT_TRUE(torch::equal(overlap.param_values(q), plain.param_values(q))) << name;
+  }
+  HybridAdamOptions clipped = options;
+  clipped.max_grad_norm = 1.0;
+  HybridAdam clipping_adam(plain, clipped);
+  const Batch b = batch(0);
+  auto loss = plain.forward([&] { return lm_loss(plain_net, b.idx, b.target); });
+  EXPECT_THROW(clipping_adam.backward_step(loss), c10::Error) << "clipping needs every gradient first";
+  plain.end_iteration();
+}
+
 TEST(HybridAdam, BadInputFailsAndChangesNothing) {
   torch::manual_seed(13);
   TinyLm net(kVocab, kDim);
