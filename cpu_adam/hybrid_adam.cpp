@@ -204,28 +204,12 @@ void HybridAdam::land_grad(int64_t param, const at::Tensor& grad) {
   }
 }
 
-void HybridAdam::launch_overlapped_locked(int64_t c) {
-  launched_[c] = 1;
+std::vector<std::pair<int, AdamSpan>> HybridAdam::host_spans_locked(int64_t c) {
   float* p = store_->payload(roles_[kMasterRole].chunks[c]).data_ptr<float>();
   float* m = store_->payload(roles_[kExpAvgRole].chunks[c]).data_ptr<float>();
   float* v = store_->payload(roles_[kExpAvgSqRole].chunks[c]).data_ptr<float>();
   const float* g = store_->payload(roles_[kGradRole].chunks[c]).data_ptr<float>();
-  for (const Span& s : spans_[c]) {
-    AdamSpan span;
-    span.param = p + s.begin;
-    span.grad = g + s.begin;
-    span.exp_avg = m + s.begin;
-    span.exp_avg_sq = v + s.begin;
-    span.numel = s.end - s.begin;
-    pending_updates_.push_back(cpu_adam_.update_async(s.group, span));  // checks its grads first
-  }
-}
-
-void HybridAdam::host_update_chunk_locked(int64_t c, const UpdateOptions& update_options) {
-  float* p = store_->payload(roles_[kMasterRole].chunks[c]).data_ptr<float>();
-  float* m = store_->payload(roles_[kExpAvgRole].chunks[c]).data_ptr<float>();
-  float* v = store_->payload(roles_[kExpAvgSqRole].chunks[c]).data_ptr<float>();
-  const float* g = store_->payload(roles_[kGradRole].chunks[c]).data_ptr<float>();
+  std::vector<std::pair<int, AdamSpan>> spans;
   for (const Span& s : spans_[c]) {
     AdamSpan span;
     span.param = p + s.begin;
@@ -234,7 +218,41 @@ void HybridAdam::host_update_chunk_locked(int64_t c, const UpdateOptions& update
     span.exp_avg = m + s.begin;
     span.exp_avg_sq = v + s.begin;
     span.numel = s.end - s.begin;
-    cpu_adam_.update(s.group, span, update_options);
+    spans.emplace_back(s.group, span);
+  }
+  return spans;
+}
+
+void HybridAdam::launch_overlapped_locked(int64_t c) {
+  launched_[c] = 1;
+  for (const auto& [group, span] : host_spans_locked(c)) {
+    pending_updates_.push_back(cpu_adam_.update_async(group, span));  // checks its grads first
+  }
+}
+
+void HybridAdam::host_update_chunk_locked(int64_t c, const UpdateOptions& update_options) {
+  for (const auto& [group, span] : host_spans_locked(c)) cpu_adam_.update(group, span, update_options);
+}
+
+void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale) {
+  at::Tensor p = store_->payload(roles_[kMasterRole].chunks[c]);
+  at::Tensor m = store_->payload(roles_[kExpAvgRole].chunks[c]);
+  at::Tensor v = store_->payload(roles_[kExpAvgSqRole].chunks[c]);
+  at::Tensor g = store_->payload(roles_[kGradRole].chunks[c]);
+  for (const Span& s : spans_[c]) {
+    const AdamOptions& o = cpu_adam_.options(s.group);
+    at::Tensor gs = g.slice(0, s.begin, s.end);
+    if (grad_scale != 1.0) gs = gs * grad_scale;  // a temporary: the landed gradients stay as they are
+    at::Tensor steps = at::full({}, static_cast<double>(cpu_adam_.step_count(s.group)), p.options());
+    std::vector<at::Tensor> ps{p.slice(0, s.begin, s.end)}, ms{m.slice(0, s.begin, s.end)},
+        vs{v.slice(0, s.begin, s.end)};
+    if (o.mode == AdamMode::kAdamW) {
+      at::_fused_adamw_(ps, {gs}, ms, vs, {}, {steps}, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps,
+                        /*amsgrad=*/false, /*maximize=*/false);
+    } else {
+      at::_fused_adam_(ps, {gs}, ms, vs, {}, {steps}, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps,
+                       /*amsgrad=*/false, /*maximize=*/false);
+    }
   }
 }
 
@@ -299,25 +317,11 @@ StepResult HybridAdam::backward_step(const at::Tensor& loss) {
   for (int64_t c = 0; c < n; ++c) {
     if (!on_device_[c]) continue;
     ++result.device_chunks;
-    at::Tensor p = store_->payload(roles_[kMasterRole].chunks[c]);
-    at::Tensor m = store_->payload(roles_[kExpAvgRole].chunks[c]);
-    at::Tensor v = store_->payload(roles_[kExpAvgSqRole].chunks[c]);
-    at::Tensor g = store_->payload(roles_[kGradRole].chunks[c]);
-    if (!at::isfinite(g).all().item<bool>()) {
+    if (!at::isfinite(store_->payload(roles_[kGradRole].chunks[c])).all().item<bool>()) {
       nonfinite = true;
       continue;
     }
-    for (const Span& s : spans_[c]) {
-      const AdamOptions& o = cpu_adam_.options(s.group);
-      at::Tensor steps = at::full({}, static_cast<double>(cpu_adam_.step_count(s.group)), p.options());
-      std::vector<at::Tensor> ps{p.slice(0, s.begin, s.end)}, gs{g.slice(0, s.begin, s.end)},
-          ms{m.slice(0, s.begin, s.end)}, vs{v.slice(0, s.begin, s.end)};
-      if (o.mode == AdamMode::kAdamW) {
-        at::_fused_adamw_(ps, gs, ms, vs, {}, {steps}, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps, false, false);
-      } else {
-        at::_fused_adam_(ps, gs, ms, vs, {}, {steps}, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps, false, false);
-      }
-    }
+    device_update_chunk_locked(c, 1.0);
   }
   result.device_update_ns = now_ns() - t0;
   result.host_chunks = n - result.device_chunks;
@@ -421,25 +425,7 @@ StepResult HybridAdam::step_locked() {
   for (int g = 0; g < num_param_groups(); ++g) cpu_adam_.advance_step(g);
   t0 = now_ns();
   for (int64_t c = 0; c < n; ++c) {
-    if (!on_device_[c]) continue;
-    at::Tensor p = store_->payload(roles_[kMasterRole].chunks[c]);
-    at::Tensor m = store_->payload(roles_[kExpAvgRole].chunks[c]);
-    at::Tensor v = store_->payload(roles_[kExpAvgSqRole].chunks[c]);
-    at::Tensor g = store_->payload(roles_[kGradRole].chunks[c]);
-    for (const Span& s : spans_[c]) {
-      const AdamOptions& o = cpu_adam_.options(s.group);
-      at::Tensor gs = g.slice(0, s.begin, s.end);
-      if (grad_scale != 1.0) gs = gs * grad_scale;  // a temporary: the landed gradients stay as they are
-      at::Tensor steps = at::full({}, static_cast<double>(cpu_adam_.step_count(s.group)), p.options());
-      auto args = std::make_tuple(p.slice(0, s.begin, s.end), m.slice(0, s.begin, s.end), v.slice(0, s.begin, s.end));
-      if (o.mode == AdamMode::kAdamW) {
-        at::_fused_adamw_({std::get<0>(args)}, {gs}, {std::get<1>(args)}, {std::get<2>(args)}, {}, {steps}, o.lr,
-                          o.beta1, o.beta2, o.weight_decay, o.eps, /*amsgrad=*/false, /*maximize=*/false);
-      } else {
-        at::_fused_adam_({std::get<0>(args)}, {gs}, {std::get<1>(args)}, {std::get<2>(args)}, {}, {steps}, o.lr,
-                         o.beta1, o.beta2, o.weight_decay, o.eps, /*amsgrad=*/false, /*maximize=*/false);
-      }
-    }
+    if (on_device_[c]) device_update_chunk_locked(c, grad_scale);
   }
   result.device_update_ns = now_ns() - t0;
   trace::complete("adam", "adam.device_update", t0, t0 + result.device_update_ns,

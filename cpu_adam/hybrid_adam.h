@@ -154,7 +154,9 @@ class HybridAdam final : private GradSink {
   at::Tensor state_view(Role role, int64_t param);
   void write_back_locked();
   StepResult step_locked();
+  std::vector<std::pair<int, AdamSpan>> host_spans_locked(int64_t chunk);  // (group, span) per span
   void host_update_chunk_locked(int64_t chunk, const UpdateOptions& options);
+  void device_update_chunk_locked(int64_t chunk, double grad_scale);
   void launch_overlapped_locked(int64_t chunk);  // queues chunk's host spans on CpuAdam's async queue
 
   ChunkedModel& model_;
