@@ -18,12 +18,20 @@ std::vector<ChunkId> OptEvictionPolicy::choose(const EvictionRequest& request) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!trace_ || position_ < 0) return lru_.choose(request);
   const int64_t incoming_next = request.incoming >= 0 ? trace_->next_use(request.incoming, position_) : position_;
-  // A prefetch runs while the current position's chunk is in COMPUTE and cannot be chosen; Belady
-  // might prefer it a moment later. So a prefetch may only push out chunks used after both the
-  // incoming chunk and the current chunk's next use; otherwise it waits for the demand access.
+  // A prefetch decides now what Belady would decide when the incoming chunk is needed (at
+  // incoming_next). Then Belady compares every resident chunk by its next use *after that moment*,
+  // including the current chunk (in COMPUTE now, so not a candidate) and the chunks used before that
+  // moment (which the prefetch must not push out). If one of those would be Belady's victim, any
+  // victim chosen now is wrong: the prefetch waits for the demand access. So a prefetch may only push
+  // out chunks used after all of those.
   int64_t threshold = incoming_next;
   if (incoming_next > position_ && position_ < trace_->size()) {
-    threshold = std::max(threshold, trace_->next_use(trace_->chunk_at(position_), position_ + 1));
+    threshold = std::max(threshold, trace_->next_use(trace_->chunk_at(position_), incoming_next));
+    for (const auto& c : request.candidates) {
+      if (trace_->next_use(c.chunk, position_) < incoming_next) {
+        threshold = std::max(threshold, trace_->next_use(c.chunk, incoming_next));
+      }
+    }
   }
   struct Ranked {
     int64_t next;

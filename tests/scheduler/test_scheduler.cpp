@@ -54,11 +54,23 @@ TEST(OptEvictionPolicy, FurthestNextUseAndPrefetchGuard) {
   EXPECT_EQ(opt.choose(r), (std::vector<ChunkId>{2}));
   r.bytes_needed = 200;
   EXPECT_EQ(opt.choose(r), (std::vector<ChunkId>{2, 0}));
-  // Prefetch of chunk 0 (next use 6): only chunks used after 6 may go -> chunk 2; not enough for 200 B
-  // (the store then refuses the prefetch and moves nothing).
+  // Prefetch of chunk 0 (needed at 6) from position 3: at 6 Belady would evict chunk 1 (used at 5, next
+  // after 6 at 13) over chunk 3 (11) and chunk 2 (7), and chunk 1 cannot go now: nothing may go.
   r.incoming = 0;
   r.candidates = {{1, 100, 2}, {2, 100, 3}};
-  EXPECT_EQ(opt.choose(r), (std::vector<ChunkId>{2}));
+  EXPECT_TRUE(opt.choose(r).empty());
+  // Same at position 4 (chunk 3's last use this iteration, next at 11) without chunk 1 resident: at 6
+  // Belady compares chunk 3 (11) and chunk 2 (7) -> chunk 3, which is pinned now: nothing may go.
+  opt.set_position(4);
+  r.candidates = {{2, 100, 3}};
+  EXPECT_TRUE(opt.choose(r).empty());
+  // Prefetch of chunk 2 (needed at 7) from position 5 (chunk 1, next after 7 at 9): chunk 0 is needed
+  // at 6, chunk 3 next at 11 -> chunk 3 is Belady's victim at 7 and may go now.
+  opt.set_position(5);
+  r.incoming = 2;
+  r.candidates = {{0, 100, 1}, {3, 100, 4}};
+  EXPECT_EQ(opt.choose(r), (std::vector<ChunkId>{3}));
+  opt.set_position(3);
   // Prefetch of chunk 1 (next use 5) from position 2 (chunk 2, next again at 7): the guard is 7, so
   // nothing may go although chunk 0 (next use 6) is used after chunk 1.
   opt.set_position(2);
