@@ -4,6 +4,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -39,7 +40,9 @@ struct Use {
   bool operator==(const Use& o) const { return listener == o.listener && param == o.param; }
 };
 
-void find_use(const at::Tensor& t, std::vector<Use>& uses) {
+using Uses = c10::SmallVector<Use, 4>;  // no heap allocation for the usual op (a few parameters)
+
+void find_use(const at::Tensor& t, Uses& uses) {
   if (!t.defined() || !t.has_storage()) return;
   const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
   std::shared_lock<std::shared_mutex> lock(registry_mutex());
@@ -56,7 +59,7 @@ void find_use(const at::Tensor& t, std::vector<Use>& uses) {
   if (std::find(uses.begin(), uses.end(), use) == uses.end()) uses.push_back(use);
 }
 
-void collect(const c10::IValue& v, std::vector<Use>& uses) {
+void collect(const c10::IValue& v, Uses& uses) {
   if (v.isTensor()) {
     find_use(v.toTensor(), uses);
   } else if (v.isTensorList()) {
@@ -79,7 +82,7 @@ void intercept(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     run_excluded(op, stack);
     return;
   }
-  std::vector<Use> uses;
+  Uses uses;
   const size_t num_args = op.schema().arguments().size();
   for (size_t i = stack->size() - num_args; i < stack->size(); ++i) collect((*stack)[i], uses);
   if (uses.empty()) {

@@ -33,6 +33,9 @@ void AccessTrace::finalize(int64_t num_chunks) {
     TORCH_INTERNAL_ASSERT(chunks_[i] >= 0 && chunks_[i] < num_chunks, "trace chunk out of range");
     positions_of_chunk_[chunks_[i]].push_back(static_cast<int64_t>(i));
   }
+  const int64_t n = size();
+  run_end_.assign(n, n);
+  for (int64_t i = n - 2; i >= 0; --i) run_end_[i] = chunks_[i + 1] != chunks_[i] ? i + 1 : run_end_[i + 1];
 }
 
 int64_t AccessTrace::next_use(ChunkId chunk, int64_t position) const {

@@ -24,6 +24,9 @@ class AccessTrace {
   bool empty() const { return tensors_.empty(); }
   TensorId tensor_at(int64_t position) const { return tensors_[position]; }
   ChunkId chunk_at(int64_t position) const { return chunks_[position]; }
+  // The first position after `position` whose chunk differs from chunk_at(position); size() if none.
+  // Valid after finalize(); lets the prefetcher skip a chunk's run of uses in one step.
+  int64_t run_end(int64_t position) const { return run_end_[position]; }
   int64_t non_model_at(int64_t position) const { return non_model_[position]; }
   const std::vector<TensorId>& tensors() const { return tensors_; }
   const std::vector<ChunkId>& chunks() const { return chunks_; }
@@ -45,6 +48,7 @@ class AccessTrace {
   std::vector<ChunkId> chunks_;
   std::vector<int64_t> non_model_;
   std::vector<std::vector<int64_t>> positions_of_chunk_;  // ascending
+  std::vector<int64_t> run_end_;
 };
 
 // Bytes moved by a Belady (furthest next use) schedule of one steady-state iteration of `trace` under

@@ -2,6 +2,7 @@
 #include "ferry/scheduler/scheduler.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <unordered_set>
@@ -104,11 +105,14 @@ void Scheduler::pre_use(int64_t param) {
 
 void Scheduler::prefetch_locked(int64_t position) {
   if (options_.prefetch_depth == 0) return;
-  std::unordered_set<ChunkId> seen = {trace_->chunk_at(position)};
+  // Walk the trace run by run (a chunk's consecutive uses are one run): O(depth) per use, not O(window).
+  c10::SmallVector<ChunkId, 8> seen = {trace_->chunk_at(position)};
   const int64_t end = std::min(trace_->size(), position + 1 + options_.prefetch_window);
-  for (int64_t q = position + 1; q < end && static_cast<int>(seen.size()) <= options_.prefetch_depth; ++q) {
+  for (int64_t q = trace_->run_end(position); q < end && static_cast<int>(seen.size()) <= options_.prefetch_depth;
+       q = trace_->run_end(q)) {
     const ChunkId c = trace_->chunk_at(q);
-    if (!seen.insert(c).second) continue;
+    if (std::find(seen.begin(), seen.end(), c) != seen.end()) continue;
+    seen.push_back(c);
     if (store_->location(c) == Location::kDevice) continue;
     if (store_->prefetch(c)) ++current_.prefetches;
   }

@@ -25,6 +25,11 @@ TEST(AccessTrace, NextUseAndFirstUseOrder) {
   EXPECT_EQ(t.next_use(0, 2), 4);
   EXPECT_EQ(t.next_use(7, 0), AccessTrace::kNever);
   EXPECT_EQ(t.first_use_order(4), (std::vector<TensorId>{2, 0, 1}));  // tensor 3 never used
+  AccessTrace runs = make_trace({2, 2, 0, 0, 0, 1, 1});
+  runs.finalize(3);
+  std::vector<int64_t> ends;
+  for (int64_t p = 0; p < runs.size(); ++p) ends.push_back(runs.run_end(p));
+  EXPECT_EQ(ends, (std::vector<int64_t>{2, 2, 5, 5, 5, 7, 7}));
 }
 
 TEST(Belady, HandComputedMoves) {
