@@ -106,8 +106,19 @@ int main(int argc, char** argv) try {
   const int64_t n_params = gc.num_params();
   if (!given(argc, argv, {"precision"})) config.precision = cuda ? ferry::Precision::kBf16 : ferry::Precision::kFp32;
   const int64_t elem = config.precision == ferry::Precision::kFp32 ? 4 : 2;
+  torch::manual_seed(args.seed);
+  auto net = std::make_shared<gpt::GptImpl>(gc);
   if (!given(argc, argv, {"chunk-size", "chunk_size"}) && !cuda) {
-    config.chunk_size_bytes = std::clamp<int64_t>((n_params * elem / 8 + 4095) / 4096 * 4096, 4096, int64_t{64} << 20);
+    // Small models on the CPU: about 8 chunks, the size with the least packing waste between 1/16 and
+    // 1/4 of the model (ferry's chunk-size search).
+    std::vector<int64_t> numels;
+    for (const auto& p : net->parameters()) numels.push_back(p.numel());
+    const int64_t align = 64 / elem;
+    const int64_t lo = std::max<int64_t>(4096 / elem, n_params / 16 / align * align);
+    const int64_t hi = std::max<int64_t>(lo, std::min<int64_t>(n_params / 4, (int64_t{64} << 20) / elem) / align * align);
+    const int64_t step = std::max<int64_t>(align, (hi - lo) / 64 / align * align);
+    const auto search = ferry::search_chunk_size(numels, {}, lo, hi, step, align);
+    config.chunk_size_bytes = search.best.chunk_numel * elem;
   }
   if (!given(argc, argv, {"device-budget", "device_budget"})) {
     config.device_budget_bytes = cuda ? static_cast<int64_t>(0.9 * ferry::query_gpus().total_memory_bytes)
@@ -120,8 +131,6 @@ int main(int argc, char** argv) try {
   ferry::log::info("train_gpt: corpus ", corpus.path(), " (", corpus.files(), " files, ", corpus.size(),
                    " bytes); preset ", gc.name, ": ", n_params / 1e6, "M parameters, hidden ", gc.hidden, " x ",
                    gc.layers, " layers, ", gc.heads, " heads");
-  torch::manual_seed(args.seed);
-  auto net = std::make_shared<gpt::GptImpl>(gc);
   if (args.checkpoint_activations) {
     net->run_block = [](gpt::Block& b, const torch::Tensor& x) {
       return ferry::checkpoint([b](const std::vector<at::Tensor>& in) mutable { return b->forward(in[0]); }, {x});
