@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <unordered_map>
 
 #include "ferry/chunk/copy_engine.h"
 #include "ferry/common/event_trace.h"
@@ -101,15 +102,50 @@ void HybridAdam::build_state_locked() {
   store_options.host_budget_bytes = 0;
   store_options.name = "optimizer state";
   auto store = std::make_unique<ChunkStore>(store_options);
+  // On a repack of the model the state moves parameter by parameter into chunks filled one at a time,
+  // and each old chunk quartet is freed as soon as all its parameters have moved out: host memory
+  // grows by about one quartet, not by a second copy of the optimizer state.
+  const bool migrate = store_ != nullptr;
   std::vector<ChunkStore::RoleChunks> roles;
   for (int r = 0; r < kNumRoles; ++r) {
-    roles.push_back(store->add_layout(kRoleOf[r], at::kFloat, layout, model_.param_shapes(), Location::kHost));
+    roles.push_back(store->add_layout(kRoleOf[r], at::kFloat, layout, model_.param_shapes(),
+                                      migrate ? Location::kNone : Location::kHost));
   }
-  for (int64_t p = 0; p < model_.num_params(); ++p) {
-    if (store_) {  // the model was repacked: carry every role over, parameter by parameter
-      for (int r = 0; r < kNumRoles; ++r) store->view(roles[r].tensors[p]).copy_(store_->view(roles_[r].tensors[p]));
-    } else {
-      store->view(roles[kMasterRole].tensors[p]).copy_(model_.param_values(p));
+  std::vector<int64_t> old_chunk_of_param, old_remaining;
+  if (migrate) {
+    migration_peak_bytes_ = 0;
+    std::unordered_map<ChunkId, int64_t> old_index;
+    for (size_t i = 0; i < roles_[kMasterRole].chunks.size(); ++i) old_index[roles_[kMasterRole].chunks[i]] = i;
+    old_remaining.assign(roles_[kMasterRole].chunks.size(), 0);
+    for (int64_t p = 0; p < model_.num_params(); ++p) {
+      old_chunk_of_param.push_back(old_index.at(store_->tensor_info(roles_[kMasterRole].tensors[p]).chunk));
+      ++old_remaining[old_chunk_of_param.back()];
+    }
+  }
+  for (int64_t c = 0; c < layout.num_chunks(); ++c) {
+    if (migrate) {
+      for (int r = 0; r < kNumRoles; ++r) store->allocate_payload(roles[r].chunks[c], Location::kHost);
+    }
+    for (int64_t p : layout.chunks()[c].tensors) {
+      if (!migrate) {
+        store->view(roles[kMasterRole].tensors[p]).copy_(model_.param_values(p));
+        continue;
+      }
+      for (int r = 0; r < kNumRoles; ++r) {
+        store->view(roles[r].tensors[p]).copy_(store_->view(roles_[r].tensors[p]));
+        store->set_state(roles[r].tensors[p], TensorState::kHold);
+      }
+      const auto ns = store->stats(), os = store_->stats();
+      migration_peak_bytes_ = std::max(migration_peak_bytes_, ns.host.current_bytes + os.host.current_bytes +
+                                                                  os.device.current_bytes);
+      const int64_t old = old_chunk_of_param[p];
+      if (--old_remaining[old] == 0) {
+        for (int r = 0; r < kNumRoles; ++r) {
+          const ChunkId oc = roles_[r].chunks[old];
+          for (TensorId t : store_->chunk_info(oc).tensors) store_->set_state(t, TensorState::kFree);
+          store_->release_payload(oc);
+        }
+      }
     }
   }
   if (placed_ && store_) {

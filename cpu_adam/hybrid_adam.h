@@ -131,6 +131,9 @@ class HybridAdam final : private GradSink {
   at::Tensor exp_avg_sq(int64_t param);
   at::Tensor grad(int64_t param);
   ChunkStore& state_store() { return *store_; }
+  // Peak payload bytes of the old and new state stores together during the last migration to a
+  // repacked layout (tests, reports).
+  int64_t last_migration_peak_bytes() const { return migration_peak_bytes_; }
 
   // Save/resume the full training state into/from directory `dir` (format: docs/CHECKPOINT.md): fp32
   // masters and moments streamed one parameter at a time, step counts, lr and options per group,
@@ -174,6 +177,7 @@ class HybridAdam final : private GradSink {
   std::vector<char> on_device_;                     // per layout chunk
   bool placed_ = false;
   bool grads_landed_ = false;
+  int64_t migration_peak_bytes_ = 0;
   // backward_step: landings per parameter in this backward, and those of the previous backward_step.
   std::vector<int64_t> landings_, expected_landings_;
   bool overlap_active_ = false;

@@ -115,18 +115,39 @@ void ChunkedModel::build(const std::vector<int64_t>& order) {
   store_options.name = "params";
   store_options.host_cache_bytes = options_.host_cache_bytes;
   auto store = std::make_unique<ChunkStore>(store_options);
-  const auto role = store->add_layout(ChunkRole::kParam, dtype_, layout, shapes_, Location::kHost);
+  // A repack fills the new chunks one at a time and frees each old chunk as soon as all its parameters
+  // have moved out, so host memory grows by about one chunk, not by a second copy of the model.
+  const auto role = store->add_layout(ChunkRole::kParam, dtype_, layout, shapes_, store_ ? Location::kNone : Location::kHost);
   std::vector<TensorId> tensor_of_param(params_.size());
   std::vector<ChunkId> chunk_of_param(params_.size());
+  std::vector<int64_t> old_remaining;
+  if (store_) {
+    repack_peak_bytes_ = 0;
+    old_remaining.assign(store_->num_chunks(), 0);
+    for (ChunkId c : chunk_of_param_) ++old_remaining[c];
+  }
+  for (int64_t i = 0; i < layout.num_chunks(); ++i) {
+    if (store_) store->allocate_payload(role.chunks[i], Location::kHost);
+    for (int64_t p : layout.chunks()[i].tensors) {
+      tensor_of_param[p] = role.tensors[p];
+      chunk_of_param[p] = role.chunks[i];
+      // First build: the values are the parameter's own; a repack reads them from the old store.
+      const at::Tensor values = store_ ? store_->view(tensor_of_param_[p]) : params_[p].detach();
+      store->bind(tensor_of_param[p], params_[p], values);
+      if (!store_) continue;
+      store->set_state(tensor_of_param[p], TensorState::kHold);
+      const ChunkId old = chunk_of_param_[p];
+      const int64_t both = store->stats().host.current_bytes + store_->stats().host.current_bytes +
+                           store_->stats().device.current_bytes;
+      repack_peak_bytes_ = std::max(repack_peak_bytes_, both);
+      if (--old_remaining[old] == 0) {
+        for (TensorId t : store_->chunk_info(old).tensors) store_->set_state(t, TensorState::kFree);
+        store_->release_payload(old);
+      }
+    }
+  }
   param_chunks_ = role.chunks;
   ++layout_version_;
-  for (size_t p = 0; p < params_.size(); ++p) {
-    tensor_of_param[p] = role.tensors[p];
-    chunk_of_param[p] = role.chunks[layout.slots()[p].chunk];
-    // First build: the values are the parameter's own; a repack reads them from the old store.
-    const at::Tensor values = store_ ? store_->view(tensor_of_param_[p]) : params_[p].detach();
-    store->bind(tensor_of_param[p], params_[p], values);
-  }
   unregister_storages();
   store_ = std::move(store);  // the old store goes; parameters already view the new one
   layout_ = std::move(layout);

@@ -116,6 +116,8 @@ class ChunkedModel final : private UseListener {
   ChunkId param_chunk(int64_t layout_chunk) const { return param_chunks_[layout_chunk]; }
   // Incremented by every (re)pack; who mirrors the layout compares it.
   int64_t layout_version() const { return layout_version_; }
+  // Peak payload bytes of the old and new stores together during the last repack (tests, reports).
+  int64_t last_repack_peak_bytes() const { return repack_peak_bytes_; }
   IterationStats last_iteration() const { return scheduler_->last_iteration(); }
   ModelPhase phase() const { return phase_.load(); }
 
@@ -143,6 +145,7 @@ class ChunkedModel final : private UseListener {
   std::vector<std::string> names_;
   std::vector<ChunkId> param_chunks_;
   int64_t layout_version_ = 0;
+  int64_t repack_peak_bytes_ = 0;
   double loss_scale_ = 1.0;
   GradSink* grad_sink_ = nullptr;
   std::vector<std::vector<int64_t>> shapes_;

@@ -410,6 +410,25 @@ TEST(HybridAdam, BackwardStepOverlapsAndIsBitIdentical) {
   plain.end_iteration();
 }
 
+TEST(HybridAdam, RepackAndMigrationDoNotHoldTwoCopies) {
+  // The warm-up repack moves parameters and optimizer state into new chunks; each old chunk goes as
+  // soon as it is emptied, so old + new together stay far below two full copies.
+  torch::manual_seed(23);
+  TinyLm net(kVocab, kDim);
+  ChunkedModel model(net.ptr(), sim_config(0));
+  HybridAdam adam(model, HybridAdamOptions{});
+  const int64_t param_bytes = model.store().stats().host.current_bytes;
+  const int64_t state_bytes = adam.state_store().stats().host.current_bytes;
+  ASSERT_EQ(state_bytes, 4 * param_bytes);
+  const Batch b = batch(0);
+  model.backward(model.forward([&] { return lm_loss(net, b.idx, b.target); }));  // warm-up, then repack
+  EXPECT_GT(model.last_repack_peak_bytes(), 0) << "the warm-up must repack";
+  EXPECT_LE(model.last_repack_peak_bytes(), param_bytes + 2 * kChunk);
+  adam.step();  // migrates the state to the new layout first
+  EXPECT_GT(adam.last_migration_peak_bytes(), 0);
+  EXPECT_LE(adam.last_migration_peak_bytes(), state_bytes + 2 * 4 * kChunk);
+}
+
 TEST(HybridAdam, BadInputFailsAndChangesNothing) {
   torch::manual_seed(13);
   TinyLm net(kVocab, kDim);
