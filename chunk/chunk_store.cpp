@@ -537,6 +537,25 @@ void ChunkStore::release_payload(ChunkId id) {
   chunk.set_location(Location::kNone);
 }
 
+void ChunkStore::retire(ChunkId id) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Chunk& chunk = chunk_at(id);
+    for (TensorId t : chunk.tensors()) {  // check all before changing any
+      TORCH_CHECK(slot_at(t).state != TensorState::kCompute, "ferry: cannot retire ", describe(chunk), ": tensor ",
+                  t, " is in COMPUTE");
+    }
+    for (TensorId t : chunk.tensors()) {
+      Slot& slot = slot_at(t);
+      if (slot.state == TensorState::kFree) continue;
+      check_transition(slot.state, TensorState::kFree, "tensor");
+      chunk.counts().move(slot.state, TensorState::kFree);
+      slot.state = TensorState::kFree;
+    }
+  }
+  release_payload(id);
+}
+
 void ChunkStore::allocate_payload(ChunkId id, Location at) {
   std::lock_guard<std::mutex> lock(mutex_);
   reap_completed();

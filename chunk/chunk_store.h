@@ -166,6 +166,9 @@ class ChunkStore {
   void synchronize();
   // Frees the payload; every tensor of the chunk must be FREE. The chunk becomes RELEASED.
   void release_payload(ChunkId id);
+  // For a chunk whose tensors have moved to another store (a repack): sets its tensors FREE (none
+  // may be in COMPUTE) and frees its payload.
+  void retire(ChunkId id);
   // Gives a RELEASED chunk a zero-filled payload at `at` (kDevice or kHost). Its tensors stay FREE.
   void allocate_payload(ChunkId id, Location at);
 

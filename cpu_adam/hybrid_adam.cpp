@@ -3,7 +3,6 @@
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/full.h>
-#include <ATen/ops/isfinite.h>
 #include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
@@ -140,11 +139,7 @@ void HybridAdam::build_state_locked() {
                                                                   os.device.current_bytes);
       const int64_t old = old_chunk_of_param[p];
       if (--old_remaining[old] == 0) {
-        for (int r = 0; r < kNumRoles; ++r) {
-          const ChunkId oc = roles_[r].chunks[old];
-          for (TensorId t : store_->chunk_info(oc).tensors) store_->set_state(t, TensorState::kFree);
-          store_->release_payload(oc);
-        }
+        for (int r = 0; r < kNumRoles; ++r) store_->retire(roles_[r].chunks[old]);
       }
     }
   }
@@ -226,7 +221,8 @@ void HybridAdam::land_grad(int64_t param, const at::Tensor& grad) {
   TORCH_CHECK(grad.layout() == at::kStrided, "ferry: HybridAdam needs dense gradients; parameter ",
               model_.param_name(param), " got a ", grad.layout(), " one");
   at::Tensor slot = store_->view(roles_[kGradRole].tensors[param]);
-  slot.add_(grad.to(slot.device(), at::kFloat));
+  // add_ widens a bf16/fp16 grad itself; only a grad on another device needs a copy first.
+  slot.add_(grad.device() == slot.device() ? grad : grad.to(slot.device()));
   grads_landed_ = true;
   ++landings_[param];
   if (!overlap_active_) return;
@@ -338,39 +334,34 @@ StepResult HybridAdam::backward_step(const at::Tensor& loss) {
   for (auto& f : pending_updates_) nonfinite = !f.get().applied || nonfinite;
   pending_updates_.clear();
   for (char l : launched_) result.overlapped_chunks += l;
-  // What backward did not finish: host chunks not final during backward, then device chunks.
+  // What backward did not finish: host chunks not final during backward, then device chunks. One
+  // norm pass over all grads (one host sync) gives their finiteness and the reported norm.
+  const ChunkNorms norms = grad_norms_locked();
   for (int64_t c = 0; c < n; ++c) {
     if (on_device_[c] || launched_[c]) continue;
-    const at::Tensor g = store_->payload(roles_[kGradRole].chunks[c]);
-    if (cpu_adam_.grad_norm_sq(g.data_ptr(), at::kFloat, g.numel()).nonfinite) {
+    if (norms.finite[c]) {
+      host_update_chunk_locked(c, UpdateOptions{1.0, true});
+    } else {
       nonfinite = true;
-      continue;
     }
-    host_update_chunk_locked(c, UpdateOptions{1.0, true});
   }
   result.host_update_ns = now_ns() - t0;
   t0 = now_ns();
   for (int64_t c = 0; c < n; ++c) {
     if (!on_device_[c]) continue;
     ++result.device_chunks;
-    if (!at::isfinite(store_->payload(roles_[kGradRole].chunks[c])).all().item<bool>()) {
+    if (norms.finite[c]) {
+      device_update_chunk_locked(c, 1.0);
+    } else {
       nonfinite = true;
-      continue;
     }
-    device_update_chunk_locked(c, 1.0);
   }
   result.device_update_ns = now_ns() - t0;
   result.host_chunks = n - result.device_chunks;
   t0 = now_ns();
   write_back_locked();
   result.writeback_ns = now_ns() - t0;
-  double total = 0;
-  for (int64_t c = 0; c < n; ++c) {
-    const at::Tensor g = store_->payload(roles_[kGradRole].chunks[c]);
-    total += on_device_[c] ? std::pow(at::linalg_vector_norm(g, 2).item<double>(), 2)
-                           : cpu_adam_.grad_norm_sq(g.data_ptr(), at::kFloat, g.numel()).sum_sq;
-  }
-  result.grad_norm = std::sqrt(total);
+  result.grad_norm = std::sqrt(norms.total_sq);
   result.overflow = nonfinite;
   result.applied = !nonfinite;
   if (nonfinite) log::warn("ferry: backward_step: non-finite gradients; those chunks were not updated");
@@ -397,6 +388,40 @@ StepResult HybridAdam::step() {
   return step_locked();
 }
 
+HybridAdam::ChunkNorms HybridAdam::grad_norms_locked() {
+  const int64_t n = static_cast<int64_t>(spans_.size());
+  ChunkNorms norms;
+  norms.sum_sq.assign(n, 0.0);
+  norms.finite.assign(n, 1);
+  std::vector<at::Tensor> device_norms;
+  std::vector<int64_t> device_index;
+  for (int64_t c = 0; c < n; ++c) {
+    const at::Tensor g = store_->payload(roles_[kGradRole].chunks[c]);
+    if (on_device_[c]) {
+      device_norms.push_back(at::linalg_vector_norm(g, 2));  // inf/NaN if any grad is
+      device_index.push_back(c);
+    } else {
+      const GradNorm norm = cpu_adam_.grad_norm_sq(g.data_ptr(), at::kFloat, g.numel());
+      norms.sum_sq[c] = norm.sum_sq;
+      norms.finite[c] = !norm.nonfinite;
+    }
+  }
+  if (!device_norms.empty()) {  // one host sync for every device chunk
+    const at::Tensor all = at::stack(device_norms).to(at::kCPU, at::kDouble);
+    const double* v = all.data_ptr<double>();
+    for (size_t k = 0; k < device_index.size(); ++k) {
+      norms.finite[device_index[k]] = std::isfinite(v[k]);
+      norms.sum_sq[device_index[k]] = v[k] * v[k];
+    }
+  }
+  for (int64_t c = 0; c < n; ++c) {
+    norms.all_finite = norms.all_finite && norms.finite[c];
+    norms.total_sq += norms.sum_sq[c];
+  }
+  norms.all_finite = norms.all_finite && std::isfinite(norms.total_sq);
+  return norms;
+}
+
 StepResult HybridAdam::step_locked() {
   sync_layout_locked();
   TORCH_CHECK(grads_landed_, "ferry: HybridAdam::step() found no gradients since the last zero_grad(); call "
@@ -409,36 +434,11 @@ StepResult HybridAdam::step_locked() {
   trace::Span step_span("adam", "adam.step");
   // 1. Norms and finiteness, one host sync for all device chunks.
   int64_t t0 = now_ns();
-  std::vector<double> sum_sq(n, 0.0);
-  bool nonfinite = false;
-  std::vector<at::Tensor> device_norms;
-  std::vector<int64_t> device_index;
-  for (int64_t c = 0; c < n; ++c) {
-    at::Tensor g = store_->payload(roles_[kGradRole].chunks[c]);
-    if (on_device_[c]) {
-      device_norms.push_back(at::linalg_vector_norm(g, 2));
-      device_index.push_back(c);
-      ++result.device_chunks;
-    } else {
-      const GradNorm norm = cpu_adam_.grad_norm_sq(g.data_ptr(), at::kFloat, g.numel());
-      sum_sq[c] = norm.sum_sq;
-      nonfinite = nonfinite || norm.nonfinite;
-      ++result.host_chunks;
-    }
-  }
-  if (!device_norms.empty()) {
-    const at::Tensor norms = at::stack(device_norms).to(at::kCPU, at::kDouble);
-    const double* v = norms.data_ptr<double>();
-    for (size_t k = 0; k < device_index.size(); ++k) {
-      nonfinite = nonfinite || !std::isfinite(v[k]);
-      sum_sq[device_index[k]] = v[k] * v[k];
-    }
-  }
-  double total = 0.0;
-  for (double s : sum_sq) total += s;
+  const ChunkNorms norms = grad_norms_locked();
+  for (char d : on_device_) (d ? result.device_chunks : result.host_chunks) += 1;
   result.norm_ns = now_ns() - t0;
   trace::complete("adam", "adam.grad_norm", t0, t0 + result.norm_ns);
-  if (nonfinite || !std::isfinite(total)) {
+  if (!norms.all_finite) {
     result.overflow = true;
     result.grad_norm = std::numeric_limits<double>::infinity();
     if (scaling_) {
@@ -451,7 +451,7 @@ StepResult HybridAdam::step_locked() {
     }
     return result;
   }
-  result.grad_norm = std::sqrt(total) / result.loss_scale;
+  result.grad_norm = std::sqrt(norms.total_sq) / result.loss_scale;
   if (options_.max_grad_norm > 0) {
     result.clip_coef = std::min(1.0, options_.max_grad_norm / (result.grad_norm + 1e-6));
   }

@@ -157,6 +157,14 @@ class HybridAdam final : private GradSink {
   at::Tensor state_view(Role role, int64_t param);
   void write_back_locked();
   StepResult step_locked();
+  struct ChunkNorms {
+    std::vector<double> sum_sq;  // per layout chunk, of the grads as landed
+    std::vector<char> finite;    // per layout chunk
+    double total_sq = 0.0;
+    bool all_finite = true;
+  };
+  // Every grad chunk's squared norm and finiteness; one host sync for all device chunks.
+  ChunkNorms grad_norms_locked();
   std::vector<std::pair<int, AdamSpan>> host_spans_locked(int64_t chunk);  // (group, span) per span
   void host_update_chunk_locked(int64_t chunk, const UpdateOptions& options);
   void device_update_chunk_locked(int64_t chunk, double grad_scale);

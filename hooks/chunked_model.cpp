@@ -137,13 +137,10 @@ void ChunkedModel::build(const std::vector<int64_t>& order) {
       if (!store_) continue;
       store->set_state(tensor_of_param[p], TensorState::kHold);
       const ChunkId old = chunk_of_param_[p];
-      const int64_t both = store->stats().host.current_bytes + store_->stats().host.current_bytes +
-                           store_->stats().device.current_bytes;
-      repack_peak_bytes_ = std::max(repack_peak_bytes_, both);
-      if (--old_remaining[old] == 0) {
-        for (TensorId t : store_->chunk_info(old).tensors) store_->set_state(t, TensorState::kFree);
-        store_->release_payload(old);
-      }
+      const ChunkStoreStats old_stats = store_->stats();
+      repack_peak_bytes_ = std::max(repack_peak_bytes_, store->stats().host.current_bytes +
+                                                            old_stats.host.current_bytes + old_stats.device.current_bytes);
+      if (--old_remaining[old] == 0) store_->retire(old);
     }
   }
   param_chunks_ = role.chunks;

@@ -19,22 +19,17 @@ int64_t MemoryProbe::non_model_bytes(int64_t chunk_device_bytes) {
 
 namespace {
 
-int64_t heap_in_use() {
-  const struct mallinfo2 m = mallinfo2();
-  return static_cast<int64_t>(m.uordblks + m.hblkhd);
-}
-
 class HeapProbe final : public MemoryProbe {
  public:
   explicit HeapProbe(std::function<int64_t()> ferry_bytes) : ferry_bytes_(std::move(ferry_bytes)) {}
   const char* name() const override { return "glibc-heap-growth"; }
   int64_t device_allocated_bytes() override { return -1; }  // no absolute number; see non_model_bytes
   void begin_iteration() override {
-    base_heap_ = heap_in_use();
+    base_heap_ = host_heap_in_use_bytes();
     base_ferry_ = ferry_bytes_();
   }
   int64_t non_model_bytes(int64_t) override {
-    return std::max<int64_t>(0, (heap_in_use() - base_heap_) - (ferry_bytes_() - base_ferry_));
+    return std::max<int64_t>(0, (host_heap_in_use_bytes() - base_heap_) - (ferry_bytes_() - base_ferry_));
   }
 
  private:
@@ -70,6 +65,11 @@ class FunctionProbe final : public MemoryProbe {
 };
 
 }  // namespace
+
+int64_t host_heap_in_use_bytes() {
+  const struct mallinfo2 m = mallinfo2();
+  return static_cast<int64_t>(m.uordblks + m.hblkhd);
+}
 
 std::unique_ptr<MemoryProbe> make_memory_probe(DeviceKind resolved_kind) {
 #ifdef FERRY_WITH_CUDA

@@ -27,6 +27,9 @@ class MemoryProbe {
 // CUDA: the caching allocator's allocated bytes on the current device. Simulated: cannot tell (-1):
 // ferry's simulated device does not separate activations from other host memory.
 std::unique_ptr<MemoryProbe> make_memory_probe(DeviceKind resolved_kind);
+// Bytes of the process heap in use now (glibc mallinfo2: arenas + mmapped blocks), where CPU tensors
+// live; about 0 under AddressSanitizer.
+int64_t host_heap_in_use_bytes();
 // A probe answering with `fn` (tests).
 std::unique_ptr<MemoryProbe> make_function_probe(std::function<int64_t()> fn);
 // The simulated device's equivalent of the CUDA allocator's count: the growth since the iteration began

@@ -21,8 +21,6 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
-#include <malloc.h>
-
 #include <chrono>
 #include <iostream>
 #include <random>
@@ -66,8 +64,7 @@ int64_t allocated_bytes(bool cuda) {
   }
 #endif
   (void)cuda;
-  const struct mallinfo2 m = mallinfo2();
-  return static_cast<int64_t>(m.uordblks + m.hblkhd);
+  return ferry::host_heap_in_use_bytes();
 }
 
 std::pair<at::Tensor, at::Tensor> batch_of(const Args& a, int64_t vocab, std::mt19937_64& rng, c10::Device d) {

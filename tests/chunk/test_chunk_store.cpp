@@ -87,6 +87,25 @@ TEST(ChunkStore, BindKeepsIdentityAndAliasesChunkMemory) {
   EXPECT_EQ(params[0].unsafeGetTensorImpl()->storage().nbytes(), 32u * 4u);
 }
 
+TEST(ChunkStore, RetireFreesAHeldChunkButNotOneInCompute) {
+  ChunkStore store(simulated());
+  const ChunkId c = store.add_chunk(ChunkRole::kParam, at::kFloat, 256, Location::kHost);
+  const TensorId a = store.add_tensor(c, 0, {16});
+  const TensorId b = store.add_tensor(c, 16, {16});
+  store.access(b);
+  EXPECT_THROW(store.retire(c), c10::Error) << "a tensor in COMPUTE";
+  EXPECT_EQ(store.location(c), Location::kDevice);
+  EXPECT_EQ(store.tensor_info(a).state, TensorState::kHold) << "nothing changed";
+  store.release(b, TensorState::kHold);
+  store.access(a);
+  store.release(a, TensorState::kHoldAfterFwd);
+  store.retire(c);
+  EXPECT_EQ(store.location(c), Location::kNone);
+  EXPECT_EQ(store.tensor_info(a).state, TensorState::kFree);
+  EXPECT_EQ(store.tensor_info(b).state, TensorState::kFree);
+  EXPECT_EQ(store.stats().device.current_bytes + store.stats().host.current_bytes, 0);
+}
+
 TEST(ChunkStore, RoundTripsPreserveBytesForEveryDtype) {
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
     ChunkStore store(simulated());
