@@ -5,8 +5,11 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${BUILD_DIR:-$root/build}
-python=$("$root/scripts/setup.sh")
+setup=$("$root/scripts/setup.sh")
+python=$(sed -n 's/^python=//p' <<<"$setup")
+deps_prefix=$(sed -n 's/^prefix=//p' <<<"$setup")
 torch_prefix=$("$python" -c "import torch.utils; print(torch.utils.cmake_prefix_path)")
+prefix_path="$torch_prefix${deps_prefix:+;$deps_prefix}"
 jobs=${FERRY_JOBS:-$(nproc)}
 
 launcher=()
@@ -20,7 +23,7 @@ fi
 
 cmake -S "$root" -B "$build" -G Ninja \
   -DCMAKE_BUILD_TYPE=${FERRY_BUILD_TYPE:-Release} \
-  -DCMAKE_PREFIX_PATH="$torch_prefix" \
+  -DCMAKE_PREFIX_PATH="$prefix_path" \
   -DPython3_EXECUTABLE="$python" \
   "${launcher[@]}" "$@" >&2
 cmake --build "$build" -j "$jobs" >&2

@@ -2,10 +2,9 @@
 # GPU validation on a machine with torch preinstalled and no network (the device machine):
 #   scripts/gpu_check.sh OUT_DIR [BENCHMARK [benchmark args...]]
 #
-#  1. uses the python3 that imports torch 2.11 (FERRY_PYTHON to choose another), installs nothing;
-#  2. spdlog, oneTBB, GoogleTest: the system's if CMake finds them, else the Debian packages in
-#     third_party/gpu-deps unpacked into build-gpu/_deps (no network needed; FERRY_CARRIED_DEPS=1
-#     forces this path, to test it on a machine that has the packages);
+#  1-2. scripts/setup.sh with FERRY_OFFLINE=1: the python3 that imports torch 2.11 (FERRY_PYTHON to
+#     choose another); spdlog, oneTBB, GoogleTest from the system if CMake finds them, else the Debian
+#     packages carried in third_party/gpu-deps (FERRY_CARRIED_DEPS=1 forces that path); installs nothing;
 #  3. builds ferry into build-gpu/ (Release, Ninja) and runs the whole ctest suite (the `gpu`-labelled
 #     tests run for real here; CPU tests also exercise the AVX-512 kernels if this CPU has them);
 #  4. optionally runs benchmarks/bench_BENCHMARK with the given arguments.
@@ -23,39 +22,24 @@ out=$(cd "$out" && pwd)
 build=${BUILD_DIR:-$root/build-gpu}
 say() { echo "[gpu_check] $*" | tee -a "$out/summary.txt" >&2; }
 
-python=${FERRY_PYTHON:-python3}
-if ! "$python" -c "import torch; assert torch.__version__.startswith('2.11')" 2>/dev/null; then
-  say "no python3 with torch 2.11 (set FERRY_PYTHON)"; exit 1
+# The same dependency logic as every other entry point (scripts/setup.sh), offline: a python3 that
+# imports torch 2.11, CMake/Ninja from PATH, the system's oneTBB/spdlog/GoogleTest or the Debian
+# packages carried in third_party/gpu-deps. Installs nothing from the network.
+if ! setup=$(FERRY_OFFLINE=1 "$root/scripts/setup.sh"); then
+  say "set-up failed (see above)"; exit 1
 fi
+python=$(sed -n 's/^python=//p' <<<"$setup")
+deps_prefix=$(sed -n 's/^prefix=//p' <<<"$setup")
 torch_prefix=$("$python" -c "import torch.utils; print(torch.utils.cmake_prefix_path)")
+prefix_path="$torch_prefix${deps_prefix:+;$deps_prefix}"
 { nvidia-smi 2>&1 || true; } > "$out/nvidia-smi.txt"
-
-# Dependencies: prefer the system's; otherwise the carried Debian packages.
-prefix_path="$torch_prefix"
-deps="$build/_deps"
-if [[ "${FERRY_CARRIED_DEPS:-0}" == 1 || \
-      ! -f /usr/lib/x86_64-linux-gnu/cmake/spdlog/spdlogConfig.cmake || \
-      ! -f /usr/lib/x86_64-linux-gnu/cmake/TBB/TBBConfig.cmake || \
-      ! -f /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake ]]; then
-  mkdir -p "$deps"
-  for deb in "$root"/third_party/gpu-deps/*.deb; do
-    if command -v dpkg-deb >/dev/null; then
-      dpkg-deb -x "$deb" "$deps"
-    else  # a .deb is an ar archive holding data.tar.*
-      (cd "$deps" && ar p "$deb" "$(ar t "$deb" | grep '^data.tar')" | tar -x -J 2>/dev/null || \
-                     ar p "$deb" "$(ar t "$deb" | grep '^data.tar')" | tar -x)
-    fi
-  done
-  prefix_path="$torch_prefix;$deps/usr"
-  say "using carried Debian packages for spdlog/oneTBB/GoogleTest ($deps)"
-fi
 
 jobs=$(nproc)
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 say "configuring and building in $build with $jobs jobs"
 if ! { cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix_path" \
-         -DPython3_EXECUTABLE="$(command -v "$python")" "${launcher[@]}" &&
+         -DPython3_EXECUTABLE="$python" "${launcher[@]}" &&
        cmake --build "$build" -j "$jobs"; } > "$out/build.log" 2>&1; then
   say "build FAILED (see build.log)"; tail -40 "$out/build.log" >&2; exit 1
 fi
