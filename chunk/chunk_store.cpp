@@ -153,6 +153,46 @@ TierShortfall ChunkStore::shortfall(Tier t, int64_t bytes, ChunkId incoming) con
   return s;
 }
 
+void ChunkStore::evict_for_locked(int64_t bytes, ChunkId incoming, bool must) {
+  const TierStats& s = device_;
+  if (s.budget_bytes == 0 || s.current_bytes + bytes <= s.budget_bytes) return;
+  EvictionRequest request;
+  request.tier = Tier::kDevice;
+  request.bytes_needed = s.current_bytes + bytes - s.budget_bytes;
+  request.incoming = incoming;
+  request.now = tick_;
+  int64_t evictable = 0;
+  for (const auto& c : chunks_) {
+    if (!c->has_device_memory() || c->state() == ChunkState::kCompute || c->pending() || c->id() == incoming) {
+      continue;
+    }
+    request.candidates.push_back({c->id(), c->nbytes(), c->last_use});
+    evictable += c->nbytes();
+  }
+  if (evictable < request.bytes_needed) return;
+  const std::vector<ChunkId> victims = policy_->choose(request);
+  std::unordered_set<ChunkId> allowed, seen;
+  for (const auto& c : request.candidates) allowed.insert(c.chunk);
+  int64_t offered = 0;
+  for (ChunkId v : victims) {
+    TORCH_CHECK(allowed.count(v) && seen.insert(v).second, "ferry: eviction policy ", policy_->name(),
+                " returned chunk ", v, ", which is not a candidate or is repeated");
+    offered += chunks_[v]->nbytes();
+  }
+  // Too little offered (a policy may refuse, e.g. for a prefetch): move nothing.
+  if (offered < request.bytes_needed) return;
+  for (ChunkId v : victims) {
+    if (s.current_bytes + bytes <= s.budget_bytes) break;
+    if (!start_move(*chunks_[v], Location::kHost, must)) return;
+    ++moves_.evictions;
+    if (trace::enabled()) {
+      trace::instant("evict", "evict chunk " + std::to_string(v),
+                     "\"bytes\": " + std::to_string(chunks_[v]->nbytes()) + ", \"for\": " + std::to_string(incoming));
+    }
+    log::trace("chunk store: evicted ", describe(*chunks_[v]), " for ", describe_incoming(incoming));
+  }
+}
+
 bool ChunkStore::make_room(Tier t, int64_t bytes, ChunkId incoming, bool must) {
   const TierStats& s = tier(t);
   auto fits = [&] { return s.budget_bytes == 0 || s.current_bytes + bytes <= s.budget_bytes; };
@@ -167,41 +207,22 @@ bool ChunkStore::make_room(Tier t, int64_t bytes, ChunkId incoming, bool must) {
       if (c.location() == Location::kDevice && c.has_host_buffer()) finish_pending(c, /*block=*/true);
     }
   } else {
-    EvictionRequest request;
-    request.tier = t;
-    request.bytes_needed = s.current_bytes + bytes - s.budget_bytes;
-    request.incoming = incoming;
-    request.now = tick_;
-    int64_t evictable = 0;
-    for (const auto& c : chunks_) {
-      if (!c->has_device_memory() || c->state() == ChunkState::kCompute || c->pending() ||
-          c->id() == incoming) {
-        continue;
-      }
-      request.candidates.push_back({c->id(), c->nbytes(), c->last_use});
-      evictable += c->nbytes();
-    }
-    if (evictable >= request.bytes_needed) {
-      const std::vector<ChunkId> victims = policy_->choose(request);
-      std::unordered_set<ChunkId> allowed, seen;
-      for (const auto& c : request.candidates) allowed.insert(c.chunk);
-      int64_t offered = 0;
-      for (ChunkId v : victims) {
-        TORCH_CHECK(allowed.count(v) && seen.insert(v).second, "ferry: eviction policy ", policy_->name(),
-                    " returned chunk ", v, ", which is not a candidate or is repeated");
-        offered += chunks_[v]->nbytes();
-      }
-      // Too little offered (a policy may refuse, e.g. for a prefetch): move nothing.
-      for (ChunkId v : offered >= request.bytes_needed ? victims : std::vector<ChunkId>{}) {
-        if (fits()) break;
-        if (!start_move(*chunks_[v], Location::kHost, must)) return false;
-        ++moves_.evictions;
-        if (trace::enabled()) {
-          trace::instant("evict", "evict chunk " + std::to_string(v),
-                         "\"bytes\": " + std::to_string(chunks_[v]->nbytes()) + ", \"for\": " + std::to_string(incoming));
+    evict_for_locked(bytes, incoming, must);
+    if (!fits() && must) {
+      // Chunks whose copy is still in flight are no candidates (a prefetch just issued, a reversed
+      // eviction). When only they stand between us and an OutOfMemoryError, wait for their copies
+      // (the host waits; counted in wait_ns) and choose again: on CUDA copies finish, while the
+      // synchronous simulated engine never gets here.
+      bool waited = false;
+      const std::vector<ChunkId> pending = pending_;
+      for (ChunkId id : pending) {
+        Chunk& c = *chunks_[id];
+        if (c.location() == Location::kDevice && c.state() != ChunkState::kCompute && id != incoming) {
+          finish_pending(c, /*block=*/true);
+          waited = true;
         }
-        log::trace("chunk store: evicted ", describe(*chunks_[v]), " for ", describe_incoming(incoming));
       }
+      if (waited) evict_for_locked(bytes, incoming, must);
     }
   }
   if (fits()) return true;

@@ -215,7 +215,12 @@ class ChunkStore {
   void charge(Tier t, int64_t bytes);
   void discharge(Tier t, int64_t bytes);
   // Makes room for `bytes` in `t`. Returns false (or throws OutOfMemoryError when `must`) if it can't.
+  // A device tier short of room waits for in-flight copies of device chunks before giving up (only
+  // when `must`): those chunks are no eviction candidates until their copy is done.
   bool make_room(Tier t, int64_t bytes, ChunkId incoming, bool must);
+  // One eviction round on the device tier: asks the policy for victims among the candidates and moves
+  // them to the host; moves nothing if the candidates (or the policy's answer) cannot make the room.
+  void evict_for_locked(int64_t bytes, ChunkId incoming, bool must);
   TierShortfall shortfall(Tier t, int64_t bytes, ChunkId incoming) const;
   // Starts a move; returns false only when !must and room could not be made.
   bool start_move(Chunk& chunk, Location to, bool must);

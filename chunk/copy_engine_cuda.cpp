@@ -1,5 +1,6 @@
 // The CUDA copy engine (see copy_engine.h). Compiled only in CUDA builds of ferry.
 #ifdef FERRY_WITH_CUDA
+#include <ATen/Context.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -27,10 +28,19 @@ class CudaTicket final : public CopyTicket {
   c10::DeviceIndex device_;
 };
 
+// CUDA's lazy initialisation (the caching allocator's per-device state among it) runs on the first
+// CUDA tensor op; a ChunkStore may allocate device memory through the caching allocator before any op
+// ran ("Allocator not initialized for device", an internal assert, seen on an H100). So the engine,
+// created before the store's first allocation, initialises CUDA itself.
+c10::DeviceIndex initialized_current_device() {
+  at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
+  return c10::cuda::current_device();
+}
+
 class CudaCopyEngine final : public CopyEngine {
  public:
   CudaCopyEngine()
-      : device_(c10::cuda::current_device()),
+      : device_(initialized_current_device()),
         copy_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_)) {}
 
   const char* name() const override { return "cuda"; }

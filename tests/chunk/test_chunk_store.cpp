@@ -364,5 +364,38 @@ TEST(ChunkStore, PendingCopiesAreOrderedAndWaitedFor) {
   EXPECT_EQ(store.stats().device.current_bytes, 0);
 }
 
+// On CUDA a prefetch returns with its copy in flight, and such a chunk is no eviction candidate. When
+// every chunk on the device is in that state, a chunk that must come in waits for those copies and
+// then evicts, rather than failing with "0 B evictable" (seen on an H100 in
+// ChunkedModelGpu.PrefetchOverlapsCopiesWithCompute). The deferred engine runs no copy until waited on.
+TEST(ChunkStore, AccessWaitsForInFlightCopiesBeforeGivingUp) {
+  auto engine = std::make_unique<test::DeferredCopyEngine>(11, /*poll_one_in=*/0);
+  test::DeferredCopyEngine* raw = engine.get();
+  ChunkStore store(simulated(2 * 1024), std::move(engine));
+  std::vector<TensorId> t;
+  std::vector<ChunkId> c;
+  for (int i = 0; i < 3; ++i) {
+    c.push_back(store.add_chunk(ChunkRole::kParam, at::kFloat, 256, Location::kHost));
+    t.push_back(store.add_tensor(c.back(), 0, {256}));
+    store.view(t.back()).fill_(static_cast<float>(i + 1));
+  }
+  store.synchronize();
+  EXPECT_TRUE(store.prefetch(c[0]));
+  EXPECT_TRUE(store.prefetch(c[1]));
+  EXPECT_TRUE(store.chunk_info(c[0]).copy_pending);
+  EXPECT_TRUE(store.chunk_info(c[1]).copy_pending);
+  const int64_t copies_before = raw->copies_run();
+  const auto v = store.access(t[2]);  // must: waits for the two prefetches, evicts one, brings chunk 2
+  EXPECT_GE(raw->copies_run(), copies_before + 2);
+  EXPECT_TRUE(torch::equal(v, torch::full({256}, 3.0f)));
+  store.release(t[2], TensorState::kHold);
+  EXPECT_EQ(store.stats().moves.evictions, 1);
+  EXPECT_LE(store.stats().device.current_bytes, 2 * 1024);
+  // Nothing was lost: every chunk still holds its values.
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(torch::equal(store.view(t[i]), torch::full({256}, static_cast<float>(i + 1)))) << i;
+  }
+}
+
 }  // namespace
 }  // namespace ferry
