@@ -130,6 +130,7 @@ void Config::set(std::string_view key, std::string_view value) {
   else if (k == "precision") precision = parse_precision(value);
   else if (k == "chunk-size" || k == "chunk_size") chunk_size_bytes = parse_bytes(value);
   else if (k == "device-budget" || k == "device_budget") device_budget_bytes = parse_bytes(value);
+  else if (k == "device-capacity" || k == "device_capacity") device_capacity_bytes = parse_bytes(value);
   else if (k == "host-budget" || k == "host_budget") host_budget_bytes = parse_bytes(value);
   else if (k == "cpu-threads" || k == "cpu_threads") cpu_threads = parse_int(key, value);
   else if (k == "cpu-isa" || k == "cpu_isa") cpu_isa = lower(value);
@@ -198,6 +199,8 @@ void Config::validate() const {
               format_bytes(chunk_size_bytes));
   TORCH_CHECK(device_budget_bytes >= 0, "ferry config: expected device-budget >= 0 (0 = no limit), got ",
               device_budget_bytes);
+  TORCH_CHECK(device_capacity_bytes >= 0, "ferry config: expected device-capacity >= 0 (0 = the GPU's), got ",
+              device_capacity_bytes);
   TORCH_CHECK(host_budget_bytes >= 0, "ferry config: expected host-budget >= 0 (0 = no limit), got ",
               host_budget_bytes);
   TORCH_CHECK(cpu_threads >= 0, "ferry config: expected cpu-threads >= 0 (0 = all), got ", cpu_threads);
@@ -214,6 +217,7 @@ std::string Config::to_string() const {
   os << "device=" << ferry::to_string(device) << " precision=" << ferry::to_string(precision)
      << " chunk-size=" << format_bytes(chunk_size_bytes)
      << " device-budget=" << (device_budget_bytes ? format_bytes(device_budget_bytes) : "unlimited")
+     << " device-capacity=" << (device_capacity_bytes ? format_bytes(device_capacity_bytes) : "auto")
      << " host-budget=" << (host_budget_bytes ? format_bytes(host_budget_bytes) : "unlimited")
      << " cpu-threads=" << cpu_threads << " cpu-isa=" << cpu_isa << " log-level=" << log::to_string(log_level)
      << " rank=" << rank << "/" << world_size << " local-rank=" << local_rank;
@@ -224,7 +228,8 @@ std::string Config::help() {
   return "  --device=auto|cuda|simulated   where device chunks live (default auto)\n"
          "  --precision=fp32|bf16|fp16     compute dtype of parameters (default fp32)\n"
          "  --chunk-size=SIZE              bytes per chunk, e.g. 64MiB (default 64MiB)\n"
-         "  --device-budget=SIZE           device bytes for chunks, 0 = no limit\n"
+         "  --device-budget=SIZE           device bytes for chunks (parameters + optimizer state), 0 = no limit\n"
+         "  --device-capacity=SIZE         device memory for chunks + activations, 0 = 90% of the GPU's\n"
          "  --host-budget=SIZE             host bytes for chunks, 0 = no limit\n"
          "  --cpu-threads=N                CPU Adam threads, 0 = all\n"
          "  --cpu-isa=auto|scalar|avx2|avx512|avx512_bf16   CPU Adam kernel\n"

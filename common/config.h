@@ -29,6 +29,10 @@ struct Config {
   Precision precision = Precision::kFp32;
   int64_t chunk_size_bytes = int64_t{64} << 20;  // bytes per chunk
   int64_t device_budget_bytes = 0;               // bytes for chunks on the device; 0 = no limit
+  // The device's memory for chunks and everything else (activations, temporaries); 0 = the GPU's
+  // (90% of its total memory) on CUDA, unknown on the simulated device. ferry keeps chunks within
+  // capacity - non-model memory at every moment, and within device_budget_bytes always.
+  int64_t device_capacity_bytes = 0;
   int64_t host_budget_bytes = 0;                 // bytes for chunks on the host; 0 = no limit
   int cpu_threads = 0;                           // CPU Adam threads; 0 = all of OpenMP's
   std::string cpu_isa = "auto";                  // CPU Adam kernel: auto|scalar|avx2|avx512|avx512_bf16

@@ -188,22 +188,24 @@ void HybridAdam::place_locked() {
   if (placed_ || !model_.scheduler().trace()) return;  // decided once, after warm-up
   const int64_t n = static_cast<int64_t>(spans_.size());
   int64_t count = 0;
-  const int64_t budget = model_.config().device_budget_bytes;
+  // Room for chunks at the trace's worst moment: the device budget, capped at capacity - non-model
+  // peak when the capacity is known (CUDA). 0: no limit.
+  const int64_t room = model_.scheduler().device_room_bytes();
   int64_t margin = -1;
   if (options_.device_state_chunks >= 0) {
     count = std::min(options_.device_state_chunks, n);
-  } else if (budget == 0) {
+  } else if (room == 0) {
     count = n;
   } else {
     int64_t param_bytes = 0;
     for (int64_t c = 0; c < n; ++c) param_bytes += model_.store().chunk_info(model_.param_chunk(c)).nbytes;
-    margin = budget - std::max<int64_t>(0, model_.scheduler().non_model_peak()) - param_bytes;
+    margin = room - param_bytes;
     int64_t used = 0;
     while (count < n && used + state_bytes_per_chunk(n - 1 - count) <= margin) used += state_bytes_per_chunk(n - 1 - count++);
   }
   int64_t reserved = 0;
   for (int64_t k = 0; k < count; ++k) reserved += state_bytes_per_chunk(n - 1 - k);
-  if (budget) model_.scheduler().set_reserved_device_bytes(reserved);  // throws, changing nothing, if too much
+  model_.scheduler().set_reserved_device_bytes(reserved);  // throws, changing nothing, if too much
   for (int64_t k = 0; k < count; ++k) {
     const int64_t c = n - 1 - k;
     for (int r = 0; r < kNumRoles; ++r) store_->move(roles_[r].chunks[c], Location::kDevice);

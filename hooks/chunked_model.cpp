@@ -11,6 +11,7 @@
 #include <unordered_set>
 
 #include "ferry/chunk/copy_engine.h"
+#include "ferry/common/gpu_info.h"
 #include "ferry/common/logging.h"
 
 namespace ferry {
@@ -62,6 +63,16 @@ ChunkedModel::ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Conf
   TORCH_CHECK(module_, "ferry: ChunkedModel needs a module, got null");
   config_.validate();
   options_.scheduler.device_budget_bytes = config_.device_budget_bytes;
+  // Capacity: what the user said; else on CUDA 90% of the GPU's memory (the rest for the CUDA context,
+  // cuBLAS workspaces and the caching allocator's fragmentation); else, on the simulated device, the
+  // device budget when asked to count activations (a simulated GPU of that size), or unknown.
+  const DeviceKind kind = resolve_device_kind(config_.device);
+  int64_t capacity = config_.device_capacity_bytes;
+  if (capacity == 0 && kind == DeviceKind::kCuda) capacity = query_gpus().total_memory_bytes / 10 * 9;
+  if (capacity == 0 && kind == DeviceKind::kSimulated && options_.measure_host_non_model) {
+    capacity = config_.device_budget_bytes;
+  }
+  options_.scheduler.device_capacity_bytes = capacity;
   options_.scheduler.validate();
   std::unordered_set<const c10::TensorImpl*> seen;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
@@ -82,13 +93,13 @@ ChunkedModel::ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Conf
     if (b.defined() && b.device() != device) b.set_data(b.to(device));
   }
   std::unique_ptr<MemoryProbe> probe = std::move(options_.probe);
-  if (!probe && options_.measure_host_non_model && resolve_device_kind(config_.device) == DeviceKind::kSimulated) {
+  if (!probe && options_.measure_host_non_model && kind == DeviceKind::kSimulated) {
     probe = make_heap_probe([this] {
       const ChunkStoreStats s = store_->stats();
       return s.device.current_bytes + s.host.current_bytes + s.host_buffers.cached_bytes;
     });
   }
-  if (!probe) probe = make_memory_probe(resolve_device_kind(config_.device));
+  if (!probe) probe = make_memory_probe(kind);
   scheduler_ = std::make_unique<Scheduler>(*store_, policy_, std::move(probe), options_.scheduler, tensor_of_param_,
                                            chunk_of_param_);
   int64_t bytes = 0;
@@ -96,7 +107,8 @@ ChunkedModel::ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Conf
   log::info("ferry: ChunkedModel manages ", params_.size(), " parameters (", format_bytes(bytes), " as ", dtype_,
             ") in ", layout_.num_chunks(), " chunks of ", format_bytes(config_.chunk_size_bytes), ", waste ",
             static_cast<int>(layout_.waste() * 1000) / 10.0, "%, device ", device.str(), " (", store_->engine_name(),
-            "), device budget ", config_.device_budget_bytes ? format_bytes(config_.device_budget_bytes) : "unlimited");
+            "), device budget ", config_.device_budget_bytes ? format_bytes(config_.device_budget_bytes) : "unlimited",
+            ", capacity ", capacity ? format_bytes(capacity) : "unknown");
 }
 
 ChunkedModel::~ChunkedModel() {

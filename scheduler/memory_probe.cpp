@@ -1,6 +1,7 @@
 #include "ferry/scheduler/memory_probe.h"
 
 #ifdef FERRY_WITH_CUDA
+#include <ATen/Context.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #endif
@@ -46,6 +47,8 @@ class UnknownProbe final : public MemoryProbe {
 #ifdef FERRY_WITH_CUDA
 class CudaProbe final : public MemoryProbe {
  public:
+  // getDeviceStats asserts if CUDA was not initialised yet (see copy_engine_cuda.cpp).
+  CudaProbe() { at::globalContext().lazyInitDevice(c10::DeviceType::CUDA); }
   const char* name() const override { return "cuda-caching-allocator"; }
   int64_t device_allocated_bytes() override {
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(c10::cuda::current_device());

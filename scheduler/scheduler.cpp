@@ -17,6 +17,8 @@ void SchedulerOptions::validate() const {
   TORCH_CHECK(prefetch_window >= 1, "ferry: prefetch_window must be >= 1, got ", prefetch_window);
   TORCH_CHECK(non_model_window >= 1, "ferry: non_model_window must be >= 1, got ", non_model_window);
   TORCH_CHECK(device_budget_bytes >= 0, "ferry: device budget must be >= 0, got ", device_budget_bytes);
+  TORCH_CHECK(device_capacity_bytes >= 0, "ferry: device capacity must be >= 0 (0: unknown), got ",
+              device_capacity_bytes);
 }
 
 double IterationStats::moved_over_optimal() const {
@@ -63,16 +65,32 @@ void Scheduler::begin_iteration() {
 }
 
 int64_t Scheduler::non_model_now_locked() {
-  return probe_->non_model_bytes(store_->stats().device.current_bytes);
+  // Device-resident optimizer state (reserved) is ferry's, not non-model memory.
+  return probe_->non_model_bytes(store_->stats().device.current_bytes + reserved_bytes_);
+}
+
+int64_t Scheduler::moment_budget_locked(int64_t non_model) {
+  const int64_t budget = chunk_budget_locked();
+  if (options_.device_capacity_bytes == 0 || non_model < 0) return budget;
+  int64_t room = options_.device_capacity_bytes - reserved_bytes_ - non_model;
+  if (room < largest_chunk_bytes_) {
+    log::warn_once("scheduler-capacity",
+                   "ferry scheduler: non-model memory of " + format_bytes(non_model) + " leaves " +
+                       format_bytes(std::max<int64_t>(0, room)) + " of the device's " +
+                       format_bytes(options_.device_capacity_bytes) + " (" + format_bytes(reserved_bytes_) +
+                       " reserved for optimizer state) for chunks, less than the largest chunk (" +
+                       format_bytes(largest_chunk_bytes_) + "); keeping room for one chunk. The device may run "
+                       "out of memory: use activation checkpointing, a smaller batch or smaller chunks.");
+    room = largest_chunk_bytes_;
+  }
+  return budget == 0 ? room : std::min(budget, room);
 }
 
 void Scheduler::apply_budget_locked(int64_t position) {
-  const int64_t chunk_budget = chunk_budget_locked();
-  if (chunk_budget == 0) return;
-  int64_t reserve = 0;
-  if (trace_ && !recording_ && !diverged_) reserve = trace_->non_model_peak(position, options_.non_model_window);
-  const int64_t budget = std::max<int64_t>(1, chunk_budget - reserve);
-  store_->set_device_budget(budget);
+  const bool following = trace_ && !recording_ && !diverged_;
+  const int64_t budget =
+      moment_budget_locked(following ? trace_->non_model_peak(position, options_.non_model_window) : -1);
+  if (budget != store_->stats().device.budget_bytes) store_->set_device_budget(budget);
 }
 
 void Scheduler::pre_use(int64_t param) {
@@ -152,7 +170,7 @@ IterationStats Scheduler::end_iteration(bool aborted) {
   }
   recording_.reset();
   policy_->set_position(-1);
-  if (chunk_budget_locked()) store_->set_device_budget(chunk_budget_locked());
+  store_->set_device_budget(chunk_budget_locked());
   ++iteration_;
   last_ = current_;
   return current_;
@@ -162,11 +180,14 @@ void Scheduler::finalize_trace_locked() {
   trace_->remap_chunks(chunk_of_param_);
   trace_->finalize(store_->num_chunks());
   std::vector<int64_t> bytes(store_->num_chunks());
-  for (ChunkId c = 0; c < store_->num_chunks(); ++c) bytes[c] = store_->chunk_info(c).nbytes;
+  largest_chunk_bytes_ = 0;
+  for (ChunkId c = 0; c < store_->num_chunks(); ++c) {
+    bytes[c] = store_->chunk_info(c).nbytes;
+    largest_chunk_bytes_ = std::max(largest_chunk_bytes_, bytes[c]);
+  }
   int64_t reserve = 0;
   for (int64_t p = 0; p < trace_->size(); ++p) reserve = std::max(reserve, trace_->non_model_at(p));
-  const int64_t budget = chunk_budget_locked() ? std::max<int64_t>(1, chunk_budget_locked() - reserve) : 0;
-  optimal_bytes_ = belady_moves(*trace_, bytes, budget).total();
+  optimal_bytes_ = belady_moves(*trace_, bytes, moment_budget_locked(reserve)).total();
   policy_->set_trace(trace_);
 }
 
@@ -198,13 +219,23 @@ void Scheduler::set_reserved_device_bytes(int64_t bytes) {
               "ferry: reserving ", format_bytes(bytes), " of a device budget of ",
               format_bytes(options_.device_budget_bytes), " leaves nothing for parameter chunks");
   reserved_bytes_ = bytes;
-  if (options_.device_budget_bytes) store_->set_device_budget(chunk_budget_locked());
+  store_->set_device_budget(chunk_budget_locked());
   if (trace_) finalize_trace_locked();  // optimal bytes at the new budget
 }
 
 int64_t Scheduler::reserved_device_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return reserved_bytes_;
+}
+
+int64_t Scheduler::device_room_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const int64_t budget = options_.device_budget_bytes;
+  if (options_.device_capacity_bytes == 0) return budget;
+  int64_t peak = 0;
+  for (int64_t p = 0; trace_ && p < trace_->size(); ++p) peak = std::max(peak, trace_->non_model_at(p));
+  const int64_t room = std::max<int64_t>(0, options_.device_capacity_bytes - peak);
+  return budget == 0 ? room : std::min(budget, room);
 }
 
 int64_t Scheduler::non_model_peak() const {

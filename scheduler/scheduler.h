@@ -36,7 +36,11 @@ struct SchedulerOptions {
   int prefetch_depth = 2;         // distinct chunks ahead to start moving in (0: no prefetch)
   int64_t prefetch_window = 256;  // trace positions searched for them
   int64_t non_model_window = 4;   // positions ahead whose non-model peak the budget reserves
-  int64_t device_budget_bytes = 0;  // total device bytes for chunks + non-model memory (0: no limit)
+  int64_t device_budget_bytes = 0;    // device bytes for chunks: parameters + reserved state (0: no limit)
+  // The device's memory for chunks and non-model memory (activations, temporaries) together; while the
+  // trace is followed, the chunk budget at each moment is also capped at capacity - reserved state -
+  // the non-model peak recorded a few positions ahead. 0: unknown, the chunk budget alone limits.
+  int64_t device_capacity_bytes = 0;
   void validate() const;
 };
 
@@ -83,6 +87,9 @@ class Scheduler {
   int64_t reserved_device_bytes() const;
   // Peak non-model device bytes over the trace (-1: no trace yet).
   int64_t non_model_peak() const;
+  // Device bytes for chunks (parameters and reserved state together) at the trace's worst moment:
+  // the device budget, capped at capacity - non-model peak when the capacity is known. 0: no limit.
+  int64_t device_room_bytes() const;
 
   bool following_trace() const;
   std::shared_ptr<const AccessTrace> trace() const;
@@ -95,6 +102,9 @@ class Scheduler {
   void apply_budget_locked(int64_t position);
   int64_t non_model_now_locked();
   int64_t chunk_budget_locked() const;  // device budget minus reserved bytes (0: no limit)
+  // The chunk budget at a moment with `non_model` bytes of non-model memory (-1: unknown): the chunk
+  // budget, capped by the capacity's room; never below the largest chunk. 0: no limit.
+  int64_t moment_budget_locked(int64_t non_model);
 
   mutable std::mutex mutex_;
   ChunkStore* store_;
@@ -115,6 +125,7 @@ class Scheduler {
   bool diverged_ = false;
   int64_t optimal_bytes_ = -1;
   int64_t reserved_bytes_ = 0;
+  int64_t largest_chunk_bytes_ = 0;  // of the store's chunks: the floor of every moment's budget
   IterationStats current_;
   IterationStats last_;
   ChunkStoreStats at_begin_;

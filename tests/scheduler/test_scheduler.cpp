@@ -89,7 +89,7 @@ TEST(OptEvictionPolicy, FurthestNextUseAndPrefetchGuard) {
 }
 
 struct Fixture {
-  explicit Fixture(int64_t budget, std::function<int64_t()> probe = nullptr) {
+  explicit Fixture(int64_t budget, std::function<int64_t()> probe = nullptr, int64_t capacity = 0) {
     ChunkStoreOptions o;
     o.device = DeviceKind::kSimulated;
     o.device_budget_bytes = budget;
@@ -104,6 +104,7 @@ struct Fixture {
     }
     SchedulerOptions so;
     so.device_budget_bytes = budget;
+    so.device_capacity_bytes = capacity;
     so.prefetch_depth = 1;
     auto p = probe ? make_function_probe(probe) : make_memory_probe(DeviceKind::kSimulated);
     scheduler = std::make_unique<Scheduler>(*store, policy, std::move(p), so, tensors, chunks);
@@ -177,32 +178,77 @@ TEST(Scheduler, PrefetchBringsTheNextChunkEarly) {
   EXPECT_GT(f.last.prefetches, 0);
 }
 
+// Runs `params` as one iteration; returns the chunk bytes on the device while parameter 1 is in use.
+int64_t run_recording_peak_at_1(Fixture& f, int64_t& current_param, const std::vector<int64_t>& params) {
+  f.scheduler->begin_iteration();
+  int64_t peak_during_1 = 0;
+  for (int64_t p : params) {
+    current_param = p;
+    f.scheduler->pre_use(p);
+    if (p == 1) peak_during_1 = f.store->stats().device.current_bytes;
+    f.scheduler->post_use(p, TensorState::kHoldAfterFwd);
+  }
+  f.last = f.scheduler->end_iteration();
+  return peak_during_1;
+}
+
 TEST(Scheduler, PerMomentBudgetLeavesRoomForNonModelMemory) {
-  // The probe reports 150 B of non-model memory while parameter 1 is used (warm-up records it), so
-  // when following the trace only 400 - 150 = 250 B are left for chunks around that moment.
+  // A device of 400 B; the probe reports 150 B of non-model memory while parameter 1 is used (warm-up
+  // records it), so when following the trace only 400 - 150 = 250 B are left for chunks around it.
   int64_t current_param = -1;
   Fixture* fp = nullptr;
-  Fixture f(/*budget=*/400, [&] {
+  Fixture f(/*budget=*/0, [&] {
     const int64_t chunks = fp ? fp->store->stats().device.current_bytes : 0;
     return chunks + (current_param == 1 ? 150 : 0);
-  });
+  }, /*capacity=*/400);
   fp = &f;
-  auto run = [&](const std::vector<int64_t>& params) {
-    f.scheduler->begin_iteration();
-    int64_t peak_during_1 = 0;
-    for (int64_t p : params) {
-      current_param = p;
-      f.scheduler->pre_use(p);
-      if (p == 1) peak_during_1 = f.store->stats().device.current_bytes;
-      f.scheduler->post_use(p, TensorState::kHoldAfterFwd);
-    }
-    f.last = f.scheduler->end_iteration();
-    return peak_during_1;
-  };
-  EXPECT_EQ(run({0, 2, 3, 1}), 400);  // warm-up: no reserve known yet, all four fit
+  EXPECT_EQ(run_recording_peak_at_1(f, current_param, {0, 2, 3, 1}), 400);  // warm-up: no reserve known yet
   f.scheduler->relayout(*f.store, {0, 1, 2, 3}, {0, 1, 2, 3});
-  EXPECT_LE(run({0, 2, 3, 1}), 250);  // following: the reserve applies around parameter 1
+  EXPECT_LE(run_recording_peak_at_1(f, current_param, {0, 2, 3, 1}), 250);  // following: the reserve applies
   EXPECT_FALSE(f.last.diverged);
+  EXPECT_EQ(f.scheduler->device_room_bytes(), 250);
+}
+
+TEST(Scheduler, DeviceBudgetIsForChunksWhateverTheNonModelMemory) {
+  // A device budget of N bytes means N bytes for chunks: non-model memory larger than the budget (an
+  // unwrapped reference model on the same GPU, say) does not shrink it when the capacity has room
+  // (on an H100 it turned the budget into 1 B).
+  int64_t current_param = -1;
+  Fixture* fp = nullptr;
+  Fixture f(/*budget=*/300, [&] {
+    const int64_t chunks = fp ? fp->store->stats().device.current_bytes : 0;
+    return chunks + 10'000;
+  }, /*capacity=*/1'000'000);
+  fp = &f;
+  run_recording_peak_at_1(f, current_param, {0, 1, 2, 3});
+  f.scheduler->relayout(*f.store, {0, 1, 2, 3}, {0, 1, 2, 3});
+  run_recording_peak_at_1(f, current_param, {0, 1, 2, 3});
+  EXPECT_EQ(f.store->stats().device.budget_bytes, 300);
+  EXPECT_EQ(f.last.device_peak_bytes, 300);
+  EXPECT_EQ(f.scheduler->device_room_bytes(), 300);
+}
+
+TEST(Scheduler, CapacityShortOfOneChunkKeepsRoomForOneChunk) {
+  // Non-model memory that leaves less than one chunk of the capacity: the budget stays at the largest
+  // chunk (the op must run), never a meaningless 1 B; the warning names the numbers.
+  int64_t current_param = -1;
+  Fixture* fp = nullptr;
+  Fixture f(/*budget=*/0, [&] {
+    const int64_t chunks = fp ? fp->store->stats().device.current_bytes : 0;
+    return chunks + 1'000;
+  }, /*capacity=*/1'050);
+  fp = &f;
+  run_recording_peak_at_1(f, current_param, {0, 1, 2, 3});
+  f.scheduler->relayout(*f.store, {0, 1, 2, 3}, {0, 1, 2, 3});
+  f.scheduler->begin_iteration();
+  for (int64_t p : {0, 1, 2, 3}) {
+    current_param = p;
+    ASSERT_NO_THROW(f.scheduler->pre_use(p));
+    EXPECT_EQ(f.store->stats().device.budget_bytes, 100) << "the largest chunk, at parameter " << p;
+    EXPECT_EQ(f.store->stats().device.current_bytes, 100) << "one 100 B chunk at a time";
+    f.scheduler->post_use(p, TensorState::kHoldAfterFwd);
+  }
+  f.scheduler->end_iteration();
 }
 
 }  // namespace
@@ -220,6 +266,9 @@ TEST(SchedulerOptions, BadValuesAreRejected) {
   EXPECT_THROW(o.validate(), c10::Error);
   o = SchedulerOptions{};
   o.device_budget_bytes = -1;
+  EXPECT_THROW(o.validate(), c10::Error);
+  o = SchedulerOptions{};
+  o.device_capacity_bytes = -1;
   EXPECT_THROW(o.validate(), c10::Error);
   EXPECT_NO_THROW(SchedulerOptions{}.validate());
 }
