@@ -2,7 +2,33 @@
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
-set_target_properties(ferry PROPERTIES INSTALL_RPATH_USE_LINK_PATH ON)
+# The installed libferry.so finds its private shared dependencies (oneTBB, spdlog and its fmt) through
+# its RUNPATH: the consumer's linker looks there for a library's needed libraries, and so does the
+# loader. INSTALL_RPATH_USE_LINK_PATH alone skips libraries inside the build tree (where gpu_check.sh
+# once unpacked the carried Debian packages: a consumer then failed to link with "libtbb.so.12, needed
+# by libferry.so, not found"), so the directories are named explicitly, wherever the libraries came from.
+set(FERRY_PRIVATE_LIB_DIRS "")
+foreach(dep TBB::tbb spdlog::spdlog fmt::fmt)
+  if(NOT TARGET ${dep})
+    continue()
+  endif()
+  foreach(prop IMPORTED_LOCATION_RELEASE IMPORTED_LOCATION_RELWITHDEBINFO IMPORTED_LOCATION_NONE
+               IMPORTED_LOCATION_NOCONFIG IMPORTED_LOCATION)
+    get_target_property(location ${dep} ${prop})
+    if(location)
+      get_filename_component(dir "${location}" DIRECTORY)
+      if(NOT dir IN_LIST CMAKE_CXX_IMPLICIT_LINK_DIRECTORIES)
+        list(APPEND FERRY_PRIVATE_LIB_DIRS "${dir}")
+      endif()
+      break()
+    endif()
+  endforeach()
+endforeach()
+list(REMOVE_DUPLICATES FERRY_PRIVATE_LIB_DIRS)
+set_target_properties(ferry PROPERTIES INSTALL_RPATH_USE_LINK_PATH ON INSTALL_RPATH "${FERRY_PRIVATE_LIB_DIRS}")
+if(FERRY_PRIVATE_LIB_DIRS)
+  message(STATUS "ferry: installed libferry.so finds its private dependencies in ${FERRY_PRIVATE_LIB_DIRS}")
+endif()
 install(TARGETS ferry EXPORT ferryTargets
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
