@@ -10,7 +10,7 @@ python=$(sed -n 's/^python=//p' <<<"$setup")
 deps_prefix=$(sed -n 's/^prefix=//p' <<<"$setup")
 torch_prefix=$("$python" -c "import torch.utils; print(torch.utils.cmake_prefix_path)")
 prefix_path="$torch_prefix${deps_prefix:+;$deps_prefix}"
-jobs=${FERRY_JOBS:-$(nproc)}
+jobs=${FERRY_JOBS:-$(getconf _NPROCESSORS_ONLN)}
 
 launcher=()
 if command -v ccache >/dev/null; then

@@ -34,7 +34,7 @@ torch_prefix=$("$python" -c "import torch.utils; print(torch.utils.cmake_prefix_
 prefix_path="$torch_prefix${deps_prefix:+;$deps_prefix}"
 { nvidia-smi 2>&1 || true; } > "$out/nvidia-smi.txt"
 
-jobs=$(nproc)
+jobs=$(getconf _NPROCESSORS_ONLN)  # not nproc: it honours OMP_NUM_THREADS
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 say "configuring and building in $build with $jobs jobs"

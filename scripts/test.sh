@@ -8,12 +8,12 @@
 # Both suites run even when the first fails; the exit status is non-zero if either failed.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-jobs=${FERRY_JOBS:-$(nproc)}
+jobs=${FERRY_JOBS:-$(getconf _NPROCESSORS_ONLN)}
 start=$(date +%s)
 say() { echo "[ferry test] $*" >&2; }
 
 cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo 2>/dev/null | head -1)
-say "machine: ${cpu:-unknown CPU}, $(nproc) cores, $(free -g 2>/dev/null | awk '/^Mem:/{print $2 " GiB"}'); threads: OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset (OpenMP default: one per core)}, MKL_DYNAMIC=${MKL_DYNAMIC:-unset}"
+say "machine: ${cpu:-unknown CPU}, $(getconf _NPROCESSORS_ONLN) cores, $(free -g 2>/dev/null | awk '/^Mem:/{print $2 " GiB"}'); threads: OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset (OpenMP default: one per core)}, MKL_DYNAMIC=${MKL_DYNAMIC:-unset}"
 
 failed=()
 if "$root/scripts/build.sh" "$@"; then
