@@ -1,6 +1,8 @@
 #pragma once
 // ferry's public API in one include: #include <ferry/ferry.h>
+#include "ferry/common/cli.h"
 #include "ferry/common/config.h"
+#include "ferry/common/crc32c.h"
 #include "ferry/common/cpu_features.h"
 #include "ferry/common/env_report.h"
 #include "ferry/common/event_trace.h"

@@ -45,6 +45,8 @@ Precision parse_precision(std::string_view text) {
   TORCH_CHECK(false, "ferry config: expected precision fp32|bf16|fp16, got '", text, "'");
 }
 
+constexpr int kMaxCpuThreads = 1024;
+
 const char* const kEnvKeys[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS",
                                 "SLURM_LOCALID", "FERRY_LOG_LEVEL"};
 
@@ -55,7 +57,11 @@ int64_t parse_bytes(std::string_view text) {
   size_t pos = 0;
   while (pos < s.size() && (std::isdigit(static_cast<unsigned char>(s[pos])) || s[pos] == '.')) ++pos;
   TORCH_CHECK(pos > 0, "ferry config: expected a size such as 64MiB or 4096, got '", s, "'");
-  const double number = std::strtod(s.substr(0, pos).c_str(), nullptr);
+  const std::string digits = s.substr(0, pos);
+  char* end = nullptr;
+  const double number = std::strtod(digits.c_str(), &end);
+  TORCH_CHECK(end == digits.c_str() + digits.size(), "ferry config: expected a size such as 64MiB or 4096, got '",
+              s, "' ('", digits, "' is not a number)");
   double scale = 0;
   const std::string u = lower(s.substr(pos));
   if (u.empty() || u == "b") scale = 1;
@@ -203,7 +209,8 @@ void Config::validate() const {
               device_capacity_bytes);
   TORCH_CHECK(host_budget_bytes >= 0, "ferry config: expected host-budget >= 0 (0 = no limit), got ",
               host_budget_bytes);
-  TORCH_CHECK(cpu_threads >= 0, "ferry config: expected cpu-threads >= 0 (0 = all), got ", cpu_threads);
+  TORCH_CHECK(cpu_threads >= 0 && cpu_threads <= kMaxCpuThreads, "ferry config: expected cpu-threads in [0, ",
+              kMaxCpuThreads, "] (0 = all), got ", cpu_threads);
   TORCH_CHECK(cpu_isa == "auto" || parse_cpu_isa(cpu_isa).has_value(),
               "ferry config: expected cpu-isa auto|scalar|avx2|avx512|avx512_bf16, got '", cpu_isa, "'");
   TORCH_CHECK(world_size >= 1, "ferry config: expected world-size >= 1, got ", world_size);

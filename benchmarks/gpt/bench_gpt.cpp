@@ -251,32 +251,35 @@ std::pair<double, double> interception_ns(ferry::Config config, int64_t n) {
   return {managed, unmanaged};
 }
 
+int run(int argc, char** argv);
+
 }  // namespace
 
-int main(int argc, char** argv) try {
+int main(int argc, char** argv) {
+  return ferry::cli::run_main("bench_gpt", [&] { return run(argc, argv); });
+}
+
+namespace {
+
+int run(int argc, char** argv) {
   std::vector<std::string> rest;
   ferry::Config config = ferry::Config::from_args(argc, argv, &rest);
   ferry::log::configure(config.log_level, config.rank);
   Args a;
-  for (const auto& arg : rest) {
-    const auto eq = arg.find('=');
-    const std::string k = arg.substr(0, eq), v = eq == std::string::npos ? "" : arg.substr(eq + 1);
-    if (k == "--preset") a.preset = v;
-    else if (k == "--batch") a.batch = std::stoll(v);
-    else if (k == "--seq") a.seq = std::stoll(v);
-    else if (k == "--steps") a.steps = std::stoll(v);
-    else if (k == "--warmup-steps") a.warmup_steps = std::stoll(v);
-    else if (k == "--checkpoint-activations") a.checkpoint = true;
-    else if (k == "--no-baseline") a.baseline = false;
-    else if (k == "--find-max") a.find_max = true;
-    else if (k == "--commit") a.commit = v;
-    else if (k == "--trace") a.trace = v;
-    else {
-      std::cerr << "bench_gpt: unknown argument " << arg << "\n";
-      return 2;
-    }
-  }
-  TORCH_CHECK(a.steps >= 1 && a.warmup_steps >= 1, "bench_gpt: --steps and --warmup-steps must be >= 1");
+  bool no_baseline = false;
+  ferry::cli::Options options("bench_gpt");
+  options.add("preset", &a.preset, "GPT preset (default small)")
+      .add("batch", &a.batch, "sequences per step (default 8)", 1, int64_t{1} << 24)
+      .add("seq", &a.seq, "tokens per sequence (default 256)", 2, int64_t{1} << 24)
+      .add("steps", &a.steps, "measured steps (default 5)", 1)
+      .add("warmup-steps", &a.warmup_steps, "unmeasured steps first (default 2)", 1)
+      .add_flag("checkpoint-activations", &a.checkpoint, "recompute each block in backward")
+      .add_flag("no-baseline", &no_baseline, "skip the unwrapped baseline")
+      .add_flag("find-max", &a.find_max, "find the largest preset that trains")
+      .add("commit", &a.commit, "commit id recorded in the JSON")
+      .add("trace", &a.trace, "Chrome trace of the last measured step into FILE.json");
+  options.parse(rest);
+  a.baseline = !no_baseline;
   const bool cuda = ferry::resolve_device_kind(config.device) == ferry::DeviceKind::kCuda;
   std::ostringstream out;
   out.precision(6);
@@ -358,7 +361,6 @@ int main(int argc, char** argv) try {
   out << "\n}\n";
   std::cout << out.str();
   return 0;
-} catch (const std::exception& e) {
-  std::cerr << "bench_gpt: " << e.what() << "\n";
-  return 1;
 }
+
+}  // namespace

@@ -1,6 +1,7 @@
 // train_gpt: trains the GPT example through ferry (ChunkedModel + HybridAdam) on a byte-level text
-// corpus, with a progress line every --log-every steps and a summary at the end. Ctrl-C stops after
-// the current step (and saves, with --save).
+// corpus, with a progress line every --log-every steps and a summary at the end. Ctrl-C or SIGTERM
+// stops after the current step (and saves, with --save; the save target is checked before training).
+// Options parse strictly (ferry/common/cli.h): a bad value names the option and what was expected.
 //
 //   train_gpt [--preset=tiny] [--steps=300] [--batch=8] [--seq=128] [--lr=3e-3] [--warmup=20]
 //             [--micro-batches=1] [--max-grad-norm=1.0] [--checkpoint-activations]
@@ -26,7 +27,7 @@
 namespace {
 
 std::atomic<bool> g_stop{false};
-void on_sigint(int) { g_stop.store(true); }
+void on_stop_signal(int) { g_stop.store(true); }
 
 struct Args {
   std::string preset = "tiny";
@@ -37,43 +38,34 @@ struct Args {
   double expect_loss_below = 0;  // > 0: exit 1 unless the last window's mean loss is below it (tests)
 };
 
-const char* kUsage =
-    "usage: train_gpt [--preset=NAME] [--steps=N] [--batch=B] [--seq=T] [--lr=X] [--warmup=N] "
-    "[--micro-batches=N] [--max-grad-norm=X] [--checkpoint-activations] [--corpus=FILE|DIR] [--save=DIR] "
-    "[--resume=DIR] [--seed=N] [--log-every=N] [--expect-loss-below=X] [--trace=FILE.json] [ferry options]\n"
-    "  --trace: a Chrome trace (Perfetto) of the third step: chunk moves, evictions, waits, Adam phases\n";
+ferry::cli::Options options_for(Args& a) {
+  ferry::cli::Options o("train_gpt");
+  o.add("preset", &a.preset, "model size: tiny, small, medium, 1b, 2b, 4b, 6b, 8b, 10b, 12b, 15b, 20b, 30b, llama7b")
+      .add("steps", &a.steps, "optimizer steps (default 300)", 1)
+      .add("batch", &a.batch, "sequences per step (default 8)", 1, int64_t{1} << 24)
+      .add("seq", &a.seq, "tokens per sequence (default 128, at most the preset's)", 2, int64_t{1} << 24)
+      .add("lr", &a.lr, "peak learning rate (default 3e-3)", 0.0, 1e3)
+      .add("warmup", &a.warmup, "linear warm-up steps (default 20)", 0)
+      .add("micro-batches", &a.micro_batches, "gradient accumulation: micro-batches per step (default 1)", 1)
+      .add("max-grad-norm", &a.max_grad_norm, "global gradient clipping, 0 = none (default 1.0)", 0.0)
+      .add_flag("checkpoint-activations", &a.checkpoint_activations, "recompute each block in backward")
+      .add("corpus", &a.corpus, "a text file or a directory of them (default /usr/share/common-licenses)")
+      .add("save", &a.save, "save the training state into DIR at the end (checked before training)")
+      .add("resume", &a.resume, "resume from the training state in DIR")
+      .add("seed", &a.seed, "initialisation and data seed (default 1)")
+      .add("log-every", &a.log_every, "steps per progress line (default 10)", 1)
+      .add("expect-loss-below", &a.expect_loss_below, "exit 1 unless the last window's mean loss is below X", 0.0)
+      .add("trace", &a.trace, "write a Chrome trace (Perfetto) of the third step to FILE.json");
+  return o;
+}
 
 Args parse(const std::vector<std::string>& rest) {
   Args a;
-  for (const std::string& arg : rest) {
-    const auto eq = arg.find('=');
-    const std::string key = arg.substr(0, eq), value = eq == std::string::npos ? "" : arg.substr(eq + 1);
-    auto num = [&] { return std::stoll(value); };
-    if (key == "--preset") a.preset = value;
-    else if (key == "--steps") a.steps = num();
-    else if (key == "--batch") a.batch = num();
-    else if (key == "--seq") a.seq = num();
-    else if (key == "--micro-batches") a.micro_batches = num();
-    else if (key == "--warmup") a.warmup = num();
-    else if (key == "--log-every") a.log_every = num();
-    else if (key == "--seed") a.seed = num();
-    else if (key == "--lr") a.lr = std::stod(value);
-    else if (key == "--max-grad-norm") a.max_grad_norm = std::stod(value);
-    else if (key == "--checkpoint-activations") a.checkpoint_activations = true;
-    else if (key == "--corpus") a.corpus = value;
-    else if (key == "--save") a.save = value;
-    else if (key == "--resume") a.resume = value;
-    else if (key == "--trace") a.trace = value;
-    else if (key == "--expect-loss-below") a.expect_loss_below = std::stod(value);
-    else {
-      std::cerr << "train_gpt: unknown argument '" << arg << "'\n" << kUsage << ferry::Config::help();
-      std::exit(2);
-    }
+  options_for(a).parse(rest);
+  if (a.batch % a.micro_batches != 0) {
+    throw ferry::cli::UsageError("--batch (" + std::to_string(a.batch) + ") must be a multiple of --micro-batches (" +
+                                 std::to_string(a.micro_batches) + ")");
   }
-  TORCH_CHECK(a.steps >= 1 && a.batch >= 1 && a.seq >= 2 && a.micro_batches >= 1 && a.log_every >= 1,
-              "train_gpt: steps, batch, micro-batches, log-every must be >= 1 and seq >= 2");
-  TORCH_CHECK(a.batch % a.micro_batches == 0, "train_gpt: batch (", a.batch, ") must be a multiple of micro-batches (",
-              a.micro_batches, ")");
   return a;
 }
 
@@ -86,12 +78,22 @@ bool given(int argc, char** argv, std::initializer_list<const char*> keys) {
   return false;
 }
 
+int train(int argc, char** argv);
+
 }  // namespace
 
-int main(int argc, char** argv) try {
+int main(int argc, char** argv) {
+  return ferry::cli::run_main("train_gpt", [&] { return train(argc, argv); });
+}
+
+namespace {
+
+int train(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--help") {
-      std::cout << kUsage << ferry::Config::help();
+      Args a;
+      std::cout << "usage: train_gpt [options] [ferry options]\n" << options_for(a).help() << "ferry options:\n"
+                << ferry::Config::help();
       return 0;
     }
   }
@@ -102,7 +104,12 @@ int main(int argc, char** argv) try {
   const bool cuda = ferry::resolve_device_kind(config.device) == ferry::DeviceKind::kCuda;
 
   gpt::GptConfig gc = gpt::preset(args.preset);
-  TORCH_CHECK(args.seq <= gc.seq, "train_gpt: --seq=", args.seq, " exceeds preset ", gc.name, "'s ", gc.seq);
+  if (args.seq > gc.seq) {
+    throw ferry::cli::UsageError("--seq=" + std::to_string(args.seq) + " exceeds preset " + gc.name + "'s " +
+                                 std::to_string(gc.seq));
+  }
+  // A save that would fail must fail now, not after the whole run.
+  if (!args.save.empty()) ferry::HybridAdam::check_save_target(args.save);
   const int64_t n_params = gc.num_params();
   if (!given(argc, argv, {"precision"})) config.precision = cuda ? ferry::Precision::kBf16 : ferry::Precision::kFp32;
   const int64_t elem = config.precision == ferry::Precision::kFp32 ? 4 : 2;
@@ -126,7 +133,8 @@ int main(int argc, char** argv) try {
   }
   config.validate();
 
-  std::signal(SIGINT, on_sigint);
+  std::signal(SIGINT, on_stop_signal);
+  std::signal(SIGTERM, on_stop_signal);
   gpt::ByteCorpus corpus(args.corpus);
   ferry::log::info("train_gpt: corpus ", corpus.path(), " (", corpus.files(), " files, ", corpus.size(),
                    " bytes); preset ", gc.name, ": ", n_params / 1e6, "M parameters, hidden ", gc.hidden, " x ",
@@ -226,7 +234,6 @@ int main(int argc, char** argv) try {
     return 1;
   }
   return 0;
-} catch (const std::exception& e) {
-  std::cerr << "train_gpt: " << e.what() << "\n";
-  return 1;
 }
+
+}  // namespace

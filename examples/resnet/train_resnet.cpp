@@ -80,26 +80,28 @@ double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
   return (a64 - b64).abs().max().item<double>() / std::max(b64.abs().max().item<double>(), 1e-30);
 }
 
+int run(int argc, char** argv);
+
 }  // namespace
 
-int main(int argc, char** argv) try {
+int main(int argc, char** argv) {
+  return ferry::cli::run_main("train_resnet", [&] { return run(argc, argv); });
+}
+
+namespace {
+
+int run(int argc, char** argv) {
   std::vector<std::string> rest;
   ferry::Config config = ferry::Config::from_args(argc, argv, &rest);
   ferry::log::configure(config.log_level, config.rank);
   int64_t steps = 30, batch = 16, log_every = 10;
   double tolerance = 0;
-  for (const auto& arg : rest) {
-    const auto eq = arg.find('=');
-    const std::string k = arg.substr(0, eq), v = eq == std::string::npos ? "" : arg.substr(eq + 1);
-    if (k == "--steps") steps = std::stoll(v);
-    else if (k == "--batch") batch = std::stoll(v);
-    else if (k == "--log-every") log_every = std::stoll(v);
-    else if (k == "--tolerance") tolerance = std::stod(v);
-    else {
-      std::cerr << "train_resnet: unknown argument " << arg << "\n";
-      return 2;
-    }
-  }
+  ferry::cli::Options cli_options("train_resnet");
+  cli_options.add("steps", &steps, "optimizer steps (default 30)", 1)
+      .add("batch", &batch, "images per step (default 16)", 1, 1 << 20)
+      .add("log-every", &log_every, "steps per progress line (default 10)", 1)
+      .add("tolerance", &tolerance, "largest relative difference accepted (default 0: identical)", 0.0);
+  cli_options.parse(rest);
   const int64_t classes = 10;
   // Equivalence is checked in fp32 on the simulated device unless told otherwise.
   bool device_given = false, budget_given = false, chunk_given = false;
@@ -181,7 +183,6 @@ int main(int argc, char** argv) try {
   std::printf("after %lld steps: largest relative difference ferry vs unwrapped %.3g (%s), tolerance %.3g: %s\n",
               static_cast<long long>(steps), worst, worst_name.c_str(), tolerance, worst <= tolerance ? "SAME" : "DIFFERENT");
   return worst <= tolerance ? 0 : 1;
-} catch (const std::exception& e) {
-  std::cerr << "train_resnet: " << e.what() << "\n";
-  return 1;
 }
+
+}  // namespace

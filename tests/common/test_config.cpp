@@ -19,7 +19,7 @@ TEST(ParseBytes, UnitsBinaryAndDecimal) {
 }
 
 TEST(ParseBytes, RejectsGarbage) {
-  for (const char* bad : {"", "MiB", "-5", "12 parsecs", "1e400GiB", "99999999TiB"}) {
+  for (const char* bad : {"", "MiB", "-5", "12 parsecs", "1e400GiB", "99999999TiB", "1.2.3MiB", ".", "1..5GiB"}) {
     EXPECT_THROW(parse_bytes(bad), c10::Error) << bad;
   }
   try {
@@ -89,7 +89,8 @@ TEST(Config, BadArgumentsNameWhatWasExpected) {
   fails_with({"--device=tpu"}, "auto|cuda|simulated, got 'tpu'");
   fails_with({"--precision=fp8"}, "fp32|bf16|fp16, got 'fp8'");
   fails_with({"--cpu-isa=neon"}, "got 'neon'");
-  fails_with({"--cpu-threads=-1"}, "cpu-threads >= 0");
+  fails_with({"--cpu-threads=-1"}, "cpu-threads in [0, 1024]");
+  fails_with({"--cpu-threads=1000000"}, "cpu-threads in [0, 1024]");
   fails_with({"--no-such-option=1"}, "unknown option 'no-such-option'");
   fails_with({"positional"}, "expected --key=value, got 'positional'");
 }

@@ -1,0 +1,71 @@
+#pragma once
+// Strict command-line options for ferry's programs (train_gpt, bench_gpt, train_resnet, ferry_info):
+// `--name=value` (or `--name` for a flag). Every value must parse whole and lie in its range; errors
+// name the option, what was expected and what was given, and unknown or repeated options are errors.
+// ferry's own options (Config) are parsed by Config::from_args under the same rules; a program hands
+// the arguments Config did not take to its Options.
+//
+//   int64_t steps = 300; bool ckpt = false; std::string save;
+//   ferry::cli::Options opts("train_gpt");
+//   opts.add("steps", &steps, "optimizer steps", 1).add_flag("checkpoint-activations", &ckpt, "...")
+//       .add("save", &save, "save the training state into DIR at the end");
+//   opts.parse(rest);                        // throws cli::UsageError
+//   return ferry::cli::run_main("train_gpt", [&] { ...; return 0; });   // prints errors, no backtrace
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace ferry::cli {
+
+// A bad command line: the message says which option, what was expected and what was given.
+class UsageError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// Whole-string parsers, used by Options and by Config (`what` names the option in errors).
+int64_t parse_int(const std::string& what, const std::string& text, int64_t min = std::numeric_limits<int64_t>::min(),
+                  int64_t max = std::numeric_limits<int64_t>::max());
+double parse_double(const std::string& what, const std::string& text,
+                    double min = -std::numeric_limits<double>::max(), double max = std::numeric_limits<double>::max());
+bool parse_bool(const std::string& what, const std::string& text);  // true|false|1|0|yes|no|on|off
+
+class Options {
+ public:
+  explicit Options(std::string program) : program_(std::move(program)) {}
+
+  Options& add(const std::string& name, int64_t* out, const std::string& help,
+               int64_t min = std::numeric_limits<int64_t>::min(), int64_t max = std::numeric_limits<int64_t>::max());
+  Options& add(const std::string& name, double* out, const std::string& help,
+               double min = -std::numeric_limits<double>::max(), double max = std::numeric_limits<double>::max());
+  // An empty value is an error unless `may_be_empty`.
+  Options& add(const std::string& name, std::string* out, const std::string& help, bool may_be_empty = false);
+  // `--name` sets true; `--name=true|false` (1/0, yes/no, on/off) sets that.
+  Options& add_flag(const std::string& name, bool* out, const std::string& help);
+
+  // Parses `args` (each "--name=value" or "--name"). Throws UsageError.
+  void parse(const std::vector<std::string>& args);
+  bool given(const std::string& name) const;
+  // One line per option: "  --name=VALUE   help".
+  std::string help() const;
+
+ private:
+  struct Option {
+    std::string name, value_name, help;
+    std::function<void(const std::string& value, bool has_value)> set;
+    bool given = false;
+  };
+  Option& option(const std::string& name);
+  std::string program_;
+  std::vector<Option> options_;
+};
+
+// Runs `body`; prints any error as "PROGRAM: message" on stderr (a UsageError adds "(try --help)" and
+// returns 2; other errors return 1). c10 errors are printed without their C++ backtrace unless the
+// log level is debug or trace.
+int run_main(const char* program, const std::function<int()>& body);
+
+}  // namespace ferry::cli
