@@ -135,12 +135,18 @@ class HybridAdam final : private GradSink {
   // repacked layout (tests, reports).
   int64_t last_migration_peak_bytes() const { return migration_peak_bytes_; }
 
-  // Save/resume the full training state into/from directory `dir` (format: docs/CHECKPOINT.md): fp32
-  // masters and moments streamed one parameter at a time, step counts, lr and options per group,
-  // loss scaler. load() checks the whole checkpoint against this model first (names, shapes, group
-  // count, file sizes) and changes nothing if it does not match; then it writes the parameters.
+  // Save/resume the full training state into/from directory `dir` (format and guarantees:
+  // docs/CHECKPOINT.md): fp32 masters and moments streamed one parameter at a time, step counts, lr and
+  // options per group, loss scaler, a CRC-32C per file.
+  // save() is atomic and durable: whatever interrupts it (a kill, a full disk, a permission error),
+  // `dir` holds either its previous complete checkpoint or the new one; it refuses non-finite state.
+  // load() checks the whole checkpoint first (every manifest number, names, shapes, group count, file
+  // sizes, checksums, finite values) and changes nothing if any check fails; then it writes the state.
   void save(const std::string& dir);
   void load(const std::string& dir);
+  // Fails now (creating `dir` if needed) if a checkpoint could not be written into `dir`: call it
+  // before a long run that saves at the end.
+  static void check_save_target(const std::string& dir);
 
  private:
   enum Role { kMasterRole = 0, kExpAvgRole, kExpAvgSqRole, kGradRole, kNumRoles };

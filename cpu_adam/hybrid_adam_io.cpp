@@ -1,21 +1,42 @@
-// HybridAdam::save / load: the checkpoint directory format is documented in docs/CHECKPOINT.md.
+// HybridAdam::save / load: the checkpoint directory format and its guarantees are documented in
+// docs/CHECKPOINT.md.
+//
+// Save is atomic and durable. The data files of a save carry a generation number that no file in the
+// directory has yet (`master.<g>.f32`, ...); they are written, fsync'd and closed; then the manifest,
+// which names them with their sizes and CRC-32C checksums, is written to a temporary name, fsync'd and
+// renamed over `manifest.txt` (rename is atomic), and the directory is fsync'd. Only then are the
+// previous generation's files removed. So at every instant the directory's manifest names a complete,
+// durable set of files: the previous checkpoint until the rename, the new one after it — whatever kills
+// the save (a signal, a full disk, a permission error). A failed save removes what it wrote.
+//
+// Load checks everything before it writes anything: every manifest number parsed whole and bounded
+// (numel = product of the shape, ndim <= kMaxDims), names and shapes against the model, each file's
+// size, then one read of every file for its checksum and for finite values. Only then a second read
+// copies the values in. The price is reading the checkpoint twice (the page cache often serves the
+// second read).
 //
 // Plain POSIX file calls, no std::filesystem: libtorch.so (the PyPI wheel) exports its own
 // std::filesystem symbols, which the dynamic linker binds first and which crash (ARCHITECTURE D21).
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
+#include <dirent.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iomanip>
+#include <limits>
 #include <memory>
 #include <sstream>
 
+#include "ferry/common/cli.h"
+#include "ferry/common/crc32c.h"
 #include "ferry/common/logging.h"
 #include "ferry/cpu_adam/hybrid_adam.h"
 
@@ -23,20 +44,59 @@ namespace ferry {
 namespace {
 
 constexpr const char* kMagic = "ferry-checkpoint";
-constexpr int kVersion = 1;
-constexpr const char* kFiles[] = {"master.f32", "exp_avg.f32", "exp_avg_sq.f32"};
+constexpr int kVersion = 2;
+constexpr const char* kRoleNames[] = {"master", "exp_avg", "exp_avg_sq"};
+constexpr int kMaxDims = 64;                       // more than any torch op supports
+constexpr int64_t kMaxDim = int64_t{1} << 40;      // per dimension
+constexpr int64_t kMaxNumel = int64_t{1} << 48;    // per parameter and in total (1 PiB of fp32)
+constexpr int64_t kMaxCount = 100'000'000;         // parameters, groups
+constexpr size_t kBlockFloats = size_t{1} << 21;   // 8 MiB per read in the verify pass
 
-struct FileCloser {
-  void operator()(std::FILE* f) const {
-    if (f) std::fclose(f);
+std::string join(const std::string& dir, const std::string& name) { return dir + "/" + name; }
+
+std::string errno_text() { return std::strerror(errno); }
+
+// An fd written whole, fsync'd and closed with every error checked.
+class DurableFile {
+ public:
+  explicit DurableFile(std::string path) : path_(std::move(path)) {
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    TORCH_CHECK(fd_ >= 0, "ferry: cannot create ", path_, ": ", errno_text());
   }
-};
-using File = std::unique_ptr<std::FILE, FileCloser>;
+  ~DurableFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  DurableFile(const DurableFile&) = delete;
+  DurableFile& operator=(const DurableFile&) = delete;
+  void write(const void* data, size_t n) {
+    const auto* p = static_cast<const char*>(data);
+    while (n > 0) {
+      const ssize_t w = ::write(fd_, p, n);
+      if (w < 0 && errno == EINTR) continue;
+      TORCH_CHECK(w > 0, "ferry: writing ", path_, " failed: ", w < 0 ? errno_text() : "no progress");
+      p += w;
+      n -= static_cast<size_t>(w);
+    }
+  }
+  void sync_and_close() {
+    TORCH_CHECK(::fsync(fd_) == 0, "ferry: fsync of ", path_, " failed: ", errno_text());
+    const int fd = fd_;
+    fd_ = -1;
+    TORCH_CHECK(::close(fd) == 0, "ferry: closing ", path_, " failed: ", errno_text());
+  }
 
-File open_file(const std::string& path, const char* mode) {
-  File f(std::fopen(path.c_str(), mode));
-  TORCH_CHECK(f, "ferry: cannot open ", path, " (", mode[0] == 'r' ? "read" : "write", "): ", std::strerror(errno));
-  return f;
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
+
+void fsync_dir(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, "ferry: cannot open directory ", dir, ": ", errno_text());
+  const int rc = ::fsync(fd);
+  const std::string err = rc == 0 ? "" : errno_text();
+  ::close(fd);
+  TORCH_CHECK(rc == 0, "ferry: fsync of directory ", dir, " failed: ", err);
 }
 
 // mkdir -p.
@@ -45,11 +105,12 @@ void make_dirs(const std::string& dir) {
     if (pos < dir.size() && dir[pos] != '/') continue;
     const std::string prefix = dir.substr(0, pos);
     if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
-      TORCH_CHECK(false, "ferry: cannot create directory ", prefix, ": ", std::strerror(errno));
+      TORCH_CHECK(false, "ferry: cannot create directory ", prefix, ": ", errno_text());
     }
   }
   struct stat st {};
-  TORCH_CHECK(::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode), "ferry: ", dir, " is not a directory");
+  TORCH_CHECK(::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode), "ferry: checkpoint path ", dir,
+              " is not a directory");
 }
 
 // -1 if it does not exist.
@@ -58,9 +119,46 @@ int64_t file_size(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
 }
 
-std::string join(const std::string& dir, const std::string& name) { return dir + "/" + name; }
+std::vector<std::string> list_dir(const std::string& dir) {
+  std::vector<std::string> names;
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return names;
+  while (const dirent* e = ::readdir(d)) names.emplace_back(e->d_name);
+  ::closedir(d);
+  return names;
+}
+
+// The generation of a data file name "<role>.<g>.f32", or -1.
+int64_t generation_of(const std::string& name) {
+  for (const char* role : kRoleNames) {
+    const std::string prefix = std::string(role) + ".";
+    if (name.rfind(prefix, 0) != 0 || name.size() <= prefix.size() + 4 || name.substr(name.size() - 4) != ".f32") {
+      continue;
+    }
+    const std::string digits = name.substr(prefix.size(), name.size() - prefix.size() - 4);
+    if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 15) continue;
+    return std::stoll(digits);
+  }
+  return -1;
+}
+
+std::string data_file_name(int role, int64_t generation) {
+  return std::string(kRoleNames[role]) + "." + std::to_string(generation) + ".f32";
+}
+
+// Index of the first value that may not be stored: non-finite, or negative for a second moment.
+int64_t first_bad_value(const float* x, int64_t n, bool non_negative) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(x[i]) || (non_negative && x[i] < 0)) return i;
+  }
+  return -1;
+}
+
+// ---- manifest --------------------------------------------------------------------------------
 
 struct Manifest {
+  int version = 0;
+  int64_t generation = -1;
   std::string precision;
   struct Param {
     int64_t numel = 0;
@@ -74,145 +172,292 @@ struct Manifest {
   };
   std::vector<Group> groups;
   LossScalerState scaler;
+  struct File {
+    std::string name;
+    int64_t bytes = -1;
+    uint32_t crc = 0;
+    bool has_crc = false;
+  };
+  File files[3];
+  int64_t total_numel = 0;
 };
 
-std::string expect_word(std::istringstream& in, const std::string& word, int line) {
-  std::string w;
-  in >> w;
-  TORCH_CHECK(w == word, "ferry: checkpoint manifest line ", line, ": expected '", word, "', got '", w, "'");
-  return w;
-}
+// Reads the manifest one whitespace-separated line at a time; every number must parse whole.
+class ManifestReader {
+ public:
+  explicit ManifestReader(const std::string& path) : path_(path), in_(path) {
+    TORCH_CHECK(in_, "ferry: no checkpoint manifest at ", path, " (a directory without one holds no checkpoint)");
+  }
+  // The next line's tokens; its first must be `key` (when given).
+  void next(const char* key = nullptr) {
+    std::string text;
+    TORCH_CHECK(std::getline(in_, text), "ferry: checkpoint manifest ", path_, " ends early at line ", line_ + 1,
+                key ? std::string(" (expected '") + key + "')" : std::string());
+    ++line_;
+    std::istringstream ss(text);
+    tokens_.clear();
+    at_ = 0;
+    for (std::string t; ss >> t;) tokens_.push_back(t);
+    if (key) {
+      const std::string got = tokens_.empty() ? "" : tokens_[0];
+      fail_unless(got == key, std::string("expected '") + key + "', got '" + got + "'");
+      at_ = 1;
+    }
+  }
+  bool at_eof() {
+    std::string rest;
+    while (std::getline(in_, rest)) {
+      if (rest.find_first_not_of(" \t\r") != std::string::npos) return false;
+    }
+    return true;
+  }
+  std::string word() {
+    fail_unless(at_ < tokens_.size(), "line is too short");
+    return tokens_[at_++];
+  }
+  void expect(const char* key) {
+    const std::string w = word();
+    fail_unless(w == key, std::string("expected '") + key + "', got '" + w + "'");
+  }
+  int64_t integer(int64_t min, int64_t max) {
+    const std::string w = word();
+    try {
+      return cli::parse_int("value", w, min, max);
+    } catch (const cli::UsageError& e) {
+      fail_unless(false, e.what());
+    }
+    return 0;
+  }
+  double number() {
+    const std::string w = word();
+    try {
+      return cli::parse_double("value", w);
+    } catch (const cli::UsageError& e) {
+      fail_unless(false, e.what());
+    }
+    return 0;
+  }
+  void done() { fail_unless(at_ == tokens_.size(), "unexpected '" + (at_ < tokens_.size() ? tokens_[at_] : "") + "'"); }
+  void fail_unless(bool ok, const std::string& what) const {
+    TORCH_CHECK(ok, "ferry: checkpoint manifest ", path_, " line ", line_, ": ", what);
+  }
+  int line() const { return line_; }
+
+ private:
+  std::string path_;
+  std::ifstream in_;
+  std::vector<std::string> tokens_;
+  size_t at_ = 0;
+  int line_ = 0;
+};
 
 Manifest parse_manifest(const std::string& path) {
-  std::ifstream in(path);
-  TORCH_CHECK(in, "ferry: no checkpoint manifest at ", path);
+  ManifestReader r(path);
   Manifest m;
-  std::string text;
-  int line_no = 0;
-  auto next = [&]() -> std::istringstream {
-    TORCH_CHECK(std::getline(in, text), "ferry: checkpoint manifest ", path, " ends early at line ",
-                line_no + 1);
-    ++line_no;
-    return std::istringstream(text);
-  };
-  {
-    auto l = next();
-    std::string magic;
-    int version = 0;
-    l >> magic >> version;
-    TORCH_CHECK(magic == kMagic && version == kVersion, "ferry: ", path, " is not a ferry checkpoint v",
-                kVersion, " (first line: '", text, "')");
+  r.next(kMagic);
+  m.version = static_cast<int>(r.integer(1, 1'000'000));
+  r.fail_unless(m.version == 1 || m.version == kVersion, "this ferry reads checkpoint versions 1 and " +
+                                                             std::to_string(kVersion) + ", got " + std::to_string(m.version));
+  r.done();
+  if (m.version >= 2) {
+    r.next("generation");
+    m.generation = r.integer(0, int64_t{999'999'999'999'999});
+    r.done();
   }
-  {
-    auto l = next();
-    expect_word(l, "precision", line_no);
-    l >> m.precision;
-  }
-  int64_t count = 0;
-  {
-    auto l = next();
-    expect_word(l, "params", line_no);
-    l >> count;
-    TORCH_CHECK(l && count >= 0, "ferry: bad parameter count in ", path);
-  }
+  r.next("precision");
+  m.precision = r.word();
+  r.fail_unless(m.precision == "Float" || m.precision == "BFloat16" || m.precision == "Half",
+                "expected precision Float, BFloat16 or Half, got '" + m.precision + "'");
+  r.done();
+  r.next("params");
+  const int64_t count = r.integer(0, kMaxCount);
+  r.done();
   for (int64_t i = 0; i < count; ++i) {
-    auto l = next();
-    expect_word(l, "param", line_no);
-    int64_t index = -1, ndim = -1;
+    r.next("param");
     Manifest::Param p;
-    l >> index >> p.numel >> ndim;
-    TORCH_CHECK(l && index == i && ndim >= 0, "ferry: bad param line ", line_no, " in ", path);
-    p.shape.resize(ndim);
-    for (auto& d : p.shape) l >> d;
-    l >> p.name;
-    TORCH_CHECK(l, "ferry: bad param line ", line_no, " in ", path);
+    r.fail_unless(r.integer(0, kMaxCount) == i, "parameters must be numbered 0.." + std::to_string(count - 1));
+    p.numel = r.integer(0, kMaxNumel);
+    const int64_t ndim = r.integer(0, kMaxDims);
+    int64_t product = 1;
+    for (int64_t d = 0; d < ndim; ++d) {
+      p.shape.push_back(r.integer(0, kMaxDim));
+      r.fail_unless(p.shape.back() == 0 || product <= kMaxNumel / p.shape.back(), "shape too large");
+      product *= p.shape.back();
+    }
+    r.fail_unless(product == p.numel, "numel " + std::to_string(p.numel) + " is not the product of the shape (" +
+                                          std::to_string(product) + ")");
+    p.name = r.word();
+    r.done();
+    m.total_numel += p.numel;
+    r.fail_unless(m.total_numel <= kMaxNumel, "too many elements in total");
     m.params.push_back(std::move(p));
   }
-  {
-    auto l = next();
-    expect_word(l, "groups", line_no);
-    l >> count;
-    TORCH_CHECK(l && count >= 1, "ferry: bad group count in ", path);
-  }
-  for (int64_t i = 0; i < count; ++i) {
-    auto l = next();
-    expect_word(l, "group", line_no);
-    int64_t index = -1;
+  r.next("groups");
+  const int64_t groups = r.integer(1, kMaxCount);
+  r.done();
+  for (int64_t i = 0; i < groups; ++i) {
+    r.next("group");
     Manifest::Group g;
-    std::string mode, k;
-    l >> index;
-    l >> k >> g.step >> k >> g.options.lr >> k >> g.options.beta1 >> k >> g.options.beta2 >> k >> g.options.eps >> k >>
-        g.options.weight_decay >> k >> mode;
-    TORCH_CHECK(l && index == i && g.step >= 0 && (mode == "adam" || mode == "adamw"), "ferry: bad group line ",
-                line_no, " in ", path);
+    r.fail_unless(r.integer(0, kMaxCount) == i, "groups must be numbered 0.." + std::to_string(groups - 1));
+    r.expect("step");
+    g.step = r.integer(0, std::numeric_limits<int64_t>::max());
+    r.expect("lr");
+    g.options.lr = r.number();
+    r.expect("beta1");
+    g.options.beta1 = r.number();
+    r.expect("beta2");
+    g.options.beta2 = r.number();
+    r.expect("eps");
+    g.options.eps = r.number();
+    r.expect("weight_decay");
+    g.options.weight_decay = r.number();
+    r.expect("mode");
+    const std::string mode = r.word();
+    r.fail_unless(mode == "adam" || mode == "adamw", "expected mode adam or adamw, got '" + mode + "'");
     g.options.mode = mode == "adam" ? AdamMode::kAdam : AdamMode::kAdamW;
+    r.done();
     g.options.validate();
     m.groups.push_back(g);
   }
-  {
-    auto l = next();
-    std::string k;
-    expect_word(l, "loss_scaler", line_no);
-    l >> k >> m.scaler.scale >> k >> m.scaler.clean_steps >> k >> m.scaler.hysteresis_left >> k >> m.scaler.overflows;
-    TORCH_CHECK(l, "ferry: bad loss_scaler line ", line_no, " in ", path);
+  r.next("loss_scaler");
+  r.expect("scale");
+  m.scaler.scale = r.number();
+  r.expect("clean_steps");
+  m.scaler.clean_steps = r.integer(0, std::numeric_limits<int64_t>::max());
+  r.expect("hysteresis_left");
+  m.scaler.hysteresis_left = static_cast<int>(r.integer(0, 1'000'000));
+  r.expect("overflows");
+  m.scaler.overflows = r.integer(0, std::numeric_limits<int64_t>::max());
+  r.done();
+  if (m.version == 1) {
+    for (int k = 0; k < 3; ++k) m.files[k].name = std::string(kRoleNames[k]) + ".f32";
+    return m;
   }
+  for (int k = 0; k < 3; ++k) {
+    r.next("file");
+    const std::string role = r.word();
+    r.fail_unless(role == kRoleNames[k], std::string("expected the ") + kRoleNames[k] + " file, got '" + role + "'");
+    Manifest::File& f = m.files[k];
+    f.name = r.word();
+    r.fail_unless(f.name == data_file_name(k, m.generation), "expected file name " + data_file_name(k, m.generation) +
+                                                                 ", got '" + f.name + "'");
+    r.expect("bytes");
+    f.bytes = r.integer(0, kMaxNumel * 4);
+    r.fail_unless(f.bytes == m.total_numel * 4, "file " + f.name + " is listed with " + std::to_string(f.bytes) +
+                                                    " bytes, the parameters need " + std::to_string(m.total_numel * 4));
+    r.expect("crc32c");
+    const std::string hex = r.word();
+    r.fail_unless(hex.size() == 8 && hex.find_first_not_of("0123456789abcdef") == std::string::npos,
+                  "expected 8 lowercase hex digits of CRC-32C, got '" + hex + "'");
+    f.crc = static_cast<uint32_t>(std::stoul(hex, nullptr, 16));
+    f.has_crc = true;
+    r.done();
+  }
+  r.next("end");
+  r.done();
+  r.fail_unless(r.at_eof(), "text after 'end'");
   return m;
 }
 
 }  // namespace
+
+void HybridAdam::check_save_target(const std::string& dir) {
+  TORCH_CHECK(!dir.empty(), "ferry: the checkpoint directory is empty; name a directory to save into");
+  make_dirs(dir);
+  const std::string probe = join(dir, ".ferry-write-test." + std::to_string(::getpid()));
+  {
+    DurableFile f(probe);
+    f.write("ok", 2);
+    f.sync_and_close();
+  }
+  TORCH_CHECK(::unlink(probe.c_str()) == 0, "ferry: cannot remove ", probe, ": ", errno_text());
+}
 
 void HybridAdam::save(const std::string& dir) {
   check_idle("save()");
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
   TORCH_CHECK(!dir.empty(), "ferry: save() needs a directory");
-  const std::string& root = dir;
-  make_dirs(root);
-  // The manifest goes last (written, then renamed): a directory without one is no checkpoint.
-  ::unlink(join(root, "manifest.txt").c_str());
+  make_dirs(dir);
+  int64_t generation = 0;
+  for (const std::string& name : list_dir(dir)) generation = std::max(generation, generation_of(name) + 1);
+  std::vector<std::string> written;
+  const std::string manifest_tmp = join(dir, "manifest.tmp." + std::to_string(generation));
   int64_t bytes = 0;
-  for (int r = 0; r < 3; ++r) {
-    File f = open_file(join(root, kFiles[r]), "wb");
-    for (int64_t p = 0; p < model_.num_params(); ++p) {
-      // One parameter at a time: at most one slot is ever copied off the device.
-      at::Tensor t = store_->view(roles_[r].tensors[p]).to(at::kCPU).contiguous();
-      const size_t n = static_cast<size_t>(t.numel());
-      TORCH_CHECK(std::fwrite(t.data_ptr<float>(), sizeof(float), n, f.get()) == n, "ferry: writing ",
-                  join(root, kFiles[r]), " failed: ", std::strerror(errno));
-      bytes += static_cast<int64_t>(n * sizeof(float));
+  try {
+    std::ostringstream files;
+    for (int r = 0; r < 3; ++r) {
+      const std::string name = data_file_name(r, generation);
+      written.push_back(join(dir, name));
+      DurableFile f(written.back());
+      uint32_t crc = 0;
+      int64_t role_bytes = 0;
+      for (int64_t p = 0; p < model_.num_params(); ++p) {
+        // One parameter at a time: at most one slot is ever copied off the device.
+        at::Tensor t = store_->view(roles_[r].tensors[p]).to(at::kCPU).contiguous();
+        const float* x = t.data_ptr<float>();
+        const int64_t bad = first_bad_value(x, t.numel(), r == kExpAvgSqRole);
+        TORCH_CHECK(bad < 0, "ferry: refusing to save a checkpoint with ", kRoleNames[r], " of parameter ",
+                    model_.param_name(p), " = ", bad < 0 ? 0.0f : x[bad], " at element ", bad,
+                    " (the training state is not finite); the directory keeps its previous checkpoint");
+        const size_t n = static_cast<size_t>(t.numel()) * sizeof(float);
+        crc = crc32c_extend(crc, x, n);
+        f.write(x, n);
+        role_bytes += static_cast<int64_t>(n);
+      }
+      f.sync_and_close();
+      bytes += role_bytes;
+      files << "file " << kRoleNames[r] << " " << name << " bytes " << role_bytes << " crc32c " << crc32c_hex(crc) << "\n";
     }
-    TORCH_CHECK(std::fflush(f.get()) == 0, "ferry: writing ", join(root, kFiles[r]), " failed");
+    std::ostringstream m;
+    m << std::setprecision(17) << kMagic << " " << kVersion << "\n";
+    m << "generation " << generation << "\n";
+    m << "precision " << c10::toString(model_.compute_dtype()) << "\n";
+    m << "params " << model_.num_params() << "\n";
+    for (int64_t p = 0; p < model_.num_params(); ++p) {
+      const auto& shape = model_.param_shapes()[p];
+      int64_t numel = 1;
+      for (int64_t d : shape) numel *= d;
+      m << "param " << p << " " << numel << " " << shape.size();
+      for (int64_t d : shape) m << " " << d;
+      m << " " << model_.param_name(p) << "\n";
+    }
+    m << "groups " << num_param_groups() << "\n";
+    for (int g = 0; g < num_param_groups(); ++g) {
+      const AdamOptions& o = cpu_adam_.options(g);
+      m << "group " << g << " step " << cpu_adam_.step_count(g) << " lr " << o.lr << " beta1 " << o.beta1 << " beta2 "
+        << o.beta2 << " eps " << o.eps << " weight_decay " << o.weight_decay << " mode "
+        << (o.mode == AdamMode::kAdam ? "adam" : "adamw") << "\n";
+    }
+    const LossScalerState& s = scaler_.state();
+    m << "loss_scaler scale " << s.scale << " clean_steps " << s.clean_steps << " hysteresis_left "
+      << s.hysteresis_left << " overflows " << s.overflows << "\n";
+    m << files.str() << "end\n";
+    const std::string text = m.str();
+    written.push_back(manifest_tmp);
+    DurableFile f(manifest_tmp);
+    f.write(text.data(), text.size());
+    f.sync_and_close();
+    // The switch: atomic on POSIX file systems; durable once the directory is synced.
+    TORCH_CHECK(::rename(manifest_tmp.c_str(), join(dir, "manifest.txt").c_str()) == 0,
+                "ferry: cannot rename the manifest in ", dir, ": ", errno_text());
+    written.pop_back();
+    fsync_dir(dir);
+  } catch (...) {
+    for (const std::string& path : written) ::unlink(path.c_str());  // best effort; the old checkpoint stands
+    throw;
   }
-  std::ostringstream m;
-  m << std::setprecision(17) << kMagic << " " << kVersion << "\n";
-  m << "precision " << c10::toString(model_.compute_dtype()) << "\n";
-  m << "params " << model_.num_params() << "\n";
-  for (int64_t p = 0; p < model_.num_params(); ++p) {
-    const auto& shape = model_.param_shapes()[p];
-    int64_t numel = 1;
-    for (int64_t d : shape) numel *= d;
-    m << "param " << p << " " << numel << " " << shape.size();
-    for (int64_t d : shape) m << " " << d;
-    m << " " << model_.param_name(p) << "\n";
+  // The previous generations (and leftovers of interrupted saves) are garbage now.
+  for (const std::string& name : list_dir(dir)) {
+    const int64_t g = generation_of(name);
+    const bool stale_v1 = name == "master.f32" || name == "exp_avg.f32" || name == "exp_avg_sq.f32";
+    const bool stale_tmp = name.rfind("manifest.tmp", 0) == 0;
+    if ((g >= 0 && g != generation) || stale_v1 || stale_tmp) {
+      if (::unlink(join(dir, name).c_str()) != 0) {
+        log::warn("ferry: cannot remove the stale checkpoint file ", join(dir, name), ": ", errno_text());
+      }
+    }
   }
-  m << "groups " << num_param_groups() << "\n";
-  for (int g = 0; g < num_param_groups(); ++g) {
-    const AdamOptions& o = cpu_adam_.options(g);
-    m << "group " << g << " step " << cpu_adam_.step_count(g) << " lr " << o.lr << " beta1 " << o.beta1 << " beta2 "
-      << o.beta2 << " eps " << o.eps << " weight_decay " << o.weight_decay << " mode "
-      << (o.mode == AdamMode::kAdam ? "adam" : "adamw") << "\n";
-  }
-  const LossScalerState& s = scaler_.state();
-  m << "loss_scaler scale " << s.scale << " clean_steps " << s.clean_steps << " hysteresis_left "
-    << s.hysteresis_left << " overflows " << s.overflows << "\n";
-  {
-    std::ofstream out(join(root, "manifest.tmp"));
-    out << m.str();
-    out.close();
-    TORCH_CHECK(out, "ferry: writing ", join(root, "manifest.tmp"), " failed");
-  }
-  TORCH_CHECK(::rename(join(root, "manifest.tmp").c_str(), join(root, "manifest.txt").c_str()) == 0,
-              "ferry: cannot rename the manifest in ", root, ": ", std::strerror(errno));
   log::info("ferry: saved training state (step ", cpu_adam_.step_count(0), ", ", format_bytes(bytes), ") to ", dir);
 }
 
@@ -220,42 +465,73 @@ void HybridAdam::load(const std::string& dir) {
   check_idle("load()");
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
-  const std::string& root = dir;
-  const Manifest m = parse_manifest(join(root, "manifest.txt"));
-  // Check everything before changing anything.
+  const Manifest m = parse_manifest(join(dir, "manifest.txt"));
+  // 1. Check everything before changing anything.
   TORCH_CHECK(static_cast<int64_t>(m.params.size()) == model_.num_params(), "ferry: checkpoint ", dir, " has ",
               m.params.size(), " parameters, this model ", model_.num_params());
-  int64_t total = 0;
   for (int64_t p = 0; p < model_.num_params(); ++p) {
     const auto& want = model_.param_shapes()[p];
     TORCH_CHECK(m.params[p].shape == want && m.params[p].name == model_.param_name(p), "ferry: checkpoint ", dir,
                 " parameter ", p, " is ", m.params[p].name, " ", c10::IntArrayRef(m.params[p].shape),
                 ", this model has ", model_.param_name(p), " ", c10::IntArrayRef(want));
-    total += m.params[p].numel;
   }
   TORCH_CHECK(static_cast<int>(m.groups.size()) == num_param_groups(), "ferry: checkpoint ", dir, " has ",
               m.groups.size(), " param groups, this optimizer ", num_param_groups());
-  for (const char* name : kFiles) {
-    const int64_t size = file_size(join(root, name));
-    TORCH_CHECK(size == total * static_cast<int64_t>(sizeof(float)), "ferry: checkpoint file ", join(root, name),
-                size < 0 ? " is missing" : " has " + std::to_string(size) + " bytes", ", expected ",
-                total * sizeof(float), " bytes");
+  const int64_t want_bytes = m.total_numel * static_cast<int64_t>(sizeof(float));
+  for (const auto& f : m.files) {
+    const int64_t size = file_size(join(dir, f.name));
+    TORCH_CHECK(size == want_bytes, "ferry: checkpoint file ", join(dir, f.name),
+                size < 0 ? " is missing" : " has " + std::to_string(size) + " bytes", ", expected ", want_bytes,
+                " bytes");
   }
   if (scaling_) {
     DynamicLossScaler probe(scaler_.options());
     probe.set_state(m.scaler);  // validates
   }
+  if (m.version == 1) {
+    log::warn("ferry: checkpoint ", dir, " is version 1: it has no checksums, so corruption cannot be detected");
+  }
+  // 2. Read every file once: checksum, and values that training can use.
+  {
+    std::vector<float> block(kBlockFloats);
+    for (int r = 0; r < 3; ++r) {
+      const std::string path = join(dir, m.files[r].name);
+      std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
+      TORCH_CHECK(f, "ferry: cannot open ", path, ": ", errno_text());
+      uint32_t crc = 0;
+      for (int64_t done = 0; done < m.total_numel;) {
+        const size_t n = static_cast<size_t>(std::min<int64_t>(kBlockFloats, m.total_numel - done));
+        TORCH_CHECK(std::fread(block.data(), sizeof(float), n, f.get()) == n, "ferry: reading ", path, " failed");
+        crc = crc32c_extend(crc, block.data(), n * sizeof(float));
+        const int64_t bad = first_bad_value(block.data(), static_cast<int64_t>(n), r == kExpAvgSqRole);
+        if (bad >= 0) {
+          int64_t at = done + bad;  // which parameter holds element `at`
+          int64_t p = 0;
+          while (p + 1 < static_cast<int64_t>(m.params.size()) && at >= m.params[p].numel) at -= m.params[p++].numel;
+          TORCH_CHECK(false, "ferry: checkpoint file ", path, " holds ", block[bad], " in ", kRoleNames[r],
+                      " of parameter ", m.params[p].name, " (element ", at, "); nothing was loaded");
+        }
+        done += static_cast<int64_t>(n);
+      }
+      TORCH_CHECK(!m.files[r].has_crc || crc == m.files[r].crc, "ferry: checkpoint file ", path,
+                  " is corrupt: CRC-32C ", crc32c_hex(crc), ", the manifest says ", crc32c_hex(m.files[r].crc),
+                  "; nothing was loaded");
+    }
+  }
   if (m.precision != c10::toString(model_.compute_dtype())) {
     log::warn("ferry: checkpoint ", dir, " was saved with compute dtype ", m.precision, ", loading into ",
               c10::toString(model_.compute_dtype()), " (the fp32 masters are exact; parameters are re-cast)");
   }
+  // 3. Copy the values in.
   for (int r = 0; r < 3; ++r) {
-    File f = open_file(join(root, kFiles[r]), "rb");
+    const std::string path = join(dir, m.files[r].name);
+    std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
+    TORCH_CHECK(f, "ferry: cannot open ", path, ": ", errno_text());
     for (int64_t p = 0; p < model_.num_params(); ++p) {
       at::Tensor host = at::empty({m.params[p].numel}, at::kFloat);
       const size_t n = static_cast<size_t>(host.numel());
-      TORCH_CHECK(std::fread(host.data_ptr<float>(), sizeof(float), n, f.get()) == n, "ferry: reading ",
-                  join(root, kFiles[r]), " failed");
+      TORCH_CHECK(std::fread(host.data_ptr<float>(), sizeof(float), n, f.get()) == n, "ferry: reading ", path,
+                  " failed (it changed while loading?)");
       at::Tensor slot = store_->view(roles_[r].tensors[p]);
       slot.copy_(host.view(slot.sizes()));
     }
