@@ -277,6 +277,11 @@ bool ChunkStore::start_move(Chunk& chunk, Location to, bool must) {
     ++moves_.d2h_count;
     moves_.d2h_bytes += n;
   }
+  if (trace::enabled()) {
+    chunk.pending()->issued_ns = trace::now_ns();
+    chunk.pending()->trace_name = std::string(to == Location::kDevice ? "h2d" : "d2h") + " chunk " +
+                                  std::to_string(chunk.id()) + " in flight";
+  }
   if (std::find(pending_.begin(), pending_.end(), chunk.id()) == pending_.end()) {
     pending_.push_back(chunk.id());
   }
@@ -310,6 +315,10 @@ void ChunkStore::finish_pending(Chunk& chunk, bool block) {
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
             .count();
     ++moves_.wait_count;
+  }
+  if (ticket->issued_ns && trace::enabled()) {
+    trace::complete("copy", ticket->trace_name, ticket->issued_ns, trace::now_ns(),
+                    "\"bytes\": " + std::to_string(chunk.nbytes()));
   }
   ticket.reset();
   pending_.erase(std::remove(pending_.begin(), pending_.end(), chunk.id()), pending_.end());

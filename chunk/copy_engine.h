@@ -19,6 +19,7 @@
 #include <c10/core/Device.h>
 
 #include <memory>
+#include <string>
 
 #include "ferry/common/config.h"
 
@@ -35,6 +36,12 @@ class CopyTicket {
   // Makes work queued after this call on the caller's current stream wait for the copy (on the GPU;
   // the host does not block). A no-op once done.
   virtual void order_before_compute() = 0;
+
+  // Set by the ChunkStore while the event trace is on: when the copy was issued and its trace name.
+  // The store records the copy's in-flight interval (issued -> completion as the host observed it: an
+  // upper bound on CUDA, where completion is seen at the next poll or wait) when it completes.
+  int64_t issued_ns = 0;
+  std::string trace_name;
 };
 
 class CopyEngine {

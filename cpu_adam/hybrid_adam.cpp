@@ -265,10 +265,12 @@ void HybridAdam::launch_overlapped_locked(int64_t c) {
 }
 
 void HybridAdam::host_update_chunk_locked(int64_t c, const UpdateOptions& update_options) {
+  trace::Span span("adam", trace::enabled() ? "host adam chunk " + std::to_string(c) : std::string());
   for (const auto& [group, span] : host_spans_locked(c)) cpu_adam_.update(group, span, update_options);
 }
 
 void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale) {
+  trace::Span span("adam", trace::enabled() ? "device adam chunk " + std::to_string(c) : std::string());
   at::Tensor p = store_->payload(roles_[kMasterRole].chunks[c]);
   at::Tensor m = store_->payload(roles_[kExpAvgRole].chunks[c]);
   at::Tensor v = store_->payload(roles_[kExpAvgSqRole].chunks[c]);

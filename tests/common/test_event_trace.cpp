@@ -6,6 +6,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "chunk/deferred_copy_engine.h"
 #include "ferry/chunk/chunk_store.h"
 #include "ferry/common/event_trace.h"
 
@@ -45,6 +46,24 @@ TEST(EventTrace, RecordsMovesEvictionsAndCountersOnlyWhenOn) {
   EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
   std::remove(path.c_str());
   EXPECT_THROW(trace::start(0), c10::Error);
+}
+
+// On CUDA a move's span times only the enqueue; the copy itself is recorded as an "in flight" interval
+// from issue to completion. The deferred engine (copies run only when waited on) shows it on the CPU.
+TEST(EventTrace, RecordsCopiesInFlightUntilTheyComplete) {
+  ChunkStoreOptions o;
+  o.device = DeviceKind::kSimulated;
+  auto engine = std::make_unique<test::DeferredCopyEngine>(3, /*poll_one_in=*/0);
+  ChunkStore store(o, std::move(engine));
+  const ChunkId a = store.add_chunk(ChunkRole::kParam, at::kFloat, 1024, Location::kHost);
+  trace::start();
+  store.move_async(a, Location::kDevice);
+  EXPECT_EQ(trace::chrome_json().find("in flight"), std::string::npos) << "not complete yet";
+  store.synchronize();
+  trace::stop();
+  const std::string json = trace::chrome_json();
+  EXPECT_NE(json.find("\"h2d chunk 0 in flight\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"cat\": \"copy\""), std::string::npos) << json;
 }
 
 TEST(EventTrace, StopsWhenFull) {
