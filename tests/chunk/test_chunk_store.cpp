@@ -7,6 +7,7 @@
 #include <string>
 
 #include "deferred_copy_engine.h"
+#include "test_util.h"
 #include "ferry/chunk/chunk_store.h"
 
 namespace ferry {
@@ -22,14 +23,7 @@ ChunkStoreOptions simulated(int64_t device_budget = 0, int64_t host_budget = 0) 
   return o;
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
+using test::error_of;
 
 #define EXPECT_ERROR_HAS(stmt, text)                                      \
   do {                                                                    \

@@ -21,6 +21,7 @@
 #include <sstream>
 #include <thread>
 
+#include "test_util.h"
 #include "ferry/common/crc32c.h"
 #include "ferry/cpu_adam/hybrid_adam.h"
 #include "ferry/hooks/chunked_model.h"
@@ -130,14 +131,28 @@ void write_text(const std::string& path, const std::string& text) {
   out << text;
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
+using test::error_of;
+
+// A trained model whose state is saved in <root>/ckpt, then trained further (so a later save differs).
+struct SavedCheckpoint {
+  explicit SavedCheckpoint(const std::string& name, uint64_t seed)
+      : root(make_temp_dir(name)), dir(root + "/ckpt"), trainer(seed) {
+    trainer.train(0, 2);
+    trainer.adam->save(dir);
+    saved = trainer.state();
+    trainer.train(2, 1);
   }
-  return "(no error)";
-}
+  ~SavedCheckpoint() { remove_tree(root); }
+  // The directory loads into a fresh model as exactly the saved state.
+  void expect_it_still_loads() {
+    Trainer loaded(99);
+    loaded.adam->load(dir);
+    EXPECT_TRUE(torch::equal(loaded.state(), saved)) << "the directory must still hold the previous checkpoint";
+  }
+  std::string root, dir;
+  Trainer trainer;
+  torch::Tensor saved;
+};
 
 // The child side of SaveKilledAtRandomPointsLeavesALoadableCheckpoint: trains to the "new" state and
 // saves it over and over into $FERRY_IO_CHILD_DIR until killed.
@@ -202,14 +217,8 @@ TEST(HybridAdamIo, SaveKilledAtRandomPointsLeavesALoadableCheckpoint) {
 }
 
 TEST(HybridAdamIo, DiskFullKeepsThePreviousCheckpoint) {
-  const std::string root = make_temp_dir("full");
-  const std::string dir = root + "/ckpt";
-  Trainer t(3);
-  t.train(0, 2);
-  t.adam->save(dir);
-  const torch::Tensor saved = t.state();
-  const auto files_before = list(dir);
-  t.train(2, 2);
+  SavedCheckpoint c("full", 3);
+  const auto files_before = list(c.dir);
   // A file-size limit makes the write fail as a full disk does (EFBIG instead of ENOSPC).
   struct rlimit old_limit {};
   ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old_limit), 0);
@@ -217,39 +226,29 @@ TEST(HybridAdamIo, DiskFullKeepsThePreviousCheckpoint) {
   struct rlimit small = old_limit;
   small.rlim_cur = 1000;
   ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
-  const std::string msg = error_of([&] { t.adam->save(dir); });
+  const std::string msg = error_of([&] { c.trainer.adam->save(c.dir); });
   ::setrlimit(RLIMIT_FSIZE, &old_limit);
   std::signal(SIGXFSZ, old_handler);
   EXPECT_NE(msg.find("File too large"), std::string::npos) << msg;
-  auto files_after = list(dir);
+  auto files_after = list(c.dir);
   std::sort(files_after.begin(), files_after.end());
   auto want = files_before;
   std::sort(want.begin(), want.end());
   EXPECT_EQ(files_after, want) << "the failed save must remove what it wrote";
-  Trainer loaded(9);
-  loaded.adam->load(dir);
-  EXPECT_TRUE(torch::equal(loaded.state(), saved));
-  remove_tree(root);
+  c.expect_it_still_loads();
 }
 
 TEST(HybridAdamIo, UnwritableDirectoryKeepsThePreviousCheckpoint) {
-  const std::string root = make_temp_dir("readonly");
-  const std::string dir = root + "/ckpt";
-  Trainer t(4);
-  t.train(0, 2);
-  t.adam->save(dir);
-  const torch::Tensor saved = t.state();
-  t.train(2, 1);
-  ASSERT_EQ(::chmod(root.c_str(), 0755), 0);
-  ASSERT_EQ(::chmod(dir.c_str(), 0555), 0);
-  std::string msg;
+  SavedCheckpoint c("readonly", 4);
+  ASSERT_EQ(::chmod(c.root.c_str(), 0755), 0);
+  ASSERT_EQ(::chmod(c.dir.c_str(), 0555), 0);
   if (::geteuid() == 0) {
     // Root writes anywhere: save as an unprivileged user, in a child (after fork only the save runs).
     const pid_t child = ::fork();
     ASSERT_GE(child, 0);
     if (child == 0) {
       if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(3);
-      const std::string m = error_of([&] { t.adam->save(dir); });
+      const std::string m = error_of([&] { c.trainer.adam->save(c.dir); });
       ::_exit(m.find("Permission denied") != std::string::npos ? 0 : 1);
     }
     int status = 0;
@@ -258,14 +257,11 @@ TEST(HybridAdamIo, UnwritableDirectoryKeepsThePreviousCheckpoint) {
     ASSERT_NE(WEXITSTATUS(status), 3) << "could not drop privileges";
     EXPECT_EQ(WEXITSTATUS(status), 0) << "the save into a read-only directory must fail with 'Permission denied'";
   } else {
-    msg = error_of([&] { t.adam->save(dir); });
+    const std::string msg = error_of([&] { c.trainer.adam->save(c.dir); });
     EXPECT_NE(msg.find("Permission denied"), std::string::npos) << msg;
   }
-  ASSERT_EQ(::chmod(dir.c_str(), 0755), 0);
-  Trainer loaded(10);
-  loaded.adam->load(dir);
-  EXPECT_TRUE(torch::equal(loaded.state(), saved)) << "the directory must still hold the previous checkpoint";
-  remove_tree(root);
+  ASSERT_EQ(::chmod(c.dir.c_str(), 0755), 0);
+  c.expect_it_still_loads();
 }
 
 // Rewrites the manifest's "file <role> ..." line with the CRC of the data file as it is now.
@@ -366,20 +362,12 @@ TEST(HybridAdamIo, EveryCorruptionIsRefusedAndChangesNothing) {
 }
 
 TEST(HybridAdamIo, NonFiniteStateIsNotSaved) {
-  const std::string root = make_temp_dir("nonfinite");
-  const std::string dir = root + "/ckpt";
-  Trainer t(8);
-  t.train(0, 1);
-  t.adam->save(dir);
-  const torch::Tensor saved = t.state();
+  SavedCheckpoint c("nonfinite", 8);
   // Chunk 0 of the state store is layout chunk 0's fp32 masters.
-  t.adam->state_store().payload(0).fill_(std::numeric_limits<float>::infinity());
-  const std::string msg = error_of([&] { t.adam->save(dir); });
+  c.trainer.adam->state_store().payload(0).fill_(std::numeric_limits<float>::infinity());
+  const std::string msg = error_of([&] { c.trainer.adam->save(c.dir); });
   EXPECT_NE(msg.find("refusing to save"), std::string::npos) << msg;
-  Trainer loaded(11);
-  loaded.adam->load(dir);
-  EXPECT_TRUE(torch::equal(loaded.state(), saved));
-  remove_tree(root);
+  c.expect_it_still_loads();
 }
 
 TEST(HybridAdamIo, SaveTargetIsCheckedUpFront) {
