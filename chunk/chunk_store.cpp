@@ -477,8 +477,13 @@ at::Tensor ChunkStore::access(TensorId id) {
   }
   ready_for_use(chunk);
   if (slot.compute_uses == 0) {
+    const bool chunk_was_in_compute = chunk.state() == ChunkState::kCompute;
     chunk.counts().move(slot.state, TensorState::kCompute);
     slot.state = TensorState::kCompute;
+    if (!chunk_was_in_compute) {
+      compute_bytes_ += chunk.nbytes();
+      compute_peak_bytes_ = std::max(compute_peak_bytes_, compute_bytes_);
+    }
   }
   ++slot.compute_uses;
   chunk.last_use = ++tick_;
@@ -492,8 +497,10 @@ void ChunkStore::release(TensorId id, TensorState after) {
               to_string(slot.state), ")");
   if (slot.compute_uses == 1) {
     check_transition(TensorState::kCompute, after, "tensor");
-    chunk_at(slot.chunk).counts().move(TensorState::kCompute, after);
+    Chunk& chunk = chunk_at(slot.chunk);
+    chunk.counts().move(TensorState::kCompute, after);
     slot.state = after;
+    if (chunk.state() != ChunkState::kCompute) compute_bytes_ -= chunk.nbytes();
   }
   --slot.compute_uses;
 }
@@ -664,13 +671,14 @@ uint64_t ChunkStore::access_tick() const {
 
 ChunkStoreStats ChunkStore::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return ChunkStoreStats{device_, host_, moves_, host_pool_.stats()};
+  return ChunkStoreStats{device_, host_, moves_, host_pool_.stats(), compute_bytes_, compute_peak_bytes_};
 }
 
 void ChunkStore::reset_peak_stats() {
   std::lock_guard<std::mutex> lock(mutex_);
   device_.peak_bytes = device_.current_bytes;
   host_.peak_bytes = host_.current_bytes;
+  compute_peak_bytes_ = compute_bytes_;
 }
 
 const char* ChunkStore::engine_name() const { return engine_->name(); }

@@ -84,6 +84,10 @@ struct ChunkStoreStats {
   TierStats host;
   MoveStats moves;
   HostBufferStats host_buffers;
+  // Bytes of the chunks with a tensor in COMPUTE now, and the peak since reset_peak_stats(): the largest
+  // set of chunks one op (with its nested uses) needed at once, i.e. the smallest device budget for it.
+  int64_t compute_bytes = 0;
+  int64_t compute_peak_bytes = 0;
 };
 
 struct ChunkInfo {
@@ -236,6 +240,7 @@ class ChunkStore {
 
   mutable std::mutex mutex_;
   ChunkStoreOptions options_;
+  int64_t compute_bytes_ = 0, compute_peak_bytes_ = 0;  // see ChunkStoreStats
   std::unique_ptr<CopyEngine> engine_;
   std::shared_ptr<EvictionPolicy> policy_;
   HostBufferPool host_pool_;

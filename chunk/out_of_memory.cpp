@@ -15,6 +15,12 @@ std::string describe(const TierShortfall& s) {
      << format_bytes(s.in_compute) << " in COMPUTE (cannot move) and " << format_bytes(s.evictable)
      << " evictable. ";
   if (s.tier == Tier::kDevice) {
+    if (s.in_compute + s.needed > s.budget) {
+      // The chunks in COMPUTE belong to the op (and the ops it is nested in) that needs this one too.
+      os << "This op needs at least " << format_bytes(s.in_compute + s.needed)
+         << " of chunks on the device at once (" << format_bytes(s.in_compute) << " in COMPUTE + "
+         << format_bytes(s.needed) << "): the smallest device budget it can run with at this chunk size. ";
+    }
     os << "Raise device_budget, lower chunk_size_bytes, or shrink the working set of one op.";
   } else {
     os << "Raise host_budget, or keep more chunks on the device.";

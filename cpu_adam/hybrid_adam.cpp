@@ -185,7 +185,8 @@ int64_t HybridAdam::device_state_chunks() const {
 }
 
 void HybridAdam::place_locked() {
-  if (placed_ || !model_.scheduler().trace()) return;  // decided once, after warm-up
+  // Decided once, after the warm-up of a training iteration (a forward-only trace lacks backward's memory).
+  if (placed_ || !model_.scheduler().trace() || model_.scheduler().trace_is_forward_only()) return;
   const int64_t n = static_cast<int64_t>(spans_.size());
   int64_t count = 0;
   // Room for chunks at the trace's worst moment: the device budget, capped at capacity - non-model

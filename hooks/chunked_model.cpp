@@ -231,7 +231,7 @@ void ChunkedModel::begin_forward() {
   TORCH_CHECK(!materialized_, "ferry: this ChunkedModel was materialized; wrap the module again");
   if (phase_.load() == ModelPhase::kForwardDone) {
     transition(ModelPhase::kIdle);  // the previous forward had no backward (evaluation)
-    finish_iteration(false);
+    finish_iteration(false, /*forward_only=*/true);
   }
   transition(ModelPhase::kForward);
   scheduler_->begin_iteration();
@@ -263,7 +263,7 @@ void ChunkedModel::backward(const at::Tensor& loss) {
 void ChunkedModel::end_iteration() {
   if (phase_.load() != ModelPhase::kForwardDone) return;
   transition(ModelPhase::kIdle);
-  finish_iteration(false);
+  finish_iteration(false, /*forward_only=*/true);
 }
 
 void ChunkedModel::abort_iteration() {
@@ -271,10 +271,10 @@ void ChunkedModel::abort_iteration() {
   finish_iteration(true);
 }
 
-void ChunkedModel::finish_iteration(bool aborted) {
+void ChunkedModel::finish_iteration(bool aborted, bool forward_only) {
   if (!in_iteration_) return;
   in_iteration_ = false;
-  scheduler_->end_iteration(aborted);
+  scheduler_->end_iteration(aborted, forward_only);
   if (!aborted && scheduler_->repack_wanted()) {
     if (options_.repack_after_warmup) {
       std::vector<int64_t> order = scheduler_->trace()->first_use_order(num_params());

@@ -128,7 +128,7 @@ class ChunkedModel final : private UseListener {
   void begin_forward();
   void end_forward();
   void abort_iteration();
-  void finish_iteration(bool aborted);
+  void finish_iteration(bool aborted, bool forward_only = false);
   // Packs params in `order` into a fresh store and binds them (values from the old store if any).
   void build(const std::vector<int64_t>& order);
   void register_storages();

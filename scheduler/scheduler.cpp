@@ -106,10 +106,20 @@ void Scheduler::pre_use(int64_t param) {
       current_.diverged = true;
       retrace_next_ = true;
       policy_->set_position(-1);
-      log::warn_once("scheduler-diverged",
-                     "ferry scheduler: the parameter access order differs from the recorded trace (at position " +
-                         std::to_string(position) + "); evicting by LRU for the rest of this iteration and "
-                         "re-tracing the next one. Conditional branches or changed shapes cause this.");
+      if (trace_forward_only_) {
+        // Not a surprise: the trace came from an evaluation iteration (no backward), this one trains.
+        log::info("ferry scheduler: the trace was recorded by a forward-only (evaluation) iteration; this "
+                  "iteration has a backward, so the next one is traced as a training iteration");
+      } else {
+        log::warn_once("scheduler-diverged",
+                       "ferry scheduler: the parameter access order differs from the recorded trace at position " +
+                           std::to_string(position) + " (expected parameter " +
+                           (position < trace_->size() ? std::to_string(trace_->tensor_at(position))
+                                                      : std::string("none: the trace ended")) +
+                           ", got parameter " + std::to_string(param) +
+                           "); evicting by LRU for the rest of this iteration and re-tracing the next one. "
+                           "Conditional branches, changed shapes or a different loss cause this.");
+      }
     } else {
       policy_->set_position(position);
     }
@@ -141,7 +151,7 @@ void Scheduler::post_use(int64_t param, TensorState after) {
   store_->release(tensor_of_param_[param], after);
 }
 
-IterationStats Scheduler::end_iteration(bool aborted) {
+IterationStats Scheduler::end_iteration(bool aborted, bool forward_only) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_INTERNAL_ASSERT(in_iteration_, "end_iteration without begin_iteration");
   in_iteration_ = false;
@@ -155,8 +165,17 @@ IterationStats Scheduler::end_iteration(bool aborted) {
   current_.evictions = now.moves.evictions - at_begin_.moves.evictions;
   current_.wait_ns = now.moves.wait_ns - at_begin_.moves.wait_ns;
   current_.device_peak_bytes = now.device.peak_bytes;
+  current_.working_set_peak_bytes = now.compute_peak_bytes;
   current_.aborted = aborted;
-  if (recording_ && !aborted) {
+  current_.forward_only = forward_only;
+  // A forward-only (evaluation) recording never replaces a training trace: evaluation between training
+  // steps would otherwise flip the trace back and forth. It is used only while there is no other.
+  const bool keep = recording_ && !aborted && (!forward_only || !trace_ || trace_forward_only_);
+  if (recording_ && !aborted && !keep) {
+    log::debug("ferry scheduler: an evaluation iteration was not used as the trace (a training trace exists)");
+  }
+  if (keep) {
+    trace_forward_only_ = forward_only;
     if (trace_ && retrace_next_) log::info("ferry scheduler: re-traced (", recording_->size(), " accesses)");
     trace_ = recording_;
     retrace_next_ = false;
@@ -226,6 +245,11 @@ void Scheduler::set_reserved_device_bytes(int64_t bytes) {
 int64_t Scheduler::reserved_device_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return reserved_bytes_;
+}
+
+bool Scheduler::trace_is_forward_only() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return trace_ && trace_forward_only_;
 }
 
 int64_t Scheduler::device_room_bytes() const {

@@ -57,6 +57,10 @@ struct IterationStats {
   int64_t prefetches = 0;   // prefetch moves started (count)
   int64_t wait_ns = 0;      // host time blocked on copies
   int64_t device_peak_bytes = 0;  // chunk bytes on the device, peak
+  // The largest set of chunk bytes one op needed on the device at once: the smallest device budget
+  // this iteration could have run with at this chunk size (ChunkStoreStats::compute_peak_bytes).
+  int64_t working_set_peak_bytes = 0;
+  bool forward_only = false;      // no backward in this iteration (evaluation)
   int64_t optimal_bytes = -1;     // Belady moves of the trace at this budget (-1: no trace yet)
   double moved_over_optimal() const;
 };
@@ -74,7 +78,11 @@ class Scheduler {
   // Post-use hook: COMPUTE -> `after`.
   void post_use(int64_t param, TensorState after);
   // Ends the iteration: every HOLD_AFTER_* tensor back to HOLD, counters closed. Returns them.
-  IterationStats end_iteration(bool aborted = false);
+  // `forward_only`: the iteration had no backward (evaluation); its recording becomes the trace only
+  // while there is no trace from a training iteration.
+  IterationStats end_iteration(bool aborted = false, bool forward_only = false);
+  // Whether the current trace came from a forward-only iteration.
+  bool trace_is_forward_only() const;
   // Whether the trace was just finalized and the caller should repack (once).
   bool repack_wanted() const;
   // After a repack into `store`: new maps, the trace's chunks rewritten.
@@ -125,6 +133,7 @@ class Scheduler {
   bool diverged_ = false;
   int64_t optimal_bytes_ = -1;
   int64_t reserved_bytes_ = 0;
+  bool trace_forward_only_ = false;
   int64_t largest_chunk_bytes_ = 0;  // of the store's chunks: the floor of every moment's budget
   IterationStats current_;
   IterationStats last_;

@@ -304,8 +304,66 @@ TEST(ChunkedModel, BudgetBelowOneOpIsAClearOutOfMemoryError) {
     FAIL() << "expected OutOfMemoryError";
   } catch (const OutOfMemoryError& e) {
     EXPECT_NE(std::string(e.what()).find("out of device chunk memory"), std::string::npos) << e.what();
+    const std::string need = "This op needs at least " + format_bytes(largest_chunk_bytes(*net, 4 << 10));
+    EXPECT_NE(std::string(e.what()).find(need), std::string::npos) << "names the smallest workable budget: " << e.what();
   }
   EXPECT_EQ(model.phase(), ModelPhase::kIdle);
+}
+
+// One op that needs several chunks at once (torch::nn::LSTM runs as one at::lstm over all its
+// weights): the iteration reports that working set, and a budget below it fails naming it.
+TEST(ChunkedModel, WorkingSetOfTheLargestOpIsReportedAndNamed) {
+  torch::manual_seed(8);
+  torch::nn::LSTM lstm(torch::nn::LSTMOptions(16, 32).num_layers(2));
+  const int64_t chunk = 4 << 10;
+  ChunkedModel fits(lstm.ptr(), tiny_config(chunk, 0));
+  const auto x = torch::randn({5, 3, 16});
+  fits.backward(fits.forward([&] { return std::get<0>(lstm->forward(x)).sum(); }));
+  const int64_t working_set = fits.last_iteration().working_set_peak_bytes;
+  EXPECT_GE(working_set, 2 * chunk) << "at::lstm uses every weight at once";
+  fits.materialize();
+
+  torch::manual_seed(8);
+  torch::nn::LSTM small(torch::nn::LSTMOptions(16, 32).num_layers(2));
+  ChunkedModel model(small.ptr(), tiny_config(chunk, working_set - 1));
+  try {
+    model.forward([&] { return std::get<0>(small->forward(x)).sum(); });
+    FAIL() << "expected OutOfMemoryError below the working set";
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_NE(std::string(e.what()).find("This op needs at least"), std::string::npos) << e.what();
+  }
+}
+
+// An evaluation before the first training step: its forward-only trace is used until a training
+// iteration is traced, and a forward-only iteration never replaces a training trace afterwards.
+TEST(ChunkedModel, ForwardOnlyFirstIterationIsHandledOnPurpose) {
+  torch::manual_seed(4);
+  OddNet net;
+  ChunkedModel model(net.ptr(), tiny_config(4 << 10, 2 * largest_chunk_bytes(*net, 4 << 10)));
+  const auto x = torch::randn({5, 16});
+  auto eval = [&] {
+    torch::NoGradGuard no_grad;
+    model.forward([&] { return net->forward(x); });
+    model.end_iteration();
+  };
+  auto train = [&] {
+    model.backward(model.forward([&] { return net->forward(x).sum(); }));
+    zero_grads(*net);
+    return model.last_iteration();
+  };
+  eval();
+  EXPECT_TRUE(model.last_iteration().forward_only);
+  EXPECT_TRUE(model.scheduler().trace_is_forward_only());
+  train();  // reaches backward, which the forward-only trace lacks: the next iteration re-traces
+  IterationStats s = train();
+  EXPECT_TRUE(s.traced);
+  EXPECT_FALSE(model.scheduler().trace_is_forward_only());
+  eval();   // follows the training trace's forward; not recorded over it
+  EXPECT_FALSE(model.last_iteration().traced);
+  EXPECT_FALSE(model.scheduler().trace_is_forward_only());
+  s = train();
+  EXPECT_FALSE(s.traced);
+  EXPECT_FALSE(s.diverged) << "the training trace is still followed after an evaluation";
 }
 
 TEST(ChunkedModel, BadUse) {
