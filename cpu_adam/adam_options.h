@@ -7,12 +7,14 @@ enum class AdamMode {
   kAdamW,  // decoupled decay: param *= 1 - lr * weight_decay (torch::optim::AdamW)
 };
 
+// The defaults are torch::optim::AdamWOptions' (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay
+// 1e-2): a default AdamOptions is torch's AdamW.
 struct AdamOptions {
   double lr = 1e-3;
   double beta1 = 0.9;
   double beta2 = 0.999;
   double eps = 1e-8;
-  double weight_decay = 0.0;
+  double weight_decay = 1e-2;
   AdamMode mode = AdamMode::kAdamW;
 
   // TORCH_CHECKs: lr >= 0, 0 <= beta1, beta2 < 1, eps > 0, weight_decay >= 0, all finite.

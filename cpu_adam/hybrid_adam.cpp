@@ -69,6 +69,7 @@ HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
     std::lock_guard<std::mutex> lock(mutex_);
     build_state_locked();
   }
+  model_.release_initial_values();  // the masters hold them now
   model_.set_grad_sink(this);
   log::info("ferry: HybridAdam over ", model_.num_params(), " parameters in ", num_param_groups(), " groups, ",
             spans_.size(), " state chunk quartets (fp32 master, exp_avg, exp_avg_sq, grad), CPU kernel ",
@@ -127,7 +128,9 @@ void HybridAdam::build_state_locked() {
     }
     for (int64_t p : layout.chunks()[c].tensors) {
       if (!migrate) {
-        store->view(roles[kMasterRole].tensors[p]).copy_(model_.param_values(p));
+        // The masters start from the values the module built (fp32), not from their rounded compute copy.
+        const at::Tensor initial = model_.initial_value(p);
+        store->view(roles[kMasterRole].tensors[p]).copy_(initial.defined() ? initial : model_.param_values(p));
         continue;
       }
       for (int r = 0; r < kNumRoles; ++r) {

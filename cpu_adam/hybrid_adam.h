@@ -3,7 +3,10 @@
 // chunk updated where it lives — on the device (torch's fused Adam) or on the host (CpuAdam).
 //
 //   ferry::ChunkedModel model(net, config);
-//   ferry::HybridAdam adam(model, ferry::HybridAdamOptions::no_decay_for_bias_and_norm({.lr = 3e-4}));
+//   ferry::HybridAdam adam(model);   // as torch::optim::AdamW(params): lr 1e-3, weight decay 1e-2 on all
+//   // or, GPT-style, no decay for biases and norm weights:
+//   //   ferry::AdamOptions o; o.lr = 3e-4; o.weight_decay = 0.1;
+//   //   ferry::HybridAdam adam(model, ferry::HybridAdamOptions::no_decay_for_bias_and_norm(o));
 //   for (...) {
 //     auto loss = model.forward([&] { return criterion(net->forward(x), y); });
 //     model.backward(loss);              // grads land in fp32 grad chunks, .grad stays undefined

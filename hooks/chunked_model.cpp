@@ -145,6 +145,12 @@ void ChunkedModel::build(const std::vector<int64_t>& order) {
       chunk_of_param[p] = role.chunks[i];
       // First build: the values are the parameter's own; a repack reads them from the old store.
       const at::Tensor values = store_ ? store_->view(tensor_of_param_[p]) : params_[p].detach();
+      if (!store_ && dtype_ != at::kFloat && params_[p].scalar_type() != dtype_) {
+        // The compute copy rounds them; an optimizer's fp32 masters should start from these values.
+        // Keeping them only delays freeing the module's own memory (no copy is made).
+        initial_values_.resize(params_.size());
+        initial_values_[p] = values;
+      }
       store->bind(tensor_of_param[p], params_[p], values);
       if (!store_) continue;
       store->set_state(tensor_of_param[p], TensorState::kHold);
@@ -275,6 +281,11 @@ void ChunkedModel::finish_iteration(bool aborted, bool forward_only) {
   if (!in_iteration_) return;
   in_iteration_ = false;
   scheduler_->end_iteration(aborted, forward_only);
+  if (!aborted && !forward_only && !initial_values_.empty()) {
+    log::debug("ferry: releasing the parameters' initial values (an optimizer attached from now on starts its "
+               "fp32 masters from the ", dtype_, " compute copy)");
+    release_initial_values();
+  }
   if (!aborted && scheduler_->repack_wanted()) {
     if (options_.repack_after_warmup) {
       std::vector<int64_t> order = scheduler_->trace()->first_use_order(num_params());

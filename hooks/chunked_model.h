@@ -116,6 +116,14 @@ class ChunkedModel final : private UseListener {
   ChunkId param_chunk(int64_t layout_chunk) const { return param_chunks_[layout_chunk]; }
   // Incremented by every (re)pack; who mirrors the layout compares it.
   int64_t layout_version() const { return layout_version_; }
+  // The parameter's value before it was cast into the compute dtype (fp32, as the module built it), or
+  // an undefined tensor when the compute copy holds it exactly (fp32) or it was released. Kept until
+  // release_initial_values() or the end of the first training iteration, so that an optimizer
+  // attached before training starts its fp32 masters from the unrounded values.
+  at::Tensor initial_value(int64_t index) const {
+    return index < static_cast<int64_t>(initial_values_.size()) ? initial_values_[index] : at::Tensor();
+  }
+  void release_initial_values() { initial_values_.clear(); initial_values_.shrink_to_fit(); }
   // Peak payload bytes of the old and new stores together during the last repack (tests, reports).
   int64_t last_repack_peak_bytes() const { return repack_peak_bytes_; }
   IterationStats last_iteration() const { return scheduler_->last_iteration(); }
@@ -150,6 +158,7 @@ class ChunkedModel final : private UseListener {
   GradSink* grad_sink_ = nullptr;
   std::vector<std::vector<int64_t>> shapes_;
   std::vector<int64_t> numels_;
+  std::vector<at::Tensor> initial_values_;  // see initial_value()
   ChunkLayout layout_;
   std::unique_ptr<ChunkStore> store_;
   std::shared_ptr<OptEvictionPolicy> policy_;

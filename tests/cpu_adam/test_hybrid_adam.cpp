@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <map>
 
 #include "adam_reference.h"
 #include "ferry/cpu_adam/hybrid_adam.h"
@@ -207,6 +208,45 @@ TEST(HybridAdam, TwentyStepsEqualTorchAdamWWithEvictionsAndSplitState) {
   for (int64_t p = 0; p < model.num_params(); ++p) {
     EXPECT_TRUE(torch::equal(model.param_values(p).cpu(), adam.master(p))) << model.param_name(p);
   }
+}
+
+TEST(HybridAdam, Bf16MastersStartFromTheOriginalFp32Values) {
+  torch::manual_seed(21);
+  TinyLm net(kVocab, kDim);
+  std::map<std::string, torch::Tensor> original;
+  for (const auto& item : net->named_parameters()) original[item.key()] = item.value().detach().clone();
+  ChunkedModel model(net.ptr(), sim_config(0, Precision::kBf16));
+  EXPECT_TRUE(model.initial_value(0).defined()) << "kept until an optimizer takes them";
+  HybridAdam adam(model, HybridAdamOptions{});
+  EXPECT_FALSE(model.initial_value(0).defined()) << "released once the masters hold them";
+  double rounding = 0;
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    const auto& want = original.at(model.param_name(p));
+    EXPECT_TRUE(torch::equal(adam.master(p), want)) << model.param_name(p) << ": the fp32 master is the original";
+    rounding = std::max(rounding, (model.param_values(p).to(torch::kFloat) - want).abs().max().item<double>());
+  }
+  EXPECT_GT(rounding, 0) << "the bf16 compute copy does round (the test would prove nothing otherwise)";
+}
+
+TEST(HybridAdam, DefaultsAreTorchAdamW) {
+  // HybridAdam(model) with no options takes the step torch::optim::AdamW(params) takes (lr 1e-3,
+  // weight decay 1e-2 on every parameter).
+  torch::manual_seed(22);
+  TinyLm ref(kVocab, kDim);
+  torch::manual_seed(22);
+  TinyLm net(kVocab, kDim);
+  torch::optim::AdamW ref_opt(ref->parameters());
+  ChunkedModel model(net.ptr(), sim_config(0));
+  HybridAdam adam(model);
+  ASSERT_EQ(adam.num_param_groups(), 1);
+  EXPECT_EQ(adam.group_options(0).weight_decay, 1e-2);
+  const Batch b = batch(0);
+  model.backward(model.forward([&] { return lm_loss(net, b.idx, b.target); }));
+  const PreStep pre = snapshot(adam, model);
+  const StepResult r = adam.step();
+  lm_loss(ref, b.idx, b.target).backward();
+  ref_opt.step();
+  expect_first_step_matches_torch(adam, model, ref, pre, r);
 }
 
 TEST(HybridAdam, PlacementFollowsTheMargin) {
