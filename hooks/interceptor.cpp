@@ -40,7 +40,40 @@ struct Use {
   bool operator==(const Use& o) const { return listener == o.listener && param == o.param; }
 };
 
+// Mixed precision without hand casts: in an op that uses a managed parameter held in a reduced
+// precision (bf16/fp16), every other fp32/fp64 tensor argument the op does not write is cast to the
+// parameter's dtype first, as a user of a bf16 model would cast inputs by hand (torch's autocast
+// does the same for its lower-precision ops). Written arguments (BatchNorm's running statistics, an
+// out= tensor) are left alone: a cast copy would lose the write.
+bool needs_cast(const at::Tensor& t, at::ScalarType to) {
+  return t.defined() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble) && t.scalar_type() != to;
+}
+
+void cast_inputs(const c10::OperatorHandle& op, torch::jit::Stack* stack, at::ScalarType to) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack->size() - args.size();
+  for (size_t i = 0; i < args.size(); ++i) {
+    const auto* alias = args[i].alias_info();
+    if (alias && alias->isWrite()) continue;
+    c10::IValue& v = (*stack)[first + i];
+    if (v.isTensor()) {
+      if (needs_cast(v.toTensor(), to)) v = v.toTensor().to(to);
+    } else if (v.isTensorList()) {
+      auto list = v.toTensorList();
+      bool any = false;
+      for (const at::Tensor& t : list.vec()) any = any || needs_cast(t, to);
+      if (!any) continue;
+      std::vector<at::Tensor> cast;
+      for (const at::Tensor& t : list.vec()) cast.push_back(needs_cast(t, to) ? t.to(to) : t);
+      v = c10::IValue(c10::List<at::Tensor>(cast));
+    }
+  }
+}
+
 using Uses = c10::SmallVector<Use, 4>;  // no heap allocation for the usual op (a few parameters)
+
+// The dtype of the managed parameters an op uses (the last one found; a model has one compute dtype).
+thread_local at::ScalarType found_dtype = at::ScalarType::Undefined;
 
 void find_use(const at::Tensor& t, Uses& uses) {
   if (!t.defined() || !t.has_storage()) return;
@@ -56,6 +89,7 @@ void find_use(const at::Tensor& t, Uses& uses) {
   --r;
   if (offset >= r->end) return;
   const Use use{it->second.listener, r->param};
+  found_dtype = t.scalar_type();
   if (std::find(uses.begin(), uses.end(), use) == uses.end()) uses.push_back(use);
 }
 
@@ -102,8 +136,10 @@ void intercept(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       }
     }
   };
+  const at::ScalarType param_dtype = found_dtype;
   try {
     for (; started < uses.size(); ++started) uses[started].listener->pre_use(uses[started].param);
+    if (param_dtype == at::kBFloat16 || param_dtype == at::kHalf) cast_inputs(op, stack, param_dtype);
     run_excluded(op, stack);
   } catch (...) {
     release();

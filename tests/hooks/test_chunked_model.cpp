@@ -366,6 +366,33 @@ TEST(ChunkedModel, ForwardOnlyFirstIterationIsHandledOnPurpose) {
   EXPECT_FALSE(s.diverged) << "the training trace is still followed after an evaluation";
 }
 
+// bf16 compute with float inputs and no hand casts: the same result, bit for bit, as the unwrapped bf16
+// model fed inputs cast by hand; the input's gradient comes back in its own dtype.
+TEST(ChunkedModel, Bf16AcceptsFloatInputsWithoutHandCasts) {
+  auto make = [] {
+    torch::manual_seed(12);
+    return torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::LayerNorm(torch::nn::LayerNormOptions({32})),
+                                 torch::nn::GELU(), torch::nn::Linear(32, 4));
+  };
+  auto ref = make();
+  ref->to(torch::kBFloat16);
+  auto net = make();
+  Config c = tiny_config(4 << 10, 0);
+  c.precision = Precision::kBf16;
+  ChunkedModel model(net.ptr(), c);
+  const auto x = torch::randn({6, 16}, torch::requires_grad());
+  for (int it = 0; it < 2; ++it) {
+    const auto y = model.forward([&] { return net->forward(x); });
+    EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(torch::equal(y, ref->forward(x.detach().to(torch::kBFloat16)))) << "iteration " << it;
+    model.backward(y.to(torch::kFloat).pow(2).sum());
+    ASSERT_TRUE(x.grad().defined());
+    EXPECT_EQ(x.grad().scalar_type(), torch::kFloat) << "the cast is part of the graph";
+    x.mutable_grad().reset();
+    zero_grads(*net);
+  }
+}
+
 TEST(ChunkedModel, BadUse) {
   torch::manual_seed(7);
   OddNet net;
