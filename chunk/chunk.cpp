@@ -32,10 +32,20 @@ Chunk::Chunk(ChunkId id, ChunkRole role, at::ScalarType dtype, int64_t numel, c1
   device_flat_ = device_view(0, {numel});
 }
 
-bool Chunk::has_device_memory() const { return device_storage_.nbytes() > 0; }
+bool Chunk::has_device_memory() const { return device_storage_.nbytes() > 0 && !aliasing_host_; }
+
+void Chunk::alias_host_buffer() {
+  TORCH_INTERNAL_ASSERT(has_host_buffer() && !has_device_memory() && !pending_, "chunk ", id_,
+                        " cannot alias its host buffer now");
+  c10::StorageImpl* impl = device_storage_.unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(at::DataPtr(host_bytes_.data_ptr(), device_));  // non-owning
+  impl->set_nbytes(static_cast<size_t>(nbytes_));
+  aliasing_host_ = true;
+}
 
 void Chunk::allocate_device_memory() {
   TORCH_INTERNAL_ASSERT(!has_device_memory(), "chunk ", id_, " already has device memory");
+  aliasing_host_ = false;  // the alias (if any) is replaced
   c10::StorageImpl* impl = device_storage_.unsafeGetStorageImpl();
   impl->set_data_ptr_noswap(allocator_->allocate(static_cast<size_t>(nbytes_)));
   impl->set_nbytes(static_cast<size_t>(nbytes_));
@@ -72,6 +82,12 @@ void Chunk::attach_host_buffer(at::Tensor bytes) {
 
 at::Tensor Chunk::detach_host_buffer() {
   TORCH_INTERNAL_ASSERT(has_host_buffer(), "chunk ", id_, " has no host buffer");
+  if (aliasing_host_) {
+    c10::StorageImpl* impl = device_storage_.unsafeGetStorageImpl();
+    impl->set_data_ptr_noswap(at::DataPtr(nullptr, device_));
+    impl->set_nbytes(0);
+    aliasing_host_ = false;
+  }
   host_flat_ = at::Tensor();
   at::Tensor bytes = std::move(host_bytes_);
   host_bytes_ = at::Tensor();

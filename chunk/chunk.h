@@ -6,12 +6,18 @@
 // Identity (Note [Chunk identity]). Every chunk owns one resizable device storage for life. Tensors
 // bound to the chunk (the model's parameters) are views of that storage, so they keep their
 // TensorImpl, dtype and device for life, and autograd keeps their grad accumulators. When the chunk
-// leaves the device the storage is resized to 0 bytes (its DataPtr swapped for a null one, as FSDP2's
-// untyped_storage().resize_(0)); every view sees that. Touching such a view is undefined: torch's
-// kernels do not check, and read a null pointer (a segfault on the CPU, an illegal address on CUDA),
-// so the hooks must make a chunk resident before any op uses its tensors. When the chunk comes back,
-// the same storage gets fresh memory from the device allocator. The host payload is a separate,
-// exact-size buffer (pinned when the device is CUDA) from a HostBufferPool.
+// leaves the device the storage gives its memory back (its DataPtr swapped for a null one and its size
+// set to 0, as FSDP2's untyped_storage().resize_(0)); every view sees that. Once the host payload is
+// complete (no copy pending into it), the storage *aliases* it (a non-owning DataPtr to the host buffer,
+// still of the chunk's device type), when the device can address host memory: the simulated device
+// always, CUDA when the buffer is pinned (on a unified-address system a cudaHostAlloc pointer is valid
+// in kernels). So an op outside ferry's hooks (logging a weight, torch::save, an eval forward) reads
+// and writes the chunk's true bytes, at host-memory speed, instead of a null pointer. Only while a
+// device->host copy is in flight (inside an iteration; ChunkedModel settles them when it goes idle), or
+// with pageable buffers on CUDA, is a view unbacked: torch's kernels do not check, so the hooks make
+// a chunk resident before any op of theirs uses it. When the chunk comes back, the same storage gets
+// fresh memory from the device allocator. The host payload is a separate, exact-size buffer (pinned
+// when the device is CUDA) from a HostBufferPool.
 //
 // Contract: not thread-safe (ChunkStore serializes). Payload views (device_flat(), host_flat(),
 // device_view()) must only be read or written while the payload exists and no copy is pending on it.
@@ -48,7 +54,8 @@ class Chunk {
   void set_location(Location location) { location_ = location; }
   ChunkState state() const { return derive_chunk_state(location_ != Location::kNone, counts_); }
 
-  // Device payload: allocate (contents undefined) or release the storage's memory.
+  // Device payload: allocate (contents undefined) or release the storage's memory. An alias of the
+  // host buffer is not device memory.
   bool has_device_memory() const;
   const void* device_data() const { return device_storage_.data(); }
   void allocate_device_memory();
@@ -64,6 +71,11 @@ class Chunk {
   void attach_host_buffer(at::Tensor bytes);
   at::Tensor detach_host_buffer();
   const at::Tensor& host_flat() const { return host_flat_; }
+  // Points the device storage at the host buffer (no device memory; see Note [Chunk identity]). Needs
+  // a host buffer whose contents are complete and no device memory; undone by allocate_device_memory()
+  // and detach_host_buffer().
+  void alias_host_buffer();
+  bool aliases_host_buffer() const { return aliasing_host_; }
 
   // The copy that fills the current payload, if one may still be running. While a host->device copy
   // is pending, the chunk keeps its host buffer (the copy reads it); the store frees it afterwards.
@@ -88,6 +100,7 @@ class Chunk {
   const c10::Device device_;
   Location location_ = Location::kNone;
   c10::Storage device_storage_;
+  bool aliasing_host_ = false;
   at::Tensor device_flat_;
   at::Tensor host_bytes_;
   at::Tensor host_flat_;

@@ -55,6 +55,8 @@ ChunkStore::ChunkStore(ChunkStoreOptions options, std::unique_ptr<CopyEngine> en
       host_pool_(engine_->pinned_host() && options_.pin_host_memory, options_.host_cache_bytes) {
   device_.budget_bytes = options_.device_budget_bytes;
   host_.budget_bytes = options_.host_budget_bytes;
+  // CPU "device" memory is host memory; CUDA kernels address pinned host memory (unified addressing).
+  device_reads_host_ = engine_->device().is_cpu() || (engine_->pinned_host() && options_.pin_host_memory);
   log::debug("chunk store: engine ", engine_->name(), " on ", engine_->device().str(), ", device budget ",
              device_.budget_bytes ? format_bytes(device_.budget_bytes) : "unlimited", ", host budget ",
              host_.budget_bytes ? format_bytes(host_.budget_bytes) : "unlimited", ", policy ",
@@ -327,6 +329,22 @@ void ChunkStore::finish_pending(Chunk& chunk, bool block) {
     host_pool_.release(buffer);
     discharge(Tier::kHost, chunk.nbytes());
   }
+  alias_if_possible(chunk);
+}
+
+void ChunkStore::alias_if_possible(Chunk& chunk) {
+  if (chunk.location() == Location::kHost && chunk.has_host_buffer() && !chunk.pending() &&
+      !chunk.aliases_host_buffer() && !chunk.has_device_memory() && device_reads_host_) {
+    chunk.alias_host_buffer();
+  }
+}
+
+void ChunkStore::settle() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::vector<ChunkId> pending = pending_;
+  for (ChunkId id : pending) {
+    if (chunks_[id]->location() == Location::kHost) finish_pending(*chunks_[id], /*block=*/true);
+  }
 }
 
 void ChunkStore::reap_completed() {
@@ -357,6 +375,7 @@ void ChunkStore::fill_zero(Chunk& chunk, Location at) {
     case Location::kNone: TORCH_CHECK(false, "ferry: a payload goes to the device or the host, not none");
   }
   chunk.set_location(at);
+  alias_if_possible(chunk);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -168,6 +168,10 @@ class ChunkStore {
   void wait(ChunkId id);
   // Blocks until every pending copy has completed.
   void synchronize();
+  // Blocks until the pending copies into host payloads (evictions) have completed, so that every
+  // chunk off the device is readable through its tensors (Note [Chunk identity]). ChunkedModel calls
+  // it when an iteration ends.
+  void settle();
   // Frees the payload; every tensor of the chunk must be FREE. The chunk becomes RELEASED.
   void release_payload(ChunkId id);
   // For a chunk whose tensors have moved to another store (a repack): sets its tensors FREE (none
@@ -230,6 +234,8 @@ class ChunkStore {
   bool start_move(Chunk& chunk, Location to, bool must);
   void finish_pending(Chunk& chunk, bool block);  // completes (or, !block, polls) its pending copy
   void reap_completed();
+  // A chunk on the host with a complete payload: its device storage aliases the host buffer.
+  void alias_if_possible(Chunk& chunk);
   void ready_for_use(Chunk& chunk);  // host: wait; device: order the caller's stream
   void fill_zero(Chunk& chunk, Location at);
   // Make room, allocate, charge the tier; false (or OutOfMemoryError when `must`) without room.
@@ -240,6 +246,7 @@ class ChunkStore {
 
   mutable std::mutex mutex_;
   ChunkStoreOptions options_;
+  bool device_reads_host_ = false;  // the device can address host payloads (simulated; CUDA pinned)
   int64_t compute_bytes_ = 0, compute_peak_bytes_ = 0;  // see ChunkStoreStats
   std::unique_ptr<CopyEngine> engine_;
   std::shared_ptr<EvictionPolicy> policy_;

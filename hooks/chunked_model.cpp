@@ -281,6 +281,7 @@ void ChunkedModel::finish_iteration(bool aborted, bool forward_only) {
   if (!in_iteration_) return;
   in_iteration_ = false;
   scheduler_->end_iteration(aborted, forward_only);
+  store_->settle();  // idle: every parameter readable, its chunk on the device or aliased on the host
   if (!aborted && !forward_only && !initial_values_.empty()) {
     log::debug("ferry: releasing the parameters' initial values (an optimizer attached from now on starts its "
                "fp32 masters from the ", dtype_, " compute copy)");

@@ -66,18 +66,21 @@ TEST(ChunkStore, BindKeepsIdentityAndAliasesChunkMemory) {
   EXPECT_EQ(params[0][0][0].item<float>(), -1.0f);
   EXPECT_EQ(store.view(role.tensors[2]).data_ptr(), params[2].data_ptr());
 
-  // Round trip: off the device the parameter's storage has no memory (touching it now would read a
-  // null pointer: torch does not check); back on the device it holds the same values, written while
-  // on the host included.
+  // Round trip: off the device the parameter's storage aliases the host payload (no device memory,
+  // no budget), so the tensor still reads and writes the chunk's true bytes; back on the device it
+  // holds the same values, written while on the host included.
   const auto before = params[0].clone();
   store.move(role.chunks[0], Location::kHost);
-  EXPECT_EQ(params[0].storage().nbytes(), 0u);
-  EXPECT_EQ(params[0].storage().data(), nullptr);
-  EXPECT_FALSE(params[0].unsafeGetTensorImpl()->storage_initialized());
+  EXPECT_EQ(store.location(role.chunks[0]), Location::kHost);
+  EXPECT_EQ(params[0].storage().data(), store.payload(role.chunks[0]).data_ptr()) << "aliases the host payload";
+  EXPECT_TRUE(torch::equal(params[0], before)) << "readable off the device";
   store.view(role.tensors[1]).fill_(7.0f);  // host view
-  store.move(role.chunks[0], Location::kDevice);
-  EXPECT_TRUE(torch::equal(params[0], before));
   EXPECT_TRUE(torch::equal(params[1], torch::full({7}, 7.0f)));
+  params[1].add_(1.0f);                     // written through the parameter while on the host
+  store.move(role.chunks[0], Location::kDevice);
+  EXPECT_NE(params[0].storage().data(), nullptr);
+  EXPECT_TRUE(torch::equal(params[0], before));
+  EXPECT_TRUE(torch::equal(params[1], torch::full({7}, 8.0f)));
   EXPECT_EQ(params[0].unsafeGetTensorImpl()->storage().nbytes(), 32u * 4u);
 }
 
@@ -356,6 +359,23 @@ TEST(ChunkStore, PendingCopiesAreOrderedAndWaitedFor) {
   EXPECT_FALSE(store.chunk_info(c).copy_pending);
   EXPECT_EQ(store.stats().host.current_bytes, 1024);
   EXPECT_EQ(store.stats().device.current_bytes, 0);
+}
+
+// While an eviction's copy is in flight the storage has no memory (the host payload is not complete);
+// settle() completes such copies, after which the storage aliases the host payload.
+TEST(ChunkStore, SettleMakesEvictedChunksReadable) {
+  auto engine = std::make_unique<test::DeferredCopyEngine>(5, /*poll_one_in=*/0);
+  ChunkStore store(simulated(), std::move(engine));
+  const ChunkId c = store.add_chunk(ChunkRole::kParam, at::kFloat, 64, Location::kDevice);
+  const TensorId t = store.add_tensor(c, 0, {64});
+  auto w = torch::zeros({64});
+  store.bind(t, w, torch::arange(64, torch::kFloat));
+  store.synchronize();
+  store.move_async(c, Location::kHost);
+  EXPECT_EQ(w.storage().nbytes(), 0u) << "not readable while the copy is in flight";
+  store.settle();
+  EXPECT_FALSE(store.chunk_info(c).copy_pending);
+  EXPECT_TRUE(torch::equal(w, torch::arange(64, torch::kFloat)));
 }
 
 // On CUDA a prefetch returns with its copy in flight, and such a chunk is no eviction candidate. When

@@ -62,7 +62,11 @@ TEST(ChunkStoreGpu, BoundParameterKeepsIdentityOnCuda) {
   EXPECT_TRUE(w.is_cuda());
   EXPECT_EQ(w.scalar_type(), at::kBFloat16);
   store.move(c, Location::kHost);
-  EXPECT_EQ(w.storage().nbytes(), 0u);
+  // Off the device the CUDA tensor aliases the pinned host payload (unified addressing), so ops on it
+  // outside ferry's hooks read the true bytes.
+  EXPECT_EQ(w.storage().data(), store.payload(c).data_ptr());
+  EXPECT_TRUE(torch::equal(w.cpu(), w_bf16)) << "a copy from the aliased pinned payload";
+  EXPECT_TRUE(torch::equal((w * 1).cpu(), w_bf16)) << "a CUDA kernel reading the aliased pinned payload";
   store.access(t);
   EXPECT_TRUE(torch::equal(w.cpu(), w_bf16));
   store.release(t, TensorState::kHold);

@@ -4,6 +4,8 @@
 // submodule called twice, frozen and unused parameters, evaluation under NoGradGuard, an exception in
 // forward, a budget smaller than one op) behave.
 #include <gtest/gtest.h>
+
+#include <sstream>
 #include <torch/torch.h>
 
 #include <functional>
@@ -391,6 +393,54 @@ TEST(ChunkedModel, Bf16AcceptsFloatInputsWithoutHandCasts) {
     x.mutable_grad().reset();
     zero_grads(*net);
   }
+}
+
+// Between iterations every parameter is readable and writable by any op, evicted or not: logging a
+// weight, its norm, an eval forward outside model.forward(), torch::save of the module (these crashed:
+// a null storage, "out of bounds for storage of size 0").
+TEST(ChunkedModel, ParametersAreUsableOutsideFerrysScopes) {
+  const int64_t V = 64, D = 32, L = 2, T = 8;
+  torch::manual_seed(9);
+  TinyGpt ref(V, D, L, T);
+  torch::manual_seed(9);
+  TinyGpt net(V, D, L, T);
+  const int64_t chunk = 8 << 10;
+  ChunkedModel model(net.ptr(), tiny_config(chunk, 3 * largest_chunk_bytes(*net, chunk)));
+  const auto idx = torch::randint(V, {2, T}, torch::kLong);
+  for (int it = 0; it < 3; ++it) {
+    model.backward(model.forward([&] { return net->forward(idx).pow(2).mean(); }));
+    zero_grads(*net);
+  }
+  int64_t on_host = 0;
+  for (int64_t c = 0; c < model.layout().num_chunks(); ++c) {
+    on_host += model.store().location(model.param_chunk(c)) == Location::kHost;
+  }
+  ASSERT_GT(on_host, 0) << "the test needs evicted parameters";
+  auto ref_params = ref->named_parameters();
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    const auto& w = model.param(p);
+    EXPECT_TRUE(torch::equal(w, ref_params[model.param_name(p)])) << model.param_name(p);
+    EXPECT_EQ(w.norm().item<float>(), ref_params[model.param_name(p)].norm().item<float>());
+  }
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(torch::equal(net->forward(idx), ref->forward(idx))) << "an eval forward outside model.forward()";
+  }
+  std::stringstream archive;
+  torch::save(net, archive);
+  torch::manual_seed(123);
+  TinyGpt loaded(V, D, L, T);
+  torch::load(loaded, archive);
+  auto loaded_params = loaded->named_parameters();
+  for (const auto& item : ref_params) EXPECT_TRUE(torch::equal(loaded_params[item.key()], item.value())) << item.key();
+  // A write between iterations is what the next iteration uses.
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : net->parameters()) p.mul_(0.5);
+    for (auto& p : ref->parameters()) p.mul_(0.5);
+  }
+  EXPECT_TRUE(torch::equal(model.forward([&] { return net->forward(idx); }), ref->forward(idx)));
+  model.end_iteration();
 }
 
 TEST(ChunkedModel, BadUse) {
