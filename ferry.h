@@ -8,6 +8,7 @@
 #include "ferry/common/event_trace.h"
 #include "ferry/common/gpu_info.h"
 #include "ferry/common/logging.h"
+#include "ferry/common/safetensors.h"
 #include "ferry/common/version.h"
 #include "ferry/cpu_adam/adam_options.h"
 #include "ferry/cpu_adam/cpu_adam.h"

@@ -526,4 +526,29 @@ at::Tensor HybridAdam::exp_avg(int64_t param) { return state_view(kExpAvgRole, p
 at::Tensor HybridAdam::exp_avg_sq(int64_t param) { return state_view(kExpAvgSqRole, param); }
 at::Tensor HybridAdam::grad(int64_t param) { return state_view(kGradRole, param); }
 
+NamedTensors HybridAdam::state_dict() {
+  NamedTensors out = model_.state_dict();  // checks the model is idle
+  for (int64_t p = 0; p < model_.num_params(); ++p) {
+    TORCH_INTERNAL_ASSERT(out[p].first == model_.param_name(p));
+    out[p].second = master(p).to(at::kCPU);
+  }
+  return out;
+}
+
+void HybridAdam::load_state_dict(const NamedTensors& values) {
+  check_idle("load_state_dict()");
+  // The model checks every name and shape before it writes anything; then the masters follow.
+  model_.load_state_dict(values);
+  std::lock_guard<std::mutex> lock(mutex_);
+  sync_layout_locked();
+  std::unordered_map<std::string, const at::Tensor*> by_name;
+  for (const auto& [name, t] : values) by_name.emplace(name, &t);
+  for (int64_t p = 0; p < model_.num_params(); ++p) {
+    store_->view(roles_[kMasterRole].tensors[p]).copy_(*by_name.at(model_.param_name(p)));
+  }
+  write_back_locked();
+}
+
+void HybridAdam::export_safetensors(const std::string& path) { write_safetensors(path, state_dict(), {{"format", "pt"}}); }
+
 }  // namespace ferry

@@ -151,6 +151,15 @@ class HybridAdam final : private GradSink {
   // before a long run that saves at the end.
   static void check_save_target(const std::string& dir);
 
+  // The model's state_dict() with every parameter as its fp32 master (the truth while training).
+  NamedTensors state_dict();
+  // Loads weights (not optimizer state): the model's parameters and buffers as
+  // ChunkedModel::load_state_dict checks them, and the fp32 masters from the same values (exact when
+  // they are fp32); moments and step counts stay. Between iterations.
+  void load_state_dict(const NamedTensors& values);
+  // state_dict() as a safetensors file (fp32 weights) a Python user loads with safetensors.torch.
+  void export_safetensors(const std::string& path);
+
  private:
   enum Role { kMasterRole = 0, kExpAvgRole, kExpAvgSqRole, kGradRole, kNumRoles };
   struct Span {

@@ -1,5 +1,6 @@
 #include "ferry/hooks/chunked_model.h"
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full_like.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -319,6 +320,53 @@ void ChunkedModel::materialize() {
   }
   store_->synchronize();
   materialized_ = true;
+}
+
+NamedTensors ChunkedModel::state_dict() {
+  TORCH_CHECK(phase_.load() == ModelPhase::kIdle, "ferry: state_dict() is for between iterations (the model is in ",
+              to_string(phase_.load()), ")");
+  NamedTensors out;
+  for (int64_t p = 0; p < num_params(); ++p) out.emplace_back(names_[p], param_values(p).to(at::kCPU).clone());
+  for (const auto& b : module_->named_buffers(/*recurse=*/true)) {
+    if (b.value().defined()) out.emplace_back(b.key(), b.value().to(at::kCPU).clone());
+  }
+  return out;
+}
+
+void ChunkedModel::load_state_dict(const NamedTensors& values) {
+  TORCH_CHECK(phase_.load() == ModelPhase::kIdle, "ferry: load_state_dict() is for between iterations (the model "
+              "is in ", to_string(phase_.load()), ")");
+  std::unordered_map<std::string, const at::Tensor*> given;
+  for (const auto& [name, t] : values) {
+    TORCH_CHECK(given.emplace(name, &t).second, "ferry: load_state_dict: '", name, "' is given twice");
+  }
+  auto buffers = module_->named_buffers(/*recurse=*/true);
+  auto check = [&](const std::string& name, at::IntArrayRef shape) {
+    auto it = given.find(name);
+    TORCH_CHECK(it != given.end(), "ferry: load_state_dict: '", name, "' is missing");
+    TORCH_CHECK(it->second->defined() && it->second->sizes() == shape, "ferry: load_state_dict: '", name,
+                "' has shape ", it->second->defined() ? it->second->sizes() : at::IntArrayRef{}, ", the model's is ",
+                shape);
+    return it->second;
+  };
+  // Check everything before writing anything.
+  for (int64_t p = 0; p < num_params(); ++p) check(names_[p], shapes_[p]);
+  size_t expected = static_cast<size_t>(num_params());
+  for (const auto& b : buffers) {
+    if (b.value().defined()) check(b.key(), b.value().sizes()), ++expected;
+  }
+  if (given.size() != expected) {
+    std::unordered_set<std::string> known(names_.begin(), names_.end());
+    for (const auto& b : buffers) known.insert(b.key());
+    for (const auto& [name, t] : values) {
+      TORCH_CHECK(known.count(name), "ferry: load_state_dict: '", name, "' is not a parameter or buffer of this model");
+    }
+  }
+  at::NoGradGuard no_grad;
+  for (int64_t p = 0; p < num_params(); ++p) param_values(p).copy_(*given.at(names_[p]));
+  for (auto& b : buffers) {
+    if (b.value().defined()) b.value().copy_(*given.at(b.key()));
+  }
 }
 
 }  // namespace ferry

@@ -35,6 +35,7 @@
 #include "ferry/chunk/layout.h"
 #include "ferry/common/config.h"
 #include "ferry/common/event_trace.h"
+#include "ferry/common/safetensors.h"
 #include "ferry/hooks/interceptor.h"
 #include "ferry/scheduler/scheduler.h"
 
@@ -98,6 +99,18 @@ class ChunkedModel final : private UseListener {
   void end_iteration();
   // Gives every parameter plain device memory again and detaches it from ferry (the destructor).
   void materialize();
+
+  // The module's parameters (tied ones once, in the compute dtype, as the chunks hold them) and
+  // floating/integer buffers by name, as CPU copies, in named_parameters() then named_buffers() order.
+  // Between iterations. With a HybridAdam attached, HybridAdam::state_dict() gives the fp32 masters.
+  NamedTensors state_dict();
+  // Writes `values` into the parameters' chunks and the buffers (any dtype/device; cast). Every name
+  // must be present with its shape, and no other: all is checked before anything is written. Between
+  // iterations. With a HybridAdam attached use HybridAdam::load_state_dict, or its masters would
+  // overwrite the parameters at the next step.
+  void load_state_dict(const NamedTensors& values);
+  // state_dict() as a safetensors file a Python user loads with safetensors.torch.load_file.
+  void export_safetensors(const std::string& path) { write_safetensors(path, state_dict(), {{"format", "pt"}}); }
 
   torch::nn::Module& module() { return *module_; }
   ChunkStore& store() { return *store_; }

@@ -226,6 +226,24 @@ TEST(HybridAdam, Bf16MastersStartFromTheOriginalFp32Values) {
     rounding = std::max(rounding, (model.param_values(p).to(torch::kFloat) - want).abs().max().item<double>());
   }
   EXPECT_GT(rounding, 0) << "the bf16 compute copy does round (the test would prove nothing otherwise)";
+
+  // state_dict() gives the fp32 masters; load_state_dict() into another model sets masters exactly and
+  // the bf16 parameters to their rounding.
+  const NamedTensors sd = adam.state_dict();
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    EXPECT_EQ(sd[p].first, model.param_name(p));
+    EXPECT_TRUE(torch::equal(sd[p].second, original.at(model.param_name(p)))) << sd[p].first;
+  }
+  torch::manual_seed(23);
+  TinyLm other_net(kVocab, kDim);
+  ChunkedModel other(other_net.ptr(), sim_config(0, Precision::kBf16));
+  HybridAdam other_adam(other, HybridAdamOptions{});
+  other_adam.load_state_dict(sd);
+  for (int64_t p = 0; p < other.num_params(); ++p) {
+    const auto& want = original.at(other.param_name(p));
+    EXPECT_TRUE(torch::equal(other_adam.master(p), want)) << other.param_name(p);
+    EXPECT_TRUE(torch::equal(other.param_values(p), want.to(torch::kBFloat16))) << other.param_name(p);
+  }
 }
 
 TEST(HybridAdam, DefaultsAreTorchAdamW) {

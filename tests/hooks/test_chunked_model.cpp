@@ -6,12 +6,16 @@
 #include <gtest/gtest.h>
 
 #include <sstream>
+#include <unistd.h>
+#include <sys/stat.h>
+#include <fstream>
 #include <torch/torch.h>
 
 #include <functional>
 
 #include "ferry/chunk/out_of_memory.h"
 #include "ferry/hooks/chunked_model.h"
+#include "test_util.h"
 
 namespace ferry {
 namespace {
@@ -441,6 +445,95 @@ TEST(ChunkedModel, ParametersAreUsableOutsideFerrysScopes) {
   }
   EXPECT_TRUE(torch::equal(model.forward([&] { return net->forward(idx); }), ref->forward(idx)));
   model.end_iteration();
+}
+
+// state_dict() holds every parameter and buffer (BatchNorm statistics included); load_state_dict() of it
+// into another wrapped model gives the same outputs, and bad input (a missing, unknown or misshapen
+// entry) changes nothing. The safetensors export reads back in Python, value for value.
+TEST(ChunkedModel, StateDictRoundTripsAndExportsForPython) {
+  torch::manual_seed(31);
+  ConvNet net;
+  const int64_t chunk = 4 << 10;
+  ChunkedModel model(net.ptr(), tiny_config(chunk, 2 * largest_chunk_bytes(*net, chunk)));
+  const auto x = torch::randn({2, 3, 8, 8});
+  for (int it = 0; it < 2; ++it) {
+    model.backward(model.forward([&] { return net->forward(x).sum(); }));
+    zero_grads(*net);
+  }
+  const NamedTensors sd = model.state_dict();
+  EXPECT_EQ(sd.size(), net->named_parameters().size() + net->named_buffers().size());
+  torch::manual_seed(32);
+  ConvNet other_net;
+  ChunkedModel other(other_net.ptr(), tiny_config(chunk, 2 * largest_chunk_bytes(*other_net, chunk)));
+  const NamedTensors before = other.state_dict();
+  auto unchanged = [&] {
+    const NamedTensors now = other.state_dict();
+    for (size_t i = 0; i < now.size(); ++i) {
+      if (!torch::equal(now[i].second, before[i].second)) return false;
+    }
+    return true;
+  };
+  NamedTensors missing(sd.begin() + 1, sd.end());
+  EXPECT_NE(test::error_of([&] { other.load_state_dict(missing); }).find("is missing"), std::string::npos);
+  NamedTensors unknown = sd;
+  unknown.emplace_back("no.such.weight", torch::zeros({1}));
+  EXPECT_NE(test::error_of([&] { other.load_state_dict(unknown); }).find("is not a parameter or buffer"),
+            std::string::npos);
+  NamedTensors misshapen = sd;
+  misshapen.back().second = torch::zeros({7});
+  EXPECT_NE(test::error_of([&] { other.load_state_dict(misshapen); }).find("has shape"), std::string::npos);
+  EXPECT_TRUE(unchanged()) << "a failed load changes nothing";
+  other.load_state_dict(sd);
+  {
+    torch::NoGradGuard no_grad;
+    net->eval();
+    other_net->eval();
+    EXPECT_TRUE(torch::equal(model.forward([&] { return net->forward(x); }),
+                             other.forward([&] { return other_net->forward(x); })));
+    model.end_iteration();
+    other.end_iteration();
+  }
+
+  // The export, read back by the torch wheel's python3 (by the format, and by safetensors if installed).
+  const std::string dir = "/tmp/ferry_sd_" + std::to_string(::getpid());
+  ASSERT_EQ(::mkdir(dir.c_str(), 0755), 0);
+  model.export_safetensors(dir + "/model.safetensors");
+  const std::string script = dir + "/read.py";
+  std::ofstream(script) << R"PY(
+import json, struct, sys, torch
+path, out = sys.argv[1], sys.argv[2]
+data = open(path, "rb").read()
+n = struct.unpack("<Q", data[:8])[0]
+header = json.loads(data[8:8 + n])
+assert header.pop("__metadata__") == {"format": "pt"}
+dtypes = {"F32": torch.float32, "F64": torch.float64, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
+tensors = {}
+for name, info in header.items():
+    b, e = info["data_offsets"]
+    raw = bytearray(data[8 + n + b: 8 + n + e])
+    t = torch.frombuffer(raw, dtype=dtypes[info["dtype"]]) if raw else torch.empty(0, dtype=dtypes[info["dtype"]])
+    tensors[name] = t.reshape(info["shape"])
+try:
+    from safetensors.torch import load_file
+    other = load_file(path)
+    assert all(torch.equal(other[k], v) for k, v in tensors.items())
+except ImportError:
+    pass
+torch.save(tensors, out)
+)PY";
+  const std::string cmd = std::string(FERRY_TEST_PYTHON) + " " + script + " " + dir + "/model.safetensors " + dir +
+                          "/model.pt 2>" + dir + "/err.txt";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::ifstream in(dir + "/model.pt", std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const c10::Dict<c10::IValue, c10::IValue> loaded = torch::pickle_load(bytes).toGenericDict();
+  EXPECT_EQ(loaded.size(), sd.size());
+  for (const auto& [name, t] : sd) {
+    ASSERT_TRUE(loaded.contains(name)) << name;
+    EXPECT_TRUE(torch::equal(loaded.at(name).toTensor(), t)) << name;
+  }
+  for (const char* f : {"model.safetensors", "read.py", "model.pt", "err.txt"}) ::unlink((dir + "/" + f).c_str());
+  ::rmdir(dir.c_str());
 }
 
 TEST(ChunkedModel, BadUse) {
