@@ -67,6 +67,10 @@ struct ParamGroupRule {
 };
 
 struct HybridAdamOptions {
+  HybridAdamOptions() = default;
+  // One group with `defaults`: HybridAdam(model, ferry::AdamOptions().with_lr(3e-4)).
+  HybridAdamOptions(const AdamOptions& defaults) : defaults(defaults) {}  // NOLINT: implicit on purpose
+
   AdamOptions defaults;                 // group 0: every parameter no rule matched
   std::vector<ParamGroupRule> groups;   // groups 1.. in order; the first matching rule wins
   double max_grad_norm = 0.0;           // global L2 clipping (0: none)
@@ -75,6 +79,15 @@ struct HybridAdamOptions {
 
   // `defaults` for matrices; biases and norm weights (tensors of dim <= 1) in group 1 without decay.
   static HybridAdamOptions no_decay_for_bias_and_norm(const AdamOptions& defaults);
+  // Chainable setters.
+  HybridAdamOptions& with_group(std::function<bool(const std::string&, const at::Tensor&)> match,
+                                const AdamOptions& options) {
+    groups.push_back({std::move(match), options});
+    return *this;
+  }
+  HybridAdamOptions& with_max_grad_norm(double v) { max_grad_norm = v; return *this; }
+  HybridAdamOptions& with_loss_scaler(const LossScalerOptions& v) { loss_scaler = v; return *this; }
+  HybridAdamOptions& with_device_state_chunks(int64_t n) { device_state_chunks = n; return *this; }
   void validate() const;
 };
 

@@ -267,6 +267,26 @@ TEST(HybridAdam, DefaultsAreTorchAdamW) {
   expect_first_step_matches_torch(adam, model, ref, pre, r);
 }
 
+TEST(HybridAdam, ChainableOptionsSayTheSameAsFields) {
+  const AdamOptions chained = AdamOptions().with_lr(3e-4).with_betas(0.9, 0.95).with_eps(1e-6).with_weight_decay(0.1);
+  AdamOptions fields;
+  fields.lr = 3e-4;
+  fields.beta2 = 0.95;
+  fields.eps = 1e-6;
+  fields.weight_decay = 0.1;
+  EXPECT_EQ(chained.lr, fields.lr);
+  EXPECT_EQ(chained.beta1, fields.beta1);
+  EXPECT_EQ(chained.beta2, fields.beta2);
+  EXPECT_EQ(chained.eps, fields.eps);
+  EXPECT_EQ(chained.weight_decay, fields.weight_decay);
+  torch::manual_seed(24);
+  TinyLm net(kVocab, kDim);
+  ChunkedModel model(net.ptr(), sim_config(0));
+  HybridAdam one_group(model, AdamOptions().with_lr(1e-2));  // one group, as torch's AdamW(params, lr)
+  EXPECT_EQ(one_group.num_param_groups(), 1);
+  EXPECT_EQ(one_group.lr(0), 1e-2);
+}
+
 TEST(HybridAdam, PlacementFollowsTheMargin) {
   {  // a generous budget: every quartet fits beside the parameters
     torch::manual_seed(0);
