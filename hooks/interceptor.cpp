@@ -50,6 +50,9 @@ bool needs_cast(const at::Tensor& t, at::ScalarType to) {
 }
 
 void cast_inputs(const c10::OperatorHandle& op, torch::jit::Stack* stack, at::ScalarType to) {
+  // Backward ops get their dtypes from autograd, not from a user: their fp32 arguments are meant
+  // (e.g. CUDA's layer norm saves fp32 mean/rstd for bf16 input).
+  if (op.schema().name().find("_backward") != std::string::npos) return;
   const auto& args = op.schema().arguments();
   const size_t first = stack->size() - args.size();
   for (size_t i = 0; i < args.size(); ++i) {

@@ -394,8 +394,18 @@ TEST(ChunkedModel, Bf16AcceptsFloatInputsWithoutHandCasts) {
     model.backward(y.to(torch::kFloat).pow(2).sum());
     ASSERT_TRUE(x.grad().defined());
     EXPECT_EQ(x.grad().scalar_type(), torch::kFloat) << "the cast is part of the graph";
+    // Backward ops are not cast (LayerNorm's backward takes its fp32 mean/rstd): gradients are the
+    // reference's, bit for bit.
+    const auto xr = x.detach().to(torch::kBFloat16).requires_grad_();
+    ref->forward(xr).to(torch::kFloat).pow(2).sum().backward();
+    auto ref_params = ref->named_parameters();
+    for (const auto& item : net->named_parameters()) {
+      EXPECT_TRUE(torch::equal(item.value().grad(), ref_params[item.key()].grad())) << item.key();
+    }
+    EXPECT_TRUE(torch::equal(x.grad(), xr.grad().to(torch::kFloat)));
     x.mutable_grad().reset();
     zero_grads(*net);
+    zero_grads(*ref);
   }
 }
 
