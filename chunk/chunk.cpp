@@ -53,9 +53,14 @@ void Chunk::allocate_device_memory() {
 
 void Chunk::free_device_memory() {
   TORCH_INTERNAL_ASSERT(has_device_memory(), "chunk ", id_, " has no device memory to free");
+  clear_storage();  // the old DataPtr frees the memory
+}
+
+void Chunk::clear_storage() {
   c10::StorageImpl* impl = device_storage_.unsafeGetStorageImpl();
-  impl->set_data_ptr_noswap(at::DataPtr(nullptr, device_));  // the old DataPtr frees the memory
+  impl->set_data_ptr_noswap(at::DataPtr(nullptr, device_));
   impl->set_nbytes(0);
+  aliasing_host_ = false;
 }
 
 at::Tensor Chunk::device_view(int64_t offset, at::IntArrayRef shape) const {
@@ -82,12 +87,7 @@ void Chunk::attach_host_buffer(at::Tensor bytes) {
 
 at::Tensor Chunk::detach_host_buffer() {
   TORCH_INTERNAL_ASSERT(has_host_buffer(), "chunk ", id_, " has no host buffer");
-  if (aliasing_host_) {
-    c10::StorageImpl* impl = device_storage_.unsafeGetStorageImpl();
-    impl->set_data_ptr_noswap(at::DataPtr(nullptr, device_));
-    impl->set_nbytes(0);
-    aliasing_host_ = false;
-  }
+  if (aliasing_host_) clear_storage();
   host_flat_ = at::Tensor();
   at::Tensor bytes = std::move(host_bytes_);
   host_bytes_ = at::Tensor();

@@ -91,6 +91,8 @@ class Chunk {
   uint64_t last_use = 0;
 
  private:
+  void clear_storage();  // null DataPtr, 0 bytes, no alias
+
   const ChunkId id_;
   const ChunkRole role_;
   const at::ScalarType dtype_;

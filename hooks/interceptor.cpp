@@ -37,6 +37,7 @@ std::atomic<int64_t> param_op_count{0};
 struct Use {
   UseListener* listener;
   int64_t param;
+  at::ScalarType dtype;  // of the managed tensor (a model's parameters share the compute dtype)
   bool operator==(const Use& o) const { return listener == o.listener && param == o.param; }
 };
 
@@ -75,9 +76,6 @@ void cast_inputs(const c10::OperatorHandle& op, torch::jit::Stack* stack, at::Sc
 
 using Uses = c10::SmallVector<Use, 4>;  // no heap allocation for the usual op (a few parameters)
 
-// The dtype of the managed parameters an op uses (the last one found; a model has one compute dtype).
-thread_local at::ScalarType found_dtype = at::ScalarType::Undefined;
-
 void find_use(const at::Tensor& t, Uses& uses) {
   if (!t.defined() || !t.has_storage()) return;
   const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
@@ -91,8 +89,7 @@ void find_use(const at::Tensor& t, Uses& uses) {
   if (r == ranges.begin()) return;
   --r;
   if (offset >= r->end) return;
-  const Use use{it->second.listener, r->param};
-  found_dtype = t.scalar_type();
+  const Use use{it->second.listener, r->param, t.scalar_type()};
   if (std::find(uses.begin(), uses.end(), use) == uses.end()) uses.push_back(use);
 }
 
@@ -139,7 +136,7 @@ void intercept(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       }
     }
   };
-  const at::ScalarType param_dtype = found_dtype;
+  const at::ScalarType param_dtype = uses.front().dtype;
   try {
     for (; started < uses.size(); ++started) uses[started].listener->pre_use(uses[started].param);
     if (param_dtype == at::kBFloat16 || param_dtype == at::kHalf) cast_inputs(op, stack, param_dtype);

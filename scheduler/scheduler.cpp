@@ -40,6 +40,19 @@ Scheduler::Scheduler(ChunkStore& store, std::shared_ptr<OptEvictionPolicy> polic
   options_.validate();
   TORCH_CHECK(policy_ && probe_, "ferry: the scheduler needs a policy and a memory probe");
   TORCH_CHECK(tensor_of_param_.size() == chunk_of_param_.size(), "ferry: scheduler maps differ in length");
+  store_budget_ = store_->stats().device.budget_bytes;
+}
+
+void Scheduler::set_store_budget_locked(int64_t bytes) {
+  if (bytes == store_budget_) return;  // the usual case on the per-use path: no store call
+  store_->set_device_budget(bytes);
+  store_budget_ = bytes;
+}
+
+int64_t Scheduler::trace_non_model_peak_locked() const {
+  int64_t peak = 0;
+  for (int64_t p = 0; trace_ && p < trace_->size(); ++p) peak = std::max(peak, trace_->non_model_at(p));
+  return peak;
 }
 
 void Scheduler::begin_iteration() {
@@ -90,7 +103,7 @@ void Scheduler::apply_budget_locked(int64_t position) {
   const bool following = trace_ && !recording_ && !diverged_;
   const int64_t budget =
       moment_budget_locked(following ? trace_->non_model_peak(position, options_.non_model_window) : -1);
-  if (budget != store_->stats().device.budget_bytes) store_->set_device_budget(budget);
+  set_store_budget_locked(budget);
 }
 
 void Scheduler::pre_use(int64_t param) {
@@ -189,7 +202,7 @@ IterationStats Scheduler::end_iteration(bool aborted, bool forward_only) {
   }
   recording_.reset();
   policy_->set_position(-1);
-  store_->set_device_budget(chunk_budget_locked());
+  set_store_budget_locked(chunk_budget_locked());
   ++iteration_;
   last_ = current_;
   return current_;
@@ -204,9 +217,7 @@ void Scheduler::finalize_trace_locked() {
     bytes[c] = store_->chunk_info(c).nbytes;
     largest_chunk_bytes_ = std::max(largest_chunk_bytes_, bytes[c]);
   }
-  int64_t reserve = 0;
-  for (int64_t p = 0; p < trace_->size(); ++p) reserve = std::max(reserve, trace_->non_model_at(p));
-  optimal_bytes_ = belady_moves(*trace_, bytes, moment_budget_locked(reserve)).total();
+  optimal_bytes_ = belady_moves(*trace_, bytes, moment_budget_locked(trace_non_model_peak_locked())).total();
   policy_->set_trace(trace_);
 }
 
@@ -219,6 +230,7 @@ void Scheduler::relayout(ChunkStore& store, std::vector<TensorId> tensor_of_para
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_INTERNAL_ASSERT(!in_iteration_, "relayout inside an iteration");
   store_ = &store;
+  store_budget_ = store_->stats().device.budget_bytes;
   tensor_of_param_ = std::move(tensor_of_param);
   chunk_of_param_ = std::move(chunk_of_param);
   repack_wanted_ = false;
@@ -238,7 +250,7 @@ void Scheduler::set_reserved_device_bytes(int64_t bytes) {
               "ferry: reserving ", format_bytes(bytes), " of a device budget of ",
               format_bytes(options_.device_budget_bytes), " leaves nothing for parameter chunks");
   reserved_bytes_ = bytes;
-  store_->set_device_budget(chunk_budget_locked());
+  set_store_budget_locked(chunk_budget_locked());
   if (trace_) finalize_trace_locked();  // optimal bytes at the new budget
 }
 
@@ -256,18 +268,13 @@ int64_t Scheduler::device_room_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   const int64_t budget = options_.device_budget_bytes;
   if (options_.device_capacity_bytes == 0) return budget;
-  int64_t peak = 0;
-  for (int64_t p = 0; trace_ && p < trace_->size(); ++p) peak = std::max(peak, trace_->non_model_at(p));
-  const int64_t room = std::max<int64_t>(0, options_.device_capacity_bytes - peak);
+  const int64_t room = std::max<int64_t>(0, options_.device_capacity_bytes - trace_non_model_peak_locked());
   return budget == 0 ? room : std::min(budget, room);
 }
 
 int64_t Scheduler::non_model_peak() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!trace_) return -1;
-  int64_t peak = 0;
-  for (int64_t p = 0; p < trace_->size(); ++p) peak = std::max(peak, trace_->non_model_at(p));
-  return peak;
+  return trace_ ? trace_non_model_peak_locked() : -1;
 }
 
 bool Scheduler::following_trace() const {

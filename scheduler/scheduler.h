@@ -113,6 +113,10 @@ class Scheduler {
   // The chunk budget at a moment with `non_model` bytes of non-model memory (-1: unknown): the chunk
   // budget, capped by the capacity's room; never below the largest chunk. 0: no limit.
   int64_t moment_budget_locked(int64_t non_model);
+  // Gives the store `bytes` as its device budget unless it has it already (tracked in store_budget_:
+  // the scheduler is the only one that changes the budget of its store).
+  void set_store_budget_locked(int64_t bytes);
+  int64_t trace_non_model_peak_locked() const;  // max non-model bytes over the trace (0: no trace)
 
   mutable std::mutex mutex_;
   ChunkStore* store_;
@@ -134,7 +138,8 @@ class Scheduler {
   int64_t optimal_bytes_ = -1;
   int64_t reserved_bytes_ = 0;
   bool trace_forward_only_ = false;
-  int64_t largest_chunk_bytes_ = 0;  // of the store's chunks: the floor of every moment's budget
+  int64_t largest_chunk_bytes_ = 0;
+  int64_t store_budget_ = 0;  // the device budget the store has now  // of the store's chunks: the floor of every moment's budget
   IterationStats current_;
   IterationStats last_;
   ChunkStoreStats at_begin_;
