@@ -18,4 +18,5 @@
 #include "ferry/chunk/layout.h"
 #include "ferry/hooks/checkpoint.h"
 #include "ferry/hooks/chunked_model.h"
+#include "ferry/hooks/init_scope.h"
 #include "ferry/scheduler/scheduler.h"

@@ -133,6 +133,34 @@ ChunkSizeSearch search_chunk_size(const std::vector<int64_t>& numels, const std:
   return search;
 }
 
+AutoChunkSize auto_chunk_size(const std::vector<int64_t>& numels, const std::vector<int64_t>& order,
+                              int64_t elem_bytes) {
+  TORCH_CHECK(elem_bytes == 2 || elem_bytes == 4, "ferry: auto_chunk_size: element size must be 2 or 4, got ",
+              elem_bytes);
+  int64_t total = 0;
+  for (int64_t n : numels) total += n;
+  TORCH_CHECK(total > 0, "ferry: auto_chunk_size: the tensors hold no elements");
+  const int64_t align = 64 / elem_bytes;
+  constexpr int64_t kMin = 4096, kHiCap = int64_t{1} << 30, kLoCap = int64_t{32} << 20;
+  const int64_t total_bytes = total * elem_bytes;
+  const int64_t hi = std::min(kHiCap, std::max(kMin, total_bytes / 4));
+  const int64_t lo = std::min(kLoCap, std::max(kMin, hi / 4));
+  const int64_t lo_numel = round_up(lo / elem_bytes, align);
+  const int64_t hi_numel = std::max(lo_numel, hi / elem_bytes / align * align);
+  const int64_t step = std::max<int64_t>(align, (hi_numel - lo_numel) / 1024 / align * align);
+  const ChunkSizeSearch search = search_chunk_size(numels, order, lo_numel, hi_numel, step, align);
+  // Larger chunks tend to waste less, but they coarsen what can be offloaded and raise the device's
+  // floor (the largest chunk): take the smallest size within half a point of the least waste.
+  ChunkSizeChoice pick = search.best;
+  for (const ChunkSizeChoice& c : search.tried) {  // ascending sizes
+    if (c.waste <= search.best.waste + 0.005) {
+      pick = c;
+      break;
+    }
+  }
+  return {pick.chunk_numel * elem_bytes, pick.waste, lo, hi};
+}
+
 CommGroups::CommGroups(int64_t num_chunks, int world_size)
     : world_size_(world_size), num_chunks_(num_chunks) {
   TORCH_CHECK(world_size >= 1, "ferry: world_size must be >= 1, got ", world_size);

@@ -84,6 +84,21 @@ ChunkSizeSearch search_chunk_size(const std::vector<int64_t>& numels, const std:
                                   int64_t min_numel, int64_t max_numel, int64_t step_numel,
                                   int64_t align_numel);
 
+// The chunk size ferry uses when the user sets none (Config::chunk_size_bytes == 0): the least
+// packing waste (search_chunk_size) over sizes of the compute copy between `lo` and `hi` bytes, where
+// hi = min(1 GiB, a quarter of the model) so that even a small model makes several chunks (the
+// device can hold part of it), and lo = min(32 MiB, hi / 4) so that a large model's chunks stay large
+// enough for full-speed PCIe copies. 1024 sizes are tried, and the smallest whose waste is within half a
+// point of the least is taken (smaller chunks offload finer). Waste is the allocation share no tensor
+// uses. `elem_bytes` is the compute dtype's element size; slots align to 64 bytes.
+struct AutoChunkSize {
+  int64_t chunk_bytes = 0;  // the choice
+  double waste = 0.0;       // of the layout it gives
+  int64_t lo_bytes = 0, hi_bytes = 0;
+};
+AutoChunkSize auto_chunk_size(const std::vector<int64_t>& numels, const std::vector<int64_t>& order,
+                              int64_t elem_bytes);
+
 // Chunks laid out for sharding across `world_size` ranks: the chunk list is padded with empty chunks
 // to a multiple of world_size; chunk i belongs to communication group i / world_size and is owned
 // (kept, updated) by rank i % world_size. A group is what one all-gather brings in and one

@@ -134,7 +134,7 @@ void Config::set(std::string_view key, std::string_view value) {
   const std::string k = lower(key);
   if (k == "device") device = parse_device(value);
   else if (k == "precision") precision = parse_precision(value);
-  else if (k == "chunk-size" || k == "chunk_size") chunk_size_bytes = parse_bytes(value);
+  else if (k == "chunk-size" || k == "chunk_size") chunk_size_bytes = value == "auto" ? 0 : parse_bytes(value);
   else if (k == "device-budget" || k == "device_budget") device_budget_bytes = parse_bytes(value);
   else if (k == "device-capacity" || k == "device_capacity") device_capacity_bytes = parse_bytes(value);
   else if (k == "host-budget" || k == "host_budget") host_budget_bytes = parse_bytes(value);
@@ -201,8 +201,8 @@ Config Config::from_args(int argc, const char* const* argv, std::vector<std::str
 }
 
 void Config::validate() const {
-  TORCH_CHECK(chunk_size_bytes >= 4096, "ferry config: expected chunk-size >= 4 KiB, got ",
-              format_bytes(chunk_size_bytes));
+  TORCH_CHECK(chunk_size_bytes == 0 || chunk_size_bytes >= 4096,
+              "ferry config: expected chunk-size auto (0) or >= 4 KiB, got ", format_bytes(chunk_size_bytes));
   TORCH_CHECK(device_budget_bytes >= 0, "ferry config: expected device-budget >= 0 (0 = no limit), got ",
               device_budget_bytes);
   TORCH_CHECK(device_capacity_bytes >= 0, "ferry config: expected device-capacity >= 0 (0 = the GPU's), got ",
@@ -222,7 +222,7 @@ void Config::validate() const {
 std::string Config::to_string() const {
   std::ostringstream os;
   os << "device=" << ferry::to_string(device) << " precision=" << ferry::to_string(precision)
-     << " chunk-size=" << format_bytes(chunk_size_bytes)
+     << " chunk-size=" << (chunk_size_bytes ? format_bytes(chunk_size_bytes) : "auto")
      << " device-budget=" << (device_budget_bytes ? format_bytes(device_budget_bytes) : "unlimited")
      << " device-capacity=" << (device_capacity_bytes ? format_bytes(device_capacity_bytes) : "auto")
      << " host-budget=" << (host_budget_bytes ? format_bytes(host_budget_bytes) : "unlimited")
@@ -234,7 +234,7 @@ std::string Config::to_string() const {
 std::string Config::help() {
   return "  --device=auto|cuda|simulated   where device chunks live (default auto)\n"
          "  --precision=fp32|bf16|fp16     compute dtype of parameters (default fp32)\n"
-         "  --chunk-size=SIZE              bytes per chunk, e.g. 64MiB (default 64MiB)\n"
+         "  --chunk-size=SIZE|auto         bytes per chunk, e.g. 64MiB (default auto: least packing waste)\n"
          "  --device-budget=SIZE           device bytes for chunks (parameters + optimizer state), 0 = no limit\n"
          "  --device-capacity=SIZE         device memory for chunks + activations, 0 = 90% of the GPU's\n"
          "  --host-budget=SIZE             host bytes for chunks, 0 = no limit\n"

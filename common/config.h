@@ -27,7 +27,9 @@ enum class Precision { kFp32, kBf16, kFp16 };
 struct Config {
   DeviceKind device = DeviceKind::kAuto;
   Precision precision = Precision::kFp32;
-  int64_t chunk_size_bytes = int64_t{64} << 20;  // bytes per chunk
+  // Bytes per chunk of the compute copy; 0 (the default, "auto" on the command line): the size with
+  // the least packing waste for the model (auto_chunk_size in chunk/layout.h).
+  int64_t chunk_size_bytes = 0;
   int64_t device_budget_bytes = 0;               // bytes for chunks on the device; 0 = no limit
   // The device's memory for chunks and everything else (activations, temporaries); 0 = the GPU's
   // (90% of its total memory) on CUDA, unknown on the simulated device. ferry keeps chunks within

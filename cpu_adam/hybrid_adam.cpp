@@ -7,8 +7,11 @@
 #include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
 
+#include <ATen/ops/zeros.h>
+
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <unordered_map>
 
@@ -65,6 +68,8 @@ HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
   }
   scaling_ = model_.compute_dtype() == at::kHalf;
   model_.set_loss_scale(scaling_ ? scaler_.scale() : 1.0);
+  num_roles_ = options_.accumulate_grads ? 4 : 3;
+  landed_.assign(model_.num_params(), 0);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     build_state_locked();
@@ -72,7 +77,8 @@ HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
   model_.release_initial_values();  // the masters hold them now
   model_.set_grad_sink(this);
   log::info("ferry: HybridAdam over ", model_.num_params(), " parameters in ", num_param_groups(), " groups, ",
-            spans_.size(), " state chunk quartets (fp32 master, exp_avg, exp_avg_sq, grad), CPU kernel ",
+            spans_.size(), " state chunk groups (fp32 master, exp_avg, exp_avg_sq",
+            options_.accumulate_grads ? ", grad accumulation" : "; grads in the parameter chunks", "), CPU kernel ",
             to_string(cpu_adam_.isa()), " x", cpu_adam_.threads(), " threads",
             scaling_ ? ", fp16 dynamic loss scaling" : "");
 }
@@ -80,6 +86,10 @@ HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
 HybridAdam::~HybridAdam() {
   try {
     if (model_.phase() == ModelPhase::kIdle) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (grads_landed_) discard_grads_locked();  // the parameters get their values back
+      }
       model_.set_grad_sink(nullptr);
       model_.set_loss_scale(1.0);
       if (placed_) model_.scheduler().set_reserved_device_bytes(0);
@@ -101,15 +111,21 @@ void HybridAdam::build_state_locked() {
   store_options.device_budget_bytes = 0;  // placement is decided here, and reserved in the scheduler
   store_options.host_budget_bytes = 0;
   store_options.name = "optimizer state";
+  // Pinned memory only for what moves every iteration (the parameter chunks): state chunks either
+  // stay on the host (CpuAdam reads them there) or move to the device once, at placement; pinning
+  // them would lock 12 B/param of host memory for nothing and cost seconds of cudaHostAlloc.
+  store_options.pin_host_memory = false;
   auto store = std::make_unique<ChunkStore>(store_options);
   // On a repack of the model the state moves parameter by parameter into chunks filled one at a time,
-  // and each old chunk quartet is freed as soon as all its parameters have moved out: host memory
-  // grows by about one quartet, not by a second copy of the optimizer state.
+  // and each old state chunk group is freed as soon as all its parameters have moved out: host memory
+  // grows by about one group, not by a second copy of the optimizer state.
   const bool migrate = store_ != nullptr;
   std::vector<ChunkStore::RoleChunks> roles;
-  for (int r = 0; r < kNumRoles; ++r) {
-    roles.push_back(store->add_layout(kRoleOf[r], at::kFloat, layout, model_.param_shapes(),
-                                      migrate ? Location::kNone : Location::kHost));
+  // State chunks get memory one layout chunk at a time as they are filled: on the first build the
+  // masters take over from the parameters' initial fp32 values, each released as soon as it is copied,
+  // so the fp32 values are never held twice.
+  for (int r = 0; r < num_roles_; ++r) {
+    roles.push_back(store->add_layout(kRoleOf[r], at::kFloat, layout, model_.param_shapes(), Location::kNone));
   }
   std::vector<int64_t> old_chunk_of_param, old_remaining;
   if (migrate) {
@@ -123,17 +139,17 @@ void HybridAdam::build_state_locked() {
     }
   }
   for (int64_t c = 0; c < layout.num_chunks(); ++c) {
-    if (migrate) {
-      for (int r = 0; r < kNumRoles; ++r) store->allocate_payload(roles[r].chunks[c], Location::kHost);
-    }
+    for (int r = 0; r < num_roles_; ++r) store->allocate_payload(roles[r].chunks[c], Location::kHost);
     for (int64_t p : layout.chunks()[c].tensors) {
       if (!migrate) {
+        for (int r = 0; r < num_roles_; ++r) store->set_state(roles[r].tensors[p], TensorState::kHold);
         // The masters start from the values the module built (fp32), not from their rounded compute copy.
         const at::Tensor initial = model_.initial_value(p);
         store->view(roles[kMasterRole].tensors[p]).copy_(initial.defined() ? initial : model_.param_values(p));
+        model_.release_initial_value(p);
         continue;
       }
-      for (int r = 0; r < kNumRoles; ++r) {
+      for (int r = 0; r < num_roles_; ++r) {
         store->view(roles[r].tensors[p]).copy_(store_->view(roles_[r].tensors[p]));
         store->set_state(roles[r].tensors[p], TensorState::kHold);
       }
@@ -142,7 +158,7 @@ void HybridAdam::build_state_locked() {
                                                                   os.device.current_bytes);
       const int64_t old = old_chunk_of_param[p];
       if (--old_remaining[old] == 0) {
-        for (int r = 0; r < kNumRoles; ++r) store_->retire(roles_[r].chunks[old]);
+        for (int r = 0; r < num_roles_; ++r) store_->retire(roles_[r].chunks[old]);
       }
     }
   }
@@ -177,7 +193,7 @@ void HybridAdam::sync_layout_locked() {
 }
 
 int64_t HybridAdam::state_bytes_per_chunk(int64_t layout_chunk) const {
-  return kNumRoles * model_.layout().chunks()[layout_chunk].numel * static_cast<int64_t>(sizeof(float));
+  return num_roles_ * model_.layout().chunks()[layout_chunk].numel * static_cast<int64_t>(sizeof(float));
 }
 
 int64_t HybridAdam::device_state_chunks() const {
@@ -212,11 +228,11 @@ void HybridAdam::place_locked() {
   model_.scheduler().set_reserved_device_bytes(reserved);  // throws, changing nothing, if too much
   for (int64_t k = 0; k < count; ++k) {
     const int64_t c = n - 1 - k;
-    for (int r = 0; r < kNumRoles; ++r) store_->move(roles_[r].chunks[c], Location::kDevice);
+    for (int r = 0; r < num_roles_; ++r) store_->move(roles_[r].chunks[c], Location::kDevice);
     on_device_[c] = 1;
   }
   placed_ = true;
-  log::info("ferry: HybridAdam placed optimizer state: ", count, " of ", n, " chunk quartets on the device (",
+  log::info("ferry: HybridAdam placed optimizer state: ", count, " of ", n, " chunk groups on the device (",
             format_bytes(reserved), ")", margin >= 0 ? ", margin after parameters and non-model peak " : "",
             margin >= 0 ? format_bytes(std::max<int64_t>(0, margin)) : std::string());
 }
@@ -226,9 +242,12 @@ void HybridAdam::land_grad(int64_t param, const at::Tensor& grad) {
   sync_layout_locked();
   TORCH_CHECK(grad.layout() == at::kStrided, "ferry: HybridAdam needs dense gradients; parameter ",
               model_.param_name(param), " got a ", grad.layout(), " one");
-  at::Tensor slot = store_->view(roles_[kGradRole].tensors[param]);
-  // add_ widens a bf16/fp16 grad itself; only a grad on another device needs a copy first.
-  slot.add_(grad.device() == slot.device() ? grad : grad.to(slot.device()));
+  if (options_.accumulate_grads) {
+    at::Tensor slot = store_->view(roles_[kGradRole].tensors[param]);
+    // add_ widens a bf16/fp16 grad itself; only a grad on another device needs a copy first.
+    slot.add_(grad.device() == slot.device() ? grad : grad.to(slot.device()));
+  }  // else: the model wrote it into the parameter's slot
+  landed_[param] = 1;
   grads_landed_ = true;
   ++landings_[param];
   if (!overlap_active_) return;
@@ -242,20 +261,91 @@ void HybridAdam::land_grad(int64_t param, const at::Tensor& grad) {
   }
 }
 
+std::vector<HybridAdam::Span> HybridAdam::landed_spans_locked(int64_t c) const {
+  const ChunkLayout& layout = model_.layout();
+  std::vector<Span> spans;
+  bool open = false;  // the last slot seen landed and extends spans.back()
+  for (int64_t t : layout.chunks()[c].tensors) {
+    const Slot& slot = layout.slots()[t];
+    if (slot.numel == 0) continue;
+    if (!landed_[t]) {
+      open = false;
+      continue;
+    }
+    const int g = group_of_param_[t];
+    if (open && spans.back().group == g) {
+      spans.back().end = slot.offset + slot.numel;
+    } else {
+      spans.push_back({g, slot.offset, slot.offset + slot.numel});
+    }
+    open = true;
+  }
+  return spans;
+}
+
+at::Tensor HybridAdam::grad_payload_locked(int64_t c) {
+  if (options_.accumulate_grads) return store_->payload(roles_[kGradRole].chunks[c]);
+  return model_.store().payload(model_.param_chunk(c));
+}
+
+void HybridAdam::stage_param_chunks_locked() {
+  if (options_.accumulate_grads) return;
+  trace::Span span("adam", "adam.stage_param_chunks");
+  ChunkStore& params = model_.store();
+  // Device-state chunks first: making room for them may evict parameter chunks bound for the host.
+  for (int pass = 0; pass < 2; ++pass) {
+    const bool device = pass == 0;
+    for (int64_t c = 0; c < static_cast<int64_t>(spans_.size()); ++c) {
+      if (static_cast<bool>(on_device_[c]) != device) continue;
+      const Location want = device ? Location::kDevice : Location::kHost;
+      if (params.location(model_.param_chunk(c)) != want) params.move(model_.param_chunk(c), want);
+    }
+  }
+}
+
+void HybridAdam::discard_grads_locked() {
+  if (!options_.accumulate_grads) {
+    // The slots of landed parameters hold gradients: give them their values (the masters) back.
+    ChunkStore& params = model_.store();
+    for (int64_t c = 0; c < static_cast<int64_t>(spans_.size()); ++c) {
+      const std::vector<Span> spans = landed_spans_locked(c);
+      if (spans.empty()) continue;
+      at::Tensor param = params.payload(model_.param_chunk(c));
+      const at::Tensor master = store_->payload(roles_[kMasterRole].chunks[c]);
+      for (const Span& sp : spans) param.slice(0, sp.begin, sp.end).copy_(master.slice(0, sp.begin, sp.end));
+    }
+    model_.clear_grad_slots();
+  } else {
+    for (ChunkId c : roles_[kGradRole].chunks) store_->payload(c).zero_();
+  }
+  std::fill(landed_.begin(), landed_.end(), 0);
+  grads_landed_ = false;
+}
+
 std::vector<std::pair<int, AdamSpan>> HybridAdam::host_spans_locked(int64_t c) {
   float* p = store_->payload(roles_[kMasterRole].chunks[c]).data_ptr<float>();
   float* m = store_->payload(roles_[kExpAvgRole].chunks[c]).data_ptr<float>();
   float* v = store_->payload(roles_[kExpAvgSqRole].chunks[c]).data_ptr<float>();
-  const float* g = store_->payload(roles_[kGradRole].chunks[c]).data_ptr<float>();
+  const at::Tensor grads = grad_payload_locked(c);
+  const at::ScalarType grad_dtype = grads.scalar_type();
+  const int64_t grad_elem = static_cast<int64_t>(c10::elementSize(grad_dtype));
+  char* g = static_cast<char*>(grads.data_ptr());
+  // Default mode: the grads are in the parameter chunk (on the host now); the kernel writes the new
+  // bf16/fp16 value over each grad it has read, in the same pass (fp32: copied after the update).
+  const bool in_place_lowp = !options_.accumulate_grads && grad_dtype != at::kFloat;
   std::vector<std::pair<int, AdamSpan>> spans;
-  for (const Span& s : spans_[c]) {
+  for (const Span& s : landed_spans_locked(c)) {
     AdamSpan span;
     span.param = p + s.begin;
-    span.grad = g + s.begin;
-    span.grad_dtype = at::kFloat;
+    span.grad = g + s.begin * grad_elem;
+    span.grad_dtype = grad_dtype;
     span.exp_avg = m + s.begin;
     span.exp_avg_sq = v + s.begin;
     span.numel = s.end - s.begin;
+    if (in_place_lowp) {
+      span.param_lowp = g + s.begin * grad_elem;
+      span.lowp_dtype = grad_dtype;
+    }
     spans.emplace_back(s.group, span);
   }
   return spans;
@@ -270,7 +360,12 @@ void HybridAdam::launch_overlapped_locked(int64_t c) {
 
 void HybridAdam::host_update_chunk_locked(int64_t c, const UpdateOptions& update_options) {
   trace::Span span("adam", trace::enabled() ? "host adam chunk " + std::to_string(c) : std::string());
-  for (const auto& [group, span] : host_spans_locked(c)) cpu_adam_.update(group, span, update_options);
+  for (const auto& [group, span] : host_spans_locked(c)) {
+    cpu_adam_.update(group, span, update_options);
+    if (!options_.accumulate_grads && !span.param_lowp) {  // fp32 compute copy: the master is the value
+      std::memcpy(const_cast<void*>(span.grad), span.param, static_cast<size_t>(span.numel) * sizeof(float));
+    }
+  }
 }
 
 void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale) {
@@ -278,11 +373,14 @@ void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale) {
   at::Tensor p = store_->payload(roles_[kMasterRole].chunks[c]);
   at::Tensor m = store_->payload(roles_[kExpAvgRole].chunks[c]);
   at::Tensor v = store_->payload(roles_[kExpAvgSqRole].chunks[c]);
-  at::Tensor g = store_->payload(roles_[kGradRole].chunks[c]);
-  for (const Span& s : spans_[c]) {
+  at::Tensor g = grad_payload_locked(c);
+  const bool into_param = !options_.accumulate_grads;  // g is the parameter chunk: write the values there
+  for (const Span& s : landed_spans_locked(c)) {
     const AdamOptions& o = cpu_adam_.options(s.group);
     at::Tensor gs = g.slice(0, s.begin, s.end);
-    if (grad_scale != 1.0) gs = gs * grad_scale;  // a temporary: the landed gradients stay as they are
+    // A temporary (fp32, scaled): the landed gradients stay as they are until the values replace them.
+    if (gs.scalar_type() != at::kFloat) gs = gs.to(at::kFloat);
+    if (grad_scale != 1.0) gs = gs * grad_scale;
     at::Tensor steps = at::full({}, static_cast<double>(cpu_adam_.step_count(s.group)), p.options());
     std::vector<at::Tensor> ps{p.slice(0, s.begin, s.end)}, ms{m.slice(0, s.begin, s.end)},
         vs{v.slice(0, s.begin, s.end)};
@@ -293,10 +391,17 @@ void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale) {
       at::_fused_adam_(ps, {gs}, ms, vs, {}, {steps}, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps,
                        /*amsgrad=*/false, /*maximize=*/false);
     }
+    if (into_param) g.slice(0, s.begin, s.end).copy_(ps[0]);
   }
 }
 
 StepResult HybridAdam::backward_step(const at::Tensor& loss) {
+  if (!options_.accumulate_grads) {
+    // Gradients in the parameter chunks: nothing is overlapped yet (see the header).
+    check_idle("backward_step()");
+    model_.backward(loss);
+    return step();
+  }
   TORCH_CHECK(options_.max_grad_norm == 0 && !scaling_, "ferry: HybridAdam::backward_step needs max_grad_norm == 0 "
               "and no fp16 loss scaling (both need every gradient before any update); use backward() + step()");
   check_idle("backward_step()");
@@ -404,22 +509,27 @@ HybridAdam::ChunkNorms HybridAdam::grad_norms_locked() {
   std::vector<at::Tensor> device_norms;
   std::vector<int64_t> device_index;
   for (int64_t c = 0; c < n; ++c) {
-    const at::Tensor g = store_->payload(roles_[kGradRole].chunks[c]);
-    if (on_device_[c]) {
-      device_norms.push_back(at::linalg_vector_norm(g, 2));  // inf/NaN if any grad is
-      device_index.push_back(c);
-    } else {
-      const GradNorm norm = cpu_adam_.grad_norm_sq(g.data_ptr(), at::kFloat, g.numel());
-      norms.sum_sq[c] = norm.sum_sq;
-      norms.finite[c] = !norm.nonfinite;
+    const at::Tensor g = grad_payload_locked(c);
+    const int64_t elem = static_cast<int64_t>(g.element_size());
+    for (const Span& s : landed_spans_locked(c)) {
+      if (on_device_[c]) {
+        // fp32 accumulation whatever the gradients' dtype; inf/NaN if any gradient is.
+        device_norms.push_back(at::linalg_vector_norm(g.slice(0, s.begin, s.end), 2, c10::nullopt, false, at::kFloat));
+        device_index.push_back(c);
+      } else {
+        const GradNorm norm = cpu_adam_.grad_norm_sq(static_cast<const char*>(g.data_ptr()) + s.begin * elem,
+                                                     g.scalar_type(), s.end - s.begin);
+        norms.sum_sq[c] += norm.sum_sq;
+        norms.finite[c] = norms.finite[c] && !norm.nonfinite;
+      }
     }
   }
   if (!device_norms.empty()) {  // one host sync for every device chunk
     const at::Tensor all = at::stack(device_norms).to(at::kCPU, at::kDouble);
     const double* v = all.data_ptr<double>();
     for (size_t k = 0; k < device_index.size(); ++k) {
-      norms.finite[device_index[k]] = std::isfinite(v[k]);
-      norms.sum_sq[device_index[k]] = v[k] * v[k];
+      norms.finite[device_index[k]] = norms.finite[device_index[k]] && std::isfinite(v[k]);
+      norms.sum_sq[device_index[k]] += v[k] * v[k];
     }
   }
   for (int64_t c = 0; c < n; ++c) {
@@ -440,6 +550,7 @@ StepResult HybridAdam::step_locked() {
   const int64_t n = static_cast<int64_t>(spans_.size());
 
   trace::Span step_span("adam", "adam.step");
+  stage_param_chunks_locked();
   // 1. Norms and finiteness, one host sync for all device chunks.
   int64_t t0 = now_ns();
   const ChunkNorms norms = grad_norms_locked();
@@ -457,6 +568,7 @@ StepResult HybridAdam::step_locked() {
     } else {
       log::warn("ferry: non-finite gradient: step skipped (the parameters and optimizer state are unchanged)");
     }
+    if (!options_.accumulate_grads) discard_grads_locked();  // consumed: the slots get their values back
     return result;
   }
   result.grad_norm = std::sqrt(norms.total_sq) / result.loss_scale;
@@ -485,9 +597,15 @@ StepResult HybridAdam::step_locked() {
   trace::complete("adam", "adam.host_update", t0, t0 + result.host_update_ns,
                   "\"chunks\": " + std::to_string(result.host_chunks));
 
-  // 3. The parameters in compute dtype.
+  // 3. The parameters in compute dtype (default mode: the updates wrote them already).
   t0 = now_ns();
-  write_back_locked();
+  if (options_.accumulate_grads) {
+    write_back_locked();
+  } else {
+    model_.clear_grad_slots();
+    std::fill(landed_.begin(), landed_.end(), 0);
+    grads_landed_ = false;
+  }
   result.writeback_ns = now_ns() - t0;
   trace::complete("adam", "adam.writeback", t0, t0 + result.writeback_ns);
   if (scaling_) {
@@ -508,8 +626,7 @@ void HybridAdam::zero_grad() {
   check_idle("zero_grad()");
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
-  for (ChunkId c : roles_[kGradRole].chunks) store_->payload(c).zero_();
-  grads_landed_ = false;
+  discard_grads_locked();
 }
 
 at::Tensor HybridAdam::state_view(Role role, int64_t param) {
@@ -524,7 +641,15 @@ at::Tensor HybridAdam::state_view(Role role, int64_t param) {
 at::Tensor HybridAdam::master(int64_t param) { return state_view(kMasterRole, param); }
 at::Tensor HybridAdam::exp_avg(int64_t param) { return state_view(kExpAvgRole, param); }
 at::Tensor HybridAdam::exp_avg_sq(int64_t param) { return state_view(kExpAvgSqRole, param); }
-at::Tensor HybridAdam::grad(int64_t param) { return state_view(kGradRole, param); }
+at::Tensor HybridAdam::grad(int64_t param) {
+  if (options_.accumulate_grads) return state_view(kGradRole, param);
+  TORCH_CHECK(param >= 0 && param < model_.num_params(), "ferry: parameter index ", param, " out of range [0, ",
+              model_.num_params(), ")");
+  check_idle("grad()");
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!model_.grad_in_slot(param)) return at::zeros(model_.param_shapes()[param], at::kFloat);
+  return model_.param_values(param).to(at::kCPU, at::kFloat, false, /*copy=*/true);
+}
 
 NamedTensors HybridAdam::state_dict() {
   NamedTensors out = model_.state_dict();  // checks the model is idle
@@ -546,6 +671,8 @@ void HybridAdam::load_state_dict(const NamedTensors& values) {
   for (int64_t p = 0; p < model_.num_params(); ++p) {
     store_->view(roles_[kMasterRole].tensors[p]).copy_(*by_name.at(model_.param_name(p)));
   }
+  std::fill(landed_.begin(), landed_.end(), 0);  // the model's slots hold values again (it cleared them)
+  grads_landed_ = false;
   write_back_locked();
 }
 

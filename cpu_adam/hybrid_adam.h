@@ -9,18 +9,24 @@
 //   //   ferry::HybridAdam adam(model, ferry::HybridAdamOptions::no_decay_for_bias_and_norm(o));
 //   for (...) {
 //     auto loss = model.forward([&] { return criterion(net->forward(x), y); });
-//     model.backward(loss);              // grads land in fp32 grad chunks, .grad stays undefined
+//     model.backward(loss);              // each grad lands in its parameter's chunk slot; .grad stays undefined
 //     adam.step();                       // clip, unscale, update, write compute-dtype params back
-//     adam.zero_grad();
+//     adam.zero_grad();                  // (a no-op after step() unless accumulate_grads)
 //   }
 //
-// State: per layout chunk of the model, four fp32 chunks mirroring it in a ChunkStore of their own:
-// master params, exp_avg, exp_avg_sq and the accumulated gradient (so micro-batches accumulate in
-// fp32, whatever the compute dtype). All four live together, on the device or the host.
+// State: per layout chunk of the model, three fp32 chunks mirroring it in a ChunkStore of their own:
+// master params, exp_avg and exp_avg_sq, living together on the device or the host. Gradients cost no
+// memory of their own: each lands in its parameter's slot of the parameter chunk once autograd has
+// accumulated it (Note [Gradient in the parameter slot], hooks/chunked_model.h), travels with that
+// chunk, is read there by the update, which writes the new compute-dtype value into the same place.
+// Bytes per parameter, host and device together: compute copy 2 (bf16/fp16) or 4 (fp32) + 12 of
+// state, plus packing waste. With accumulate_grads (micro-batches), a fourth fp32 chunk per layout
+// chunk accumulates the gradients across backward passes instead (+4 B/param), and the parameters
+// keep their values between backward passes.
 //
 // Placement: until the model's warm-up has finished, all state is on the host. At the first step()
 // after it, HybridAdam takes the margin = device budget - peak non-model bytes - all parameter chunk
-// bytes (0 when parameters do not all fit) and moves as many state chunk quartets to the device as fit
+// bytes (0 when parameters do not all fit) and moves as many state chunk groups to the device as fit
 // there (the last layout chunks first: their grads land first in backward). Those bytes are reserved
 // out of the scheduler's chunk budget, so the budget invariant still holds. Device budget 0 means no
 // limit (everything on the device). `device_state_chunks` overrides the count.
@@ -30,15 +36,24 @@
 //     host: CpuAdam::grad_norm_sq). A non-finite grad anywhere skips the step: nothing is written,
 //     the loss scaler (fp16) backs off, step counts stay.
 //  2. coef = clip coefficient (max_grad_norm / (norm + 1e-6), at most 1, as clip_grad_norm_) / loss scale.
-//  3. Each group's step count advances; every chunk is updated with grads scaled by coef.
-//  4. The updated fp32 masters are written into the parameter chunks in the compute dtype.
+//  3. Each group's step count advances; every parameter that received a gradient since the last
+//     step is updated with it scaled by coef (one that received none is left alone, as torch's
+//     optimizers skip a parameter whose .grad is undefined).
+//  4. The updated fp32 masters are written into the parameter chunks in the compute dtype (the host
+//     kernel writes them in its own pass).
+//  Without accumulate_grads, the parameter chunk of a host-state chunk moves to the host for the
+//  update and that of a device-state chunk to the device (each where its state is).
 //
 // Contract
 //  - step(), zero_grad(), save(), load() and the state views are for between iterations (the model
 //    idle); gradients land during backward on autograd's thread.
-//  - step() needs gradients landed since the last zero_grad(); otherwise it fails and changes nothing.
-//  - Gradients accumulate across backward() calls until zero_grad() (gradient accumulation: scale each
-//    micro-batch's loss by 1/N yourself). step() leaves the gradients as they were landed.
+//  - step() needs gradients landed since the last step/zero_grad(); otherwise it fails and changes
+//    nothing.
+//  - Without accumulate_grads (the default), step() consumes the gradients (applied or skipped, the
+//    parameters hold their values again afterwards), and the model must not be used between
+//    backward() and step() (it fails, naming the parameter). zero_grad() discards unconsumed ones.
+//  - With accumulate_grads, gradients accumulate across backward() calls until zero_grad() (scale each
+//    micro-batch's loss by 1/N yourself), and step() leaves them as they were landed.
 //  - The model's parameters must not be changed by others while a HybridAdam holds it: the masters are
 //    the truth, and every step overwrites the parameter chunks from them.
 //  - The HybridAdam must not outlive the ChunkedModel.
@@ -76,6 +91,9 @@ struct HybridAdamOptions {
   double max_grad_norm = 0.0;           // global L2 clipping (0: none)
   LossScalerOptions loss_scaler;        // used when the model's precision is fp16
   int64_t device_state_chunks = -1;     // -1: as many as fit after warm-up; else this many (at most all)
+  // Keep fp32 gradient chunks that accumulate across backward() calls (micro-batches). Off: gradients
+  // live in the parameter chunks (Note [Gradient in the parameter slot]) and cost no memory.
+  bool accumulate_grads = false;
 
   // `defaults` for matrices; biases and norm weights (tensors of dim <= 1) in group 1 without decay.
   static HybridAdamOptions no_decay_for_bias_and_norm(const AdamOptions& defaults);
@@ -88,6 +106,7 @@ struct HybridAdamOptions {
   HybridAdamOptions& with_max_grad_norm(double v) { max_grad_norm = v; return *this; }
   HybridAdamOptions& with_loss_scaler(const LossScalerOptions& v) { loss_scaler = v; return *this; }
   HybridAdamOptions& with_device_state_chunks(int64_t n) { device_state_chunks = n; return *this; }
+  HybridAdamOptions& with_accumulate_grads(bool v = true) { accumulate_grads = v; return *this; }
   void validate() const;
 };
 
@@ -117,12 +136,13 @@ class HybridAdam final : private GradSink {
   // previous backward_step (the first call only records them, and overlaps nothing). Device chunks,
   // chunks not final by the end of backward, and the parameter write-back run after backward. The
   // result is bit-identical to backward() + step() (the same kernels on the same gradients).
-  // Needs max_grad_norm == 0 and no fp16 loss scaling (both need every gradient before any update).
+  // Needs accumulate_grads (without it: backward() then step(), nothing overlapped yet), max_grad_norm
+  // == 0 and no fp16 loss scaling (both need every gradient before any update).
   // A non-finite gradient skips that chunk's update only (chunks already updated stay updated; the
   // result reports the overflow): all-or-nothing would need a copy of the state. Likewise, if backward
   // throws, chunks whose update had started stay updated (logged as an error).
   StepResult backward_step(const at::Tensor& loss);
-  // Zeroes the accumulated gradients.
+  // Discards the gradients landed since the last step (and zeroes the accumulation chunks).
   void zero_grad();
 
   int num_param_groups() const { return cpu_adam_.num_param_groups(); }
@@ -140,12 +160,14 @@ class HybridAdam final : private GradSink {
   bool placed() const { return placed_; }
   int64_t device_state_chunks() const;
   int64_t state_bytes_per_chunk(int64_t layout_chunk) const;
+  // fp32 state chunks per layout chunk: 3 (master, exp_avg, exp_avg_sq), 4 with accumulate_grads.
+  int num_state_roles() const { return num_roles_; }
 
   // fp32 views of one parameter's state, wherever it lives (tests, reports); between iterations.
   at::Tensor master(int64_t param);
   at::Tensor exp_avg(int64_t param);
   at::Tensor exp_avg_sq(int64_t param);
-  at::Tensor grad(int64_t param);
+  at::Tensor grad(int64_t param);  // fp32; zeros when none landed since the last step/zero_grad()
   ChunkStore& state_store() { return *store_; }
   // Peak payload bytes of the old and new state stores together during the last migration to a
   // repacked layout (tests, reports).
@@ -180,7 +202,18 @@ class HybridAdam final : private GradSink {
     int64_t begin, end;  // elements of the chunk
   };
 
+  bool grads_into_param_slots() const override { return !options_.accumulate_grads; }
   void land_grad(int64_t param, const at::Tensor& grad) override;
+  // Spans of parameters that received gradients since the last step, per layout chunk (consecutive
+  // landed slots of one group merged; alignment gaps are zero in every role).
+  std::vector<Span> landed_spans_locked(int64_t chunk) const;
+  // Where chunk c's gradients are: the fp32 accumulation chunk, or (default) the parameter chunk,
+  // which is first moved to where c's state is.
+  at::Tensor grad_payload_locked(int64_t chunk);
+  void stage_param_chunks_locked();  // default mode: each parameter chunk to its state's tier
+  // Writes the fp32 masters of the landed parameters into their slots (default mode: the gradients
+  // there are given up), then forgets the landings.
+  void discard_grads_locked();
   void sync_layout_locked();       // rebuilds the state store if the model was repacked
   void build_state_locked();
   void place_locked();             // after warm-up: decide and move
@@ -216,6 +249,8 @@ class HybridAdam final : private GradSink {
   std::vector<char> on_device_;                     // per layout chunk
   bool placed_ = false;
   bool grads_landed_ = false;
+  int num_roles_ = 3;
+  std::vector<char> landed_;  // per parameter: a gradient landed since the last step/zero_grad
   int64_t migration_peak_bytes_ = 0;
   // backward_step: landings per parameter in this backward, and those of the previous backward_step.
   std::vector<int64_t> landings_, expected_landings_;

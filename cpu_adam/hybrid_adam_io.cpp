@@ -544,7 +544,11 @@ void HybridAdam::load(const std::string& dir) {
     scaler_.set_state(m.scaler);
     model_.set_loss_scale(scaler_.scale());
   }
-  for (ChunkId c : roles_[kGradRole].chunks) store_->payload(c).zero_();
+  std::fill(landed_.begin(), landed_.end(), 0);  // the write-back below gives every slot its value
+  if (options_.accumulate_grads) {
+    for (ChunkId c : roles_[kGradRole].chunks) store_->payload(c).zero_();
+  }
+  model_.clear_grad_slots();
   grads_landed_ = false;
   write_back_locked();
   log::info("ferry: resumed training state from ", dir, " at step ", cpu_adam_.step_count(0));

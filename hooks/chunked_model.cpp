@@ -87,6 +87,7 @@ ChunkedModel::ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Conf
     numels_.push_back(p.numel());
   }
   TORCH_CHECK(!params_.empty(), "ferry: the module has no parameters to manage");
+  grad_in_slot_.assign(params_.size(), 0);
   policy_ = std::make_shared<OptEvictionPolicy>();
   build({});
   const c10::Device device = store_->device();
@@ -106,7 +107,7 @@ ChunkedModel::ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Conf
   int64_t bytes = 0;
   for (int64_t n : numels_) bytes += n * static_cast<int64_t>(c10::elementSize(dtype_));
   log::info("ferry: ChunkedModel manages ", params_.size(), " parameters (", format_bytes(bytes), " as ", dtype_,
-            ") in ", layout_.num_chunks(), " chunks of ", format_bytes(config_.chunk_size_bytes), ", waste ",
+            ") in ", layout_.num_chunks(), " chunks of ", format_bytes(chunk_size_bytes()), ", waste ",
             static_cast<int>(layout_.waste() * 1000) / 10.0, "%, device ", device.str(), " (", store_->engine_name(),
             "), device budget ", config_.device_budget_bytes ? format_bytes(config_.device_budget_bytes) : "unlimited",
             ", capacity ", capacity ? format_bytes(capacity) : "unknown");
@@ -121,7 +122,15 @@ ChunkedModel::~ChunkedModel() {
 }
 
 void ChunkedModel::build(const std::vector<int64_t>& order) {
-  const PackOptions pack = PackOptions::from_bytes(config_.chunk_size_bytes, dtype_);
+  int64_t chunk_bytes = config_.chunk_size_bytes;
+  if (chunk_bytes == 0) {  // auto: the least packing waste for this order
+    const AutoChunkSize choice = auto_chunk_size(numels_, order, static_cast<int64_t>(c10::elementSize(dtype_)));
+    chunk_bytes = choice.chunk_bytes;
+    log::info("ferry: chunk size ", format_bytes(chunk_bytes), " (auto: least packing waste between ",
+              format_bytes(choice.lo_bytes), " and ", format_bytes(choice.hi_bytes), ", waste ",
+              static_cast<int>(choice.waste * 1000) / 10.0, "%)");
+  }
+  const PackOptions pack = PackOptions::from_bytes(chunk_bytes, dtype_);
   ChunkLayout layout = ChunkLayout::pack(numels_, order, pack);
   ChunkStoreOptions store_options = ChunkStoreOptions::from(config_);
   store_options.policy = policy_;
@@ -130,7 +139,10 @@ void ChunkedModel::build(const std::vector<int64_t>& order) {
   auto store = std::make_unique<ChunkStore>(store_options);
   // A repack fills the new chunks one at a time and frees each old chunk as soon as all its parameters
   // have moved out, so host memory grows by about one chunk, not by a second copy of the model.
-  const auto role = store->add_layout(ChunkRole::kParam, dtype_, layout, shapes_, store_ ? Location::kNone : Location::kHost);
+  // Chunks get their memory one at a time as they are filled (first build and repack alike): the
+  // module's own tensor of each parameter is freed when it is bound (unless kept as its initial
+  // value), so construction holds about one chunk beyond the module, not a second copy of it.
+  const auto role = store->add_layout(ChunkRole::kParam, dtype_, layout, shapes_, Location::kNone);
   std::vector<TensorId> tensor_of_param(params_.size());
   std::vector<ChunkId> chunk_of_param(params_.size());
   std::vector<int64_t> old_remaining;
@@ -140,7 +152,7 @@ void ChunkedModel::build(const std::vector<int64_t>& order) {
     for (ChunkId c : chunk_of_param_) ++old_remaining[c];
   }
   for (int64_t i = 0; i < layout.num_chunks(); ++i) {
-    if (store_) store->allocate_payload(role.chunks[i], Location::kHost);
+    store->allocate_payload(role.chunks[i], Location::kHost);
     for (int64_t p : layout.chunks()[i].tensors) {
       tensor_of_param[p] = role.tensors[p];
       chunk_of_param[p] = role.chunks[i];
@@ -152,9 +164,9 @@ void ChunkedModel::build(const std::vector<int64_t>& order) {
         initial_values_.resize(params_.size());
         initial_values_[p] = values;
       }
+      store->set_state(tensor_of_param[p], TensorState::kHold);
       store->bind(tensor_of_param[p], params_[p], values);
       if (!store_) continue;
-      store->set_state(tensor_of_param[p], TensorState::kHold);
       const ChunkId old = chunk_of_param_[p];
       const ChunkStoreStats old_stats = store_->stats();
       repack_peak_bytes_ = std::max(repack_peak_bytes_, store->stats().host.current_bytes +
@@ -216,8 +228,54 @@ void ChunkedModel::land_grad(int64_t param, const at::Tensor& variable) {
   if (!grad_sink_) return;
   const at::Tensor& grad = variable.grad();
   if (!grad.defined()) return;
-  grad_sink_->land_grad(param, grad);
-  variable.mutable_grad().reset();
+  if (!grad_sink_->grads_into_param_slots()) {
+    grad_sink_->land_grad(param, grad);
+    variable.mutable_grad().reset();
+    return;
+  }
+  // Note [Gradient in the parameter slot]: the gradient goes where the chunk's payload is. On the
+  // device (usually: the parameter's last backward use just ended) the chunk is held in COMPUTE while
+  // it is written; an evicted chunk gets it in its host payload (a device->host copy of just this
+  // gradient), rather than being brought back, which could evict others.
+  TORCH_CHECK(grad.layout() == at::kStrided, "ferry: gradients must be dense; parameter ", names_[param], " got a ",
+              grad.layout(), " one");
+  // ferry's own ops here (the copy into the slot, moves the access makes) must not be intercepted.
+  c10::impl::ExcludeDispatchKeyGuard no_intercept(kInterceptKey);
+  at::NoGradGuard no_grad;
+  const TensorId t = tensor_of_param_[param];
+  const bool on_device = store_->location(chunk_of_param_[param]) == Location::kDevice;
+  at::Tensor slot = on_device ? store_->access(t) : store_->view(t);
+  try {
+    if (grad_in_slot_[param]) {
+      slot.add_(grad);  // a second accumulation in this backward (the graph reached the parameter twice)
+    } else {
+      slot.copy_(grad);
+      grad_in_slot_[param] = 1;
+      ++grads_in_slots_;
+    }
+    variable.mutable_grad().reset();
+    grad_sink_->land_grad(param, slot);
+  } catch (...) {
+    if (on_device) store_->release(t, TensorState::kHoldAfterBwd);
+    throw;
+  }
+  if (on_device) store_->release(t, TensorState::kHoldAfterBwd);
+}
+
+void ChunkedModel::clear_grad_slots() {
+  TORCH_CHECK(phase_.load() == ModelPhase::kIdle || phase_.load() == ModelPhase::kForwardDone,
+              "ferry: clear_grad_slots() inside an iteration");
+  std::fill(grad_in_slot_.begin(), grad_in_slot_.end(), 0);
+  grads_in_slots_ = 0;
+}
+
+void ChunkedModel::check_no_grad_in_slots(const char* what) const {
+  if (grads_in_slots_ == 0) return;
+  int64_t p = 0;
+  while (!grad_in_slot_[p]) ++p;
+  TORCH_CHECK(false, "ferry: ", what, ": ", grads_in_slots_, " parameter(s), e.g. ", names_[p],
+              ", hold their gradients in their chunks since backward (the optimizer step writes their values "
+              "back); call the optimizer's step() or zero_grad() first");
 }
 
 void ChunkedModel::transition(ModelPhase to) {
@@ -227,7 +285,14 @@ void ChunkedModel::transition(ModelPhase to) {
   phase_.store(to);
 }
 
-void ChunkedModel::pre_use(int64_t param) { scheduler_->pre_use(param); }
+void ChunkedModel::pre_use(int64_t param) {
+  TORCH_CHECK(!grad_in_slot_[param], "ferry: parameter ", names_[param], " is used, but its chunk slot holds its "
+              "gradient since its backward (Note [Gradient in the parameter slot]): call the optimizer's step() "
+              "(or zero_grad()) after backward, before the next forward. For gradient accumulation over "
+              "micro-batches construct HybridAdam with accumulate_grads = true. (A model whose backward uses a "
+              "parameter again after its gradient was accumulated needs accumulate_grads too.)");
+  scheduler_->pre_use(param);
+}
 
 void ChunkedModel::post_use(int64_t param) {
   scheduler_->post_use(param, phase_.load() == ModelPhase::kBackward ? TensorState::kHoldAfterBwd
@@ -312,6 +377,10 @@ void ChunkedModel::materialize() {
     install_grad_hooks(false);
     grad_sink_ = nullptr;
   }
+  if (grads_in_slots_ > 0) {
+    log::warn("ferry: materialize(): ", grads_in_slots_, " parameter(s) hold their gradients, not their values "
+              "(backward without an optimizer step); they keep the gradients");
+  }
   unregister_storages();
   const c10::Device device = store_->device();
   for (size_t p = 0; p < params_.size(); ++p) {
@@ -325,6 +394,7 @@ void ChunkedModel::materialize() {
 NamedTensors ChunkedModel::state_dict() {
   TORCH_CHECK(phase_.load() == ModelPhase::kIdle, "ferry: state_dict() is for between iterations (the model is in ",
               to_string(phase_.load()), ")");
+  check_no_grad_in_slots("state_dict()");
   NamedTensors out;
   for (int64_t p = 0; p < num_params(); ++p) out.emplace_back(names_[p], param_values(p).to(at::kCPU).clone());
   for (const auto& b : module_->named_buffers(/*recurse=*/true)) {
@@ -367,6 +437,7 @@ void ChunkedModel::load_state_dict(const NamedTensors& values) {
   for (auto& b : buffers) {
     if (b.value().defined()) b.value().copy_(*given.at(b.key()));
   }
+  clear_grad_slots();  // every slot holds its value now
 }
 
 }  // namespace ferry

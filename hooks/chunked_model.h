@@ -17,9 +17,11 @@
 //  - Parameters may only be touched by ops inside forward()/backward() (or after materialize());
 //    elsewhere their memory may be on the host and reading them is undefined (chunk/chunk.h).
 //  - Gradients: without a GradSink, .grad tensors are made by autograd as usual (device tensors, not
-//    chunked). With one (HybridAdam installs itself), each parameter's gradient is handed to the sink
-//    as soon as autograd has accumulated it (a post-accumulate-grad hook) and .grad is reset, so no
-//    device gradient outlives its parameter's last use in backward.
+//    chunked). With one (HybridAdam installs itself), each parameter's gradient is taken as soon as
+//    autograd has accumulated it (a post-accumulate-grad hook) and .grad is reset, so no device
+//    gradient outlives its parameter's last use in backward. Where it goes is the sink's choice
+//    (GradSink::grads_into_param_slots): handed to the sink, or written into the parameter's own slot
+//    of its parameter chunk (Note [Gradient in the parameter slot]).
 //  - An exception thrown inside forward()/backward() propagates; every parameter use it interrupted is
 //    released, the iteration is dropped from tracing, and the model stays usable.
 //  - Not for concurrent forward() calls on one ChunkedModel.
@@ -52,11 +54,27 @@ struct ChunkedModelOptions {
   int64_t host_cache_bytes = int64_t{256} << 20;
 };
 
-// Receives each parameter's gradient during backward (on autograd's thread), in compute dtype on the
-// device, already multiplied by the loss scale. The tensor is only valid during the call.
+// Note [Gradient in the parameter slot]
+// Once autograd has accumulated a parameter's gradient, backward does not read that parameter again
+// (every op that uses it and needs its gradient has run), and its value is not needed until the
+// optimizer writes the updated one. So the gradient (same dtype, same size) can take the value's
+// place in the parameter chunk: no gradient memory at all beside the parameters and the optimizer
+// state, and the gradient travels with its chunk (an evicted chunk carries its gradients to the host,
+// where the host Adam reads them). PatrickStar and Gemini do the same. The model then marks the
+// parameter: a use of it (a forward before the optimizer step) fails with a clear error instead of
+// computing with a gradient, and state_dict() refuses. The optimizer writes the values back and calls
+// clear_grad_slots(). Gradient accumulation over micro-batches needs the values between backward
+// passes, so it keeps separate gradient memory (HybridAdamOptions::accumulate_grads).
+
+// Receives each parameter's gradient during backward (on autograd's thread), already multiplied by the
+// loss scale. The tensor is only valid during the call.
 class GradSink {
  public:
   virtual ~GradSink() = default;
+  // false: land_grad gets autograd's gradient (compute dtype, on the device). true: the model first
+  // writes it into the parameter's slot (Note [Gradient in the parameter slot]; a second gradient of
+  // the same parameter in one backward is added there) and land_grad gets the slot.
+  virtual bool grads_into_param_slots() const { return false; }
   virtual void land_grad(int64_t param, const at::Tensor& grad) = 0;
 };
 
@@ -116,6 +134,10 @@ class ChunkedModel final : private UseListener {
   ChunkStore& store() { return *store_; }
   Scheduler& scheduler() { return *scheduler_; }
   const ChunkLayout& layout() const { return layout_; }
+  // Bytes of a regular parameter chunk (the configured size, or the auto choice).
+  int64_t chunk_size_bytes() const {
+    return layout_.options().chunk_numel * static_cast<int64_t>(c10::elementSize(dtype_));
+  }
   int64_t num_params() const { return static_cast<int64_t>(params_.size()); }
   // Parameter index -> the tensor (as registered in the module; tied parameters once).
   const at::Tensor& param(int64_t index) const { return params_[index]; }
@@ -123,8 +145,14 @@ class ChunkedModel final : private UseListener {
   const std::vector<std::vector<int64_t>>& param_shapes() const { return shapes_; }
   at::ScalarType compute_dtype() const { return dtype_; }
   const Config& config() const { return config_; }
-  // The parameter's values in its chunk, wherever that is now (device or host); between iterations.
+  // The parameter's slot in its chunk, wherever that is now (device or host); between iterations. It
+  // holds the parameter's gradient instead while grad_in_slot(index).
   at::Tensor param_values(int64_t index) { return store_->view(tensor_of_param_[index]); }
+  // Whether the parameter's slot holds its gradient (Note [Gradient in the parameter slot]).
+  bool grad_in_slot(int64_t index) const { return grad_in_slot_[index] != 0; }
+  bool any_grad_in_slot() const { return grads_in_slots_ > 0; }
+  // The optimizer has written every parameter's value back into its slot; between iterations.
+  void clear_grad_slots();
   // layout().chunks()[i] -> the ChunkId in store().
   ChunkId param_chunk(int64_t layout_chunk) const { return param_chunks_[layout_chunk]; }
   // Incremented by every (re)pack; who mirrors the layout compares it.
@@ -137,6 +165,9 @@ class ChunkedModel final : private UseListener {
     return index < static_cast<int64_t>(initial_values_.size()) ? initial_values_[index] : at::Tensor();
   }
   void release_initial_values() { initial_values_.clear(); initial_values_.shrink_to_fit(); }
+  void release_initial_value(int64_t index) {
+    if (index < static_cast<int64_t>(initial_values_.size())) initial_values_[index] = at::Tensor();
+  }
   // Peak payload bytes of the old and new stores together during the last repack (tests, reports).
   int64_t last_repack_peak_bytes() const { return repack_peak_bytes_; }
   IterationStats last_iteration() const { return scheduler_->last_iteration(); }
@@ -157,6 +188,7 @@ class ChunkedModel final : private UseListener {
   void install_grad_hooks(bool on);
   friend struct GradLandingHook;
   void land_grad(int64_t param, const at::Tensor& variable);
+  void check_no_grad_in_slots(const char* what) const;
 
   std::shared_ptr<torch::nn::Module> module_;
   Config config_;
@@ -169,6 +201,8 @@ class ChunkedModel final : private UseListener {
   int64_t repack_peak_bytes_ = 0;
   double loss_scale_ = 1.0;
   GradSink* grad_sink_ = nullptr;
+  std::vector<char> grad_in_slot_;  // per parameter (Note [Gradient in the parameter slot])
+  int64_t grads_in_slots_ = 0;      // how many are set
   std::vector<std::vector<int64_t>> shapes_;
   std::vector<int64_t> numels_;
   std::vector<at::Tensor> initial_values_;  // see initial_value()

@@ -21,6 +21,18 @@ int64_t GptConfig::num_params() const {
   return vocab * h + seq * h + layers * (2 * ln + attn + mlp) + ln;
 }
 
+std::vector<int64_t> GptConfig::param_numels() const {
+  const int64_t h = hidden, m = mlp_width();
+  std::vector<int64_t> n{vocab * h, seq * h};
+  for (int64_t l = 0; l < layers; ++l) {
+    for (int64_t x : {h, h, 3 * h * h, 3 * h, h * h, h, h, h, h * m, m}) n.push_back(x);  // ln1 qkv proj ln2 fc
+    if (swiglu) n.insert(n.end(), {h * m, m});                                              // gate
+    n.insert(n.end(), {m * h, h});                                                          // out
+  }
+  n.insert(n.end(), {h, h});  // ln_f
+  return n;
+}
+
 double GptConfig::forward_flops_per_token(int64_t seq_len) const {
   const double h = static_cast<double>(hidden), m = static_cast<double>(mlp_width());
   const double per_layer = 2.0 * (4 * h * h + (swiglu ? 3 : 2) * h * m) + 2.0 * 2.0 * seq_len * h;

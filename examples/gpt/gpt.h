@@ -33,6 +33,9 @@ struct GptConfig {
   int64_t mlp_width() const { return mlp_hidden ? mlp_hidden : 4 * hidden; }
   // Parameter count, computed from the shapes (the module's numel sum equals it).
   int64_t num_params() const;
+  // Element counts of the module's parameters in registration order (named_parameters()), without
+  // building it: for layouts of models too large to construct here.
+  std::vector<int64_t> param_numels() const;
   // Multiply-accumulate FLOPs of one forward per token, matrices and attention scores (2 per MAC).
   double forward_flops_per_token(int64_t seq_len) const;
   void validate() const;

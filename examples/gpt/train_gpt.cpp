@@ -115,21 +115,15 @@ int train(int argc, char** argv) {
   const int64_t elem = config.precision == ferry::Precision::kFp32 ? 4 : 2;
   torch::manual_seed(args.seed);
   auto net = std::make_shared<gpt::GptImpl>(gc);
-  if (!given(argc, argv, {"chunk-size", "chunk_size"}) && !cuda) {
-    // Small models on the CPU: about 8 chunks, the size with the least packing waste between 1/16 and
-    // 1/4 of the model (ferry's chunk-size search).
+  int64_t chunk_bytes = config.chunk_size_bytes;
+  if (chunk_bytes == 0) {  // auto (ferry's default): the size ChunkedModel will pick, for the budget below
     std::vector<int64_t> numels;
     for (const auto& p : net->parameters()) numels.push_back(p.numel());
-    const int64_t align = 64 / elem;
-    const int64_t lo = std::max<int64_t>(4096 / elem, n_params / 16 / align * align);
-    const int64_t hi = std::max<int64_t>(lo, std::min<int64_t>(n_params / 4, (int64_t{64} << 20) / elem) / align * align);
-    const int64_t step = std::max<int64_t>(align, (hi - lo) / 64 / align * align);
-    const auto search = ferry::search_chunk_size(numels, {}, lo, hi, step, align);
-    config.chunk_size_bytes = search.best.chunk_numel * elem;
+    chunk_bytes = ferry::auto_chunk_size(numels, {}, elem).chunk_bytes;
   }
   if (!given(argc, argv, {"device-budget", "device_budget"})) {
     config.device_budget_bytes = cuda ? static_cast<int64_t>(0.9 * ferry::query_gpus().total_memory_bytes)
-                                      : std::max<int64_t>(n_params * elem / 2, 4 * config.chunk_size_bytes);
+                                      : std::max<int64_t>(n_params * elem / 2, 4 * chunk_bytes);
   }
   config.validate();
 
@@ -151,6 +145,9 @@ int train(int argc, char** argv) {
   adam_options.beta2 = 0.95;
   ferry::HybridAdamOptions options = ferry::HybridAdamOptions::no_decay_for_bias_and_norm(adam_options);
   options.max_grad_norm = args.max_grad_norm;
+  // Micro-batches accumulate gradients across backward passes: fp32 accumulation chunks (+4 B/param).
+  // One batch per step: the gradients live in the parameter chunks and cost nothing.
+  options.accumulate_grads = args.micro_batches > 1;
   ferry::HybridAdam adam(model, options);
   int64_t first_step = 0;
   if (!args.resume.empty()) {

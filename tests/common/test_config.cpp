@@ -39,8 +39,10 @@ TEST(FormatBytes, Readable) {
 TEST(Config, DefaultsAreValid) {
   Config c;
   EXPECT_NO_THROW(c.validate());
-  EXPECT_EQ(c.chunk_size_bytes, int64_t{64} << 20);
+  EXPECT_EQ(c.chunk_size_bytes, 0) << "auto: the chunk-size search";
   EXPECT_EQ(c.world_size, 1);
+  const char* argv[] = {"prog", "--chunk-size=8MiB", "--chunk-size=auto"};
+  EXPECT_EQ(Config::from_args(3, argv).chunk_size_bytes, 0);
 }
 
 TEST(Config, EnvironmentTorchrunThenSlurm) {
@@ -85,7 +87,7 @@ TEST(Config, BadArgumentsNameWhatWasExpected) {
     }
     ADD_FAILURE() << "no error for " << args[1];
   };
-  fails_with({"--chunk-size=1KiB"}, "chunk-size >= 4 KiB");
+  fails_with({"--chunk-size=1KiB"}, "chunk-size auto (0) or >= 4 KiB");
   fails_with({"--device=tpu"}, "auto|cuda|simulated, got 'tpu'");
   fails_with({"--precision=fp8"}, "fp32|bf16|fp16, got 'fp8'");
   fails_with({"--cpu-isa=neon"}, "got 'neon'");

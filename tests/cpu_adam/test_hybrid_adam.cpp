@@ -95,8 +95,11 @@ double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
   return (a64 - b64).abs().max().item<double>() / scale;
 }
 
-// Budget: `param_chunks` parameter chunks plus `state_chunks` state quartets (4 fp32 chunks each).
-int64_t budget_for(int64_t param_chunks, int64_t state_chunks) { return (param_chunks + 4 * state_chunks) * kChunk; }
+// Budget: `param_chunks` parameter chunks plus `state_chunks` state groups of `roles` fp32 chunks each
+// (master, exp_avg, exp_avg_sq; + grad with accumulate_grads).
+int64_t budget_for(int64_t param_chunks, int64_t state_chunks, int64_t roles = 3) {
+  return (param_chunks + roles * state_chunks) * kChunk;
+}
 
 // Every parameter's optimizer state before a step (fp32 copies).
 struct PreStep {
@@ -190,7 +193,7 @@ TEST(HybridAdam, TwentyStepsEqualTorchAdamWWithEvictionsAndSplitState) {
       expect_first_step_matches_torch(adam, model, ref, pre, r);
     }
     adam.zero_grad();
-    if (step > 0) {  // placed after warm-up: 2 quartets on the device, the rest on the host
+    if (step > 0) {  // placed after warm-up: 2 state groups on the device, the rest on the host
       EXPECT_EQ(r.device_chunks, 2);
       EXPECT_EQ(r.host_chunks, model.layout().num_chunks() - 2);
       const IterationStats it = model.last_iteration();
@@ -201,7 +204,7 @@ TEST(HybridAdam, TwentyStepsEqualTorchAdamWWithEvictionsAndSplitState) {
   }
   EXPECT_TRUE(adam.placed());
   EXPECT_EQ(adam.device_state_chunks(), 2);
-  EXPECT_EQ(model.scheduler().reserved_device_bytes(), 2 * 4 * kChunk);
+  EXPECT_EQ(model.scheduler().reserved_device_bytes(), 2 * 3 * kChunk);
   EXPECT_GT(evictions, 19) << "the budget must force evictions every iteration";
   EXPECT_EQ(adam.step_count(0), 20);
   // The compute copies equal the masters (fp32: exactly).
@@ -288,7 +291,7 @@ TEST(HybridAdam, ChainableOptionsSayTheSameAsFields) {
 }
 
 TEST(HybridAdam, PlacementFollowsTheMargin) {
-  {  // a generous budget: every quartet fits beside the parameters
+  {  // a generous budget: every state group fits beside the parameters
     torch::manual_seed(0);
     TinyLm net(kVocab, kDim);
     ChunkedModel model(net.ptr(), sim_config(budget_for(40, 40)));
@@ -325,10 +328,11 @@ TEST(HybridAdam, AccumulationEqualsTheBigBatch) {
   TinyLm big_net(kVocab, kDim);
   torch::manual_seed(5);
   TinyLm micro_net(kVocab, kDim);
-  ChunkedModel big(big_net.ptr(), sim_config(budget_for(3, 1)));
-  ChunkedModel micro(micro_net.ptr(), sim_config(budget_for(3, 1)));
+  ChunkedModel big(big_net.ptr(), sim_config(budget_for(3, 1, 4)));
+  ChunkedModel micro(micro_net.ptr(), sim_config(budget_for(3, 1, 4)));
   HybridAdamOptions options;
   options.defaults = adamw();
+  options.accumulate_grads = true;
   options.device_state_chunks = 1;
   HybridAdam big_adam(big, options), micro_adam(micro, options);
   for (int step = 0; step < 3; ++step) {
@@ -350,6 +354,122 @@ TEST(HybridAdam, AccumulationEqualsTheBigBatch) {
   }
   for (int64_t p = 0; p < big.num_params(); ++p) {
     EXPECT_LE(rel_err(micro_adam.master(p), big_adam.master(p)), 1e-5) << big.param_name(p);
+  }
+}
+
+// Gradients in the parameter chunks (the default) and in fp32 accumulation chunks give the same bits
+// (bf16 gradients widen to fp32 exactly): bf16 compute copy, evictions every iteration, state split
+// between device and host, no clipping. And the default mode holds no gradient memory.
+TEST(HybridAdam, GradsInParamChunksEqualAccumulationChunksBitForBit) {
+  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+  options.device_state_chunks = 2;
+  HybridAdamOptions accumulate = options;
+  accumulate.accumulate_grads = true;
+  torch::manual_seed(31);
+  TinyLm a_net(kVocab, kDim);
+  torch::manual_seed(31);
+  TinyLm b_net(kVocab, kDim);
+  // kChunk is 16 KiB of bf16, so a state group (fp32) is 2 x roles x kChunk.
+  ChunkedModel a(a_net.ptr(), sim_config(budget_for(3, 2 * 2), Precision::kBf16));
+  ChunkedModel b(b_net.ptr(), sim_config(budget_for(3, 2 * 2, 4), Precision::kBf16));
+  HybridAdam a_adam(a, options), b_adam(b, accumulate);
+  ASSERT_EQ(a_adam.num_state_roles(), 3);
+  ASSERT_EQ(b_adam.num_state_roles(), 4);
+  int64_t evictions = 0;
+  for (int step = 0; step < 6; ++step) {
+    const Batch x = batch(step);
+    a.backward(a.forward([&] { return lm_loss(a_net, x.idx, x.target); }));
+    b.backward(b.forward([&] { return lm_loss(b_net, x.idx, x.target); }));
+    for (int64_t p = 0; p < a.num_params(); ++p) {
+      ASSERT_TRUE(a.grad_in_slot(p)) << a.param_name(p);
+      EXPECT_TRUE(torch::equal(a_adam.grad(p), b_adam.grad(p))) << "step " << step << ": grad of " << a.param_name(p);
+    }
+    const StepResult ra = a_adam.step(), rb = b_adam.step();
+    b_adam.zero_grad();
+    ASSERT_TRUE(ra.applied && rb.applied) << "step " << step;
+    EXPECT_FALSE(a.any_grad_in_slot()) << "step() gives every slot its value back";
+    if (step > 0) EXPECT_EQ(ra.device_chunks, 2);
+    evictions += a.last_iteration().evictions;
+  }
+  EXPECT_GT(evictions, 5);
+  for (int64_t p = 0; p < a.num_params(); ++p) {
+    const auto& name = a.param_name(p);
+    EXPECT_TRUE(torch::equal(a_adam.master(p), b_adam.master(p))) << name;
+    EXPECT_TRUE(torch::equal(a_adam.exp_avg(p), b_adam.exp_avg(p))) << name;
+    EXPECT_TRUE(torch::equal(a_adam.exp_avg_sq(p), b_adam.exp_avg_sq(p))) << name;
+    EXPECT_TRUE(torch::equal(a.param_values(p).cpu(), b.param_values(p).cpu())) << name;
+  }
+  // Bytes: 2 (bf16) + 12 per allocated element, nothing for gradients; 16 with accumulation chunks.
+  const int64_t elems = a.layout().allocated_numel();
+  auto total = [](const ChunkStoreStats& st) { return st.device.current_bytes + st.host.current_bytes; };
+  EXPECT_EQ(total(a.store().stats()), 2 * elems);
+  EXPECT_EQ(total(a_adam.state_store().stats()), 12 * elems);
+  EXPECT_EQ(total(b_adam.state_store().stats()), 16 * elems);
+}
+
+// Between backward() and step() the parameters' slots hold gradients: a forward fails naming the
+// parameter (instead of computing with gradients), state_dict() refuses, zero_grad() restores the
+// values, and the model trains on afterwards.
+TEST(HybridAdam, UsingTheModelBeforeStepFailsAndZeroGradRestores) {
+  torch::manual_seed(37);
+  TinyLm net(kVocab, kDim);
+  ChunkedModel model(net.ptr(), sim_config(budget_for(3, 2), Precision::kBf16));  // bf16: a group is 2 x 3 chunks
+  HybridAdam adam(model, HybridAdamOptions(adamw()).with_device_state_chunks(1));
+  const Batch x = batch(0);
+  auto train_step = [&] {
+    model.backward(model.forward([&] { return lm_loss(net, x.idx, x.target); }));
+    return adam.step();
+  };
+  ASSERT_TRUE(train_step().applied);  // warm-up, repack, placement
+  std::vector<at::Tensor> values;
+  for (int64_t p = 0; p < model.num_params(); ++p) values.push_back(model.param_values(p).cpu().clone());
+  model.backward(model.forward([&] { return lm_loss(net, x.idx, x.target); }));
+  ASSERT_TRUE(model.any_grad_in_slot());
+  try {
+    model.forward([&] { return lm_loss(net, x.idx, x.target); });
+    ADD_FAILURE() << "a forward between backward() and step() must fail";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("holds its gradient"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("accumulate_grads"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(model.phase(), ModelPhase::kIdle);
+  EXPECT_THROW(model.state_dict(), c10::Error);
+  adam.zero_grad();
+  EXPECT_FALSE(model.any_grad_in_slot());
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    EXPECT_TRUE(torch::equal(model.param_values(p).cpu(), values[p])) << model.param_name(p);
+  }
+  EXPECT_THROW(adam.step(), c10::Error) << "zero_grad() discarded the gradients";
+  EXPECT_TRUE(train_step().applied);
+  EXPECT_EQ(adam.step_count(0), 2);
+}
+
+// A parameter that gets no gradient is not updated (as torch's optimizers skip an undefined .grad),
+// not even by weight decay: a frozen LayerNorm keeps its values bit for bit.
+TEST(HybridAdam, ParametersWithoutGradientsAreNotUpdated) {
+  for (bool accumulate : {false, true}) {
+    torch::manual_seed(41);
+    TinyLm net(kVocab, kDim);
+    net->ln_f->weight.set_requires_grad(false);
+    net->ln_f->bias.set_requires_grad(false);
+    const at::Tensor frozen = net->ln_f->weight.detach().clone();
+    ChunkedModel model(net.ptr(), sim_config(budget_for(3, 1, accumulate ? 4 : 3)));
+    HybridAdam adam(model, HybridAdamOptions(adamw()).with_accumulate_grads(accumulate).with_device_state_chunks(1));
+    int64_t frozen_param = -1;
+    for (int64_t p = 0; p < model.num_params(); ++p) {
+      if (model.param_name(p) == "ln_f.weight") frozen_param = p;
+    }
+    ASSERT_GE(frozen_param, 0);
+    const at::Tensor other_before = adam.master(0);
+    for (int step = 0; step < 3; ++step) {
+      const Batch x = batch(step);
+      model.backward(model.forward([&] { return lm_loss(net, x.idx, x.target); }));
+      ASSERT_TRUE(adam.step().applied);
+      adam.zero_grad();
+    }
+    EXPECT_TRUE(torch::equal(adam.master(frozen_param), frozen)) << "accumulate " << accumulate;
+    EXPECT_TRUE(torch::equal(model.param_values(frozen_param).cpu(), frozen)) << "accumulate " << accumulate;
+    EXPECT_FALSE(torch::equal(adam.master(0), other_before)) << "the others train";
   }
 }
 
@@ -527,12 +647,13 @@ TEST(HybridAdam, SaveResumeIsBitIdentical) {
 TEST(HybridAdam, BackwardStepOverlapsAndIsBitIdentical) {
   HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
   options.device_state_chunks = 2;
+  options.accumulate_grads = true;
   torch::manual_seed(21);
   TinyLm plain_net(kVocab, kDim);
   torch::manual_seed(21);
   TinyLm overlap_net(kVocab, kDim);
-  ChunkedModel plain(plain_net.ptr(), sim_config(budget_for(3, 2)));
-  ChunkedModel overlap(overlap_net.ptr(), sim_config(budget_for(3, 2)));
+  ChunkedModel plain(plain_net.ptr(), sim_config(budget_for(3, 2, 4)));
+  ChunkedModel overlap(overlap_net.ptr(), sim_config(budget_for(3, 2, 4)));
   HybridAdam plain_adam(plain, options), overlap_adam(overlap, options);
   for (int step = 0; step < 6; ++step) {
     const Batch b = batch(step);
@@ -576,14 +697,14 @@ TEST(HybridAdam, RepackAndMigrationDoNotHoldTwoCopies) {
   HybridAdam adam(model, HybridAdamOptions{});
   const int64_t param_bytes = model.store().stats().host.current_bytes;
   const int64_t state_bytes = adam.state_store().stats().host.current_bytes;
-  ASSERT_EQ(state_bytes, 4 * param_bytes);
+  ASSERT_EQ(state_bytes, 3 * param_bytes) << "master, exp_avg, exp_avg_sq: no gradient chunks";
   const Batch b = batch(0);
   model.backward(model.forward([&] { return lm_loss(net, b.idx, b.target); }));  // warm-up, then repack
   EXPECT_GT(model.last_repack_peak_bytes(), 0) << "the warm-up must repack";
   EXPECT_LE(model.last_repack_peak_bytes(), param_bytes + 2 * kChunk);
   adam.step();  // migrates the state to the new layout first
   EXPECT_GT(adam.last_migration_peak_bytes(), 0);
-  EXPECT_LE(adam.last_migration_peak_bytes(), state_bytes + 2 * 4 * kChunk);
+  EXPECT_LE(adam.last_migration_peak_bytes(), state_bytes + 2 * 3 * kChunk);
 }
 
 TEST(HybridAdam, BadInputFailsAndChangesNothing) {
