@@ -21,6 +21,8 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include <sys/resource.h>
+
 #include <chrono>
 #include <iostream>
 #include <random>
@@ -36,8 +38,15 @@ double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::
 struct Args {
   std::string preset = "small", commit = "unknown", trace;
   int64_t batch = 8, seq = 256, steps = 5, warmup_steps = 2;
-  bool checkpoint = false, baseline = true, find_max = false;
+  bool checkpoint = false, baseline = true, find_max = false, init_scope = false;
 };
+
+// Peak resident set of this process so far (getrusage; Linux reports KiB).
+int64_t rss_peak_bytes() {
+  struct rusage u {};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<int64_t>(u.ru_maxrss) * 1024;
+}
 
 struct StepTimes {
   double forward = 0, backward = 0, optimizer = 0, wait = 0, total = 0;
@@ -78,11 +87,27 @@ struct FerryResult {
   double moved_bytes = 0, moved_over_optimal = 0, device_peak = 0, host_peak = 0, pinned_peak = 0;
   double state_device = 0, state_host = 0, loss_first = 0, loss_last = 0, activation_bytes = 0;
   int64_t chunks = 0, device_state_chunks = 0, evictions = 0;
+  // Memory, per parameter and in bytes: at the end of the run (steady state), host and device tiers of
+  // both stores (parameter chunks + optimizer state; packing waste included).
+  double host_bytes_per_param = 0, device_bytes_per_param = 0, waste = 0, chunk_size_bytes = 0;
+  double param_pool_peak = 0;         // peak of the parameter chunks' host buffers: pinned on CUDA
+  double state_pool_peak = 0;         // the optimizer state's host buffers (never pinned)
+  double rss_after_construction = 0;  // process RSS peak once model and optimizer are built
+  double rss_peak = 0;                // process RSS peak at the end of the run
+  double startup_s = 0;               // model construction to the end of the first step
+  double construction_s = 0;          // model + ChunkedModel + HybridAdam
 };
 
 FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config config, bool cuda) {
   torch::manual_seed(1);
-  auto net = std::make_shared<gpt::GptImpl>(gc);
+  const auto t_start = Clock::now();
+  std::shared_ptr<gpt::GptImpl> net;
+  if (a.init_scope) {  // parameters built in the compute dtype: no fp32 model ever exists
+    ferry::InitScope scope(config.precision);
+    net = std::make_shared<gpt::GptImpl>(gc);
+  } else {
+    net = std::make_shared<gpt::GptImpl>(gc);
+  }
   if (a.checkpoint) {
     net->run_block = [](gpt::Block& b, const torch::Tensor& x) {
       return ferry::checkpoint([b](const std::vector<at::Tensor>& in) mutable { return b->forward(in[0]); }, {x});
@@ -96,6 +121,12 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   const c10::Device device = model.store().device();
   std::mt19937_64 rng(7);
   FerryResult r;
+  r.construction_s = since(t_start);
+  r.rss_after_construction = static_cast<double>(rss_peak_bytes());
+  r.waste = model.layout().waste();
+  r.chunk_size_bytes = static_cast<double>(model.chunk_size_bytes());
+  std::cerr << "bench_gpt: built in " << r.construction_s << " s, RSS peak " << ferry::format_bytes(rss_peak_bytes())
+            << ", chunk size " << ferry::format_bytes(model.chunk_size_bytes()) << ", waste " << r.waste * 100 << "%\n";
   r.chunks = model.layout().num_chunks();
   for (int64_t s = 0; s < a.warmup_steps + a.steps; ++s) {
     const bool measured = s >= a.warmup_steps;
@@ -125,6 +156,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     adam.zero_grad();
     sync(cuda);
     const double o_s = since(t2);
+    if (s == 0) r.startup_s = since(t_start);
     if (tracing) {
       ferry::trace::stop();
       ferry::trace::write_chrome_json(a.trace);
@@ -157,7 +189,13 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   }
 #endif
   r.host_peak = static_cast<double>(ms.host.peak_bytes + ss.host.peak_bytes);
-  r.pinned_peak = cuda ? static_cast<double>(ms.host_buffers.peak_reserved_bytes + ss.host_buffers.peak_reserved_bytes) : 0;
+  r.pinned_peak = cuda ? static_cast<double>(ms.host_buffers.peak_reserved_bytes) : 0;  // state: never pinned
+  const double params = static_cast<double>(gc.num_params());
+  r.host_bytes_per_param = static_cast<double>(ms.host.current_bytes + ss.host.current_bytes) / params;
+  r.device_bytes_per_param = static_cast<double>(ms.device.current_bytes + ss.device.current_bytes) / params;
+  r.param_pool_peak = static_cast<double>(ms.host_buffers.peak_reserved_bytes);
+  r.state_pool_peak = static_cast<double>(ss.host_buffers.peak_reserved_bytes);
+  r.rss_peak = static_cast<double>(rss_peak_bytes());
   r.state_device = static_cast<double>(ss.device.current_bytes);
   r.state_host = static_cast<double>(ss.host.current_bytes);
   r.device_state_chunks = adam.device_state_chunks();
@@ -274,6 +312,7 @@ int run(int argc, char** argv) {
       .add("steps", &a.steps, "measured steps (default 5)", 1)
       .add("warmup-steps", &a.warmup_steps, "unmeasured steps first (default 2)", 1)
       .add_flag("checkpoint-activations", &a.checkpoint, "recompute each block in backward")
+      .add_flag("init-scope", &a.init_scope, "build the model inside ferry::InitScope (compute dtype, no fp32 copy)")
       .add_flag("no-baseline", &no_baseline, "skip the unwrapped baseline")
       .add_flag("find-max", &a.find_max, "find the largest preset that trains")
       .add("commit", &a.commit, "commit id recorded in the JSON")
@@ -348,7 +387,17 @@ int run(int argc, char** argv) {
       << ", \"optimizer_state_device_bytes\": " << f.state_device << ", \"optimizer_state_host_bytes\": " << f.state_host
       << ", \"moved_bytes_per_step\": " << f.moved_bytes << ", \"moved_over_optimal\": " << f.moved_over_optimal
       << ", \"activation_bytes\": " << f.activation_bytes << ", \"evictions\": " << f.evictions << ", \"chunks\": " << f.chunks << ", \"device_state_chunks\": "
-      << f.device_state_chunks << ", \"loss_first\": " << f.loss_first << ", \"loss_last\": " << f.loss_last << "}";
+      << f.device_state_chunks << ", \"loss_first\": " << f.loss_first << ", \"loss_last\": " << f.loss_last
+      << ",\n    \"startup_s\": " << f.startup_s << ", \"construction_s\": " << f.construction_s
+      << ",\n    \"memory\": {\"host_bytes_per_param\": " << f.host_bytes_per_param
+      << ", \"device_bytes_per_param\": " << f.device_bytes_per_param
+      << ", \"total_bytes_per_param\": " << f.host_bytes_per_param + f.device_bytes_per_param
+      << ", \"pinned_peak_bytes\": " << (cuda ? f.param_pool_peak : 0.0)
+      << ", \"pinnable_peak_bytes\": " << f.param_pool_peak << ", \"unpinned_state_pool_peak_bytes\": " << f.state_pool_peak
+      << ", \"host_rss_peak_bytes\": " << f.rss_peak << ", \"host_rss_peak_after_construction_bytes\": "
+      << f.rss_after_construction << ", \"fp32_model_bytes\": " << 4 * n << ", \"waste\": " << f.waste
+      << ", \"chunk_size_bytes\": " << f.chunk_size_bytes << ", \"init_scope\": " << (a.init_scope ? "true" : "false")
+      << "}}";
   if (a.baseline) {
     double loss = 0;
     const StepTimes b = run_baseline(a, gc, cuda, &loss);
