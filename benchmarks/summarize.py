@@ -51,8 +51,11 @@ def mib(b):
 
 def gpt_table(doc, path):
     env, c = doc["env"], doc["config"]
+    mem = doc.get("ferry", {}).get("memory")
+    chunk = mib(mem["chunk_size_bytes"]) + " MiB (auto)" if mem and not c["chunk_size_bytes"] else \
+        mib(c["chunk_size_bytes"]) + " MiB"
     head = (f"`{path}` — commit `{doc['commit']}`, device {doc['device']} ({env['gpu_name'] or env['cpu']}), "
-            f"torch {env['torch']}, {c['precision']}, chunk {mib(c['chunk_size_bytes'])} MiB, device budget "
+            f"torch {env['torch']}, {c['precision']}, chunk {chunk}, device budget "
             f"{mib(c['device_budget_bytes']) + ' MiB' if c['device_budget_bytes'] else 'none'}, batch {c['batch']} x "
             f"seq {c['seq']}, checkpointing {'on' if c['checkpoint_activations'] else 'off'}")
     if "find_max" in doc:
@@ -83,6 +86,18 @@ def gpt_table(doc, path):
         lines.append("")
         lines.append(f"ferry/baseline: step time {doc['ferry_over_baseline_step_time']:.3f}x, forward+backward "
                      f"{doc['ferry_over_baseline_fwd_bwd']:.3f}x")
+    if mem:
+        gib = lambda x: f"{x / (1 << 30):.2f}"
+        lines += ["", "| host B/param | device B/param | total B/param | waste | pinned peak GiB | pinnable peak GiB | "
+                      "state pool peak GiB | RSS after construction GiB | RSS peak GiB | fp32 model GiB | init scope | "
+                      "construction s | start-up s |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+                  f"| {mem['host_bytes_per_param']:.2f} | {mem['device_bytes_per_param']:.2f} | "
+                  f"{mem['total_bytes_per_param']:.2f} | {mem['waste'] * 100:.1f}% | {gib(mem['pinned_peak_bytes'])} | "
+                  f"{gib(mem['pinnable_peak_bytes'])} | {gib(mem['unpinned_state_pool_peak_bytes'])} | "
+                  f"{gib(mem['host_rss_peak_after_construction_bytes'])} | {gib(mem['host_rss_peak_bytes'])} | "
+                  f"{gib(mem['fp32_model_bytes'])} | {'yes' if mem['init_scope'] else 'no'} | "
+                  f"{f['construction_s']:.1f} | {f['startup_s']:.1f} |"]
     return "\n".join(lines)
 
 
