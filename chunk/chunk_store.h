@@ -204,6 +204,10 @@ class ChunkStore {
   const char* engine_name() const;
   c10::Device device() const;
   const char* policy_name() const;
+  // Whether host payloads are page-locked: requested by ChunkStoreOptions::pin_host_memory, and done
+  // only where the engine's device is CUDA (the simulated device pins nothing).
+  bool pin_requested() const { return options_.pin_host_memory; }
+  bool pins_host_memory() const { return host_pool_.pinned(); }
 
  private:
   struct Slot {

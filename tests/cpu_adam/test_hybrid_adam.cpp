@@ -405,6 +405,12 @@ TEST(HybridAdam, GradsInParamChunksEqualAccumulationChunksBitForBit) {
   EXPECT_EQ(total(a.store().stats()), 2 * elems);
   EXPECT_EQ(total(a_adam.state_store().stats()), 12 * elems);
   EXPECT_EQ(total(b_adam.state_store().stats()), 16 * elems);
+  // Pinned memory only for what moves (D39): the parameter chunks ask for it (granted on CUDA), the
+  // optimizer state never does.
+  EXPECT_TRUE(a.store().pin_requested());
+  EXPECT_FALSE(a_adam.state_store().pin_requested());
+  EXPECT_FALSE(a_adam.state_store().pins_host_memory());
+  EXPECT_EQ(a_adam.state_store().stats().host_buffers.peak_reserved_bytes > 0, true) << "state is on the host";
 }
 
 // Between backward() and step() the parameters' slots hold gradients: a forward fails naming the
