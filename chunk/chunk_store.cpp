@@ -102,18 +102,22 @@ TierStats& ChunkStore::tier(Tier t) {
   TORCH_INTERNAL_ASSERT(false);
 }
 
-void ChunkStore::charge(Tier t, int64_t bytes) {
+void ChunkStore::charge(Tier t, const Chunk& chunk) {
+  const int64_t bytes = chunk.nbytes();
   TierStats& s = tier(t);
   s.current_bytes += bytes;
+  (t == Tier::kDevice ? device_by_role_ : host_by_role_)[static_cast<int>(chunk.role())] += bytes;
   TORCH_INTERNAL_ASSERT(s.budget_bytes == 0 || s.current_bytes <= s.budget_bytes, to_string(t),
                         " tier over budget: ", s.current_bytes, " > ", s.budget_bytes);
   s.peak_bytes = std::max(s.peak_bytes, s.current_bytes);
   if (trace::enabled()) trace::counter(options_.name + (t == Tier::kDevice ? " device bytes" : " host bytes"), s.current_bytes);
 }
 
-void ChunkStore::discharge(Tier t, int64_t bytes) {
+void ChunkStore::discharge(Tier t, const Chunk& chunk) {
+  const int64_t bytes = chunk.nbytes();
   TierStats& s = tier(t);
   s.current_bytes -= bytes;
+  (t == Tier::kDevice ? device_by_role_ : host_by_role_)[static_cast<int>(chunk.role())] -= bytes;
   TORCH_INTERNAL_ASSERT(s.current_bytes >= 0, to_string(t), " tier bytes went negative");
   if (trace::enabled()) trace::counter(options_.name + (t == Tier::kDevice ? " device bytes" : " host bytes"), s.current_bytes);
 }
@@ -274,7 +278,7 @@ bool ChunkStore::start_move(Chunk& chunk, Location to, bool must) {
     // it on the copy stream, so it may overwrite it.
     chunk.pending() = engine_->copy(chunk.host_flat(), chunk.device_flat());
     chunk.free_device_memory();
-    discharge(Tier::kDevice, n);
+    discharge(Tier::kDevice, chunk);
     chunk.set_location(Location::kHost);
     ++moves_.d2h_count;
     moves_.d2h_bytes += n;
@@ -294,14 +298,14 @@ bool ChunkStore::start_move(Chunk& chunk, Location to, bool must) {
 bool ChunkStore::give_device_memory(Chunk& chunk, bool must) {
   if (!make_room(Tier::kDevice, chunk.nbytes(), chunk.id(), must)) return false;
   chunk.allocate_device_memory();
-  charge(Tier::kDevice, chunk.nbytes());
+  charge(Tier::kDevice, chunk);
   return true;
 }
 
 bool ChunkStore::give_host_buffer(Chunk& chunk, bool must) {
   if (!make_room(Tier::kHost, chunk.nbytes(), chunk.id(), must)) return false;
   chunk.attach_host_buffer(host_pool_.acquire(chunk.nbytes()));
-  charge(Tier::kHost, chunk.nbytes());
+  charge(Tier::kHost, chunk);
   return true;
 }
 
@@ -327,7 +331,7 @@ void ChunkStore::finish_pending(Chunk& chunk, bool block) {
   if (chunk.location() == Location::kDevice && chunk.has_host_buffer()) {
     at::Tensor buffer = chunk.detach_host_buffer();
     host_pool_.release(buffer);
-    discharge(Tier::kHost, chunk.nbytes());
+    discharge(Tier::kHost, chunk);
   }
   alias_if_possible(chunk);
 }
@@ -583,12 +587,12 @@ void ChunkStore::release_payload(ChunkId id) {
   finish_pending(chunk, /*block=*/true);
   if (chunk.has_device_memory()) {
     chunk.free_device_memory();
-    discharge(Tier::kDevice, chunk.nbytes());
+    discharge(Tier::kDevice, chunk);
   }
   if (chunk.has_host_buffer()) {
     at::Tensor buffer = chunk.detach_host_buffer();
     host_pool_.release(buffer);
-    discharge(Tier::kHost, chunk.nbytes());
+    discharge(Tier::kHost, chunk);
   }
   chunk.set_location(Location::kNone);
 }
@@ -690,7 +694,8 @@ uint64_t ChunkStore::access_tick() const {
 
 ChunkStoreStats ChunkStore::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return ChunkStoreStats{device_, host_, moves_, host_pool_.stats(), compute_bytes_, compute_peak_bytes_};
+  return ChunkStoreStats{device_,       host_,          moves_,          host_pool_.stats(), compute_bytes_,
+                         compute_peak_bytes_, device_by_role_, host_by_role_};
 }
 
 void ChunkStore::reset_peak_stats() {

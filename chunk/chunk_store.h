@@ -31,6 +31,7 @@
 // (they keep their storage alive), but then no longer move.
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -88,6 +89,10 @@ struct ChunkStoreStats {
   // set of chunks one op (with its nested uses) needed at once, i.e. the smallest device budget for it.
   int64_t compute_bytes = 0;
   int64_t compute_peak_bytes = 0;
+  // The tiers' current bytes split by chunk role (index: ChunkRole), so every byte per parameter has a
+  // name: compute copy, fp32 master, exp_avg, exp_avg_sq, gradient accumulation.
+  std::array<int64_t, kNumChunkRoles> device_bytes_by_role{};
+  std::array<int64_t, kNumChunkRoles> host_bytes_by_role{};
 };
 
 struct ChunkInfo {
@@ -224,8 +229,8 @@ class ChunkStore {
   Slot& slot_at(TensorId id);
   const Slot& slot_at(TensorId id) const;
   TierStats& tier(Tier t);
-  void charge(Tier t, int64_t bytes);
-  void discharge(Tier t, int64_t bytes);
+  void charge(Tier t, const Chunk& chunk);  // its payload's bytes, in the tier and its role's share
+  void discharge(Tier t, const Chunk& chunk);
   // Makes room for `bytes` in `t`. Returns false (or throws OutOfMemoryError when `must`) if it can't.
   // A device tier short of room waits for in-flight copies of device chunks before giving up (only
   // when `must`): those chunks are no eviction candidates until their copy is done.
@@ -261,6 +266,7 @@ class ChunkStore {
   uint64_t tick_ = 0;
   TierStats device_;
   TierStats host_;
+  std::array<int64_t, kNumChunkRoles> device_by_role_{}, host_by_role_{};  // see ChunkStoreStats
   MoveStats moves_;
 };
 

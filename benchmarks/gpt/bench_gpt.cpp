@@ -90,6 +90,7 @@ struct FerryResult {
   // Memory, per parameter and in bytes: at the end of the run (steady state), host and device tiers of
   // both stores (parameter chunks + optimizer state; packing waste included).
   double host_bytes_per_param = 0, device_bytes_per_param = 0, waste = 0, chunk_size_bytes = 0;
+  std::string by_role_json;  // bytes per parameter of each chunk role, host + device
   double param_pool_peak = 0;         // peak of the parameter chunks' host buffers: pinned on CUDA
   double state_pool_peak = 0;         // the optimizer state's host buffers (never pinned)
   double rss_after_construction = 0;  // process RSS peak once model and optimizer are built
@@ -193,6 +194,19 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   const double params = static_cast<double>(gc.num_params());
   r.host_bytes_per_param = static_cast<double>(ms.host.current_bytes + ss.host.current_bytes) / params;
   r.device_bytes_per_param = static_cast<double>(ms.device.current_bytes + ss.device.current_bytes) / params;
+  {
+    std::ostringstream roles;
+    roles.precision(4);
+    roles << "{";
+    for (int role = 0; role < ferry::kNumChunkRoles; ++role) {
+      const auto bytes = ms.device_bytes_by_role[role] + ms.host_bytes_by_role[role] + ss.device_bytes_by_role[role] +
+                         ss.host_bytes_by_role[role];
+      roles << (role ? ", " : "") << "\"" << ferry::to_string(static_cast<ferry::ChunkRole>(role))
+            << "\": " << static_cast<double>(bytes) / params;
+    }
+    roles << "}";
+    r.by_role_json = roles.str();
+  }
   r.param_pool_peak = static_cast<double>(ms.host_buffers.peak_reserved_bytes);
   r.state_pool_peak = static_cast<double>(ss.host_buffers.peak_reserved_bytes);
   r.rss_peak = static_cast<double>(rss_peak_bytes());
@@ -392,6 +406,7 @@ int run(int argc, char** argv) {
       << ",\n    \"memory\": {\"host_bytes_per_param\": " << f.host_bytes_per_param
       << ", \"device_bytes_per_param\": " << f.device_bytes_per_param
       << ", \"total_bytes_per_param\": " << f.host_bytes_per_param + f.device_bytes_per_param
+      << ", \"bytes_per_param_by_role\": " << f.by_role_json
       << ", \"pinned_peak_bytes\": " << (cuda ? f.param_pool_peak : 0.0)
       << ", \"pinnable_peak_bytes\": " << f.param_pool_peak << ", \"unpinned_state_pool_peak_bytes\": " << f.state_pool_peak
       << ", \"host_rss_peak_bytes\": " << f.rss_peak << ", \"host_rss_peak_after_construction_bytes\": "

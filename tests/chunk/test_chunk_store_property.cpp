@@ -44,6 +44,10 @@ void check_invariants(ChunkStore& store, const Model& model, int64_t device_budg
   }
   ASSERT_EQ(stats.device.current_bytes, on_device);
   ASSERT_GE(stats.host.current_bytes, on_host);  // plus host buffers of pending host->device copies
+  int64_t device_roles = 0, host_roles = 0;  // the breakdown by role adds up to the tiers
+  for (int r = 0; r < kNumChunkRoles; ++r) device_roles += stats.device_bytes_by_role[r], host_roles += stats.host_bytes_by_role[r];
+  ASSERT_EQ(device_roles, stats.device.current_bytes);
+  ASSERT_EQ(host_roles, stats.host.current_bytes);
   for (const auto& [chunk, ptr] : compute_ptrs) {
     // Still resident at the same device memory: it did not move, not even there and back.
     const auto info = store.chunk_info(chunk);

@@ -405,6 +405,17 @@ TEST(HybridAdam, GradsInParamChunksEqualAccumulationChunksBitForBit) {
   EXPECT_EQ(total(a.store().stats()), 2 * elems);
   EXPECT_EQ(total(a_adam.state_store().stats()), 12 * elems);
   EXPECT_EQ(total(b_adam.state_store().stats()), 16 * elems);
+  // Every byte named by role.
+  auto role_bytes = [](const ChunkStoreStats& st, ChunkRole role) {
+    return st.device_bytes_by_role[static_cast<int>(role)] + st.host_bytes_by_role[static_cast<int>(role)];
+  };
+  EXPECT_EQ(role_bytes(a.store().stats(), ChunkRole::kParam), 2 * elems);
+  for (ChunkRole role : {ChunkRole::kMaster, ChunkRole::kExpAvg, ChunkRole::kExpAvgSq}) {
+    EXPECT_EQ(role_bytes(a_adam.state_store().stats(), role), 4 * elems) << to_string(role);
+    EXPECT_EQ(role_bytes(b_adam.state_store().stats(), role), 4 * elems) << to_string(role);
+  }
+  EXPECT_EQ(role_bytes(a_adam.state_store().stats(), ChunkRole::kGrad), 0) << "no gradient memory";
+  EXPECT_EQ(role_bytes(b_adam.state_store().stats(), ChunkRole::kGrad), 4 * elems);
   // Pinned memory only for what moves (D39): the parameter chunks ask for it (granted on CUDA), the
   // optimizer state never does.
   EXPECT_TRUE(a.store().pin_requested());
