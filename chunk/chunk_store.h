@@ -185,6 +185,12 @@ class ChunkStore {
   // Gives a RELEASED chunk a zero-filled payload at `at` (kDevice or kHost). Its tensors stay FREE.
   void allocate_payload(ChunkId id, Location at);
 
+  // Released host buffers kept for reuse, at most (ChunkStoreOptions::host_cache_bytes); trims now if
+  // lower. HybridAdam raises it to the parameter chunks that travel to the host every step, so that
+  // their pinned buffers are reused instead of allocated and freed (cudaFreeHost synchronizes).
+  void set_host_cache_bytes(int64_t bytes) { host_pool_.set_max_cached_bytes(bytes); }
+  int64_t host_cache_bytes() const { return host_pool_.max_cached_bytes(); }
+
   // Changes the device budget (0: no limit), evicting by policy down to it; on OutOfMemoryError the
   // old budget stays. The scheduler uses it for the per-moment budget.
   void set_device_budget(int64_t bytes);

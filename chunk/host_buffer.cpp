@@ -91,6 +91,18 @@ void HostBufferPool::trim_to(int64_t limit) {
   }
 }
 
+void HostBufferPool::set_max_cached_bytes(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "ferry: max_cached_bytes must be >= 0, got ", bytes);
+  std::lock_guard<std::mutex> lock(mutex_);
+  max_cached_bytes_ = bytes;
+  trim_to(bytes);
+}
+
+int64_t HostBufferPool::max_cached_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return max_cached_bytes_;
+}
+
 void HostBufferPool::trim() {
   std::lock_guard<std::mutex> lock(mutex_);
   trim_to(0);

@@ -44,6 +44,9 @@ class HostBufferPool {
   void release(at::Tensor& buffer);
   // Frees every cached buffer.
   void trim();
+  // Changes how many released bytes are kept for reuse (trimming down to it at once).
+  void set_max_cached_bytes(int64_t bytes);
+  int64_t max_cached_bytes() const;
   HostBufferStats stats() const;
 
  private:
@@ -51,7 +54,7 @@ class HostBufferPool {
   void trim_to(int64_t limit);  // mutex held
 
   const bool pinned_;
-  const int64_t max_cached_bytes_;
+  int64_t max_cached_bytes_;  // mutex_
   mutable std::mutex mutex_;
   std::map<int64_t, std::vector<at::Tensor>> cache_;  // by exact size
   std::vector<int64_t> cache_order_;                  // sizes in release order, oldest first

@@ -232,6 +232,20 @@ void HybridAdam::place_locked() {
     on_device_[c] = 1;
   }
   placed_ = true;
+  if (!options_.accumulate_grads) {
+    // Every step the parameter chunks of host-state chunks travel to the host (their gradients) and
+    // back (their new values): keep that many host buffers for reuse, so the round trip allocates
+    // nothing (pinned: no cudaHostAlloc/cudaFreeHost per step).
+    int64_t travelling = 0, largest = 0;
+    for (int64_t c = 0; c < n; ++c) {
+      const int64_t bytes = model_.store().chunk_info(model_.param_chunk(c)).nbytes;
+      largest = std::max(largest, bytes);
+      if (!on_device_[c]) travelling += bytes;
+    }
+    if (travelling > 0) {
+      model_.store().set_host_cache_bytes(std::max(model_.store().host_cache_bytes(), travelling + largest));
+    }
+  }
   log::info("ferry: HybridAdam placed optimizer state: ", count, " of ", n, " chunk groups on the device (",
             format_bytes(reserved), ")", margin >= 0 ? ", margin after parameters and non-model peak " : "",
             margin >= 0 ? format_bytes(std::max<int64_t>(0, margin)) : std::string());

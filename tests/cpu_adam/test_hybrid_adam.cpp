@@ -370,13 +370,16 @@ TEST(HybridAdam, GradsInParamChunksEqualAccumulationChunksBitForBit) {
   torch::manual_seed(31);
   TinyLm b_net(kVocab, kDim);
   // kChunk is 16 KiB of bf16, so a state group (fp32) is 2 x roles x kChunk.
-  ChunkedModel a(a_net.ptr(), sim_config(budget_for(3, 2 * 2), Precision::kBf16));
+  ChunkedModelOptions no_cache;
+  no_cache.host_cache_bytes = 0;  // HybridAdam must raise it for the chunks that travel every step
+  ChunkedModel a(a_net.ptr(), sim_config(budget_for(3, 2 * 2), Precision::kBf16), std::move(no_cache));
   ChunkedModel b(b_net.ptr(), sim_config(budget_for(3, 2 * 2, 4), Precision::kBf16));
   HybridAdam a_adam(a, options), b_adam(b, accumulate);
   ASSERT_EQ(a_adam.num_state_roles(), 3);
   ASSERT_EQ(b_adam.num_state_roles(), 4);
-  int64_t evictions = 0;
+  int64_t evictions = 0, allocations_after_step_2 = -1;
   for (int step = 0; step < 6; ++step) {
+    if (step == 3) allocations_after_step_2 = a.store().stats().host_buffers.allocations;
     const Batch x = batch(step);
     a.backward(a.forward([&] { return lm_loss(a_net, x.idx, x.target); }));
     b.backward(b.forward([&] { return lm_loss(b_net, x.idx, x.target); }));
@@ -392,6 +395,10 @@ TEST(HybridAdam, GradsInParamChunksEqualAccumulationChunksBitForBit) {
     evictions += a.last_iteration().evictions;
   }
   EXPECT_GT(evictions, 5);
+  // The parameter chunks' trips to the host and back reuse host buffers (pinned on CUDA): no fresh
+  // allocation once the run is steady.
+  EXPECT_EQ(a.store().stats().host_buffers.allocations, allocations_after_step_2);
+  EXPECT_GT(a.store().stats().host_buffers.reuses, 0);
   for (int64_t p = 0; p < a.num_params(); ++p) {
     const auto& name = a.param_name(p);
     EXPECT_TRUE(torch::equal(a_adam.master(p), b_adam.master(p))) << name;
