@@ -152,7 +152,9 @@ TEST(ChunkSizeSearch, PicksLeastWaste) {
   EXPECT_EQ(search.tried.back().chunk_numel, 160);
   for (const auto& t : search.tried) {
     EXPECT_GE(t.waste, search.best.waste);
-    if (t.chunk_numel == 96) EXPECT_DOUBLE_EQ(t.waste, 48.0 / 192.0);  // two chunks of 96, 144 used
+    if (t.chunk_numel == 96) {
+      EXPECT_DOUBLE_EQ(t.waste, 48.0 / 192.0);  // two chunks of 96, 144 used
+    }
   }
   EXPECT_THROW(search_chunk_size(numels, {}, 0, 10, 1, 1), c10::Error);
   EXPECT_THROW(search_chunk_size(numels, {}, 10, 5, 1, 1), c10::Error);

@@ -391,7 +391,9 @@ TEST(HybridAdam, GradsInParamChunksEqualAccumulationChunksBitForBit) {
     b_adam.zero_grad();
     ASSERT_TRUE(ra.applied && rb.applied) << "step " << step;
     EXPECT_FALSE(a.any_grad_in_slot()) << "step() gives every slot its value back";
-    if (step > 0) EXPECT_EQ(ra.device_chunks, 2);
+    if (step > 0) {
+      EXPECT_EQ(ra.device_chunks, 2);
+    }
     evictions += a.last_iteration().evictions;
   }
   EXPECT_GT(evictions, 5);
@@ -780,7 +782,9 @@ TEST(HybridAdam, BadInputFailsAndChangesNothing) {
   // A truncated state file.
   adam.save(dir);
   for (const auto& f : files_in(dir)) {
-    if (f.find("/exp_avg.") != std::string::npos) ASSERT_EQ(::truncate(f.c_str(), 12), 0);
+    if (f.find("/exp_avg.") != std::string::npos) {
+      ASSERT_EQ(::truncate(f.c_str(), 12), 0);
+    }
   }
   EXPECT_THROW(adam.load(dir), c10::Error);
   EXPECT_THROW(adam.load(dir + "/missing"), c10::Error);
