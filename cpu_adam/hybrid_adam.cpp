@@ -77,7 +77,7 @@ HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
   model_.release_initial_values();  // the masters hold them now
   model_.set_grad_sink(this);
   log::info("ferry: HybridAdam over ", model_.num_params(), " parameters in ", num_param_groups(), " groups, ",
-            spans_.size(), " state chunk groups (fp32 master, exp_avg, exp_avg_sq",
+            num_chunks(), " state chunk groups (fp32 master, exp_avg, exp_avg_sq",
             options_.accumulate_grads ? ", grad accumulation" : "; grads in the parameter chunks", "), CPU kernel ",
             to_string(cpu_adam_.isa()), " x", cpu_adam_.threads(), " threads",
             scaling_ ? ", fp16 dynamic loss scaling" : "");
@@ -171,21 +171,6 @@ void HybridAdam::build_state_locked() {
   layout_version_ = model_.layout_version();
   landings_.assign(model_.num_params(), 0);
   on_device_.assign(layout.num_chunks(), 0);
-  spans_.assign(layout.num_chunks(), {});
-  for (int64_t c = 0; c < layout.num_chunks(); ++c) {
-    for (int64_t t : layout.chunks()[c].tensors) {
-      const Slot& slot = layout.slots()[t];
-      if (slot.numel == 0) continue;
-      const int g = group_of_param_[t];
-      auto& spans = spans_[c];
-      // Consecutive slots of one group form one span (alignment gaps are zero in every role and stay so).
-      if (!spans.empty() && spans.back().group == g) {
-        spans.back().end = slot.offset + slot.numel;
-      } else {
-        spans.push_back({g, slot.offset, slot.offset + slot.numel});
-      }
-    }
-  }
 }
 
 void HybridAdam::sync_layout_locked() {
@@ -206,7 +191,7 @@ int64_t HybridAdam::device_state_chunks() const {
 void HybridAdam::place_locked() {
   // Decided once, after the warm-up of a training iteration (a forward-only trace lacks backward's memory).
   if (placed_ || !model_.scheduler().trace() || model_.scheduler().trace_is_forward_only()) return;
-  const int64_t n = static_cast<int64_t>(spans_.size());
+  const int64_t n = num_chunks();
   int64_t count = 0;
   // Room for chunks at the trace's worst moment: the device budget, capped at capacity - non-model
   // peak when the capacity is known (CUDA). 0: no limit.
@@ -309,7 +294,7 @@ void HybridAdam::stage_param_chunks_locked() {
   // Device-state chunks first: making room for them may evict parameter chunks bound for the host.
   for (int pass = 0; pass < 2; ++pass) {
     const bool device = pass == 0;
-    for (int64_t c = 0; c < static_cast<int64_t>(spans_.size()); ++c) {
+    for (int64_t c = 0; c < num_chunks(); ++c) {
       if (static_cast<bool>(on_device_[c]) != device) continue;
       const Location want = device ? Location::kDevice : Location::kHost;
       if (params.location(model_.param_chunk(c)) != want) params.move(model_.param_chunk(c), want);
@@ -321,7 +306,7 @@ void HybridAdam::discard_grads_locked() {
   if (!options_.accumulate_grads) {
     // The slots of landed parameters hold gradients: give them their values (the masters) back.
     ChunkStore& params = model_.store();
-    for (int64_t c = 0; c < static_cast<int64_t>(spans_.size()); ++c) {
+    for (int64_t c = 0; c < num_chunks(); ++c) {
       const std::vector<Span> spans = landed_spans_locked(c);
       if (spans.empty()) continue;
       at::Tensor param = params.payload(model_.param_chunk(c));
@@ -423,7 +408,7 @@ StepResult HybridAdam::backward_step(const at::Tensor& loss) {
     std::lock_guard<std::mutex> lock(mutex_);
     sync_layout_locked();
     place_locked();
-    const int64_t n = static_cast<int64_t>(spans_.size());
+    const int64_t n = num_chunks();
     const bool overlap = static_cast<int64_t>(expected_landings_.size()) == model_.num_params();
     std::fill(landings_.begin(), landings_.end(), 0);
     launched_.assign(n, 0);
@@ -455,7 +440,7 @@ StepResult HybridAdam::backward_step(const at::Tensor& loss) {
   expected_landings_ = landings_;
   if (!overlapped) return step_locked();  // the first call: nothing to compare against yet
   StepResult result;
-  const int64_t n = static_cast<int64_t>(spans_.size());
+  const int64_t n = num_chunks();
   int64_t t0 = now_ns();
   bool nonfinite = false;
   for (auto& f : pending_updates_) nonfinite = !f.get().applied || nonfinite;
@@ -516,7 +501,7 @@ StepResult HybridAdam::step() {
 }
 
 HybridAdam::ChunkNorms HybridAdam::grad_norms_locked() {
-  const int64_t n = static_cast<int64_t>(spans_.size());
+  const int64_t n = num_chunks();
   ChunkNorms norms;
   norms.sum_sq.assign(n, 0.0);
   norms.finite.assign(n, 1);
@@ -561,7 +546,7 @@ StepResult HybridAdam::step_locked() {
   place_locked();
   StepResult result;
   result.loss_scale = loss_scale();
-  const int64_t n = static_cast<int64_t>(spans_.size());
+  const int64_t n = num_chunks();
 
   trace::Span step_span("adam", "adam.step");
   stage_param_chunks_locked();
@@ -631,7 +616,7 @@ StepResult HybridAdam::step_locked() {
 }
 
 void HybridAdam::write_back_locked() {
-  for (int64_t c = 0; c < static_cast<int64_t>(spans_.size()); ++c) {
+  for (int64_t c = 0; c < num_chunks(); ++c) {
     model_.store().payload(model_.param_chunk(c)).copy_(store_->payload(roles_[kMasterRole].chunks[c]));
   }
 }

@@ -207,6 +207,7 @@ class HybridAdam final : private GradSink {
   // Spans of parameters that received gradients since the last step, per layout chunk (consecutive
   // landed slots of one group merged; alignment gaps are zero in every role).
   std::vector<Span> landed_spans_locked(int64_t chunk) const;
+  int64_t num_chunks() const { return static_cast<int64_t>(on_device_.size()); }  // layout chunks mirrored
   // Where chunk c's gradients are: the fp32 accumulation chunk, or (default) the parameter chunk,
   // which is first moved to where c's state is.
   at::Tensor grad_payload_locked(int64_t chunk);
@@ -245,7 +246,6 @@ class HybridAdam final : private GradSink {
   std::unique_ptr<ChunkStore> store_;
   int64_t layout_version_ = -1;
   std::vector<ChunkStore::RoleChunks> roles_;       // kNumRoles
-  std::vector<std::vector<Span>> spans_;            // per layout chunk
   std::vector<char> on_device_;                     // per layout chunk
   bool placed_ = false;
   bool grads_landed_ = false;
