@@ -89,6 +89,8 @@ class Chunk {
 
   // Access tick of the last access of any of its tensors (0: never).
   uint64_t last_use = 0;
+  // Host locks held (ChunkStore::lock_on_host): while > 0 the chunk stays on the host.
+  int host_locks = 0;
 
  private:
   void clear_storage();  // null DataPtr, 0 bytes, no alias

@@ -167,6 +167,7 @@ void ChunkStore::evict_for_locked(int64_t bytes, ChunkId incoming, bool must) {
   request.bytes_needed = s.current_bytes + bytes - s.budget_bytes;
   request.incoming = incoming;
   request.now = tick_;
+  request.demand = must;
   int64_t evictable = 0;
   for (const auto& c : chunks_) {
     if (!c->has_device_memory() || c->state() == ChunkState::kCompute || c->pending() || c->id() == incoming) {
@@ -262,6 +263,12 @@ bool ChunkStore::start_move(Chunk& chunk, Location to, bool must) {
               " has no payload (RELEASED) to move");
   TORCH_CHECK(chunk.state() != ChunkState::kCompute, "ferry: ", describe(chunk),
               " is in COMPUTE and cannot move");
+  if (to == Location::kDevice && chunk.host_locks > 0) {
+    TORCH_CHECK(!must, "ferry: ", describe(chunk), " is locked on the host (the optimizer is updating it there, "
+                "Note [Pipelined step] in cpu_adam/hybrid_adam.h) and cannot move to the device now: a parameter "
+                "of it is used after its gradient was final");
+    return false;
+  }
   const int64_t n = chunk.nbytes();
   trace::Span span("move", std::string(to == Location::kDevice ? "h2d" : "d2h") + " chunk " + std::to_string(chunk.id()));
   if (trace::enabled()) span.set_args("\"bytes\": " + std::to_string(n) + ", \"role\": \"" + to_string(chunk.role()) + "\"");
@@ -309,11 +316,13 @@ bool ChunkStore::give_host_buffer(Chunk& chunk, bool must) {
   return true;
 }
 
-void ChunkStore::finish_pending(Chunk& chunk, bool block) {
+void ChunkStore::finish_pending(Chunk& chunk, bool block, Count count) {
   auto& ticket = chunk.pending();
   if (!ticket) return;
   if (!ticket->done()) {
     if (!block) return;
+    if (count == Count::kCaller) ++moves_.sync_count;
+    if (count == Count::kBackground) ++moves_.background_sync_count;
     const auto start = std::chrono::steady_clock::now();
     trace::Span span("wait", "wait chunk " + std::to_string(chunk.id()));
     ticket->wait();
@@ -345,7 +354,8 @@ void ChunkStore::alias_if_possible(Chunk& chunk) {
 
 void ChunkStore::settle() {
   std::lock_guard<std::mutex> lock(mutex_);
-  const std::vector<ChunkId> pending = pending_;
+  // Newest first: copies complete in issue order (one copy stream), so one wait usually covers the rest.
+  const std::vector<ChunkId> pending(pending_.rbegin(), pending_.rend());
   for (ChunkId id : pending) {
     if (chunks_[id]->location() == Location::kHost) finish_pending(*chunks_[id], /*block=*/true);
   }
@@ -549,8 +559,15 @@ void ChunkStore::move(ChunkId id, Location to) {
   std::lock_guard<std::mutex> lock(mutex_);
   reap_completed();
   Chunk& chunk = chunk_at(id);
+  const bool moves = chunk.location() != to;
   start_move(chunk, to, /*must=*/true);
-  ready_for_use(chunk);
+  if (to == Location::kHost && moves) {
+    // Synchronous by contract: a host stall on CUDA even where the simulated engine is done already.
+    ++moves_.sync_count;
+    finish_pending(chunk, /*block=*/true, Count::kNone);
+  } else {
+    ready_for_use(chunk);
+  }
 }
 
 void ChunkStore::move_async(ChunkId id, Location to) {
@@ -568,15 +585,36 @@ bool ChunkStore::prefetch(ChunkId id) {
   return start_move(chunk, Location::kDevice, /*must=*/false);
 }
 
-void ChunkStore::wait(ChunkId id) {
+void ChunkStore::wait(ChunkId id, WaitFrom from) {
   std::lock_guard<std::mutex> lock(mutex_);
-  finish_pending(chunk_at(id), /*block=*/true);
+  finish_pending(chunk_at(id), /*block=*/true, from == WaitFrom::kBackground ? Count::kBackground : Count::kCaller);
 }
 
 void ChunkStore::synchronize() {
   std::lock_guard<std::mutex> lock(mutex_);
-  const std::vector<ChunkId> pending = pending_;
+  // Newest first: copies complete in issue order (one copy stream), so one wait usually covers the rest.
+  const std::vector<ChunkId> pending(pending_.rbegin(), pending_.rend());
   for (ChunkId id : pending) finish_pending(*chunks_[id], /*block=*/true);
+}
+
+void ChunkStore::lock_on_host(ChunkId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Chunk& chunk = chunk_at(id);
+  TORCH_CHECK(chunk.location() == Location::kHost, "ferry: lock_on_host: ", describe(chunk),
+              " must be on the host, it is on ", to_string(chunk.location()));
+  ++chunk.host_locks;
+}
+
+void ChunkStore::unlock_on_host(ChunkId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Chunk& chunk = chunk_at(id);
+  TORCH_CHECK(chunk.host_locks > 0, "ferry: unlock_on_host: ", describe(chunk), " is not locked");
+  --chunk.host_locks;
+}
+
+bool ChunkStore::locked_on_host(ChunkId id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return chunk_at(id).host_locks > 0;
 }
 
 void ChunkStore::release_payload(ChunkId id) {
@@ -584,6 +622,7 @@ void ChunkStore::release_payload(ChunkId id) {
   Chunk& chunk = chunk_at(id);
   TORCH_CHECK(chunk.state() == ChunkState::kFree, "ferry: ", describe(chunk),
               " can release its payload only when all its tensors are FREE; it is ", to_string(chunk.state()));
+  TORCH_CHECK(chunk.host_locks == 0, "ferry: ", describe(chunk), " is locked on the host; its payload cannot be released");
   finish_pending(chunk, /*block=*/true);
   if (chunk.has_device_memory()) {
     chunk.free_device_memory();

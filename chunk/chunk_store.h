@@ -78,7 +78,16 @@ struct MoveStats {
   int64_t evictions = 0;      // device->host moves chosen by the eviction policy (count)
   int64_t wait_count = 0;     // times the host blocked on a pending copy
   int64_t wait_ns = 0;        // total host time blocked on pending copies
+  // Host synchronizations of the calling (training) thread: the points where it needed a copy
+  // complete before going on, whatever the engine (a synchronous move to the host counts even where the
+  // simulated engine had finished it): what costs a host stall on CUDA. Waits by the optimizer's
+  // worker thread (wait(id, WaitFrom::kBackground)) are counted apart: they stall no training thread.
+  int64_t sync_count = 0;
+  int64_t background_sync_count = 0;
 };
+
+// Who waits for a copy (ChunkStore::wait): the training thread, or a background worker.
+enum class WaitFrom { kCaller, kBackground };
 
 struct ChunkStoreStats {
   TierStats device;
@@ -169,8 +178,17 @@ class ChunkStore {
   // Starts a move to the device if room can be made; returns whether it started (or the chunk is
   // already there). Never throws OutOfMemoryError.
   bool prefetch(ChunkId id);
-  // Blocks until the copy filling the chunk's payload, if any, has completed.
-  void wait(ChunkId id);
+  // Blocks until the copy filling the chunk's payload, if any, has completed. `from` only says which
+  // counter (MoveStats::sync_count or background_sync_count) a blocking wait goes to.
+  void wait(ChunkId id, WaitFrom from = WaitFrom::kCaller);
+  // Host lock: keeps a chunk on the host while another thread reads and writes its host payload (the
+  // optimizer's host Adam during backward). While locked (counted; lock and unlock in pairs): a move to
+  // the device fails (access(), move(), move_async() throw, naming the chunk; prefetch() returns
+  // false), and its payload cannot be released. The chunk must be on the host (a copy into it may still
+  // be pending: the locker waits for it).
+  void lock_on_host(ChunkId id);
+  void unlock_on_host(ChunkId id);
+  bool locked_on_host(ChunkId id) const;
   // Blocks until every pending copy has completed.
   void synchronize();
   // Blocks until the pending copies into host payloads (evictions) have completed, so that every
@@ -247,7 +265,9 @@ class ChunkStore {
   TierShortfall shortfall(Tier t, int64_t bytes, ChunkId incoming) const;
   // Starts a move; returns false only when !must and room could not be made.
   bool start_move(Chunk& chunk, Location to, bool must);
-  void finish_pending(Chunk& chunk, bool block);  // completes (or, !block, polls) its pending copy
+  // Completes (or, !block, polls) its pending copy; a blocking wait counts as a sync of `from`.
+  enum class Count { kCaller, kBackground, kNone };
+  void finish_pending(Chunk& chunk, bool block, Count count = Count::kCaller);
   void reap_completed();
   // A chunk on the host with a complete payload: its device storage aliases the host buffer.
   void alias_if_possible(Chunk& chunk);

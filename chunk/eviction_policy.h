@@ -27,6 +27,7 @@ struct EvictionRequest {
   int64_t bytes_needed = 0;  // at least this many bytes must leave the tier
   ChunkId incoming = -1;     // the chunk room is made for (-1: none)
   uint64_t now = 0;          // the store's access tick (one per access() call)
+  bool demand = false;       // the incoming chunk is needed now (access, move), not prefetched
   std::vector<EvictionCandidate> candidates;
 };
 

@@ -17,7 +17,10 @@ void OptEvictionPolicy::set_position(int64_t position) {
 std::vector<ChunkId> OptEvictionPolicy::choose(const EvictionRequest& request) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!trace_ || position_ < 0) return lru_.choose(request);
-  const int64_t incoming_next = request.incoming >= 0 ? trace_->next_use(request.incoming, position_) : position_;
+  // A demand access needs its chunk now, wherever the trace next uses it (a gradient landing after the
+  // parameter's last traced use): Belady over the candidates as they are.
+  const int64_t incoming_next =
+      request.incoming >= 0 && !request.demand ? trace_->next_use(request.incoming, position_) : position_;
   // A prefetch decides now what Belady would decide when the incoming chunk is needed (at
   // incoming_next). Then Belady compares every resident chunk by its next use *after that moment*,
   // including the current chunk (in COMPUTE now, so not a candidate) and the chunks used before that

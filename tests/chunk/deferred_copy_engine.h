@@ -4,7 +4,8 @@
 // queued copies up to it on one poll in `poll_one_in`, chosen by a seeded RNG; 0: never). Device memory comes from an
 // allocator whose frees are deferred while copies are queued, as record_stream does for the CUDA
 // caching allocator. So the ChunkStore's pending-copy paths, which the synchronous simulated engine
-// never takes, run in CPU tests, under ASan too.
+// never takes, run in CPU tests, under ASan too. Thread-safe (a recursive mutex): the optimizer's worker
+// waits for copies while the training thread queues others and frees device memory.
 #include <ATen/core/Tensor.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -13,6 +14,7 @@
 #include <cstring>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <vector>
 
@@ -50,10 +52,15 @@ class DeferredCopyEngine final : public CopyEngine {
 
   // Runs queued copies until the one numbered `seq` has run.
   void run_until(uint64_t seq) {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
     while (!queue_.empty() && done_seq_ < seq) run_one();
   }
-  bool is_done(uint64_t seq) const { return done_seq_ >= seq; }
+  bool is_done(uint64_t seq) const {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    return done_seq_ >= seq;
+  }
   bool poll(uint64_t seq) {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
     if (!is_done(seq) && poll_one_in_ > 0 &&
         std::uniform_int_distribution<int>(1, poll_one_in_)(rng_) == 1) {
       run_until(seq);
@@ -61,13 +68,17 @@ class DeferredCopyEngine final : public CopyEngine {
     return is_done(seq);
   }
   void defer_free(void* p) {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
     if (queue_.empty()) {
       std::free(p);
     } else {
       deferred_frees_.push_back(p);
     }
   }
-  int64_t copies_run() const { return static_cast<int64_t>(done_seq_); }
+  int64_t copies_run() const {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    return static_cast<int64_t>(done_seq_);
+  }
 
  private:
   struct Job {
@@ -78,6 +89,7 @@ class DeferredCopyEngine final : public CopyEngine {
   };
   void run_one();
 
+  mutable std::recursive_mutex mutex_;
   std::mt19937_64 rng_;
   int poll_one_in_;
   DeferredAllocator allocator_;
@@ -124,11 +136,16 @@ inline DeferredCopyEngine::DeferredCopyEngine(uint64_t seed, int poll_one_in)
 }
 
 inline DeferredCopyEngine::~DeferredCopyEngine() {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
   while (!queue_.empty()) run_one();
-  deferred_engine_instance() = nullptr;
+  for (void* p : deferred_frees_) std::free(p);
+  deferred_frees_.clear();
+  // A newer engine (a repacked store's) keeps deferring the frees of this one's memory.
+  if (deferred_engine_instance() == this) deferred_engine_instance() = nullptr;
 }
 
 inline std::unique_ptr<CopyTicket> DeferredCopyEngine::copy(const at::Tensor& dst, const at::Tensor& src) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
   const uint64_t seq = ++next_seq_;
   TORCH_INTERNAL_ASSERT(dst.nbytes() == src.nbytes());
   queue_.push_back(Job{dst.data_ptr(), src.data_ptr(), dst.nbytes(), seq});

@@ -361,6 +361,47 @@ TEST(ChunkStore, PendingCopiesAreOrderedAndWaitedFor) {
   EXPECT_EQ(store.stats().device.current_bytes, 0);
 }
 
+// Host locks (the pipelined optimizer step): a locked chunk stays on the host (access and moves to the
+// device fail naming the lock, prefetch declines, its payload cannot be released) until unlocked.
+// Syncs: a synchronous move to the host is one, whatever the engine; a background wait is counted apart.
+TEST(ChunkStore, HostLockKeepsAChunkOnTheHostAndSyncsAreCounted) {
+  auto engine = std::make_unique<test::DeferredCopyEngine>(9, /*poll_one_in=*/0);
+  ChunkStore store(simulated(), std::move(engine));
+  const ChunkId c = store.add_chunk(ChunkRole::kParam, at::kFloat, 256, Location::kDevice);
+  const TensorId t = store.add_tensor(c, 0, {256});
+  EXPECT_THROW(store.lock_on_host(c), c10::Error) << "only a chunk on the host can be locked there";
+  store.move_async(c, Location::kHost);
+  store.lock_on_host(c);
+  store.lock_on_host(c);  // counted
+  EXPECT_TRUE(store.locked_on_host(c));
+  store.wait(c, WaitFrom::kBackground);
+  EXPECT_EQ(store.stats().moves.background_sync_count, 1);
+  EXPECT_EQ(store.stats().moves.sync_count, 0);
+  try {
+    store.access(t);
+    ADD_FAILURE() << "access of a chunk locked on the host must fail";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("locked on the host"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(store.tensor_info(t).state, TensorState::kHold) << "the failed access changed nothing";
+  EXPECT_THROW(store.move(c, Location::kDevice), c10::Error);
+  EXPECT_FALSE(store.prefetch(c));
+  store.set_state(t, TensorState::kFree);
+  EXPECT_THROW(store.release_payload(c), c10::Error);
+  store.set_state(t, TensorState::kHold);
+  store.unlock_on_host(c);
+  EXPECT_TRUE(store.locked_on_host(c));
+  store.unlock_on_host(c);
+  EXPECT_FALSE(store.locked_on_host(c));
+  EXPECT_THROW(store.unlock_on_host(c), c10::Error);
+  EXPECT_TRUE(store.prefetch(c));
+  store.access(t);
+  store.release(t, TensorState::kHold);
+  store.move(c, Location::kHost);  // synchronous: one sync of the caller
+  EXPECT_EQ(store.stats().moves.sync_count, 1);
+  EXPECT_EQ(store.location(c), Location::kHost);
+}
+
 // While an eviction's copy is in flight the storage has no memory (the host payload is not complete);
 // settle() completes such copies, after which the storage aliases the host payload.
 TEST(ChunkStore, SettleMakesEvictedChunksReadable) {
