@@ -317,6 +317,14 @@ std::future<UpdateResult> CpuAdam::update_async(int group, const AdamSpan& span,
   return result;
 }
 
+std::future<void> CpuAdam::run_async(std::function<void()> job) {
+  TORCH_CHECK(job, "CpuAdam: run_async() needs a job");
+  auto task = std::make_shared<std::packaged_task<void()>>(std::move(job));
+  std::future<void> result = task->get_future();
+  async_->submit([task] { (*task)(); });
+  return result;
+}
+
 UpdateResult CpuAdam::step(int group, const std::vector<AdamSpan>& spans, double grad_scale) {
   group_at(group);
   check_grad_scale(grad_scale);

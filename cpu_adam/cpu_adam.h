@@ -21,6 +21,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <memory>
 #include <optional>
@@ -98,6 +99,10 @@ class CpuAdam {
                       const UpdateOptions& options = {});
   // Queues update(group, span, options) with the group's current options and step count.
   std::future<UpdateResult> update_async(int group, const AdamSpan& span, const UpdateOptions& options = {});
+  // Runs `job` on the same queue, after everything queued before it; its exception lands in the
+  // future. A job may call update() and grad_norm_sq(): they read the group's options and step count
+  // when the job runs, so do not change those while jobs are queued.
+  std::future<void> run_async(std::function<void()> job);
 
   // One optimizer step of `group` over all its spans, all or nothing: if any grad is non-finite,
   // nothing is written and the step count is unchanged; otherwise advance_step + update each span.

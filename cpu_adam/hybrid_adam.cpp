@@ -2,17 +2,22 @@
 
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/all.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/logical_not.h>
 #include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
 
 #include <ATen/ops/zeros.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <unordered_map>
 
 #include "ferry/chunk/copy_engine.h"
@@ -249,7 +254,7 @@ void HybridAdam::land_grad(int64_t param, const at::Tensor& grad) {
   landed_[param] = 1;
   grads_landed_ = true;
   ++landings_[param];
-  if (!overlap_active_) return;
+  if (!overlap_active_ || !options_.accumulate_grads) return;  // default mode: after_landing()
   const int64_t c = model_.layout().slots()[param].chunk;
   TORCH_CHECK(!launched_[c], "ferry: HybridAdam::backward_step: parameter ", model_.param_name(param),
               " got more gradient contributions (", landings_[param], ") than in the previous backward_step (",
@@ -287,7 +292,7 @@ at::Tensor HybridAdam::grad_payload_locked(int64_t c) {
   return model_.store().payload(model_.param_chunk(c));
 }
 
-void HybridAdam::stage_param_chunks_locked() {
+void HybridAdam::stage_param_chunks_locked(bool skip_launched) {
   if (options_.accumulate_grads) return;
   trace::Span span("adam", "adam.stage_param_chunks");
   ChunkStore& params = model_.store();
@@ -295,7 +300,7 @@ void HybridAdam::stage_param_chunks_locked() {
   for (int pass = 0; pass < 2; ++pass) {
     const bool device = pass == 0;
     for (int64_t c = 0; c < num_chunks(); ++c) {
-      if (static_cast<bool>(on_device_[c]) != device) continue;
+      if (static_cast<bool>(on_device_[c]) != device || (skip_launched && launched_[c])) continue;
       const Location want = device ? Location::kDevice : Location::kHost;
       if (params.location(model_.param_chunk(c)) != want) params.move(model_.param_chunk(c), want);
     }
@@ -309,9 +314,7 @@ void HybridAdam::discard_grads_locked() {
     for (int64_t c = 0; c < num_chunks(); ++c) {
       const std::vector<Span> spans = landed_spans_locked(c);
       if (spans.empty()) continue;
-      at::Tensor param = params.payload(model_.param_chunk(c));
-      const at::Tensor master = store_->payload(roles_[kMasterRole].chunks[c]);
-      for (const Span& sp : spans) param.slice(0, sp.begin, sp.end).copy_(master.slice(0, sp.begin, sp.end));
+      restore_values(params.payload(model_.param_chunk(c)), store_->payload(roles_[kMasterRole].chunks[c]), spans);
     }
     model_.clear_grad_slots();
   } else {
@@ -321,11 +324,12 @@ void HybridAdam::discard_grads_locked() {
   grads_landed_ = false;
 }
 
-std::vector<std::pair<int, AdamSpan>> HybridAdam::host_spans_locked(int64_t c) {
-  float* p = store_->payload(roles_[kMasterRole].chunks[c]).data_ptr<float>();
-  float* m = store_->payload(roles_[kExpAvgRole].chunks[c]).data_ptr<float>();
-  float* v = store_->payload(roles_[kExpAvgSqRole].chunks[c]).data_ptr<float>();
-  const at::Tensor grads = grad_payload_locked(c);
+void HybridAdam::restore_values(const at::Tensor& param, const at::Tensor& master, const std::vector<Span>& spans) {
+  for (const Span& sp : spans) param.slice(0, sp.begin, sp.end).copy_(master.slice(0, sp.begin, sp.end));
+}
+
+std::vector<std::pair<int, AdamSpan>> HybridAdam::adam_spans(const std::vector<Span>& landed, float* p, float* m,
+                                                             float* v, const at::Tensor& grads) const {
   const at::ScalarType grad_dtype = grads.scalar_type();
   const int64_t grad_elem = static_cast<int64_t>(c10::elementSize(grad_dtype));
   char* g = static_cast<char*>(grads.data_ptr());
@@ -333,7 +337,7 @@ std::vector<std::pair<int, AdamSpan>> HybridAdam::host_spans_locked(int64_t c) {
   // bf16/fp16 value over each grad it has read, in the same pass (fp32: copied after the update).
   const bool in_place_lowp = !options_.accumulate_grads && grad_dtype != at::kFloat;
   std::vector<std::pair<int, AdamSpan>> spans;
-  for (const Span& s : landed_spans_locked(c)) {
+  for (const Span& s : landed) {
     AdamSpan span;
     span.param = p + s.begin;
     span.grad = g + s.begin * grad_elem;
@@ -350,6 +354,64 @@ std::vector<std::pair<int, AdamSpan>> HybridAdam::host_spans_locked(int64_t c) {
   return spans;
 }
 
+std::vector<std::pair<int, AdamSpan>> HybridAdam::host_spans_locked(int64_t c) {
+  return adam_spans(landed_spans_locked(c), store_->payload(roles_[kMasterRole].chunks[c]).data_ptr<float>(),
+                    store_->payload(roles_[kExpAvgRole].chunks[c]).data_ptr<float>(),
+                    store_->payload(roles_[kExpAvgSqRole].chunks[c]).data_ptr<float>(), grad_payload_locked(c));
+}
+
+void HybridAdam::run_host_update(const std::vector<std::pair<int, AdamSpan>>& spans, const UpdateOptions& options) {
+  for (const auto& [group, span] : spans) {
+    cpu_adam_.update(group, span, options);
+    if (!options_.accumulate_grads && !span.param_lowp) {  // fp32 compute copy: the master is the value
+      std::memcpy(const_cast<void*>(span.grad), span.param, static_cast<size_t>(span.numel) * sizeof(float));
+    }
+  }
+}
+
+HybridAdam::ChunkOutcome HybridAdam::host_norm(const at::Tensor& grads, const std::vector<Span>& spans) const {
+  ChunkOutcome out;
+  const int64_t elem = static_cast<int64_t>(grads.element_size());
+  const char* base = static_cast<const char*>(grads.data_ptr());
+  for (const Span& s : spans) {
+    const GradNorm norm = cpu_adam_.grad_norm_sq(base + s.begin * elem, grads.scalar_type(), s.end - s.begin);
+    out.sum_sq += norm.sum_sq;
+    out.finite = out.finite && !norm.nonfinite;
+  }
+  return out;
+}
+
+std::vector<at::Tensor> HybridAdam::device_norms(const at::Tensor& grads, const std::vector<Span>& spans) const {
+  std::vector<at::Tensor> norms;
+  for (const Span& s : spans) {
+    // fp32 accumulation whatever the gradients' dtype; inf/NaN if any gradient is.
+    norms.push_back(at::linalg_vector_norm(grads.slice(0, s.begin, s.end), 2, c10::nullopt, false, at::kFloat));
+  }
+  return norms;
+}
+
+void HybridAdam::finish_norms(const std::vector<at::Tensor>& device_norms, const std::vector<int64_t>& device_index,
+                              ChunkNorms& norms) {
+  int64_t syncs = 0;
+  if (!device_norms.empty()) {  // one host sync for every device chunk
+    const at::Tensor all = at::stack(device_norms).to(at::kCPU, at::kDouble);
+    syncs = 1;
+    const double* v = all.data_ptr<double>();
+    for (size_t k = 0; k < device_index.size(); ++k) {
+      norms.finite[device_index[k]] = norms.finite[device_index[k]] && std::isfinite(v[k]);
+      norms.sum_sq[device_index[k]] += v[k] * v[k];
+    }
+  }
+  norms.total_sq = 0.0;
+  norms.all_finite = true;
+  for (size_t c = 0; c < norms.sum_sq.size(); ++c) {
+    norms.all_finite = norms.all_finite && norms.finite[c];
+    norms.total_sq += norms.sum_sq[c];
+  }
+  norms.all_finite = norms.all_finite && std::isfinite(norms.total_sq);
+  norms.syncs = syncs;
+}
+
 void HybridAdam::launch_overlapped_locked(int64_t c) {
   launched_[c] = 1;
   for (const auto& [group, span] : host_spans_locked(c)) {
@@ -359,15 +421,10 @@ void HybridAdam::launch_overlapped_locked(int64_t c) {
 
 void HybridAdam::host_update_chunk_locked(int64_t c, const UpdateOptions& update_options) {
   trace::Span span("adam", trace::enabled() ? "host adam chunk " + std::to_string(c) : std::string());
-  for (const auto& [group, span] : host_spans_locked(c)) {
-    cpu_adam_.update(group, span, update_options);
-    if (!options_.accumulate_grads && !span.param_lowp) {  // fp32 compute copy: the master is the value
-      std::memcpy(const_cast<void*>(span.grad), span.param, static_cast<size_t>(span.numel) * sizeof(float));
-    }
-  }
+  run_host_update(host_spans_locked(c), update_options);
 }
 
-void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale) {
+void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale, const at::Tensor& found_inf) {
   trace::Span span("adam", trace::enabled() ? "device adam chunk " + std::to_string(c) : std::string());
   at::Tensor p = store_->payload(roles_[kMasterRole].chunks[c]);
   at::Tensor m = store_->payload(roles_[kExpAvgRole].chunks[c]);
@@ -383,24 +440,231 @@ void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale) {
     at::Tensor steps = at::full({}, static_cast<double>(cpu_adam_.step_count(s.group)), p.options());
     std::vector<at::Tensor> ps{p.slice(0, s.begin, s.end)}, ms{m.slice(0, s.begin, s.end)},
         vs{v.slice(0, s.begin, s.end)};
+    const std::optional<at::Tensor> skip = found_inf.defined() ? std::optional<at::Tensor>(found_inf) : std::nullopt;
     if (o.mode == AdamMode::kAdamW) {
       at::_fused_adamw_(ps, {gs}, ms, vs, {}, {steps}, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps,
-                        /*amsgrad=*/false, /*maximize=*/false);
+                        /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, skip);
     } else {
       at::_fused_adam_(ps, {gs}, ms, vs, {}, {steps}, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps,
-                       /*amsgrad=*/false, /*maximize=*/false);
+                       /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, skip);
     }
     if (into_param) g.slice(0, s.begin, s.end).copy_(ps[0]);
   }
 }
 
-StepResult HybridAdam::backward_step(const at::Tensor& loss) {
-  if (!options_.accumulate_grads) {
-    // Gradients in the parameter chunks: nothing is overlapped yet (see the header).
-    check_idle("backward_step()");
-    model_.backward(loss);
-    return step();
+// ---- the pipelined step (Note [Pipelined step]) ---------------------------------------------------
+
+void HybridAdam::before_landing(int64_t param) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!overlap_active_ || options_.accumulate_grads) return;
+  const int64_t c = model_.layout().slots()[param].chunk;
+  TORCH_CHECK(!launched_[c], "ferry: HybridAdam::backward_step: parameter ", model_.param_name(param),
+              " got gradient contribution ", landings_[param] + 1, " after its chunk's update had started (the "
+              "previous backward_step saw ", expected_landings_[param], "; Note [Pipelined step]). Use backward() + "
+              "step() for models whose backward changes between steps.");
+}
+
+void HybridAdam::after_landing(int64_t param) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!overlap_active_ || options_.accumulate_grads) return;
+  const int64_t c = model_.layout().slots()[param].chunk;
+  if (landings_[param] <= expected_landings_[param] && --remaining_[c] == 0) launch_chunk_locked(c);
+}
+
+void HybridAdam::launch_chunk_locked(int64_t c) {
+  launched_[c] = 1;
+  ChunkStore& params = model_.store();
+  const ChunkId pc = model_.param_chunk(c);
+  std::vector<Span> spans = landed_spans_locked(c);
+  if (on_device_[c]) {
+    // No host stall: a move to the device only orders the compute stream after the copy.
+    trace::Span span("adam", trace::enabled() ? "pipelined device adam chunk " + std::to_string(c) : std::string());
+    if (params.location(pc) != Location::kDevice) params.move(pc, Location::kDevice);
+    chunk_device_norms_[c] = device_norms(params.payload(pc), spans);
+    if (eager_ && !spans.empty()) {
+      const at::Tensor found_inf =
+          at::logical_not(at::isfinite(at::stack(chunk_device_norms_[c])).all()).to(at::kFloat);
+      device_update_chunk_locked(c, 1.0, found_inf);
+    }
+    return;
   }
+  if (params.location(pc) != Location::kHost) params.move_async(pc, Location::kHost);  // one transfer
+  params.lock_on_host(pc);
+  try {
+    float* p = store_->payload(roles_[kMasterRole].chunks[c]).data_ptr<float>();
+    float* m = store_->payload(roles_[kExpAvgRole].chunks[c]).data_ptr<float>();
+    float* v = store_->payload(roles_[kExpAvgSqRole].chunks[c]).data_ptr<float>();
+    at::Tensor master = store_->payload(roles_[kMasterRole].chunks[c]);
+    jobs_[c] = cpu_adam_.run_async([this, c, pc, store = &params, spans = std::move(spans), p, m, v,
+                                    master = std::move(master), eager = eager_] {
+      struct Unlock {
+        ChunkStore* store;
+        ChunkId id;
+        ~Unlock() {
+          try {
+            store->unlock_on_host(id);
+          } catch (const std::exception& e) {
+            log::error("ferry: HybridAdam could not unlock chunk ", id, ": ", e.what());
+          }
+        }
+      } unlock{store, pc};
+      ++jobs_started_;
+      trace::Span span("adam", trace::enabled() ? "pipelined host adam chunk " + std::to_string(c) : std::string());
+      store->wait(pc, WaitFrom::kBackground);  // its gradients' copy to the host
+      const at::Tensor g = store->payload(pc);
+      const ChunkOutcome out = host_norm(g, spans);
+      if (eager) {
+        if (out.finite) {
+          run_host_update(adam_spans(spans, p, m, v, g), UpdateOptions{1.0, /*grads_checked=*/true});
+        } else {
+          restore_values(g, master, spans);
+        }
+      }
+      outcomes_[c] = out;
+    });
+  } catch (...) {
+    params.unlock_on_host(pc);
+    throw;
+  }
+}
+
+void HybridAdam::backward_finished(bool /*aborted*/) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // The jobs read and write parameter chunks: done before the model ends the iteration.
+  for (auto& job : jobs_) {
+    if (job.valid()) job.wait();
+  }
+  for (auto& update : pending_updates_) update.wait();
+}
+
+StepResult HybridAdam::finish_pipelined_locked() {
+  trace::Span step_span("adam", "adam.finish_pipelined_step");
+  TORCH_INTERNAL_ASSERT(layout_version_ == model_.layout_version(), "the layout changed under a pipelined step");
+  StepResult result;
+  result.loss_scale = loss_scale();
+  const int64_t n = num_chunks();
+  std::exception_ptr error;
+  for (auto& job : jobs_) {
+    if (!job.valid()) continue;
+    try {
+      job.get();
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  jobs_.clear();
+  if (error) std::rethrow_exception(error);
+  for (char l : launched_) result.overlapped_chunks += l;
+  for (char d : on_device_) (d ? result.device_chunks : result.host_chunks) += 1;
+  // Chunks that did not become final during backward: staged now, as step() stages them; the norms of
+  // all, summed as step() sums them.
+  stage_param_chunks_locked(/*skip_launched=*/true);
+  int64_t t0 = now_ns();
+  const ChunkNorms norms = grad_norms_locked(/*pipelined=*/true);
+  result.device_syncs = norms.syncs;
+  result.norm_ns = now_ns() - t0;
+  if (!eager_) return apply_locked(norms, result);  // clipping / loss scaling: every update now
+
+  // Eager: the launched chunks are updated (or restored) already; the others now, the same way.
+  t0 = now_ns();
+  for (int64_t c = 0; c < n; ++c) {
+    if (launched_[c]) continue;
+    const std::vector<Span> spans = landed_spans_locked(c);
+    if (spans.empty()) continue;
+    if (!norms.finite[c]) {
+      restore_values(grad_payload_locked(c), store_->payload(roles_[kMasterRole].chunks[c]), spans);
+    } else if (on_device_[c]) {
+      device_update_chunk_locked(c, 1.0);
+    } else {
+      host_update_chunk_locked(c, UpdateOptions{1.0, /*grads_checked=*/true});
+    }
+  }
+  result.host_update_ns = now_ns() - t0;
+  model_.clear_grad_slots();
+  std::fill(landed_.begin(), landed_.end(), 0);
+  grads_landed_ = false;
+  result.grad_norm = std::sqrt(norms.total_sq);
+  result.overflow = !norms.all_finite;
+  result.applied = norms.all_finite;
+  if (result.overflow) {
+    log::warn("ferry: backward_step: non-finite gradients; those chunks were not updated, the others were");
+  }
+  return result;
+}
+
+StepResult HybridAdam::backward_step(const at::Tensor& loss) {
+  if (options_.accumulate_grads) return backward_step_accumulated(loss);
+  check_idle("backward_step()");
+  bool pipelined = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    sync_layout_locked();
+    TORCH_CHECK(!grads_landed_, "ferry: HybridAdam::backward_step: gradients of an earlier backward() wait for "
+                                "step(); call step() or zero_grad() first");
+    place_locked();
+    const int64_t n = num_chunks();
+    // Pipelined once placed (the trace and the repack are behind us) and the previous call said how
+    // many landings to expect.
+    pipelined = placed_ && static_cast<int64_t>(expected_landings_.size()) == model_.num_params();
+    std::fill(landings_.begin(), landings_.end(), 0);
+    launched_.assign(n, 0);
+    remaining_.assign(n, 0);
+    if (pipelined) {
+      for (int64_t p = 0; p < model_.num_params(); ++p) remaining_[model_.layout().slots()[p].chunk] += expected_landings_[p];
+      eager_ = options_.max_grad_norm == 0 && !scaling_;
+      jobs_.clear();
+      jobs_.resize(n);
+      outcomes_.assign(n, ChunkOutcome{});
+      chunk_device_norms_.assign(n, {});
+      if (eager_) {
+        for (int g = 0; g < num_param_groups(); ++g) cpu_adam_.advance_step(g);  // updates start during backward
+      }
+    }
+    overlap_active_ = pipelined;
+  }
+  try {
+    model_.backward(loss);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (pipelined) {
+      // backward_finished() waited for the jobs. Eager: the launched chunks hold new values (or restored
+      // ones), not gradients; the others keep their gradients for zero_grad().
+      int64_t started = 0;
+      for (int64_t c = 0; c < num_chunks(); ++c) {
+        if (jobs_.size() > static_cast<size_t>(c) && jobs_[c].valid()) {
+          try {
+            jobs_[c].get();
+          } catch (const std::exception& e) {
+            log::error("ferry: backward_step: the host update of chunk ", c, " failed too: ", e.what());
+          }
+        }
+        if (!launched_[c]) continue;
+        ++started;
+        if (!eager_) continue;
+        for (int64_t p : model_.layout().chunks()[c].tensors) {
+          if (!landed_[p]) continue;
+          landed_[p] = 0;
+          model_.clear_grad_slot(p);
+        }
+      }
+      grads_landed_ = std::any_of(landed_.begin(), landed_.end(), [](char l) { return l != 0; });
+      jobs_.clear();
+      if (eager_ && started > 0) {
+        log::error("ferry: backward_step: backward threw; ", started, " chunk(s) whose update had started are updated, ",
+                   "the others hold their gradients (zero_grad() discards them), and the step count has advanced");
+      }
+    }
+    overlap_active_ = false;
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  overlap_active_ = false;
+  expected_landings_ = landings_;
+  if (!pipelined) return step_locked();  // the first calls: nothing to expect yet
+  return finish_pipelined_locked();
+}
+
+StepResult HybridAdam::backward_step_accumulated(const at::Tensor& loss) {
   TORCH_CHECK(options_.max_grad_norm == 0 && !scaling_, "ferry: HybridAdam::backward_step needs max_grad_norm == 0 "
               "and no fp16 loss scaling (both need every gradient before any update); use backward() + step()");
   check_idle("backward_step()");
@@ -500,42 +764,30 @@ StepResult HybridAdam::step() {
   return step_locked();
 }
 
-HybridAdam::ChunkNorms HybridAdam::grad_norms_locked() {
+HybridAdam::ChunkNorms HybridAdam::grad_norms_locked(bool pipelined) {
   const int64_t n = num_chunks();
   ChunkNorms norms;
   norms.sum_sq.assign(n, 0.0);
   norms.finite.assign(n, 1);
-  std::vector<at::Tensor> device_norms;
+  std::vector<at::Tensor> device;
   std::vector<int64_t> device_index;
   for (int64_t c = 0; c < n; ++c) {
-    const at::Tensor g = grad_payload_locked(c);
-    const int64_t elem = static_cast<int64_t>(g.element_size());
-    for (const Span& s : landed_spans_locked(c)) {
-      if (on_device_[c]) {
-        // fp32 accumulation whatever the gradients' dtype; inf/NaN if any gradient is.
-        device_norms.push_back(at::linalg_vector_norm(g.slice(0, s.begin, s.end), 2, c10::nullopt, false, at::kFloat));
+    const bool done = pipelined && launched_[c];  // computed during backward
+    if (on_device_[c]) {
+      std::vector<at::Tensor> d = done ? std::move(chunk_device_norms_[c])
+                                       : device_norms(grad_payload_locked(c), landed_spans_locked(c));
+      for (at::Tensor& t : d) {
+        device.push_back(std::move(t));
         device_index.push_back(c);
-      } else {
-        const GradNorm norm = cpu_adam_.grad_norm_sq(static_cast<const char*>(g.data_ptr()) + s.begin * elem,
-                                                     g.scalar_type(), s.end - s.begin);
-        norms.sum_sq[c] += norm.sum_sq;
-        norms.finite[c] = norms.finite[c] && !norm.nonfinite;
       }
+    } else {
+      const ChunkOutcome o = done ? outcomes_[c] : host_norm(grad_payload_locked(c), landed_spans_locked(c));
+      norms.sum_sq[c] = o.sum_sq;
+      norms.finite[c] = o.finite;
     }
   }
-  if (!device_norms.empty()) {  // one host sync for every device chunk
-    const at::Tensor all = at::stack(device_norms).to(at::kCPU, at::kDouble);
-    const double* v = all.data_ptr<double>();
-    for (size_t k = 0; k < device_index.size(); ++k) {
-      norms.finite[device_index[k]] = norms.finite[device_index[k]] && std::isfinite(v[k]);
-      norms.sum_sq[device_index[k]] += v[k] * v[k];
-    }
-  }
-  for (int64_t c = 0; c < n; ++c) {
-    norms.all_finite = norms.all_finite && norms.finite[c];
-    norms.total_sq += norms.sum_sq[c];
-  }
-  norms.all_finite = norms.all_finite && std::isfinite(norms.total_sq);
+  if (pipelined) chunk_device_norms_.clear();
+  finish_norms(device, device_index, norms);
   return norms;
 }
 
@@ -546,7 +798,6 @@ StepResult HybridAdam::step_locked() {
   place_locked();
   StepResult result;
   result.loss_scale = loss_scale();
-  const int64_t n = num_chunks();
 
   trace::Span step_span("adam", "adam.step");
   stage_param_chunks_locked();
@@ -554,8 +805,15 @@ StepResult HybridAdam::step_locked() {
   int64_t t0 = now_ns();
   const ChunkNorms norms = grad_norms_locked();
   for (char d : on_device_) (d ? result.device_chunks : result.host_chunks) += 1;
+  result.device_syncs = norms.syncs;
   result.norm_ns = now_ns() - t0;
   trace::complete("adam", "adam.grad_norm", t0, t0 + result.norm_ns);
+  return apply_locked(norms, result);
+}
+
+StepResult HybridAdam::apply_locked(const ChunkNorms& norms, StepResult result) {
+  const int64_t n = num_chunks();
+  int64_t t0 = now_ns();
   if (!norms.all_finite) {
     result.overflow = true;
     result.grad_norm = std::numeric_limits<double>::infinity();

@@ -9,10 +9,12 @@
 //   //   ferry::HybridAdam adam(model, ferry::HybridAdamOptions::no_decay_for_bias_and_norm(o));
 //   for (...) {
 //     auto loss = model.forward([&] { return criterion(net->forward(x), y); });
+//     adam.backward_step(loss);          // backward + step, pipelined per chunk (Note [Pipelined step])
+//   }
+// or, unpipelined, as with torch's optimizers:
 //     model.backward(loss);              // each grad lands in its parameter's chunk slot; .grad stays undefined
 //     adam.step();                       // clip, unscale, update, write compute-dtype params back
 //     adam.zero_grad();                  // (a no-op after step() unless accumulate_grads)
-//   }
 //
 // State: per layout chunk of the model, three fp32 chunks mirroring it in a ChunkStore of their own:
 // master params, exp_avg and exp_avg_sq, living together on the device or the host. Gradients cost no
@@ -44,6 +46,33 @@
 //  Without accumulate_grads, the parameter chunk of a host-state chunk moves to the host for the
 //  update and that of a device-state chunk to the device (each where its state is).
 //
+// Note [Pipelined step]
+// backward_step(loss) runs backward and the optimizer step as one pipeline over the layout chunks.
+// A chunk is final in backward when each of its parameters has had as many gradient landings as in the
+// previous backward_step (the first call, and a call right after a repack or placement change, only
+// record them and run unpipelined). When a chunk becomes final, on autograd's thread:
+//  - host state: its parameter chunk (holding the gradients) starts its move to the host on the copy
+//    stream, one transfer per chunk, and is locked there (ChunkStore::lock_on_host); a job on CpuAdam's
+//    worker waits for that copy, computes the chunk's gradient norm and, unless the step needs every
+//    gradient first, runs the host Adam, writing the new compute-dtype values over the gradients. The
+//    chunk stays on the host until the next forward brings it back (prefetched from the trace).
+//  - device state: its parameter chunk is brought to the device if evicted (no host stall), its
+//    norm is reduced on the device (no host sync) and the fused Adam runs on the compute stream, told
+//    to skip by a device flag if the chunk's gradients are not finite.
+// The jobs are awaited when backward ends (before the model may repack). Then one host sync reads every
+// device norm, chunks that did not become final run as step() runs them, and the result is reported.
+// No host synchronization per parameter or per chunk on the training thread: the per-chunk waits
+// happen on the worker (ChunkStore's MoveStats count both).
+//  - Without clipping and loss scaling ("eager"): the updates are those of backward() + step(), bit for
+//    bit (same kernels, same gradients, same order per chunk). A non-finite gradient skips that chunk
+//    only (its values are restored from the masters; the others are updated, and the result reports the
+//    overflow): all-or-nothing would need every gradient before the first update.
+//  - With global-norm clipping or fp16 loss scaling, which need every gradient first: during backward
+//    only the transfers and the per-chunk norms run; after backward the norm (one scalar) gives the
+//    clip coefficient and the overflow decision, then every chunk is updated as step() would, bit for
+//    bit. Cost against eager: the host Adam is no longer hidden behind backward (it runs after it),
+//    while the gradients' transfers still are.
+//
 // Contract
 //  - step(), zero_grad(), save(), load() and the state views are for between iterations (the model
 //    idle); gradients land during backward on autograd's thread.
@@ -59,7 +88,9 @@
 //  - The HybridAdam must not outlive the ChunkedModel.
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <future>
 #include <memory>
@@ -119,7 +150,9 @@ struct StepResult {
   int64_t device_chunks = 0;  // layout chunks updated on the device
   int64_t host_chunks = 0;    // ... on the host
   int64_t norm_ns = 0, device_update_ns = 0, host_update_ns = 0, writeback_ns = 0;
-  int64_t overlapped_chunks = 0;  // backward_step: host chunks whose update started during backward
+  int64_t overlapped_chunks = 0;  // backward_step: chunks whose update (or norm) started during backward
+  // Host synchronizations by the optimizer on the calling thread (reading device norms): at most 1.
+  int64_t device_syncs = 0;
 };
 
 class HybridAdam final : private GradSink {
@@ -130,18 +163,16 @@ class HybridAdam final : private GradSink {
   HybridAdam& operator=(const HybridAdam&) = delete;
 
   StepResult step();
-  // model.backward(loss) and step() in one call, with the host Adam of each chunk started (on CpuAdam's
-  // async queue) as soon as that chunk's gradients are final during backward, while autograd goes on
-  // with the rest. "Final" = every parameter of the chunk has had as many gradient landings as in the
-  // previous backward_step (the first call only records them, and overlaps nothing). Device chunks,
-  // chunks not final by the end of backward, and the parameter write-back run after backward. The
-  // result is bit-identical to backward() + step() (the same kernels on the same gradients).
-  // Needs accumulate_grads (without it: backward() then step(), nothing overlapped yet), max_grad_norm
-  // == 0 and no fp16 loss scaling (both need every gradient before any update).
-  // A non-finite gradient skips that chunk's update only (chunks already updated stay updated; the
-  // result reports the overflow): all-or-nothing would need a copy of the state. Likewise, if backward
-  // throws, chunks whose update had started stay updated (logged as an error).
+  // model.backward(loss) and step() in one call, pipelined per chunk (Note [Pipelined step]); the result
+  // is bit-identical to backward() + step() where the note says so.
+  // With accumulate_grads: backward of the last micro-batch and the step, with the host Adam of each
+  // chunk started on the accumulated fp32 gradients as soon as they are final; needs max_grad_norm == 0
+  // and no fp16 loss scaling. A non-finite gradient skips that chunk's update only.
+  // If backward throws, chunks whose update had started stay updated (logged as an error), the others
+  // keep their gradients (zero_grad() discards them), and the step count has advanced.
   StepResult backward_step(const at::Tensor& loss);
+  // Host Adam jobs of the pipeline that have started running, since construction (tests, reports).
+  int64_t pipelined_jobs_started() const { return jobs_started_.load(); }
   // Discards the gradients landed since the last step (and zeroes the accumulation chunks).
   void zero_grad();
 
@@ -202,8 +233,41 @@ class HybridAdam final : private GradSink {
     int64_t begin, end;  // elements of the chunk
   };
 
+  struct ChunkNorms {
+    std::vector<double> sum_sq;  // per layout chunk, of the grads as landed
+    std::vector<char> finite;    // per layout chunk
+    double total_sq = 0.0;
+    bool all_finite = true;
+    int64_t syncs = 0;  // host syncs it took (reading device norms): 0 or 1
+  };
   bool grads_into_param_slots() const override { return !options_.accumulate_grads; }
+  void before_landing(int64_t param) override;
   void land_grad(int64_t param, const at::Tensor& grad) override;
+  void after_landing(int64_t param) override;
+  void backward_finished(bool aborted) override;
+  StepResult backward_step_accumulated(const at::Tensor& loss);
+  // The pipeline (Note [Pipelined step]), default mode.
+  struct ChunkOutcome {
+    double sum_sq = 0.0;  // of the chunk's landed gradients as landed
+    bool finite = true;
+  };
+  void launch_chunk_locked(int64_t chunk);
+  StepResult finish_pipelined_locked();
+  // The chunk's landed spans: the host norm (as grad_norms_locked computes it), and device norms.
+  ChunkOutcome host_norm(const at::Tensor& grads, const std::vector<Span>& spans) const;
+  std::vector<at::Tensor> device_norms(const at::Tensor& grads, const std::vector<Span>& spans) const;
+  // CpuAdam spans over state (p, m, v) and `grads` (default mode: the new value is written over each grad).
+  std::vector<std::pair<int, AdamSpan>> adam_spans(const std::vector<Span>& spans, float* p, float* m, float* v,
+                                                   const at::Tensor& grads) const;
+  void run_host_update(const std::vector<std::pair<int, AdamSpan>>& spans, const UpdateOptions& options);
+  // Writes the masters of `spans` into the parameter chunk payload `param` (gives landed slots their values back).
+  static void restore_values(const at::Tensor& param, const at::Tensor& master, const std::vector<Span>& spans);
+  // Reads the device norms (one host sync, if any) into `norms` (device_index[k]: the chunk of norm k),
+  // then totals.
+  static void finish_norms(const std::vector<at::Tensor>& device_norms, const std::vector<int64_t>& device_index,
+                              ChunkNorms& norms);
+  // The apply half of step(): decides on `norms`, updates, clears the gradients.
+  StepResult apply_locked(const ChunkNorms& norms, StepResult result);
   // Spans of parameters that received gradients since the last step, per layout chunk (consecutive
   // landed slots of one group merged; alignment gaps are zero in every role).
   std::vector<Span> landed_spans_locked(int64_t chunk) const;
@@ -211,7 +275,8 @@ class HybridAdam final : private GradSink {
   // Where chunk c's gradients are: the fp32 accumulation chunk, or (default) the parameter chunk,
   // which is first moved to where c's state is.
   at::Tensor grad_payload_locked(int64_t chunk);
-  void stage_param_chunks_locked();  // default mode: each parameter chunk to its state's tier
+  // Default mode: each parameter chunk to its state's tier (skip_launched: not those the pipeline moved).
+  void stage_param_chunks_locked(bool skip_launched = false);
   // Writes the fp32 masters of the landed parameters into their slots (default mode: the gradients
   // there are given up), then forgets the landings.
   void discard_grads_locked();
@@ -222,17 +287,13 @@ class HybridAdam final : private GradSink {
   at::Tensor state_view(Role role, int64_t param);
   void write_back_locked();
   StepResult step_locked();
-  struct ChunkNorms {
-    std::vector<double> sum_sq;  // per layout chunk, of the grads as landed
-    std::vector<char> finite;    // per layout chunk
-    double total_sq = 0.0;
-    bool all_finite = true;
-  };
-  // Every grad chunk's squared norm and finiteness; one host sync for all device chunks.
-  ChunkNorms grad_norms_locked();
+  // Every grad chunk's squared norm and finiteness; one host sync for all device chunks. `pipelined`:
+  // the chunks launched during backward contribute what was computed then.
+  ChunkNorms grad_norms_locked(bool pipelined = false);
   std::vector<std::pair<int, AdamSpan>> host_spans_locked(int64_t chunk);  // (group, span) per span
   void host_update_chunk_locked(int64_t chunk, const UpdateOptions& options);
-  void device_update_chunk_locked(int64_t chunk, double grad_scale);
+  // `found_inf` (a device flag, optional): the fused kernel skips the update when it is 1.
+  void device_update_chunk_locked(int64_t chunk, double grad_scale, const at::Tensor& found_inf = {});
   void launch_overlapped_locked(int64_t chunk);  // queues chunk's host spans on CpuAdam's async queue
 
   ChunkedModel& model_;
@@ -258,6 +319,14 @@ class HybridAdam final : private GradSink {
   std::vector<int64_t> remaining_;  // per layout chunk: landings still expected before it is final
   std::vector<char> launched_;      // per layout chunk: its host update is queued
   std::vector<std::future<UpdateResult>> pending_updates_;
+  // The default-mode pipeline: whether updates run during backward (no clipping, no loss scaling), the
+  // host jobs (per layout chunk; awaited when backward ends) and what they found, the device norms.
+  bool eager_ = false;
+  std::vector<std::future<void>> jobs_;
+  std::vector<ChunkOutcome> outcomes_;
+  std::vector<std::vector<at::Tensor>> chunk_device_norms_;
+  std::exception_ptr job_error_;
+  std::atomic<int64_t> jobs_started_{0};
 };
 
 }  // namespace ferry

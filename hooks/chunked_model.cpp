@@ -136,7 +136,7 @@ void ChunkedModel::build(const std::vector<int64_t>& order) {
   store_options.policy = policy_;
   store_options.name = "params";
   store_options.host_cache_bytes = options_.host_cache_bytes;
-  auto store = std::make_unique<ChunkStore>(store_options);
+  auto store = std::make_unique<ChunkStore>(store_options, options_.copy_engine ? options_.copy_engine() : nullptr);
   // A repack fills the new chunks one at a time and frees each old chunk as soon as all its parameters
   // have moved out, so host memory grows by about one chunk, not by a second copy of the model.
   // Chunks get their memory one at a time as they are filled (first build and repack alike): the
@@ -233,18 +233,18 @@ void ChunkedModel::land_grad(int64_t param, const at::Tensor& variable) {
     variable.mutable_grad().reset();
     return;
   }
-  // Note [Gradient in the parameter slot]: the gradient goes where the chunk's payload is. On the
-  // device (usually: the parameter's last backward use just ended) the chunk is held in COMPUTE while
-  // it is written; an evicted chunk gets it in its host payload (a device->host copy of just this
-  // gradient), rather than being brought back, which could evict others.
+  // Note [Gradient in the parameter slot]: the gradient is written into the slot on the device, with
+  // the chunk held in COMPUTE. The chunk is usually there (the parameter's last backward use just
+  // ended); an evicted one is brought back (one chunk transfer, no host stall) rather than given this
+  // one gradient by a device->host copy, which would stall the host once per parameter.
   TORCH_CHECK(grad.layout() == at::kStrided, "ferry: gradients must be dense; parameter ", names_[param], " got a ",
               grad.layout(), " one");
+  grad_sink_->before_landing(param);
   // ferry's own ops here (the copy into the slot, moves the access makes) must not be intercepted.
   c10::impl::ExcludeDispatchKeyGuard no_intercept(kInterceptKey);
   at::NoGradGuard no_grad;
   const TensorId t = tensor_of_param_[param];
-  const bool on_device = store_->location(chunk_of_param_[param]) == Location::kDevice;
-  at::Tensor slot = on_device ? store_->access(t) : store_->view(t);
+  at::Tensor slot = store_->access(t);
   try {
     if (grad_in_slot_[param]) {
       slot.add_(grad);  // a second accumulation in this backward (the graph reached the parameter twice)
@@ -256,10 +256,11 @@ void ChunkedModel::land_grad(int64_t param, const at::Tensor& variable) {
     variable.mutable_grad().reset();
     grad_sink_->land_grad(param, slot);
   } catch (...) {
-    if (on_device) store_->release(t, TensorState::kHoldAfterBwd);
+    store_->release(t, TensorState::kHoldAfterBwd);
     throw;
   }
-  if (on_device) store_->release(t, TensorState::kHoldAfterBwd);
+  store_->release(t, TensorState::kHoldAfterBwd);
+  grad_sink_->after_landing(param);
 }
 
 void ChunkedModel::clear_grad_slots() {
@@ -267,6 +268,15 @@ void ChunkedModel::clear_grad_slots() {
               "ferry: clear_grad_slots() inside an iteration");
   std::fill(grad_in_slot_.begin(), grad_in_slot_.end(), 0);
   grads_in_slots_ = 0;
+}
+
+void ChunkedModel::clear_grad_slot(int64_t index) {
+  TORCH_CHECK(phase_.load() == ModelPhase::kIdle || phase_.load() == ModelPhase::kForwardDone,
+              "ferry: clear_grad_slot() inside an iteration");
+  TORCH_CHECK(index >= 0 && index < num_params(), "ferry: parameter index ", index, " out of range [0, ", num_params(), ")");
+  if (!grad_in_slot_[index]) return;
+  grad_in_slot_[index] = 0;
+  --grads_in_slots_;
 }
 
 void ChunkedModel::check_no_grad_in_slots(const char* what) const {
@@ -325,8 +335,23 @@ void ChunkedModel::backward(const at::Tensor& loss) {
       loss.backward(at::full_like(loss, loss_scale_));
     }
   } catch (...) {
+    if (grad_sink_) {
+      try {
+        grad_sink_->backward_finished(/*aborted=*/true);
+      } catch (const std::exception& e) {
+        log::error("ferry: after a failed backward, the gradient sink failed too: ", e.what());
+      }
+    }
     abort_iteration();
     throw;
+  }
+  if (grad_sink_) {
+    try {
+      grad_sink_->backward_finished(/*aborted=*/false);
+    } catch (...) {
+      abort_iteration();
+      throw;
+    }
   }
   transition(ModelPhase::kIdle);
   finish_iteration(false);

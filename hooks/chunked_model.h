@@ -28,6 +28,7 @@
 #include <torch/nn/module.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -52,6 +53,9 @@ struct ChunkedModelOptions {
   // (make_heap_probe). Off by default: the simulated device's budget then covers chunks only.
   bool measure_host_non_model = false;
   int64_t host_cache_bytes = int64_t{256} << 20;
+  // Makes the copy engine of each parameter store (null: make_copy_engine(config.device)). Tests pass
+  // an engine whose copies stay pending, as CUDA's do.
+  std::function<std::unique_ptr<CopyEngine>()> copy_engine;
 };
 
 // Note [Gradient in the parameter slot]
@@ -67,7 +71,8 @@ struct ChunkedModelOptions {
 // passes, so it keeps separate gradient memory (HybridAdamOptions::accumulate_grads).
 
 // Receives each parameter's gradient during backward (on autograd's thread), already multiplied by the
-// loss scale. The tensor is only valid during the call.
+// loss scale. The tensor is only valid during the call. For one landing the calls come in this order:
+// before_landing, (the model writes the slot), land_grad, (the model releases the slot), after_landing.
 class GradSink {
  public:
   virtual ~GradSink() = default;
@@ -75,7 +80,14 @@ class GradSink {
   // writes it into the parameter's slot (Note [Gradient in the parameter slot]; a second gradient of
   // the same parameter in one backward is added there) and land_grad gets the slot.
   virtual bool grads_into_param_slots() const { return false; }
+  // Before anything is written: may refuse the gradient by throwing (backward then fails).
+  virtual void before_landing(int64_t /*param*/) {}
   virtual void land_grad(int64_t param, const at::Tensor& grad) = 0;
+  // After the landing, with the parameter's chunk no longer held: the sink may move it.
+  virtual void after_landing(int64_t /*param*/) {}
+  // backward() has run to its end (`aborted`: it threw), before the model ends the iteration (which
+  // may repack the chunks): work the sink started on the chunks during backward must be done on return.
+  virtual void backward_finished(bool /*aborted*/) {}
 };
 
 // Where a ChunkedModel is in its iteration; changed only by ChunkedModel::transition().
@@ -153,6 +165,8 @@ class ChunkedModel final : private UseListener {
   bool any_grad_in_slot() const { return grads_in_slots_ > 0; }
   // The optimizer has written every parameter's value back into its slot; between iterations.
   void clear_grad_slots();
+  // The same for one parameter.
+  void clear_grad_slot(int64_t index);
   // layout().chunks()[i] -> the ChunkId in store().
   ChunkId param_chunk(int64_t layout_chunk) const { return param_chunks_[layout_chunk]; }
   // Incremented by every (re)pack; who mirrors the layout compares it.

@@ -10,15 +10,38 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <map>
+#include <thread>
 
 #include "adam_reference.h"
+#include "chunk/deferred_copy_engine.h"
 #include "ferry/cpu_adam/hybrid_adam.h"
 #include "ferry/hooks/chunked_model.h"
 
 namespace ferry {
 namespace {
+
+// A gate for the pipeline test: its backward (reached after the later blocks' gradients have landed,
+// before the embedding's) waits until the HybridAdam in g_gate_adam has started a pipelined host job,
+// for at most 30 s, and records whether it saw one. Identity otherwise.
+std::atomic<HybridAdam*> g_gate_adam{nullptr};
+std::atomic<int> g_gate_saw_job{-1};  // -1: the gate did not run
+struct WaitForHostAdam : torch::autograd::Function<WaitForHostAdam> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+    if (HybridAdam* adam = g_gate_adam.load()) {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (adam->pipelined_jobs_started() == 0 && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      g_gate_saw_job = adam->pipelined_jobs_started() > 0 ? 1 : 0;
+    }
+    return {g[0]};
+  }
+};
 
 // A small language model: embedding, two residual MLP blocks with LayerNorm, tied output head.
 struct TinyLmImpl : torch::nn::Module {
@@ -33,6 +56,7 @@ struct TinyLmImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& idx) {
     auto x = wte(idx);
+    if (gate) x = WaitForHostAdam::apply(x);
     for (int i = 0; i < 2; ++i) x = x + out[i](torch::gelu(fc[i](ln[i](x))));
     return torch::matmul(ln_f(x), wte->weight.t());
   }
@@ -40,6 +64,7 @@ struct TinyLmImpl : torch::nn::Module {
   std::vector<torch::nn::LayerNorm> ln;
   std::vector<torch::nn::Linear> fc, out;
   torch::nn::LayerNorm ln_f{nullptr};
+  bool gate = false;  // WaitForHostAdam after the embedding
 };
 TORCH_MODULE(TinyLm);
 
@@ -712,6 +737,152 @@ TEST(HybridAdam, BackwardStepOverlapsAndIsBitIdentical) {
   auto loss = plain.forward([&] { return lm_loss(plain_net, b.idx, b.target); });
   EXPECT_THROW(clipping_adam.backward_step(loss), c10::Error) << "clipping needs every gradient first";
   plain.end_iteration();
+}
+
+// Note [Pipelined step]: backward_step(loss) (pipelined from its second call) leaves masters, moments
+// and parameters bit-identical to backward() + step(), under forced evictions with the state split
+// between device and host; eager without clipping, two-phase with clipping or fp16 loss scaling.
+void expect_pipeline_equals_step(Precision precision, double max_grad_norm) {
+  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+  options.device_state_chunks = 2;
+  options.max_grad_norm = max_grad_norm;
+  torch::manual_seed(41);
+  TinyLm a_net(kVocab, kDim);
+  torch::manual_seed(41);
+  TinyLm b_net(kVocab, kDim);
+  ChunkedModel a(a_net.ptr(), sim_config(budget_for(3, 2 * 2), precision));
+  ChunkedModel b(b_net.ptr(), sim_config(budget_for(3, 2 * 2), precision));
+  HybridAdam a_adam(a, options), b_adam(b, options);
+  int64_t evictions = 0, applied = 0, clipped = 0;
+  for (int step = 0; step < 6; ++step) {
+    const Batch x = batch(step);
+    a.backward(a.forward([&] { return lm_loss(a_net, x.idx, x.target); }));
+    const StepResult ra = a_adam.step();
+    const StepResult rb = b_adam.backward_step(b.forward([&] { return lm_loss(b_net, x.idx, x.target); }));
+    ASSERT_EQ(ra.applied, rb.applied) << "step " << step;
+    EXPECT_EQ(ra.overflow, rb.overflow) << "step " << step;
+    EXPECT_EQ(ra.grad_norm, rb.grad_norm) << "step " << step << ": the same norms summed in the same order";
+    EXPECT_EQ(ra.clip_coef, rb.clip_coef) << "step " << step;
+    EXPECT_EQ(ra.loss_scale, rb.loss_scale) << "step " << step;
+    EXPECT_EQ(rb.device_syncs, 1) << "step " << step << ": one read of the device norms";
+    if (step == 0) {
+      EXPECT_EQ(rb.overlapped_chunks, 0) << "the first call records the landings";
+    } else {
+      EXPECT_GT(rb.overlapped_chunks, 0) << "step " << step << ": chunks should start during backward";
+      EXPECT_EQ(rb.device_chunks, 2);
+    }
+    EXPECT_FALSE(b.any_grad_in_slot()) << "step " << step;
+    applied += ra.applied;
+    clipped += ra.clip_coef < 1.0;
+    evictions += b.last_iteration().evictions;
+    for (int64_t p = 0; p < a.num_params(); ++p) {
+      const auto& name = a.param_name(p);
+      ASSERT_TRUE(torch::equal(a_adam.master(p), b_adam.master(p))) << "step " << step << ": master " << name;
+      ASSERT_TRUE(torch::equal(a_adam.exp_avg(p), b_adam.exp_avg(p))) << "step " << step << ": exp_avg " << name;
+      ASSERT_TRUE(torch::equal(a_adam.exp_avg_sq(p), b_adam.exp_avg_sq(p))) << "step " << step << ": exp_avg_sq " << name;
+      ASSERT_TRUE(torch::equal(a.param_values(p).cpu(), b.param_values(p).cpu())) << "step " << step << ": " << name;
+    }
+  }
+  EXPECT_GT(applied, 2);
+  if (max_grad_norm > 0) {
+    EXPECT_GT(clipped, 2) << "the clipping path must be exercised";
+  }
+  EXPECT_GT(evictions, 5);
+  EXPECT_EQ(a_adam.step_count(0), b_adam.step_count(0));
+}
+
+TEST(HybridAdam, PipelinedStepEqualsBackwardThenStepBitForBit) { expect_pipeline_equals_step(Precision::kBf16, 0.0); }
+
+TEST(HybridAdam, PipelinedStepWithClippingEqualsBackwardThenStep) {
+  expect_pipeline_equals_step(Precision::kBf16, 0.05);
+}
+
+TEST(HybridAdam, PipelinedStepWithFp16LossScalingEqualsBackwardThenStep) {
+  expect_pipeline_equals_step(Precision::kFp16, 0.0);
+}
+
+// Host synchronizations and transfers per step, counted on a copy engine whose copies stay pending
+// until waited for (as CUDA's do): the pipelined step stalls the training thread O(1) times, the
+// unpipelined one once per host-state chunk; the pipeline's per-chunk waits happen on the worker; and
+// the pipeline adds no transfer.
+struct StepCounts {
+  int64_t syncs = 0, background_syncs = 0, transfers = 0, host_chunks = 0, overlapped = 0;
+};
+StepCounts steady_step_counts(bool pipelined) {
+  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+  options.device_state_chunks = 1;
+  torch::manual_seed(43);
+  TinyLm net(kVocab, kDim);
+  ChunkedModelOptions model_options;
+  model_options.copy_engine = [] { return std::make_unique<test::DeferredCopyEngine>(5, /*poll_one_in=*/0); };
+  ChunkedModel model(net.ptr(), sim_config(budget_for(3, 2), Precision::kBf16), std::move(model_options));
+  HybridAdam adam(model, options);
+  StepCounts counts;
+  for (int step = 0; step < 4; ++step) {
+    const Batch x = batch(step);
+    const MoveStats before = model.store().stats().moves;
+    auto loss = model.forward([&] { return lm_loss(net, x.idx, x.target); });
+    StepResult r;
+    if (pipelined) {
+      r = adam.backward_step(loss);
+    } else {
+      model.backward(loss);
+      r = adam.step();
+    }
+    EXPECT_TRUE(r.applied);
+    const MoveStats after = model.store().stats().moves;
+    if (step < 3) continue;  // steady state: placed, repacked, pipelined
+    counts.syncs = after.sync_count - before.sync_count + r.device_syncs;
+    counts.background_syncs = after.background_sync_count - before.background_sync_count;
+    counts.transfers = (after.h2d_count - before.h2d_count) + (after.d2h_count - before.d2h_count);
+    counts.host_chunks = r.host_chunks;
+    counts.overlapped = r.overlapped_chunks;
+  }
+  return counts;
+}
+
+TEST(HybridAdam, PipelinedStepSyncsOnceAndMovesWholeChunks) {
+  const StepCounts plain = steady_step_counts(false);
+  const StepCounts piped = steady_step_counts(true);
+  ASSERT_GE(plain.host_chunks, 3);
+  // Unpipelined: each host-state chunk's synchronous move to the host stalls the training thread.
+  EXPECT_GE(plain.syncs, plain.host_chunks);
+  // Pipelined: the end-of-iteration settle and the one read of the device norms, whatever the size.
+  EXPECT_LE(piped.syncs, 2) << "syncs per step must not grow with chunks or parameters";
+  EXPECT_EQ(piped.overlapped, piped.host_chunks + 1) << "every chunk went through the pipeline";
+  EXPECT_GE(piped.background_syncs, 1) << "the worker waits for the gradients' copies";
+  EXPECT_LE(piped.transfers, plain.transfers) << "the pipeline moves the same chunks, no more";
+  std::printf("steady step: unpipelined %lld syncs, %lld transfers; pipelined %lld syncs (+%lld on the worker), "
+              "%lld transfers; %lld host-state chunks\n",
+              static_cast<long long>(plain.syncs), static_cast<long long>(plain.transfers),
+              static_cast<long long>(piped.syncs), static_cast<long long>(piped.background_syncs),
+              static_cast<long long>(piped.transfers), static_cast<long long>(piped.host_chunks));
+}
+
+// The host Adam of a chunk whose gradients are final starts while backward goes on: the gate after the
+// embedding blocks backward until a pipelined job has started (the later blocks' chunks are final by
+// then). Without the pipeline it would wait its 30 s and record that it saw none.
+TEST(HybridAdam, PipelinedHostAdamStartsBeforeBackwardEnds) {
+  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+  options.device_state_chunks = 0;
+  torch::manual_seed(47);
+  TinyLm net(kVocab, kDim);
+  ChunkedModel model(net.ptr(), sim_config(budget_for(3, 0), Precision::kBf16));
+  HybridAdam adam(model, options);
+  for (int step = 0; step < 3; ++step) {
+    const Batch x = batch(step);
+    net->gate = step == 2;
+    g_gate_adam = step == 2 ? &adam : nullptr;
+    g_gate_saw_job = -1;
+    const StepResult r = adam.backward_step(model.forward([&] { return lm_loss(net, x.idx, x.target); }));
+    EXPECT_TRUE(r.applied);
+    if (step == 2) {
+      EXPECT_EQ(g_gate_saw_job.load(), 1) << "no host Adam job started during backward";
+      EXPECT_GT(r.overlapped_chunks, 1);
+    }
+  }
+  g_gate_adam = nullptr;
+  net->gate = false;
 }
 
 TEST(HybridAdam, RepackAndMigrationDoNotHoldTwoCopies) {
