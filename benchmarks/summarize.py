@@ -98,6 +98,19 @@ def gpt_table(doc, path):
                   f"{gib(mem['host_rss_peak_after_construction_bytes'])} | {gib(mem['host_rss_peak_bytes'])} | "
                   f"{gib(mem['fp32_model_bytes'])} | {'yes' if mem['init_scope'] else 'no'} | "
                   f"{f['construction_s']:.1f} | {f['startup_s']:.1f} |"]
+    if "syncs_per_step" in f:
+        lines += ["", f"Step: {c.get('step', 'unpipelined')}; per step {f['syncs_per_step']:.1f} host syncs of the "
+                      f"training thread (+{f['background_syncs_per_step']:.1f} on the optimizer's worker), "
+                      f"{f['transfers_per_step']:.1f} chunk transfers, {f['overlapped_chunks_per_step']:.1f} chunks "
+                      f"pipelined during backward."]
+    if "floor" in doc:
+        fl, r = doc["floor"], doc["floor"]["rates"]
+        gbs = lambda x: f"{x / 1e9:.1f}"
+        lines += ["", "| floor | s | rate |", "|---|---:|---|",
+                  f"| GPU compute | {fl['compute_s']:.3f} | {r['compute_flops_per_s'] / 1e12:.1f} TFLOPS ({r['compute_rate_from']}) |",
+                  f"| transfers | {fl['transfers_s']:.3f} | {gbs(r['h2d_bytes_per_s'])} GB/s h2d, {gbs(r['d2h_bytes_per_s'])} GB/s d2h |",
+                  f"| host Adam | {fl['host_adam_s']:.3f} | {gbs(r['host_adam_bytes_per_s'])} GB/s at 28 B/param |",
+                  f"| **measured / floor** | **{fl['measured_over_floor']:.2f}x** | step {t['step_s']:.3f} s, floor {fl['floor_s']:.3f} s |"]
     return "\n".join(lines)
 
 

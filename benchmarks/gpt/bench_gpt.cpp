@@ -4,11 +4,16 @@
 //
 //   bench_gpt [--preset=small] [--batch=8] [--seq=256] [--steps=5] [--warmup-steps=2]
 //             [--checkpoint-activations] [--no-baseline] [--find-max] [--trace=FILE.json] [--commit=SHA]
-//             + ferry options        (--trace: a Chrome trace of the last measured step)
+//             [--unpipelined] + ferry options   (--trace: a Chrome trace of the last measured step)
 //
-// Per step it splits the time into forward, backward and optimizer (each ending in a device sync on
-// CUDA), and reports the time compute waited for copies, tokens/s, TFLOPS counted as 6*N*tokens and
-// 8*N*tokens (with recompute), peak device / host / pinned memory, bytes moved and moved/optimal.
+// The step is HybridAdam::backward_step (the pipelined step, Note [Pipelined step]); --unpipelined runs
+// model.backward() + adam.step() instead. Per step it splits the time into forward, backward and
+// optimizer (each ending in a device sync on CUDA; pipelined, "optimizer" is what ran after backward
+// ended), and reports the time compute waited for copies, tokens/s, TFLOPS counted as 6*N*tokens and
+// 8*N*tokens (with recompute), peak device / host / pinned memory, bytes moved and moved/optimal, host
+// synchronizations and chunk transfers per step, and the floors: the step's GPU compute at the rate
+// measured in this binary (the baseline's, or a GEMM probe), its transfers at the measured copy
+// bandwidth, its host Adam at the measured CpuAdam roof; measured / floor says how far from the limit.
 // It also measures the interception overhead in ns per op (an op on a managed parameter inside
 // ChunkedModel's scope against the same op on a plain tensor).
 // --find-max: the largest preset (in parameter count) that trains 3 steps within the given budgets.
@@ -38,7 +43,7 @@ double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::
 struct Args {
   std::string preset = "small", commit = "unknown", trace;
   int64_t batch = 8, seq = 256, steps = 5, warmup_steps = 2;
-  bool checkpoint = false, baseline = true, find_max = false, init_scope = false;
+  bool checkpoint = false, baseline = true, find_max = false, init_scope = false, unpipelined = false;
 };
 
 // Peak resident set of this process so far (getrusage; Linux reports KiB).
@@ -97,7 +102,23 @@ struct FerryResult {
   double rss_peak = 0;                // process RSS peak at the end of the run
   double startup_s = 0;               // model construction to the end of the first step
   double construction_s = 0;          // model + ChunkedModel + HybridAdam
+  // Per measured step (means): host synchronizations of the training thread (chunk stores + the
+  // optimizer's), those of the optimizer's worker, chunk transfers, and bytes each way.
+  double syncs = 0, background_syncs = 0, transfers = 0, h2d_bytes = 0, d2h_bytes = 0;
+  double overlapped_chunks = 0;
+  double host_state_params = 0;  // parameters whose optimizer state is on the host (host Adam)
 };
+
+ferry::MoveStats sum_moves(const ferry::MoveStats& x, const ferry::MoveStats& y) {
+  ferry::MoveStats m;
+  m.h2d_count = x.h2d_count + y.h2d_count;
+  m.d2h_count = x.d2h_count + y.d2h_count;
+  m.h2d_bytes = x.h2d_bytes + y.h2d_bytes;
+  m.d2h_bytes = x.d2h_bytes + y.d2h_bytes;
+  m.sync_count = x.sync_count + y.sync_count;
+  m.background_sync_count = x.background_sync_count + y.background_sync_count;
+  return m;
+}
 
 FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config config, bool cuda) {
   torch::manual_seed(1);
@@ -143,20 +164,32 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     if (tracing) ferry::trace::start();
     sync(cuda);
     const int64_t before_forward = allocated_bytes(cuda);
+    const ferry::MoveStats moves_before = sum_moves(model.store().stats().moves, adam.state_store().stats().moves);
     auto t0 = Clock::now();
     auto loss = model.forward([&] { return gpt::GptImpl::loss(net->forward(x), y); });
     sync(cuda);
     const double f = since(t0);
     const int64_t activations = allocated_bytes(cuda) - before_forward;
     auto t1 = Clock::now();
-    model.backward(loss);
-    sync(cuda);
-    const double b = since(t1);
-    auto t2 = Clock::now();
-    adam.step();
-    adam.zero_grad();
-    sync(cuda);
-    const double o_s = since(t2);
+    ferry::StepResult step;
+    double b = 0, o_s = 0;
+    if (a.unpipelined) {
+      model.backward(loss);
+      sync(cuda);
+      b = since(t1);
+      auto t2 = Clock::now();
+      step = adam.step();
+      adam.zero_grad();
+      sync(cuda);
+      o_s = since(t2);
+    } else {
+      step = adam.backward_step(loss);
+      sync(cuda);
+      const double total = since(t1);
+      o_s = std::min(total, (step.norm_ns + step.device_update_ns + step.host_update_ns + step.writeback_ns) * 1e-9);
+      b = total - o_s;
+    }
+    const ferry::MoveStats moves = sum_moves(model.store().stats().moves, adam.state_store().stats().moves);
     if (s == 0) r.startup_s = since(t_start);
     if (tracing) {
       ferry::trace::stop();
@@ -179,6 +212,12 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     r.moved_bytes += static_cast<double>(it.h2d_bytes + it.d2h_bytes) / a.steps;
     r.moved_over_optimal = it.moved_over_optimal();
     r.evictions += it.evictions;
+    r.syncs += static_cast<double>(moves.sync_count - moves_before.sync_count + step.device_syncs) / a.steps;
+    r.background_syncs += static_cast<double>(moves.background_sync_count - moves_before.background_sync_count) / a.steps;
+    r.transfers += static_cast<double>(moves.h2d_count - moves_before.h2d_count + moves.d2h_count - moves_before.d2h_count) / a.steps;
+    r.h2d_bytes += static_cast<double>(moves.h2d_bytes - moves_before.h2d_bytes) / a.steps;
+    r.d2h_bytes += static_cast<double>(moves.d2h_bytes - moves_before.d2h_bytes) / a.steps;
+    r.overlapped_chunks += static_cast<double>(step.overlapped_chunks) / a.steps;
   }
   const auto ms = model.store().stats();
   const auto ss = adam.state_store().stats();
@@ -212,6 +251,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   r.rss_peak = static_cast<double>(rss_peak_bytes());
   r.state_device = static_cast<double>(ss.device.current_bytes);
   r.state_host = static_cast<double>(ss.host.current_bytes);
+  r.host_state_params = static_cast<double>(ss.host.current_bytes) / (4.0 * adam.num_state_roles());
   r.device_state_chunks = adam.device_state_chunks();
   return r;
 }
@@ -303,6 +343,58 @@ std::pair<double, double> interception_ns(ferry::Config config, int64_t n) {
   return {managed, unmanaged};
 }
 
+// ---- floors: the machine's rates, measured in this binary ------------------------------------------
+
+struct Rates {
+  double h2d_bytes_per_s = 0, d2h_bytes_per_s = 0;  // chunk-sized copies (pinned host memory on CUDA)
+  double adam_bytes_per_s = 0;                       // CpuAdam at 28 B/param (bf16 grads and copy)
+  double gemm_flops_per_s = 0;                       // bf16 GEMM on CUDA, fp32 on the CPU
+};
+
+Rates measure_rates(const ferry::Config& config, bool cuda) {
+  Rates r;
+  const int64_t bytes = int64_t{256} << 20;
+  const c10::Device dev = cuda ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU);
+  at::Tensor host = at::empty({bytes}, at::kByte);
+  if (cuda) host = host.pin_memory();
+  host.fill_(1);
+  at::Tensor device = at::empty({bytes}, at::TensorOptions(at::kByte).device(dev));
+  auto copy_rate = [&](at::Tensor& dst, const at::Tensor& src) {
+    dst.copy_(src);  // warm
+    sync(cuda);
+    auto t0 = Clock::now();
+    for (int i = 0; i < 3; ++i) dst.copy_(src, /*non_blocking=*/cuda);
+    sync(cuda);
+    return 3.0 * static_cast<double>(bytes) / since(t0);
+  };
+  r.h2d_bytes_per_s = copy_rate(device, host);
+  r.d2h_bytes_per_s = copy_rate(host, device);
+  {
+    const int64_t n = int64_t{16} << 20;
+    ferry::CpuAdam adam(ferry::AdamOptions{}, ferry::CpuAdamConfig::from(config));
+    at::Tensor p = at::randn({n}), m = at::zeros({n}), v = at::zeros({n});
+    at::Tensor g = at::randn({n}).to(at::kBFloat16), lowp = at::empty({n}, at::kBFloat16);
+    adam.advance_step(0);
+    adam.update(0, p, g, m, v, lowp);  // warm
+    auto t0 = Clock::now();
+    for (int i = 0; i < 3; ++i) adam.update(0, p, g, m, v, lowp);
+    r.adam_bytes_per_s = 3.0 * 28.0 * static_cast<double>(n) / since(t0);
+  }
+  {
+    const int64_t k = cuda ? 8192 : 1024;
+    const auto opts = at::TensorOptions(cuda ? at::kBFloat16 : at::kFloat).device(dev);
+    at::Tensor x = at::randn({k, k}, opts), w = at::randn({k, k}, opts);
+    at::matmul(x, w);
+    sync(cuda);
+    auto t0 = Clock::now();
+    const int reps = cuda ? 10 : 3;
+    for (int i = 0; i < reps; ++i) at::matmul(x, w);
+    sync(cuda);
+    r.gemm_flops_per_s = reps * 2.0 * static_cast<double>(k * k * k) / since(t0);
+  }
+  return r;
+}
+
 int run(int argc, char** argv);
 
 }  // namespace
@@ -328,6 +420,7 @@ int run(int argc, char** argv) {
       .add_flag("checkpoint-activations", &a.checkpoint, "recompute each block in backward")
       .add_flag("init-scope", &a.init_scope, "build the model inside ferry::InitScope (compute dtype, no fp32 copy)")
       .add_flag("no-baseline", &no_baseline, "skip the unwrapped baseline")
+      .add_flag("unpipelined", &a.unpipelined, "model.backward() + adam.step() instead of adam.backward_step()")
       .add_flag("find-max", &a.find_max, "find the largest preset that trains")
       .add("commit", &a.commit, "commit id recorded in the JSON")
       .add("trace", &a.trace, "Chrome trace of the last measured step into FILE.json");
@@ -342,7 +435,7 @@ int run(int argc, char** argv) {
       << config.chunk_size_bytes << ", \"device_budget_bytes\": " << config.device_budget_bytes
       << ", \"host_budget_bytes\": " << config.host_budget_bytes << ", \"batch\": " << a.batch << ", \"seq\": " << a.seq
       << ", \"steps\": " << a.steps << ", \"checkpoint_activations\": " << (a.checkpoint ? "true" : "false")
-      << ", \"trace\": \"" << a.trace << "\"},\n";
+      << ", \"trace\": \"" << a.trace << "\", \"step\": \"" << (a.unpipelined ? "unpipelined" : "pipelined") << "\"},\n";
 
   if (a.find_max) {
     std::vector<gpt::GptConfig> presets;
@@ -412,10 +505,35 @@ int run(int argc, char** argv) {
       << ", \"host_rss_peak_bytes\": " << f.rss_peak << ", \"host_rss_peak_after_construction_bytes\": "
       << f.rss_after_construction << ", \"fp32_model_bytes\": " << 4 * n << ", \"waste\": " << f.waste
       << ", \"chunk_size_bytes\": " << f.chunk_size_bytes << ", \"init_scope\": " << (a.init_scope ? "true" : "false")
-      << "}}";
+      << "},\n    \"syncs_per_step\": " << f.syncs << ", \"background_syncs_per_step\": " << f.background_syncs
+      << ", \"transfers_per_step\": " << f.transfers << ", \"h2d_bytes_per_step\": " << f.h2d_bytes
+      << ", \"d2h_bytes_per_step\": " << f.d2h_bytes << ", \"overlapped_chunks_per_step\": " << f.overlapped_chunks
+      << ", \"host_state_params\": " << f.host_state_params << "}";
+  StepTimes b;
+  double baseline_loss = 0;
+  if (a.baseline) b = run_baseline(a, gc, cuda, &baseline_loss);
+  {
+    // Floors: each resource alone at its measured rate; overlapped perfectly, the step takes the largest.
+    const Rates rates = measure_rates(config, cuda);
+    const double flops = (a.checkpoint ? 8 : 6) * n * tokens;
+    const bool from_baseline = a.baseline && b.total > 0;
+    const double flops_rate = from_baseline ? 6 * n * tokens / b.total : rates.gemm_flops_per_s;
+    const double compute_s = flops / flops_rate;
+    const double pcie_s = std::max(f.h2d_bytes / rates.h2d_bytes_per_s, f.d2h_bytes / rates.d2h_bytes_per_s);
+    const double adam_s = 28.0 * f.host_state_params / rates.adam_bytes_per_s;
+    const double floor_s = std::max({compute_s, pcie_s, adam_s});
+    std::cerr << "bench_gpt: floors: compute " << compute_s << " s, transfers " << pcie_s << " s, host Adam " << adam_s
+              << " s; measured / floor " << f.mean.total / floor_s << "\n";
+    out << ",\n  \"floor\": {\"rates\": {\"h2d_bytes_per_s\": " << rates.h2d_bytes_per_s << ", \"d2h_bytes_per_s\": "
+        << rates.d2h_bytes_per_s << ", \"host_adam_bytes_per_s\": " << rates.adam_bytes_per_s
+        << ", \"compute_flops_per_s\": " << flops_rate << ", \"compute_rate_from\": \""
+        << (from_baseline ? "baseline step (6N)" : (cuda ? "bf16 GEMM probe" : "fp32 GEMM probe"))
+        << "\"}, \"compute_s\": " << compute_s << ", \"transfers_s\": " << pcie_s << ", \"host_adam_s\": " << adam_s
+        << ", \"floor_s\": " << floor_s << ", \"measured_over_floor\": " << f.mean.total / floor_s
+        << ", \"measured_over_compute\": " << f.mean.total / compute_s << "}";
+  }
   if (a.baseline) {
-    double loss = 0;
-    const StepTimes b = run_baseline(a, gc, cuda, &loss);
+    const double loss = baseline_loss;
     out << ",\n  \"baseline\": {\"kind\": \"" << (cuda ? "bf16 autocast + fused AdamW" : "fp32 + torch::optim::AdamW")
         << "\", \"time\": " << json_times(b) << ", \"tokens_per_s\": " << tokens / b.total << ", \"tflops_6n\": "
         << 6 * n * tokens / b.total / 1e12 << ", \"loss_last\": " << loss << "},\n";

@@ -172,17 +172,26 @@ int train(int argc, char** argv) {
     const bool tracing = !args.trace.empty() && step == first_step + std::min<int64_t>(2, args.steps - 1);
     if (tracing) ferry::trace::start();
     double loss_sum = 0;
+    ferry::StepResult r;
+    bool stepped = false;
     for (int64_t k = 0; k < args.micro_batches; ++k) {
       auto [x, y] = corpus.sample(micro, args.seq, rng);
       x = x.to(device);
       y = y.to(device);
       auto loss = model.forward([&] { return gpt::GptImpl::loss(net->forward(x), y) / args.micro_batches; });
-      model.backward(loss);
+      // The last backward and the step as one pipeline (Note [Pipelined step]); accumulated gradients
+      // can be pipelined only without clipping and loss scaling.
+      if (k + 1 == args.micro_batches && (!options.accumulate_grads || (options.max_grad_norm == 0 && !adam.uses_loss_scaling()))) {
+        r = adam.backward_step(loss);
+        stepped = true;
+      } else {
+        model.backward(loss);
+      }
       loss_sum += loss.item<double>();
       const ferry::IterationStats it = model.last_iteration();
       moved_window += it.h2d_bytes + it.d2h_bytes;
     }
-    const ferry::StepResult r = adam.step();
+    if (!stepped) r = adam.step();
     adam.zero_grad();
     if (tracing) {
       ferry::trace::stop();

@@ -157,9 +157,7 @@ int run(int argc, char** argv) {
     }
     auto xd = x.to(device), yd = y.to(device);
     auto loss = model.forward([&] { return torch::nn::functional::cross_entropy(net->forward(xd), yd); });
-    model.backward(loss);
-    adam.step();
-    adam.zero_grad();
+    adam.backward_step(loss);  // backward + step, pipelined per chunk
     if ((step + 1) % log_every == 0 || step + 1 == steps) {
       const auto it = model.last_iteration();
       std::printf("step %4lld  loss ferry %.5f  unwrapped %.5f  moved %s  evictions %lld\n",
