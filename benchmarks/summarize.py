@@ -176,6 +176,43 @@ def gpt_plots(doc, path):
     return [out]
 
 
+def trace_breakdown(path):
+    """The step breakdown of a Chrome trace written by --trace: time in forward, backward and the
+    optimizer's phases; the pipelined host Adam (on CpuAdam's worker) and how much of it ran while
+    backward went on; copies in flight per direction; the host's waits for copies."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    def spans(pred):
+        return [(e["ts"], e["ts"] + e["dur"]) for e in events if pred(e)]
+    def total(iv):
+        return sum(b - a for a, b in iv) / 1000.0
+    def overlap(iv, windows):
+        return sum(max(0.0, min(b, wb) - max(a, wa)) for a, b in iv for wa, wb in windows) / 1000.0
+    backward = spans(lambda e: e["cat"] == "model" and e["name"] == "backward")
+    rows = [("forward", total(spans(lambda e: e["cat"] == "model" and e["name"] == "forward")), ""),
+            ("backward", total(backward), "")]
+    for name in ("adam.finish_pipelined_step", "adam.step", "adam.stage_param_chunks", "adam.grad_norm",
+                 "adam.device_update", "adam.host_update", "adam.writeback"):
+        iv = spans(lambda e, n=name: e["cat"] == "adam" and e["name"] == n)
+        if iv:
+            rows.append((name, total(iv), ""))
+    for kind in ("host", "device"):
+        iv = spans(lambda e, k=kind: e["cat"] == "adam" and e["name"].startswith(f"pipelined {k} adam chunk"))
+        if iv:
+            rows.append((f"pipelined {kind} Adam ({len(iv)} chunks)", total(iv),
+                         f"{overlap(iv, backward):.3f} ms of it during backward"))
+    for d in ("h2d", "d2h"):
+        iv = spans(lambda e, d=d: e["cat"] == "copy" and e["name"].startswith(d))
+        if iv:
+            rows.append((f"{d} copies in flight ({len(iv)})", total(iv),
+                         f"{overlap(iv, backward):.3f} ms of it during backward"))
+    waits = spans(lambda e: e["cat"] == "wait")
+    rows.append((f"host waits for copies ({len(waits)})", total(waits), ""))
+    lines = [f"Step breakdown from `{path}`:", "", "| phase | ms | note |", "|---|---:|---|"]
+    lines += [f"| {n} | {ms:.3f} | {note} |" for n, ms, note in rows]
+    return "\n".join(lines)
+
+
 TABLES = {"cpu_adam": cpu_adam_table, "chunk_move": chunk_move_table, "gpt": gpt_table}
 PLOTS = {"gpt": gpt_plots}
 
@@ -189,8 +226,10 @@ def main(paths):
     for path in paths:
         with open(path) as f:
             doc = json.load(f)
-        if "traceEvents" in doc:
-            continue  # a Chrome trace stored beside a result; the result's plot reads it
+        if "traceEvents" in doc:  # a Chrome trace (bench_gpt --trace, train_gpt --trace)
+            print(trace_breakdown(path))
+            print()
+            continue
         make = TABLES.get(doc.get("benchmark"))
         if make is None:
             print(f"{path}: no table for benchmark {doc.get('benchmark')!r}", file=sys.stderr)

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <thread>
 
@@ -57,6 +58,7 @@ struct TinyLmImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& idx) {
     auto x = wte(idx);
     if (gate) x = WaitForHostAdam::apply(x);
+    if (after_embedding) x = after_embedding(x);
     for (int i = 0; i < 2; ++i) x = x + out[i](torch::gelu(fc[i](ln[i](x))));
     return torch::matmul(ln_f(x), wte->weight.t());
   }
@@ -65,6 +67,7 @@ struct TinyLmImpl : torch::nn::Module {
   std::vector<torch::nn::Linear> fc, out;
   torch::nn::LayerNorm ln_f{nullptr};
   bool gate = false;  // WaitForHostAdam after the embedding
+  std::function<torch::Tensor(const torch::Tensor&)> after_embedding;  // null: none
 };
 TORCH_MODULE(TinyLm);
 
@@ -883,6 +886,53 @@ TEST(HybridAdam, PipelinedHostAdamStartsBeforeBackwardEnds) {
   }
   g_gate_adam = nullptr;
   net->gate = false;
+}
+
+// A gradient that arrives for a chunk whose pipelined update has started (a parameter the previous
+// steps did not train, used now at the start of forward, so its gradient lands at the end of backward,
+// after its chunk-mates') is refused with a clear error, not lost; zero_grad() discards the rest and the
+// model trains on without it.
+TEST(HybridAdam, PipelinedStepRefusesALateGradient) {
+  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+  options.device_state_chunks = 0;
+  torch::manual_seed(53);
+  TinyLm net(kVocab, kDim);
+  torch::Tensor extra = net->register_parameter("extra", torch::zeros({kDim}));
+  bool use_extra = false;
+  net->after_embedding = [&](const torch::Tensor& x) { return use_extra ? x + extra : x; };
+  ChunkedModel model(net.ptr(), sim_config(0, Precision::kFp32));
+  HybridAdam adam(model, options);
+  for (int step = 0; step < 3; ++step) {
+    const Batch x = batch(step);
+    EXPECT_TRUE(adam.backward_step(model.forward([&] { return lm_loss(net, x.idx, x.target); })).applied);
+  }
+  use_extra = true;
+  const Batch x = batch(3);
+  try {
+    adam.backward_step(model.forward([&] { return lm_loss(net, x.idx, x.target); }));
+    ADD_FAILURE() << "the late gradient of 'extra' must be refused";
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("extra"), std::string::npos) << what;
+    EXPECT_NE(what.find("after its chunk's update had started"), std::string::npos) << what;
+  }
+  EXPECT_EQ(model.phase(), ModelPhase::kIdle);
+  adam.zero_grad();
+  EXPECT_FALSE(model.any_grad_in_slot());
+  use_extra = false;
+  for (int step = 4; step < 6; ++step) {
+    const Batch y = batch(step);
+    EXPECT_TRUE(adam.backward_step(model.forward([&] { return lm_loss(net, y.idx, y.target); })).applied)
+        << "usable afterwards";
+  }
+  const int64_t e = [&] {
+    for (int64_t p = 0; p < model.num_params(); ++p) {
+      if (model.param_name(p) == "extra") return p;
+    }
+    return int64_t{-1};
+  }();
+  ASSERT_GE(e, 0);
+  EXPECT_TRUE(torch::equal(adam.master(e), torch::zeros({kDim}))) << "the refused gradient was not applied";
 }
 
 TEST(HybridAdam, RepackAndMigrationDoNotHoldTwoCopies) {
