@@ -21,6 +21,7 @@
 #include <unordered_map>
 
 #include "ferry/chunk/copy_engine.h"
+#include "ferry/chunk/repack.h"
 #include "ferry/common/event_trace.h"
 #include "ferry/common/logging.h"
 
@@ -81,6 +82,7 @@ HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
   }
   model_.release_initial_values();  // the masters hold them now
   model_.set_grad_sink(this);
+  model_.set_layout_listener(this);
   log::info("ferry: HybridAdam over ", model_.num_params(), " parameters in ", num_param_groups(), " groups, ",
             num_chunks(), " state chunk groups (fp32 master, exp_avg, exp_avg_sq",
             options_.accumulate_grads ? ", grad accumulation" : "; grads in the parameter chunks", "), CPU kernel ",
@@ -96,6 +98,7 @@ HybridAdam::~HybridAdam() {
         if (grads_landed_) discard_grads_locked();  // the parameters get their values back
       }
       model_.set_grad_sink(nullptr);
+      if (model_.layout_listener() == this) model_.set_layout_listener(nullptr);
       model_.set_loss_scale(1.0);
       if (placed_) model_.scheduler().set_reserved_device_bytes(0);
     }
@@ -121,52 +124,30 @@ void HybridAdam::build_state_locked() {
   // them would lock 12 B/param of host memory for nothing and cost seconds of cudaHostAlloc.
   store_options.pin_host_memory = false;
   auto store = std::make_unique<ChunkStore>(store_options);
-  // On a repack of the model the state moves parameter by parameter into chunks filled one at a time,
-  // and each old state chunk group is freed as soon as all its parameters have moved out: host memory
-  // grows by about one group, not by a second copy of the optimizer state.
+  // fill_layout (chunk/repack.h), as the model's repack: chunks filled one layout chunk at a time. On a
+  // repack the state moves parameter by parameter and each old state chunk is freed as soon as all its
+  // parameters have moved out (host memory grows by about one group, not by a second copy); on the
+  // first build the masters take over from the parameters' initial fp32 values, each released as soon
+  // as it is copied, so the fp32 values are never held twice.
   const bool migrate = store_ != nullptr;
   std::vector<ChunkStore::RoleChunks> roles;
-  // State chunks get memory one layout chunk at a time as they are filled: on the first build the
-  // masters take over from the parameters' initial fp32 values, each released as soon as it is copied,
-  // so the fp32 values are never held twice.
+  std::vector<std::vector<TensorId>> from;
   for (int r = 0; r < num_roles_; ++r) {
     roles.push_back(store->add_layout(kRoleOf[r], at::kFloat, layout, model_.param_shapes(), Location::kNone));
+    if (migrate) from.push_back(roles_[r].tensors);
   }
-  std::vector<int64_t> old_chunk_of_param, old_remaining;
-  if (migrate) {
-    migration_peak_bytes_ = 0;
-    std::unordered_map<ChunkId, int64_t> old_index;
-    for (size_t i = 0; i < roles_[kMasterRole].chunks.size(); ++i) old_index[roles_[kMasterRole].chunks[i]] = i;
-    old_remaining.assign(roles_[kMasterRole].chunks.size(), 0);
-    for (int64_t p = 0; p < model_.num_params(); ++p) {
-      old_chunk_of_param.push_back(old_index.at(store_->tensor_info(roles_[kMasterRole].tensors[p]).chunk));
-      ++old_remaining[old_chunk_of_param.back()];
-    }
-  }
-  for (int64_t c = 0; c < layout.num_chunks(); ++c) {
-    for (int r = 0; r < num_roles_; ++r) store->allocate_payload(roles[r].chunks[c], Location::kHost);
-    for (int64_t p : layout.chunks()[c].tensors) {
-      if (!migrate) {
-        for (int r = 0; r < num_roles_; ++r) store->set_state(roles[r].tensors[p], TensorState::kHold);
-        // The masters start from the values the module built (fp32), not from their rounded compute copy.
-        const at::Tensor initial = model_.initial_value(p);
-        store->view(roles[kMasterRole].tensors[p]).copy_(initial.defined() ? initial : model_.param_values(p));
-        model_.release_initial_value(p);
-        continue;
-      }
-      for (int r = 0; r < num_roles_; ++r) {
-        store->view(roles[r].tensors[p]).copy_(store_->view(roles_[r].tensors[p]));
-        store->set_state(roles[r].tensors[p], TensorState::kHold);
-      }
-      const auto ns = store->stats(), os = store_->stats();
-      migration_peak_bytes_ = std::max(migration_peak_bytes_, ns.host.current_bytes + os.host.current_bytes +
-                                                                  os.device.current_bytes);
-      const int64_t old = old_chunk_of_param[p];
-      if (--old_remaining[old] == 0) {
-        for (int r = 0; r < num_roles_; ++r) store_->retire(roles_[r].chunks[old]);
-      }
-    }
-  }
+  const int64_t peak = fill_layout(*store, layout, roles, store_.get(), from, [&](int r, int64_t p, TensorId slot) {
+    store->set_state(slot, TensorState::kHold);
+    if (migrate) {
+      store->view(slot).copy_(store_->view(roles_[r].tensors[p]));
+    } else if (r == kMasterRole) {
+      // The masters start from the values the module built (fp32), not from their rounded compute copy.
+      const at::Tensor initial = model_.initial_value(p);
+      store->view(slot).copy_(initial.defined() ? initial : model_.param_values(p));
+      model_.release_initial_value(p);
+    }  // moments (and accumulated grads) start at zero
+  });
+  if (migrate) migration_peak_bytes_ = peak;
   if (placed_ && store_) {
     model_.scheduler().set_reserved_device_bytes(0);
     placed_ = false;
@@ -174,12 +155,18 @@ void HybridAdam::build_state_locked() {
   store_ = std::move(store);
   roles_ = std::move(roles);
   layout_version_ = model_.layout_version();
-  landings_.assign(model_.num_params(), 0);
+  landings_.resize(model_.num_params(), 0);  // per parameter: kept across a repack (counted in this backward)
   on_device_.assign(layout.num_chunks(), 0);
 }
 
+void HybridAdam::layout_changed() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  build_state_locked();
+}
+
 void HybridAdam::sync_layout_locked() {
-  if (layout_version_ != model_.layout_version()) build_state_locked();
+  // The model announces every repack (layout_changed): the state always mirrors its layout.
+  TORCH_INTERNAL_ASSERT(layout_version_ == model_.layout_version(), "HybridAdam missed a repack of the model");
 }
 
 int64_t HybridAdam::state_bytes_per_chunk(int64_t layout_chunk) const {

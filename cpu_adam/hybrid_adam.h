@@ -155,7 +155,7 @@ struct StepResult {
   int64_t device_syncs = 0;
 };
 
-class HybridAdam final : private GradSink {
+class HybridAdam final : private GradSink, private LayoutListener {
  public:
   HybridAdam(ChunkedModel& model, HybridAdamOptions options = {});
   ~HybridAdam() override;
@@ -280,7 +280,8 @@ class HybridAdam final : private GradSink {
   // Writes the fp32 masters of the landed parameters into their slots (default mode: the gradients
   // there are given up), then forgets the landings.
   void discard_grads_locked();
-  void sync_layout_locked();       // rebuilds the state store if the model was repacked
+  void layout_changed() override;  // the model was repacked: migrate the state to its layout
+  void sync_layout_locked();        // asserts the state mirrors the model's layout
   void build_state_locked();
   void place_locked();             // after warm-up: decide and move
   void check_idle(const char* what) const;

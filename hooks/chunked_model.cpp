@@ -13,6 +13,7 @@
 
 #include "ferry/chunk/copy_engine.h"
 #include "ferry/common/gpu_info.h"
+#include "ferry/chunk/repack.h"
 #include "ferry/common/logging.h"
 
 namespace ferry {
@@ -143,37 +144,24 @@ void ChunkedModel::build(const std::vector<int64_t>& order) {
   // module's own tensor of each parameter is freed when it is bound (unless kept as its initial
   // value), so construction holds about one chunk beyond the module, not a second copy of it.
   const auto role = store->add_layout(ChunkRole::kParam, dtype_, layout, shapes_, Location::kNone);
-  std::vector<TensorId> tensor_of_param(params_.size());
-  std::vector<ChunkId> chunk_of_param(params_.size());
-  std::vector<int64_t> old_remaining;
-  if (store_) {
-    repack_peak_bytes_ = 0;
-    old_remaining.assign(store_->num_chunks(), 0);
-    for (ChunkId c : chunk_of_param_) ++old_remaining[c];
-  }
-  for (int64_t i = 0; i < layout.num_chunks(); ++i) {
-    store->allocate_payload(role.chunks[i], Location::kHost);
-    for (int64_t p : layout.chunks()[i].tensors) {
-      tensor_of_param[p] = role.tensors[p];
-      chunk_of_param[p] = role.chunks[i];
-      // First build: the values are the parameter's own; a repack reads them from the old store.
-      const at::Tensor values = store_ ? store_->view(tensor_of_param_[p]) : params_[p].detach();
-      if (!store_ && dtype_ != at::kFloat && params_[p].scalar_type() != dtype_) {
-        // The compute copy rounds them; an optimizer's fp32 masters should start from these values.
-        // Keeping them only delays freeing the module's own memory (no copy is made).
-        initial_values_.resize(params_.size());
-        initial_values_[p] = values;
-      }
-      store->set_state(tensor_of_param[p], TensorState::kHold);
-      store->bind(tensor_of_param[p], params_[p], values);
-      if (!store_) continue;
-      const ChunkId old = chunk_of_param_[p];
-      const ChunkStoreStats old_stats = store_->stats();
-      repack_peak_bytes_ = std::max(repack_peak_bytes_, store->stats().host.current_bytes +
-                                                            old_stats.host.current_bytes + old_stats.device.current_bytes);
-      if (--old_remaining[old] == 0) store_->retire(old);
+  const bool first = store_ == nullptr;
+  const int64_t peak = fill_layout(*store, layout, {role}, store_.get(), {tensor_of_param_},
+                                   [&](int, int64_t p, TensorId slot) {
+    // First build: the values are the parameter's own; a repack reads them from the old store.
+    const at::Tensor values = first ? params_[p].detach() : store_->view(tensor_of_param_[p]);
+    if (first && dtype_ != at::kFloat && params_[p].scalar_type() != dtype_) {
+      // The compute copy rounds them; an optimizer's fp32 masters should start from these values.
+      // Keeping them only delays freeing the module's own memory (no copy is made).
+      initial_values_.resize(params_.size());
+      initial_values_[p] = values;
     }
-  }
+    store->set_state(slot, TensorState::kHold);
+    store->bind(slot, params_[p], values);
+  });
+  if (!first) repack_peak_bytes_ = peak;
+  std::vector<TensorId> tensor_of_param = role.tensors;
+  std::vector<ChunkId> chunk_of_param(params_.size());
+  for (int64_t p = 0; p < num_params(); ++p) chunk_of_param[p] = role.chunks[layout.slots()[p].chunk];
   param_chunks_ = role.chunks;
   ++layout_version_;
   unregister_storages();
@@ -205,6 +193,12 @@ void ChunkedModel::unregister_storages() {
 void ChunkedModel::set_loss_scale(double scale) {
   TORCH_CHECK(std::isfinite(scale) && scale > 0, "ferry: loss scale must be finite and > 0, got ", scale);
   loss_scale_ = scale;
+}
+
+void ChunkedModel::set_layout_listener(LayoutListener* listener) {
+  TORCH_CHECK(phase_.load() == ModelPhase::kIdle, "ferry: set_layout_listener() inside an iteration (phase ",
+              to_string(phase_.load()), ")");
+  layout_listener_ = listener;
 }
 
 void ChunkedModel::set_grad_sink(GradSink* sink) {
@@ -391,6 +385,7 @@ void ChunkedModel::finish_iteration(bool aborted, bool forward_only) {
                 " chunks (waste ", static_cast<int>(layout_.waste() * 1000) / 10.0, "%)");
     }
     scheduler_->relayout(*store_, tensor_of_param_, chunk_of_param_);
+    if (options_.repack_after_warmup && layout_listener_) layout_listener_->layout_changed();
   }
 }
 

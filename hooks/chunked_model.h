@@ -90,6 +90,15 @@ class GradSink {
   virtual void backward_finished(bool /*aborted*/) {}
 };
 
+// Told when the parameters have been repacked into a new layout: between iterations, at the end of
+// the iteration that finished the warm-up, before the model is used again. Whoever mirrors the layout
+// (HybridAdam's optimizer state) migrates to it there, with fill_layout (chunk/repack.h).
+class LayoutListener {
+ public:
+  virtual ~LayoutListener() = default;
+  virtual void layout_changed() = 0;
+};
+
 // Where a ChunkedModel is in its iteration; changed only by ChunkedModel::transition().
 enum class ModelPhase { kIdle, kForward, kForwardDone, kBackward };
 const char* to_string(ModelPhase phase);
@@ -125,6 +134,9 @@ class ChunkedModel final : private UseListener {
   double loss_scale() const { return loss_scale_; }
   // Routes gradients to `sink` (null: back to autograd's .grad). Not inside an iteration.
   void set_grad_sink(GradSink* sink);
+  // The one listener told of repacks (null: none). Not inside an iteration.
+  void set_layout_listener(LayoutListener* listener);
+  LayoutListener* layout_listener() const { return layout_listener_; }
   // Ends an iteration that had no backward (evaluation); forward() also does it implicitly.
   void end_iteration();
   // Gives every parameter plain device memory again and detaches it from ferry (the destructor).
@@ -215,6 +227,7 @@ class ChunkedModel final : private UseListener {
   int64_t repack_peak_bytes_ = 0;
   double loss_scale_ = 1.0;
   GradSink* grad_sink_ = nullptr;
+  LayoutListener* layout_listener_ = nullptr;
   std::vector<char> grad_in_slot_;  // per parameter (Note [Gradient in the parameter slot])
   int64_t grads_in_slots_ = 0;      // how many are set
   std::vector<std::vector<int64_t>> shapes_;
