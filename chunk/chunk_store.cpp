@@ -52,6 +52,7 @@ ChunkStore::ChunkStore(ChunkStoreOptions options, std::unique_ptr<CopyEngine> en
     : options_(validated(std::move(options))),
       engine_(engine ? std::move(engine) : make_copy_engine(options_.device)),
       policy_(options_.policy ? options_.policy : std::make_shared<LruEvictionPolicy>()),
+      accountant_(options_.accountant ? options_.accountant : std::make_shared<DeviceAccountant>()),
       host_pool_(engine_->pinned_host() && options_.pin_host_memory, options_.host_cache_bytes) {
   device_.budget_bytes = options_.device_budget_bytes;
   host_.budget_bytes = options_.host_budget_bytes;
@@ -68,6 +69,10 @@ ChunkStore::~ChunkStore() {
     synchronize();
   } catch (const std::exception& e) {
     log::error("chunk store: waiting for pending copies failed: ", e.what());
+  }
+  // A shared accountant outlives this store: the device bytes it charged leave with it.
+  for (int role = 0; role < kNumChunkRoles; ++role) {
+    if (device_by_role_[role] > 0) accountant_->discharge(static_cast<ChunkRole>(role), device_by_role_[role]);
   }
 }
 
@@ -107,6 +112,7 @@ void ChunkStore::charge(Tier t, const Chunk& chunk) {
   TierStats& s = tier(t);
   s.current_bytes += bytes;
   (t == Tier::kDevice ? device_by_role_ : host_by_role_)[static_cast<int>(chunk.role())] += bytes;
+  if (t == Tier::kDevice) accountant_->charge(chunk.role(), bytes);
   TORCH_INTERNAL_ASSERT(s.budget_bytes == 0 || s.current_bytes <= s.budget_bytes, to_string(t),
                         " tier over budget: ", s.current_bytes, " > ", s.budget_bytes);
   s.peak_bytes = std::max(s.peak_bytes, s.current_bytes);
@@ -118,6 +124,7 @@ void ChunkStore::discharge(Tier t, const Chunk& chunk) {
   TierStats& s = tier(t);
   s.current_bytes -= bytes;
   (t == Tier::kDevice ? device_by_role_ : host_by_role_)[static_cast<int>(chunk.role())] -= bytes;
+  if (t == Tier::kDevice) accountant_->discharge(chunk.role(), bytes);
   TORCH_INTERNAL_ASSERT(s.current_bytes >= 0, to_string(t), " tier bytes went negative");
   if (trace::enabled()) trace::counter(options_.name + (t == Tier::kDevice ? " device bytes" : " host bytes"), s.current_bytes);
 }
@@ -686,6 +693,11 @@ at::Tensor ChunkStore::payload(ChunkId id) {
   TORCH_CHECK(chunk.location() != Location::kNone, "ferry: ", describe(chunk), " has no payload (RELEASED)");
   ready_for_use(chunk);
   return chunk.location() == Location::kDevice ? chunk.device_flat() : chunk.host_flat();
+}
+
+int64_t ChunkStore::device_bytes_elsewhere() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return accountant_->current_bytes() - device_.current_bytes;
 }
 
 int64_t ChunkStore::num_chunks() const {

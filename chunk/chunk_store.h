@@ -41,6 +41,7 @@
 
 #include "ferry/chunk/chunk.h"
 #include "ferry/chunk/copy_engine.h"
+#include "ferry/chunk/device_accountant.h"
 #include "ferry/chunk/eviction_policy.h"
 #include "ferry/chunk/host_buffer.h"
 #include "ferry/chunk/layout.h"
@@ -56,6 +57,8 @@ struct ChunkStoreOptions {
   int64_t host_cache_bytes = int64_t{256} << 20;  // freed host buffers kept for reuse, at most
   bool pin_host_memory = true;                 // page-lock host payloads when the device is CUDA
   std::shared_ptr<EvictionPolicy> policy;      // null: LRU
+  // Charged with this store's device bytes, shared with other stores (null: the store makes its own).
+  std::shared_ptr<DeviceAccountant> accountant;
   std::string name = "chunks";                 // in trace counters ("<name> device bytes")
 
   // device and budgets from ferry's Config.
@@ -221,6 +224,10 @@ class ChunkStore {
   at::Tensor payload(ChunkId id);
 
   // ---- queries
+  // The accountant this store charges, and the device bytes charged to it by the other stores that
+  // share it (optimizer state beside parameter chunks).
+  const DeviceAccountant& device_accountant() const { return *accountant_; }
+  int64_t device_bytes_elsewhere() const;
   int64_t num_chunks() const;
   int64_t num_tensors() const;
   // Where the chunk's payload is (cheap; chunk_info copies the tensor list).
@@ -285,6 +292,7 @@ class ChunkStore {
   int64_t compute_bytes_ = 0, compute_peak_bytes_ = 0;  // see ChunkStoreStats
   std::unique_ptr<CopyEngine> engine_;
   std::shared_ptr<EvictionPolicy> policy_;
+  std::shared_ptr<DeviceAccountant> accountant_;
   HostBufferPool host_pool_;
   std::vector<std::unique_ptr<Chunk>> chunks_;
   std::vector<Slot> slots_;

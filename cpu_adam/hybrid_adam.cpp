@@ -100,7 +100,6 @@ HybridAdam::~HybridAdam() {
       model_.set_grad_sink(nullptr);
       if (model_.layout_listener() == this) model_.set_layout_listener(nullptr);
       model_.set_loss_scale(1.0);
-      if (placed_) model_.scheduler().set_reserved_device_bytes(0);
     }
   } catch (const std::exception& e) {
     log::error("ferry: HybridAdam could not detach from the model: ", e.what());
@@ -116,7 +115,8 @@ void HybridAdam::check_idle(const char* what) const {
 void HybridAdam::build_state_locked() {
   const ChunkLayout& layout = model_.layout();
   ChunkStoreOptions store_options = ChunkStoreOptions::from(model_.config());
-  store_options.device_budget_bytes = 0;  // placement is decided here, and reserved in the scheduler
+  store_options.device_budget_bytes = 0;  // placement is decided here and admitted by the scheduler
+  store_options.accountant = model_.device_accountant();  // one device budget for both stores
   store_options.host_budget_bytes = 0;
   store_options.name = "optimizer state";
   // Pinned memory only for what moves every iteration (the parameter chunks): state chunks either
@@ -148,10 +148,7 @@ void HybridAdam::build_state_locked() {
     }  // moments (and accumulated grads) start at zero
   });
   if (migrate) migration_peak_bytes_ = peak;
-  if (placed_ && store_) {
-    model_.scheduler().set_reserved_device_bytes(0);
-    placed_ = false;
-  }
+  placed_ = false;  // the old store's device state leaves with it (discharged from the accountant)
   store_ = std::move(store);
   roles_ = std::move(roles);
   layout_version_ = model_.layout_version();
@@ -202,7 +199,7 @@ void HybridAdam::place_locked() {
   }
   int64_t reserved = 0;
   for (int64_t k = 0; k < count; ++k) reserved += state_bytes_per_chunk(n - 1 - k);
-  model_.scheduler().set_reserved_device_bytes(reserved);  // throws, changing nothing, if too much
+  model_.scheduler().admit_device_bytes(reserved);  // evicts parameter chunks; throws, changing nothing, if too much
   for (int64_t k = 0; k < count; ++k) {
     const int64_t c = n - 1 - k;
     for (int r = 0; r < num_roles_; ++r) store_->move(roles_[r].chunks[c], Location::kDevice);

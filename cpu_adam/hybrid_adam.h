@@ -29,8 +29,9 @@
 // Placement: until the model's warm-up has finished, all state is on the host. At the first step()
 // after it, HybridAdam takes the margin = device budget - peak non-model bytes - all parameter chunk
 // bytes (0 when parameters do not all fit) and moves as many state chunk groups to the device as fit
-// there (the last layout chunks first: their grads land first in backward). Those bytes are reserved
-// out of the scheduler's chunk budget, so the budget invariant still holds. Device budget 0 means no
+// there (the last layout chunks first: their grads land first in backward). The scheduler first
+// evicts parameter chunks to admit those bytes (Scheduler::admit_device_bytes), and the state store
+// charges the model's DeviceAccountant, so parameters + state stay within the one device budget. Device budget 0 means no
 // limit (everything on the device). `device_state_chunks` overrides the count.
 //
 // A step (step()):

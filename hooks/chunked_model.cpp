@@ -137,6 +137,7 @@ void ChunkedModel::build(const std::vector<int64_t>& order) {
   store_options.policy = policy_;
   store_options.name = "params";
   store_options.host_cache_bytes = options_.host_cache_bytes;
+  store_options.accountant = accountant_;
   auto store = std::make_unique<ChunkStore>(store_options, options_.copy_engine ? options_.copy_engine() : nullptr);
   // A repack fills the new chunks one at a time and frees each old chunk as soon as all its parameters
   // have moved out, so host memory grows by about one chunk, not by a second copy of the model.

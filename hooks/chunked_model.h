@@ -156,6 +156,9 @@ class ChunkedModel final : private UseListener {
 
   torch::nn::Module& module() { return *module_; }
   ChunkStore& store() { return *store_; }
+  // The device accountant of the parameter chunks, for every store that shares the device budget with
+  // them (HybridAdam's optimizer state charges it too): total and by role.
+  const std::shared_ptr<DeviceAccountant>& device_accountant() const { return accountant_; }
   Scheduler& scheduler() { return *scheduler_; }
   const ChunkLayout& layout() const { return layout_; }
   // Bytes of a regular parameter chunk (the configured size, or the auto choice).
@@ -234,6 +237,7 @@ class ChunkedModel final : private UseListener {
   std::vector<int64_t> numels_;
   std::vector<at::Tensor> initial_values_;  // see initial_value()
   ChunkLayout layout_;
+  std::shared_ptr<DeviceAccountant> accountant_ = std::make_shared<DeviceAccountant>();
   std::unique_ptr<ChunkStore> store_;
   std::shared_ptr<OptEvictionPolicy> policy_;
   std::unique_ptr<Scheduler> scheduler_;

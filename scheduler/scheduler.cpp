@@ -73,25 +73,28 @@ void Scheduler::begin_iteration() {
   }
   current_.optimal_bytes = optimal_bytes_;
   if (record) probe_->begin_iteration();
+  // Optimizer state placed on the device since: the optimal moves at the parameters' new budget.
+  if (trace_ && store_->device_bytes_elsewhere() != optimal_for_others_) finalize_trace_locked();
   at_begin_ = store_->stats();
   store_->reset_peak_stats();
 }
 
 int64_t Scheduler::non_model_now_locked() {
-  // Device-resident optimizer state (reserved) is ferry's, not non-model memory.
-  return probe_->non_model_bytes(store_->stats().device.current_bytes + reserved_bytes_);
+  // Device-resident optimizer state (charged to the shared accountant) is ferry's, not non-model memory.
+  return probe_->non_model_bytes(store_->device_accountant().current_bytes());
 }
 
 int64_t Scheduler::moment_budget_locked(int64_t non_model) {
   const int64_t budget = chunk_budget_locked();
   if (options_.device_capacity_bytes == 0 || non_model < 0) return budget;
-  int64_t room = options_.device_capacity_bytes - reserved_bytes_ - non_model;
+  const int64_t others = store_->device_bytes_elsewhere();
+  int64_t room = options_.device_capacity_bytes - others - non_model;
   if (room < largest_chunk_bytes_) {
     log::warn_once("scheduler-capacity",
                    "ferry scheduler: non-model memory of " + format_bytes(non_model) + " leaves " +
                        format_bytes(std::max<int64_t>(0, room)) + " of the device's " +
-                       format_bytes(options_.device_capacity_bytes) + " (" + format_bytes(reserved_bytes_) +
-                       " reserved for optimizer state) for chunks, less than the largest chunk (" +
+                       format_bytes(options_.device_capacity_bytes) + " (" + format_bytes(others) +
+                       " of optimizer state) for parameter chunks, less than the largest chunk (" +
                        format_bytes(largest_chunk_bytes_) + "); keeping room for one chunk. The device may run "
                        "out of memory: use activation checkpointing, a smaller batch or smaller chunks.");
     room = largest_chunk_bytes_;
@@ -218,6 +221,7 @@ void Scheduler::finalize_trace_locked() {
     largest_chunk_bytes_ = std::max(largest_chunk_bytes_, bytes[c]);
   }
   optimal_bytes_ = belady_moves(*trace_, bytes, moment_budget_locked(trace_non_model_peak_locked())).total();
+  optimal_for_others_ = store_->device_bytes_elsewhere();
   policy_->set_trace(trace_);
 }
 
@@ -239,24 +243,28 @@ void Scheduler::relayout(ChunkStore& store, std::vector<TensorId> tensor_of_para
 
 int64_t Scheduler::chunk_budget_locked() const {
   if (options_.device_budget_bytes == 0) return 0;
-  return std::max<int64_t>(1, options_.device_budget_bytes - reserved_bytes_);
+  // The budget covers every store charging the device accountant: the parameter chunks get what the
+  // others (device-resident optimizer state) leave.
+  return std::max<int64_t>(1, options_.device_budget_bytes - store_->device_bytes_elsewhere());
 }
 
-void Scheduler::set_reserved_device_bytes(int64_t bytes) {
+void Scheduler::admit_device_bytes(int64_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(!in_iteration_, "ferry: set_reserved_device_bytes() inside an iteration");
-  TORCH_CHECK(bytes >= 0, "ferry: reserved device bytes must be >= 0, got ", bytes);
-  TORCH_CHECK(options_.device_budget_bytes == 0 || bytes < options_.device_budget_bytes,
-              "ferry: reserving ", format_bytes(bytes), " of a device budget of ",
-              format_bytes(options_.device_budget_bytes), " leaves nothing for parameter chunks");
-  reserved_bytes_ = bytes;
-  set_store_budget_locked(chunk_budget_locked());
-  if (trace_) finalize_trace_locked();  // optimal bytes at the new budget
+  TORCH_CHECK(!in_iteration_, "ferry: admit_device_bytes() inside an iteration");
+  TORCH_CHECK(bytes >= 0, "ferry: admitted device bytes must be >= 0, got ", bytes);
+  if (options_.device_budget_bytes == 0) return;
+  const int64_t others = store_->device_bytes_elsewhere();
+  const int64_t left = options_.device_budget_bytes - others - bytes;
+  TORCH_CHECK(left >= std::max<int64_t>(1, largest_chunk_bytes_), "ferry: ", format_bytes(bytes),
+              " more device bytes for optimizer state (", format_bytes(others), " there already) of a device budget of ",
+              format_bytes(options_.device_budget_bytes), " would leave ", format_bytes(std::max<int64_t>(0, left)),
+              " for parameter chunks, less than the largest chunk (", format_bytes(largest_chunk_bytes_), ")");
+  set_store_budget_locked(left);  // evicts parameter chunks down to it; throws, changing nothing, if it can't
 }
 
-int64_t Scheduler::reserved_device_bytes() const {
+int64_t Scheduler::other_device_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return reserved_bytes_;
+  return store_->device_bytes_elsewhere();
 }
 
 bool Scheduler::trace_is_forward_only() const {

@@ -36,9 +36,9 @@ struct SchedulerOptions {
   int prefetch_depth = 2;         // distinct chunks ahead to start moving in (0: no prefetch)
   int64_t prefetch_window = 256;  // trace positions searched for them
   int64_t non_model_window = 4;   // positions ahead whose non-model peak the budget reserves
-  int64_t device_budget_bytes = 0;    // device bytes for chunks: parameters + reserved state (0: no limit)
+  int64_t device_budget_bytes = 0;    // device bytes for chunks of every store: parameters + state (0: no limit)
   // The device's memory for chunks and non-model memory (activations, temporaries) together; while the
-  // trace is followed, the chunk budget at each moment is also capped at capacity - reserved state -
+  // trace is followed, the chunk budget at each moment is also capped at capacity - other stores' device bytes -
   // the non-model peak recorded a few positions ahead. 0: unknown, the chunk budget alone limits.
   int64_t device_capacity_bytes = 0;
   void validate() const;
@@ -88,14 +88,15 @@ class Scheduler {
   // After a repack into `store`: new maps, the trace's chunks rewritten.
   void relayout(ChunkStore& store, std::vector<TensorId> tensor_of_param, std::vector<ChunkId> chunk_of_param);
 
-  // Device bytes the caller keeps outside this scheduler's chunks (HybridAdam's device-resident
-  // optimizer state): the chunk budget becomes device_budget - reserved. Between iterations only;
-  // must leave a positive budget.
-  void set_reserved_device_bytes(int64_t bytes);
-  int64_t reserved_device_bytes() const;
+  // Another store (HybridAdam's optimizer state) is about to put `bytes` more on the device: evicts
+  // parameter chunks so that all stores stay within the device budget. Fails, changing nothing, if it
+  // would leave less than the largest chunk. Between iterations. The bytes then count through the
+  // shared DeviceAccountant: the parameter chunks' budget is device_budget - other_device_bytes().
+  void admit_device_bytes(int64_t bytes);
+  int64_t other_device_bytes() const;
   // Peak non-model device bytes over the trace (-1: no trace yet).
   int64_t non_model_peak() const;
-  // Device bytes for chunks (parameters and reserved state together) at the trace's worst moment:
+  // Device bytes for chunks (parameters and device-resident state together) at the trace's worst moment:
   // the device budget, capped at capacity - non-model peak when the capacity is known. 0: no limit.
   int64_t device_room_bytes() const;
 
@@ -109,7 +110,7 @@ class Scheduler {
   void prefetch_locked(int64_t position);
   void apply_budget_locked(int64_t position);
   int64_t non_model_now_locked();
-  int64_t chunk_budget_locked() const;  // device budget minus reserved bytes (0: no limit)
+  int64_t chunk_budget_locked() const;  // device budget minus other stores' device bytes (0: no limit)
   // The chunk budget at a moment with `non_model` bytes of non-model memory (-1: unknown): the chunk
   // budget, capped by the capacity's room; never below the largest chunk. 0: no limit.
   int64_t moment_budget_locked(int64_t non_model);
@@ -136,7 +137,7 @@ class Scheduler {
   bool in_iteration_ = false;
   bool diverged_ = false;
   int64_t optimal_bytes_ = -1;
-  int64_t reserved_bytes_ = 0;
+  int64_t optimal_for_others_ = -1;  // other stores' device bytes optimal_bytes_ was computed with
   bool trace_forward_only_ = false;
   int64_t largest_chunk_bytes_ = 0;
   int64_t store_budget_ = 0;  // the device budget the store has now  // of the store's chunks: the floor of every moment's budget

@@ -232,7 +232,18 @@ TEST(HybridAdam, TwentyStepsEqualTorchAdamWWithEvictionsAndSplitState) {
   }
   EXPECT_TRUE(adam.placed());
   EXPECT_EQ(adam.device_state_chunks(), 2);
-  EXPECT_EQ(model.scheduler().reserved_device_bytes(), 2 * 3 * kChunk);
+  // One device accountant for both stores: the state's device bytes are the "other" bytes the
+  // parameter chunks' budget leaves room for, every role is named, and the total never passed the budget.
+  EXPECT_EQ(model.scheduler().other_device_bytes(), 2 * 3 * kChunk);
+  const DeviceAccountant& acc = *model.device_accountant();
+  const auto by_role = acc.bytes_by_role();
+  const ChunkStoreStats ps = model.store().stats(), ss = adam.state_store().stats();
+  for (int role = 0; role < kNumChunkRoles; ++role) {
+    EXPECT_EQ(by_role[role], ps.device_bytes_by_role[role] + ss.device_bytes_by_role[role]) << role;
+  }
+  EXPECT_EQ(by_role[static_cast<int>(ChunkRole::kMaster)], 2 * kChunk);
+  EXPECT_EQ(acc.current_bytes(), ps.device.current_bytes + ss.device.current_bytes);
+  EXPECT_LE(acc.peak_bytes(), budget_for(3, 2)) << "parameters + device state within the one budget";
   EXPECT_GT(evictions, 19) << "the budget must force evictions every iteration";
   EXPECT_EQ(adam.step_count(0), 20);
   // The compute copies equal the masters (fp32: exactly).
