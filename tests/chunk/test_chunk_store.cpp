@@ -402,6 +402,33 @@ TEST(ChunkStore, HostLockKeepsAChunkOnTheHostAndSyncsAreCounted) {
   EXPECT_EQ(store.location(c), Location::kHost);
 }
 
+// Two stores sharing one DeviceAccountant: each store's device bytes are charged to it by role, each
+// sees the other's as bytes elsewhere, and a store that goes away discharges what it held.
+TEST(ChunkStore, SharedDeviceAccountantCountsEveryStoreByRole) {
+  auto accountant = std::make_shared<DeviceAccountant>();
+  ChunkStoreOptions o = simulated();
+  o.accountant = accountant;
+  ChunkStore params(o);
+  const ChunkId p = params.add_chunk(ChunkRole::kParam, at::kFloat, 256, Location::kDevice);
+  {
+    ChunkStore state(o);
+    state.add_chunk(ChunkRole::kMaster, at::kFloat, 512, Location::kDevice);
+    const ChunkId h = state.add_chunk(ChunkRole::kExpAvg, at::kFloat, 512, Location::kHost);
+    EXPECT_EQ(accountant->current_bytes(), 1024 + 2048);
+    EXPECT_EQ(accountant->bytes_by_role()[static_cast<int>(ChunkRole::kParam)], 1024);
+    EXPECT_EQ(accountant->bytes_by_role()[static_cast<int>(ChunkRole::kMaster)], 2048);
+    EXPECT_EQ(accountant->bytes_by_role()[static_cast<int>(ChunkRole::kExpAvg)], 0) << "host bytes are not charged";
+    EXPECT_EQ(params.device_bytes_elsewhere(), 2048);
+    EXPECT_EQ(state.device_bytes_elsewhere(), 1024);
+    state.move(h, Location::kDevice);
+    EXPECT_EQ(params.device_bytes_elsewhere(), 4096);
+  }
+  EXPECT_EQ(accountant->current_bytes(), 1024) << "the state store discharged its device bytes when it went";
+  EXPECT_EQ(accountant->peak_bytes(), 1024 + 4096);
+  params.move(p, Location::kHost);
+  EXPECT_EQ(accountant->current_bytes(), 0);
+}
+
 // While an eviction's copy is in flight the storage has no memory (the host payload is not complete);
 // settle() completes such copies, after which the storage aliases the host payload.
 TEST(ChunkStore, SettleMakesEvictedChunksReadable) {
