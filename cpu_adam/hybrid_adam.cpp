@@ -21,7 +21,6 @@
 #include <unordered_map>
 
 #include "ferry/chunk/copy_engine.h"
-#include "ferry/chunk/repack.h"
 #include "ferry/common/event_trace.h"
 #include "ferry/common/logging.h"
 
@@ -78,7 +77,19 @@ HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
   landed_.assign(model_.num_params(), 0);
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    build_state_locked();
+    // The state chunks, paired with the parameter chunks group by group, belong to the model's chunk
+    // layer (migrated by its repacks). They get memory one layout chunk at a time as they are filled:
+    // the masters take over from the parameters' initial fp32 values, each released as soon as it is
+    // copied, so the fp32 values are never held twice.
+    std::vector<ChunkRole> roles(kRoleOf, kRoleOf + num_roles_);
+    state_ = model_.attach_state(roles, [this](int r, int64_t p, const at::Tensor& slot) {
+      if (r != kMasterRole) return;  // moments (and accumulated grads) start at zero
+      // The masters start from the values the module built (fp32), not from their rounded compute copy.
+      const at::Tensor initial = model_.initial_value(p);
+      slot.copy_(initial.defined() ? initial : model_.param_values(p));
+      model_.release_initial_value(p);
+    });
+    follow_layout_locked();
   }
   model_.release_initial_values();  // the masters hold them now
   model_.set_grad_sink(this);
@@ -112,53 +123,18 @@ void HybridAdam::check_idle(const char* what) const {
               " while the model is in ", to_string(phase), "; call it between iterations");
 }
 
-void HybridAdam::build_state_locked() {
-  const ChunkLayout& layout = model_.layout();
-  ChunkStoreOptions store_options = ChunkStoreOptions::from(model_.config());
-  store_options.device_budget_bytes = 0;  // placement is decided here and admitted by the scheduler
-  store_options.accountant = model_.device_accountant();  // one device budget for both stores
-  store_options.host_budget_bytes = 0;
-  store_options.name = "optimizer state";
-  // Pinned memory only for what moves every iteration (the parameter chunks): state chunks either
-  // stay on the host (CpuAdam reads them there) or move to the device once, at placement; pinning
-  // them would lock 12 B/param of host memory for nothing and cost seconds of cudaHostAlloc.
-  store_options.pin_host_memory = false;
-  auto store = std::make_unique<ChunkStore>(store_options);
-  // fill_layout (chunk/repack.h), as the model's repack: chunks filled one layout chunk at a time. On a
-  // repack the state moves parameter by parameter and each old state chunk is freed as soon as all its
-  // parameters have moved out (host memory grows by about one group, not by a second copy); on the
-  // first build the masters take over from the parameters' initial fp32 values, each released as soon
-  // as it is copied, so the fp32 values are never held twice.
-  const bool migrate = store_ != nullptr;
-  std::vector<ChunkStore::RoleChunks> roles;
-  std::vector<std::vector<TensorId>> from;
-  for (int r = 0; r < num_roles_; ++r) {
-    roles.push_back(store->add_layout(kRoleOf[r], at::kFloat, layout, model_.param_shapes(), Location::kNone));
-    if (migrate) from.push_back(roles_[r].tensors);
-  }
-  const int64_t peak = fill_layout(*store, layout, roles, store_.get(), from, [&](int r, int64_t p, TensorId slot) {
-    store->set_state(slot, TensorState::kHold);
-    if (migrate) {
-      store->view(slot).copy_(store_->view(roles_[r].tensors[p]));
-    } else if (r == kMasterRole) {
-      // The masters start from the values the module built (fp32), not from their rounded compute copy.
-      const at::Tensor initial = model_.initial_value(p);
-      store->view(slot).copy_(initial.defined() ? initial : model_.param_values(p));
-      model_.release_initial_value(p);
-    }  // moments (and accumulated grads) start at zero
-  });
-  if (migrate) migration_peak_bytes_ = peak;
-  placed_ = false;  // the old store's device state leaves with it (discharged from the accountant)
-  store_ = std::move(store);
-  roles_ = std::move(roles);
+void HybridAdam::follow_layout_locked() {
+  placed_ = false;  // the old state store's device bytes left with it (discharged from the accountant)
   layout_version_ = model_.layout_version();
   landings_.resize(model_.num_params(), 0);  // per parameter: kept across a repack (counted in this backward)
-  on_device_.assign(layout.num_chunks(), 0);
+  on_device_.assign(model_.layout().num_chunks(), 0);
 }
 
 void HybridAdam::layout_changed() {
+  // The model migrated the state with the parameters (StateChunks, in the same repack); placement
+  // starts over for the new layout.
   std::lock_guard<std::mutex> lock(mutex_);
-  build_state_locked();
+  follow_layout_locked();
 }
 
 void HybridAdam::sync_layout_locked() {
@@ -202,7 +178,7 @@ void HybridAdam::place_locked() {
   model_.scheduler().admit_device_bytes(reserved);  // evicts parameter chunks; throws, changing nothing, if too much
   for (int64_t k = 0; k < count; ++k) {
     const int64_t c = n - 1 - k;
-    for (int r = 0; r < num_roles_; ++r) store_->move(roles_[r].chunks[c], Location::kDevice);
+    state_->move_group(c, Location::kDevice);
     on_device_[c] = 1;
   }
   placed_ = true;
@@ -231,7 +207,7 @@ void HybridAdam::land_grad(int64_t param, const at::Tensor& grad) {
   TORCH_CHECK(grad.layout() == at::kStrided, "ferry: HybridAdam needs dense gradients; parameter ",
               model_.param_name(param), " got a ", grad.layout(), " one");
   if (options_.accumulate_grads) {
-    at::Tensor slot = store_->view(roles_[kGradRole].tensors[param]);
+    at::Tensor slot = state_->view(kGradRole, param);
     // add_ widens a bf16/fp16 grad itself; only a grad on another device needs a copy first.
     slot.add_(grad.device() == slot.device() ? grad : grad.to(slot.device()));
   }  // else: the model wrote it into the parameter's slot
@@ -272,7 +248,7 @@ std::vector<HybridAdam::Span> HybridAdam::landed_spans_locked(int64_t c) const {
 }
 
 at::Tensor HybridAdam::grad_payload_locked(int64_t c) {
-  if (options_.accumulate_grads) return store_->payload(roles_[kGradRole].chunks[c]);
+  if (options_.accumulate_grads) return state_->payload(kGradRole, c);
   return model_.store().payload(model_.param_chunk(c));
 }
 
@@ -298,11 +274,11 @@ void HybridAdam::discard_grads_locked() {
     for (int64_t c = 0; c < num_chunks(); ++c) {
       const std::vector<Span> spans = landed_spans_locked(c);
       if (spans.empty()) continue;
-      restore_values(params.payload(model_.param_chunk(c)), store_->payload(roles_[kMasterRole].chunks[c]), spans);
+      restore_values(params.payload(model_.param_chunk(c)), state_->payload(kMasterRole, c), spans);
     }
     model_.clear_grad_slots();
   } else {
-    for (ChunkId c : roles_[kGradRole].chunks) store_->payload(c).zero_();
+    for (int64_t c = 0; c < num_chunks(); ++c) state_->payload(kGradRole, c).zero_();
   }
   std::fill(landed_.begin(), landed_.end(), 0);
   grads_landed_ = false;
@@ -339,9 +315,9 @@ std::vector<std::pair<int, AdamSpan>> HybridAdam::adam_spans(const std::vector<S
 }
 
 std::vector<std::pair<int, AdamSpan>> HybridAdam::host_spans_locked(int64_t c) {
-  return adam_spans(landed_spans_locked(c), store_->payload(roles_[kMasterRole].chunks[c]).data_ptr<float>(),
-                    store_->payload(roles_[kExpAvgRole].chunks[c]).data_ptr<float>(),
-                    store_->payload(roles_[kExpAvgSqRole].chunks[c]).data_ptr<float>(), grad_payload_locked(c));
+  return adam_spans(landed_spans_locked(c), state_->payload(kMasterRole, c).data_ptr<float>(),
+                    state_->payload(kExpAvgRole, c).data_ptr<float>(),
+                    state_->payload(kExpAvgSqRole, c).data_ptr<float>(), grad_payload_locked(c));
 }
 
 void HybridAdam::run_host_update(const std::vector<std::pair<int, AdamSpan>>& spans, const UpdateOptions& options) {
@@ -410,9 +386,9 @@ void HybridAdam::host_update_chunk_locked(int64_t c, const UpdateOptions& update
 
 void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale, const at::Tensor& found_inf) {
   trace::Span span("adam", trace::enabled() ? "device adam chunk " + std::to_string(c) : std::string());
-  at::Tensor p = store_->payload(roles_[kMasterRole].chunks[c]);
-  at::Tensor m = store_->payload(roles_[kExpAvgRole].chunks[c]);
-  at::Tensor v = store_->payload(roles_[kExpAvgSqRole].chunks[c]);
+  at::Tensor p = state_->payload(kMasterRole, c);
+  at::Tensor m = state_->payload(kExpAvgRole, c);
+  at::Tensor v = state_->payload(kExpAvgSqRole, c);
   at::Tensor g = grad_payload_locked(c);
   const bool into_param = !options_.accumulate_grads;  // g is the parameter chunk: write the values there
   for (const Span& s : landed_spans_locked(c)) {
@@ -475,10 +451,10 @@ void HybridAdam::launch_chunk_locked(int64_t c) {
   if (params.location(pc) != Location::kHost) params.move_async(pc, Location::kHost);  // one transfer
   params.lock_on_host(pc);
   try {
-    float* p = store_->payload(roles_[kMasterRole].chunks[c]).data_ptr<float>();
-    float* m = store_->payload(roles_[kExpAvgRole].chunks[c]).data_ptr<float>();
-    float* v = store_->payload(roles_[kExpAvgSqRole].chunks[c]).data_ptr<float>();
-    at::Tensor master = store_->payload(roles_[kMasterRole].chunks[c]);
+    float* p = state_->payload(kMasterRole, c).data_ptr<float>();
+    float* m = state_->payload(kExpAvgRole, c).data_ptr<float>();
+    float* v = state_->payload(kExpAvgSqRole, c).data_ptr<float>();
+    at::Tensor master = state_->payload(kMasterRole, c);
     jobs_[c] = cpu_adam_.run_async([this, c, pc, store = &params, spans = std::move(spans), p, m, v,
                                     master = std::move(master), eager = eager_] {
       struct Unlock {
@@ -556,7 +532,7 @@ StepResult HybridAdam::finish_pipelined_locked() {
     const std::vector<Span> spans = landed_spans_locked(c);
     if (spans.empty()) continue;
     if (!norms.finite[c]) {
-      restore_values(grad_payload_locked(c), store_->payload(roles_[kMasterRole].chunks[c]), spans);
+      restore_values(grad_payload_locked(c), state_->payload(kMasterRole, c), spans);
     } else if (on_device_[c]) {
       device_update_chunk_locked(c, 1.0);
     } else {
@@ -859,7 +835,7 @@ StepResult HybridAdam::apply_locked(const ChunkNorms& norms, StepResult result) 
 
 void HybridAdam::write_back_locked() {
   for (int64_t c = 0; c < num_chunks(); ++c) {
-    model_.store().payload(model_.param_chunk(c)).copy_(store_->payload(roles_[kMasterRole].chunks[c]));
+    model_.store().payload(model_.param_chunk(c)).copy_(state_->payload(kMasterRole, c));
   }
 }
 
@@ -876,7 +852,7 @@ at::Tensor HybridAdam::state_view(Role role, int64_t param) {
   check_idle("state view");
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
-  return store_->view(roles_[role].tensors[param]).clone();
+  return state_->view(role, param).clone();
 }
 
 at::Tensor HybridAdam::master(int64_t param) { return state_view(kMasterRole, param); }
@@ -910,7 +886,7 @@ void HybridAdam::load_state_dict(const NamedTensors& values) {
   std::unordered_map<std::string, const at::Tensor*> by_name;
   for (const auto& [name, t] : values) by_name.emplace(name, &t);
   for (int64_t p = 0; p < model_.num_params(); ++p) {
-    store_->view(roles_[kMasterRole].tensors[p]).copy_(*by_name.at(model_.param_name(p)));
+    state_->view(kMasterRole, p).copy_(*by_name.at(model_.param_name(p)));
   }
   std::fill(landed_.begin(), landed_.end(), 0);  // the model's slots hold values again (it cleared them)
   grads_landed_ = false;

@@ -200,10 +200,10 @@ class HybridAdam final : private GradSink, private LayoutListener {
   at::Tensor exp_avg(int64_t param);
   at::Tensor exp_avg_sq(int64_t param);
   at::Tensor grad(int64_t param);  // fp32; zeros when none landed since the last step/zero_grad()
-  ChunkStore& state_store() { return *store_; }
+  ChunkStore& state_store() { return state_->store(); }
   // Peak payload bytes of the old and new state stores together during the last migration to a
   // repacked layout (tests, reports).
-  int64_t last_migration_peak_bytes() const { return migration_peak_bytes_; }
+  int64_t last_migration_peak_bytes() const { return state_->last_migration_peak_bytes(); }
 
   // Save/resume the full training state into/from directory `dir` (format and guarantees:
   // docs/CHECKPOINT.md): fp32 masters and moments streamed one parameter at a time, step counts, lr and
@@ -283,7 +283,7 @@ class HybridAdam final : private GradSink, private LayoutListener {
   void discard_grads_locked();
   void layout_changed() override;  // the model was repacked: migrate the state to its layout
   void sync_layout_locked();        // asserts the state mirrors the model's layout
-  void build_state_locked();
+  void follow_layout_locked();  // placement and per-chunk bookkeeping for the model's current layout
   void place_locked();             // after warm-up: decide and move
   void check_idle(const char* what) const;
   at::Tensor state_view(Role role, int64_t param);
@@ -306,15 +306,14 @@ class HybridAdam final : private GradSink, private LayoutListener {
   std::vector<int> group_of_param_;
 
   mutable std::mutex mutex_;
-  std::unique_ptr<ChunkStore> store_;
+  // Paired with the model's parameter chunks and migrated by its repacks (ChunkedModel::attach_state).
+  std::shared_ptr<StateChunks> state_;
   int64_t layout_version_ = -1;
-  std::vector<ChunkStore::RoleChunks> roles_;       // kNumRoles
   std::vector<char> on_device_;                     // per layout chunk
   bool placed_ = false;
   bool grads_landed_ = false;
   int num_roles_ = 3;
   std::vector<char> landed_;  // per parameter: a gradient landed since the last step/zero_grad
-  int64_t migration_peak_bytes_ = 0;
   // backward_step: landings per parameter in this backward, and those of the previous backward_step.
   std::vector<int64_t> landings_, expected_landings_;
   bool overlap_active_ = false;

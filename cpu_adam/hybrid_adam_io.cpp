@@ -394,7 +394,7 @@ void HybridAdam::save(const std::string& dir) {
       int64_t role_bytes = 0;
       for (int64_t p = 0; p < model_.num_params(); ++p) {
         // One parameter at a time: at most one slot is ever copied off the device.
-        at::Tensor t = store_->view(roles_[r].tensors[p]).to(at::kCPU).contiguous();
+        at::Tensor t = state_->view(r, p).to(at::kCPU).contiguous();
         const float* x = t.data_ptr<float>();
         const int64_t bad = first_bad_value(x, t.numel(), r == kExpAvgSqRole);
         TORCH_CHECK(bad < 0, "ferry: refusing to save a checkpoint with ", kRoleNames[r], " of parameter ",
@@ -532,7 +532,7 @@ void HybridAdam::load(const std::string& dir) {
       const size_t n = static_cast<size_t>(host.numel());
       TORCH_CHECK(std::fread(host.data_ptr<float>(), sizeof(float), n, f.get()) == n, "ferry: reading ", path,
                   " failed (it changed while loading?)");
-      at::Tensor slot = store_->view(roles_[r].tensors[p]);
+      at::Tensor slot = state_->view(r, p);
       slot.copy_(host.view(slot.sizes()));
     }
   }
@@ -546,7 +546,7 @@ void HybridAdam::load(const std::string& dir) {
   }
   std::fill(landed_.begin(), landed_.end(), 0);  // the write-back below gives every slot its value
   if (options_.accumulate_grads) {
-    for (ChunkId c : roles_[kGradRole].chunks) store_->payload(c).zero_();
+    for (int64_t c = 0; c < num_chunks(); ++c) state_->payload(kGradRole, c).zero_();
   }
   model_.clear_grad_slots();
   grads_landed_ = false;

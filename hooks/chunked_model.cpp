@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <unordered_map>
 #include <unordered_set>
@@ -168,6 +169,11 @@ void ChunkedModel::build(const std::vector<int64_t>& order) {
   unregister_storages();
   store_ = std::move(store);  // the old store goes; parameters already view the new one
   layout_ = std::move(layout);
+  // The optimizer state follows in the same repack, with the same routine.
+  states_.erase(std::remove_if(states_.begin(), states_.end(), [](const auto& w) { return w.expired(); }), states_.end());
+  for (const auto& weak : states_) {
+    if (auto state = weak.lock()) state->build(layout_, shapes_);
+  }
   tensor_of_param_ = std::move(tensor_of_param);
   chunk_of_param_ = std::move(chunk_of_param);
   register_storages();
@@ -194,6 +200,24 @@ void ChunkedModel::unregister_storages() {
 void ChunkedModel::set_loss_scale(double scale) {
   TORCH_CHECK(std::isfinite(scale) && scale > 0, "ferry: loss scale must be finite and > 0, got ", scale);
   loss_scale_ = scale;
+}
+
+std::shared_ptr<StateChunks> ChunkedModel::attach_state(std::vector<ChunkRole> roles, const StateChunks::Init& init) {
+  TORCH_CHECK(phase_.load() == ModelPhase::kIdle || phase_.load() == ModelPhase::kForwardDone,
+              "ferry: attach_state() inside an iteration");
+  ChunkStoreOptions options = ChunkStoreOptions::from(config_);
+  options.device_budget_bytes = 0;  // groups are placed by the optimizer, admitted by the scheduler
+  options.host_budget_bytes = 0;
+  options.name = "optimizer state";
+  // Pinned memory only for what moves every iteration (the parameter chunks): state chunks either stay
+  // on the host (CpuAdam reads them there) or move to the device once, at placement; pinning them would
+  // lock 12 B/param of host memory for nothing and cost seconds of cudaHostAlloc.
+  options.pin_host_memory = false;
+  options.accountant = accountant_;  // one device budget for parameters and state
+  auto state = std::make_shared<StateChunks>(std::move(options), std::move(roles));
+  state->build(layout_, shapes_, init);
+  states_.push_back(state);
+  return state;
 }
 
 void ChunkedModel::set_layout_listener(LayoutListener* listener) {

@@ -36,6 +36,7 @@
 
 #include "ferry/chunk/chunk_store.h"
 #include "ferry/chunk/layout.h"
+#include "ferry/chunk/state_chunks.h"
 #include "ferry/common/config.h"
 #include "ferry/common/event_trace.h"
 #include "ferry/common/safetensors.h"
@@ -156,6 +157,12 @@ class ChunkedModel final : private UseListener {
 
   torch::nn::Module& module() { return *module_; }
   ChunkStore& store() { return *store_; }
+  // The optimizer state that mirrors the parameter chunks, group by group (chunk/state_chunks.h): made
+  // here, so that it shares the device accountant and is migrated by the same repack as the parameters
+  // (before the LayoutListener hears of it) for as long as the caller holds it. Its store never pins host
+  // memory and has no budget of its own (the optimizer places groups; Scheduler::admit_device_bytes
+  // makes room). Between iterations. init: as StateChunks::build's.
+  std::shared_ptr<StateChunks> attach_state(std::vector<ChunkRole> roles, const StateChunks::Init& init);
   // The device accountant of the parameter chunks, for every store that shares the device budget with
   // them (HybridAdam's optimizer state charges it too): total and by role.
   const std::shared_ptr<DeviceAccountant>& device_accountant() const { return accountant_; }
@@ -239,6 +246,7 @@ class ChunkedModel final : private UseListener {
   ChunkLayout layout_;
   std::shared_ptr<DeviceAccountant> accountant_ = std::make_shared<DeviceAccountant>();
   std::unique_ptr<ChunkStore> store_;
+  std::vector<std::weak_ptr<StateChunks>> states_;  // see attach_state()
   std::shared_ptr<OptEvictionPolicy> policy_;
   std::unique_ptr<Scheduler> scheduler_;
   std::vector<TensorId> tensor_of_param_;

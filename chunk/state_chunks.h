@@ -1,0 +1,60 @@
+#pragma once
+// StateChunks: the optimizer's half of each parameter chunk's group. For every chunk of a parameter
+// layout, one fp32 chunk per role (master, exp_avg, exp_avg_sq, and with accumulation an fp32 grad)
+// mirroring it slot for slot, in a store of their own that shares the parameters' DeviceAccountant
+// (one device budget for both) and never pins host memory (state moves once, at placement).
+//
+// The parameter chunks' owner (ChunkedModel) builds it with the layout and migrates it in the same
+// repack, with the same routine (fill_layout, chunk/repack.h); the optimizer asks it for views and
+// decides where groups live (move_group), nothing more.
+//
+// Contract: for between iterations and for the optimizer's own work during backward (the pipelined
+// step); not thread-safe beyond what ChunkStore guarantees.
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "ferry/chunk/chunk_store.h"
+#include "ferry/chunk/layout.h"
+
+namespace ferry {
+
+class StateChunks {
+ public:
+  // `roles`: the roles of the chunks that mirror each parameter chunk (all fp32).
+  StateChunks(ChunkStoreOptions options, std::vector<ChunkRole> roles);
+
+  // Chunks for `layout` (shapes[j]: tensor j's shape). The first call gives every slot zeros, then
+  // init(role, tensor, slot view) may write initial values; later calls (a repack) migrate the values
+  // from the current chunks into a fresh store, chunk by chunk, dropping the old one.
+  using Init = std::function<void(int role, int64_t tensor, const at::Tensor& slot)>;
+  void build(const ChunkLayout& layout, const std::vector<std::vector<int64_t>>& shapes, const Init& init = {});
+
+  int num_roles() const { return static_cast<int>(roles_.size()); }
+  ChunkRole role(int r) const { return roles_[r]; }
+  int64_t num_groups() const { return chunks_.empty() ? 0 : static_cast<int64_t>(chunks_[0].chunks.size()); }
+  ChunkStore& store() { return *store_; }
+  const ChunkStore& store() const { return *store_; }
+  ChunkId chunk(int r, int64_t group) const { return chunks_[r].chunks[group]; }
+  TensorId tensor(int r, int64_t param) const { return chunks_[r].tensors[param]; }
+  // Role r's chunk of the group (layout chunk), flat, and one tensor's slot (ChunkStore::payload/view rules).
+  at::Tensor payload(int r, int64_t group) { return store_->payload(chunk(r, group)); }
+  at::Tensor view(int r, int64_t param) { return store_->view(tensor(r, param)); }
+  // Moves every role's chunk of the group to `to` (synchronous, as ChunkStore::move).
+  void move_group(int64_t group, Location to);
+  int64_t group_bytes(int64_t group) const;
+  // Peak payload bytes of the old and new stores together during the last migration.
+  int64_t last_migration_peak_bytes() const { return migration_peak_bytes_; }
+
+ private:
+  ChunkStoreOptions options_;
+  std::vector<ChunkRole> roles_;
+  std::unique_ptr<ChunkStore> store_;
+  std::vector<ChunkStore::RoleChunks> chunks_;  // per role
+  int64_t migration_peak_bytes_ = 0;
+};
+
+}  // namespace ferry
