@@ -16,8 +16,9 @@
 //     adam.step();                       // clip, unscale, update, write compute-dtype params back
 //     adam.zero_grad();                  // (a no-op after step() unless accumulate_grads)
 //
-// State: per layout chunk of the model, three fp32 chunks mirroring it in a ChunkStore of their own:
-// master params, exp_avg and exp_avg_sq, living together on the device or the host. Gradients cost no
+// State: per layout chunk of the model, a group of three fp32 chunks mirroring it (master params,
+// exp_avg and exp_avg_sq), living together on the device or the host: a StateChunks
+// (chunk/state_chunks.h) that the model makes and migrates with its repacks. Gradients cost no
 // memory of their own: each lands in its parameter's slot of the parameter chunk once autograd has
 // accumulated it (Note [Gradient in the parameter slot], hooks/chunked_model.h), travels with that
 // chunk, is read there by the update, which writes the new compute-dtype value into the same place.
