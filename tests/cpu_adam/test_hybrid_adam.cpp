@@ -946,6 +946,32 @@ TEST(HybridAdam, PipelinedStepRefusesALateGradient) {
   EXPECT_TRUE(torch::equal(adam.master(e), torch::zeros({kDim}))) << "the refused gradient was not applied";
 }
 
+// Asking for more device-resident state than the one device budget can hold next to a parameter chunk
+// fails at placement with the numbers, and changes nothing: no state moved, no step taken.
+TEST(HybridAdam, PlacingMoreStateThanTheBudgetFailsClearly) {
+  HybridAdamOptions options(adamw());
+  options.device_state_chunks = 1000;  // all of them
+  torch::manual_seed(59);
+  TinyLm net(kVocab, kDim);
+  ChunkedModel model(net.ptr(), sim_config(budget_for(3, 1)));
+  HybridAdam adam(model, options);
+  const Batch x = batch(0);
+  model.backward(model.forward([&] { return lm_loss(net, x.idx, x.target); }));
+  try {
+    adam.step();
+    ADD_FAILURE() << "placing every state group within a budget for one must fail";
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("would leave"), std::string::npos) << what;
+    EXPECT_NE(what.find("less than the largest chunk"), std::string::npos) << what;
+  }
+  EXPECT_FALSE(adam.placed());
+  EXPECT_EQ(adam.state_store().stats().device.current_bytes, 0);
+  EXPECT_EQ(model.scheduler().other_device_bytes(), 0);
+  EXPECT_EQ(adam.step_count(0), 0);
+  adam.zero_grad();
+}
+
 TEST(HybridAdam, RepackAndMigrationDoNotHoldTwoCopies) {
   // The warm-up repack moves parameters and optimizer state into new chunks; each old chunk goes as
   // soon as it is emptied, so old + new together stay far below two full copies.
