@@ -142,9 +142,7 @@ void HybridAdam::sync_layout_locked() {
   TORCH_INTERNAL_ASSERT(layout_version_ == model_.layout_version(), "HybridAdam missed a repack of the model");
 }
 
-int64_t HybridAdam::state_bytes_per_chunk(int64_t layout_chunk) const {
-  return num_roles_ * model_.layout().chunks()[layout_chunk].numel * static_cast<int64_t>(sizeof(float));
-}
+int64_t HybridAdam::state_bytes_per_chunk(int64_t layout_chunk) const { return state_->group_bytes(layout_chunk); }
 
 int64_t HybridAdam::device_state_chunks() const {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -451,10 +449,10 @@ void HybridAdam::launch_chunk_locked(int64_t c) {
   if (params.location(pc) != Location::kHost) params.move_async(pc, Location::kHost);  // one transfer
   params.lock_on_host(pc);
   try {
-    float* p = state_->payload(kMasterRole, c).data_ptr<float>();
+    at::Tensor master = state_->payload(kMasterRole, c);
+    float* p = master.data_ptr<float>();
     float* m = state_->payload(kExpAvgRole, c).data_ptr<float>();
     float* v = state_->payload(kExpAvgSqRole, c).data_ptr<float>();
-    at::Tensor master = state_->payload(kMasterRole, c);
     jobs_[c] = cpu_adam_.run_async([this, c, pc, store = &params, spans = std::move(spans), p, m, v,
                                     master = std::move(master), eager = eager_] {
       struct Unlock {
@@ -488,6 +486,37 @@ void HybridAdam::launch_chunk_locked(int64_t c) {
   }
 }
 
+void HybridAdam::arm_landing_count_locked(bool armed) {
+  const int64_t n = num_chunks();
+  std::fill(landings_.begin(), landings_.end(), 0);
+  launched_.assign(n, 0);
+  remaining_.assign(n, 0);
+  if (!armed) return;
+  for (int64_t p = 0; p < model_.num_params(); ++p) remaining_[model_.layout().slots()[p].chunk] += expected_landings_[p];
+}
+
+bool HybridAdam::update_unlaunched_locked(const ChunkNorms& norms, StepResult& result) {
+  bool all_finite = true;
+  for (int64_t c = 0; c < num_chunks(); ++c) {
+    if (launched_[c]) continue;
+    const std::vector<Span> spans = landed_spans_locked(c);
+    if (spans.empty()) continue;
+    const int64_t t0 = now_ns();
+    if (!norms.finite[c]) {
+      all_finite = false;
+      // Default mode: the slots hold gradients; they get their values back. (Accumulation chunks keep theirs.)
+      if (!options_.accumulate_grads) restore_values(grad_payload_locked(c), state_->payload(kMasterRole, c), spans);
+    } else if (on_device_[c]) {
+      device_update_chunk_locked(c, 1.0);
+      result.device_update_ns += now_ns() - t0;
+    } else {
+      host_update_chunk_locked(c, UpdateOptions{1.0, /*grads_checked=*/true});
+      result.host_update_ns += now_ns() - t0;
+    }
+  }
+  return all_finite;
+}
+
 void HybridAdam::backward_finished(bool /*aborted*/) {
   std::lock_guard<std::mutex> lock(mutex_);
   // The jobs read and write parameter chunks: done before the model ends the iteration.
@@ -502,7 +531,6 @@ StepResult HybridAdam::finish_pipelined_locked() {
   TORCH_INTERNAL_ASSERT(layout_version_ == model_.layout_version(), "the layout changed under a pipelined step");
   StepResult result;
   result.loss_scale = loss_scale();
-  const int64_t n = num_chunks();
   std::exception_ptr error;
   for (auto& job : jobs_) {
     if (!job.valid()) continue;
@@ -526,20 +554,7 @@ StepResult HybridAdam::finish_pipelined_locked() {
   if (!eager_) return apply_locked(norms, result);  // clipping / loss scaling: every update now
 
   // Eager: the launched chunks are updated (or restored) already; the others now, the same way.
-  t0 = now_ns();
-  for (int64_t c = 0; c < n; ++c) {
-    if (launched_[c]) continue;
-    const std::vector<Span> spans = landed_spans_locked(c);
-    if (spans.empty()) continue;
-    if (!norms.finite[c]) {
-      restore_values(grad_payload_locked(c), state_->payload(kMasterRole, c), spans);
-    } else if (on_device_[c]) {
-      device_update_chunk_locked(c, 1.0);
-    } else {
-      host_update_chunk_locked(c, UpdateOptions{1.0, /*grads_checked=*/true});
-    }
-  }
-  result.host_update_ns = now_ns() - t0;
+  update_unlaunched_locked(norms, result);
   model_.clear_grad_slots();
   std::fill(landed_.begin(), landed_.end(), 0);
   grads_landed_ = false;
@@ -566,11 +581,8 @@ StepResult HybridAdam::backward_step(const at::Tensor& loss) {
     // Pipelined once placed (the trace and the repack are behind us) and the previous call said how
     // many landings to expect.
     pipelined = placed_ && static_cast<int64_t>(expected_landings_.size()) == model_.num_params();
-    std::fill(landings_.begin(), landings_.end(), 0);
-    launched_.assign(n, 0);
-    remaining_.assign(n, 0);
+    arm_landing_count_locked(pipelined);
     if (pipelined) {
-      for (int64_t p = 0; p < model_.num_params(); ++p) remaining_[model_.layout().slots()[p].chunk] += expected_landings_[p];
       eager_ = options_.max_grad_norm == 0 && !scaling_;
       jobs_.clear();
       jobs_.resize(n);
@@ -632,13 +644,9 @@ StepResult HybridAdam::backward_step_accumulated(const at::Tensor& loss) {
     std::lock_guard<std::mutex> lock(mutex_);
     sync_layout_locked();
     place_locked();
-    const int64_t n = num_chunks();
     const bool overlap = static_cast<int64_t>(expected_landings_.size()) == model_.num_params();
-    std::fill(landings_.begin(), landings_.end(), 0);
-    launched_.assign(n, 0);
-    remaining_.assign(n, 0);
+    arm_landing_count_locked(overlap);
     if (overlap) {
-      for (int64_t p = 0; p < model_.num_params(); ++p) remaining_[model_.layout().slots()[p].chunk] += expected_landings_[p];
       for (int g = 0; g < num_param_groups(); ++g) cpu_adam_.advance_step(g);  // updates start during backward
     }
     overlap_active_ = overlap;
@@ -664,36 +672,17 @@ StepResult HybridAdam::backward_step_accumulated(const at::Tensor& loss) {
   expected_landings_ = landings_;
   if (!overlapped) return step_locked();  // the first call: nothing to compare against yet
   StepResult result;
-  const int64_t n = num_chunks();
-  int64_t t0 = now_ns();
   bool nonfinite = false;
   for (auto& f : pending_updates_) nonfinite = !f.get().applied || nonfinite;
   pending_updates_.clear();
   for (char l : launched_) result.overlapped_chunks += l;
-  // What backward did not finish: host chunks not final during backward, then device chunks. One
+  int64_t t0 = now_ns();
+  // What backward did not finish: host chunks not final during backward, and the device chunks. One
   // norm pass over all grads (one host sync) gives their finiteness and the reported norm.
   const ChunkNorms norms = grad_norms_locked();
-  for (int64_t c = 0; c < n; ++c) {
-    if (on_device_[c] || launched_[c]) continue;
-    if (norms.finite[c]) {
-      host_update_chunk_locked(c, UpdateOptions{1.0, true});
-    } else {
-      nonfinite = true;
-    }
-  }
-  result.host_update_ns = now_ns() - t0;
-  t0 = now_ns();
-  for (int64_t c = 0; c < n; ++c) {
-    if (!on_device_[c]) continue;
-    ++result.device_chunks;
-    if (norms.finite[c]) {
-      device_update_chunk_locked(c, 1.0);
-    } else {
-      nonfinite = true;
-    }
-  }
-  result.device_update_ns = now_ns() - t0;
-  result.host_chunks = n - result.device_chunks;
+  result.norm_ns = now_ns() - t0;
+  nonfinite = !update_unlaunched_locked(norms, result) || nonfinite;
+  for (char d : on_device_) (d ? result.device_chunks : result.host_chunks) += 1;
   t0 = now_ns();
   write_back_locked();
   result.writeback_ns = now_ns() - t0;

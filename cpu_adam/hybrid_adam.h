@@ -253,6 +253,12 @@ class HybridAdam final : private GradSink, private LayoutListener {
     double sum_sq = 0.0;  // of the chunk's landed gradients as landed
     bool finite = true;
   };
+  // Resets this backward's landing counts; `armed`: a chunk becomes final when its parameters have had
+  // as many landings as in the previous backward_step (remaining_ counts them down).
+  void arm_landing_count_locked(bool armed);
+  // Updates every chunk not launched during backward where its state lives (grad scale 1); a chunk with
+  // non-finite gradients is skipped (default mode: its values restored). Returns whether all were finite.
+  bool update_unlaunched_locked(const ChunkNorms& norms, StepResult& result);
   void launch_chunk_locked(int64_t chunk);
   StepResult finish_pipelined_locked();
   // The chunk's landed spans: the host norm (as grad_norms_locked computes it), and device norms.
