@@ -5,7 +5,7 @@
 #  1. Tools: a C++17 compiler, CMake >= 3.25 and Ninja from PATH; missing ones from Debian's packages
 #     (apt-get) when the network allows, else CMake/Ninja from PyPI (pip) if that works. ccache is
 #     optional (used when present, installed only together with other Debian packages).
-#  2. Libraries (oneTBB, spdlog, GoogleTest): the system's when CMake can find them; else Debian's
+#  2. Libraries (oneTBB, spdlog, GoogleTest, Gloo's headers): the system's when CMake can find them; else Debian's
 #     packages with apt-get; else, offline, the Debian packages carried in third_party/gpu-deps,
 #     unpacked into ${FERRY_CACHE}/deps (no network needed; FERRY_CARRIED_DEPS=1 forces this path).
 #  3. LibTorch 2.11: a python3 (or $FERRY_PYTHON) that already imports torch 2.11 is used as it is (the
@@ -57,6 +57,9 @@ lib_pkgs=()
 [[ -f $libdir/cmake/TBB/TBBConfig.cmake ]] || lib_pkgs+=(libtbb-dev)
 [[ -f $libdir/cmake/spdlog/spdlogConfig.cmake ]] || lib_pkgs+=(libspdlog-dev)
 [[ -f $libdir/cmake/GTest/GTestConfig.cmake ]] || lib_pkgs+=(libgtest-dev)
+# Gloo's headers only (c10d's ProcessGroupGloo.hpp includes them; the torch wheel ships none). ferry
+# links no libgloo: the Gloo code it runs is the copy inside libtorch_cpu (docs/ARCHITECTURE.md D44).
+[[ -f /usr/include/gloo/rendezvous/store.h ]] || lib_pkgs+=(libgloo-dev)
 
 prefix=""
 use_carried() {
@@ -76,7 +79,7 @@ use_carried() {
     echo "$want" > "$stamp"
   fi
   prefix="$deps/usr"
-  say "using the Debian packages carried in third_party/gpu-deps for oneTBB/spdlog/GoogleTest ($deps)"
+  say "using the Debian packages carried in third_party/gpu-deps for oneTBB/spdlog/GoogleTest/Gloo headers ($deps)"
 }
 
 if [[ "${FERRY_CARRIED_DEPS:-0}" == 1 ]]; then
