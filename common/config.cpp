@@ -48,7 +48,24 @@ Precision parse_precision(std::string_view text) {
 constexpr int kMaxCpuThreads = 1024;
 
 const char* const kEnvKeys[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS",
-                                "SLURM_LOCALID", "FERRY_LOG_LEVEL"};
+                                "SLURM_LOCALID", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE",
+                                "FERRY_DIST_TIMEOUT", "FERRY_LOG_LEVEL"};
+
+double parse_seconds(std::string_view key, std::string_view text) {
+  std::string s(text);
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  TORCH_CHECK(!s.empty() && end == s.c_str() + s.size() && std::isfinite(v),
+              "ferry config: expected a number of seconds for ", key, ", got '", s, "'");
+  return v;
+}
+
+bool parse_bool(std::string_view key, std::string_view text) {
+  const std::string s = lower(text);
+  if (s == "1" || s == "true" || s == "yes" || s == "on") return true;
+  if (s == "0" || s == "false" || s == "no" || s == "off") return false;
+  TORCH_CHECK(false, "ferry config: expected true|false for ", key, ", got '", text, "'");
+}
 
 }  // namespace
 
@@ -144,6 +161,11 @@ void Config::set(std::string_view key, std::string_view value) {
   else if (k == "rank") rank = parse_int(key, value);
   else if (k == "world-size" || k == "world_size") world_size = parse_int(key, value);
   else if (k == "local-rank" || k == "local_rank") local_rank = parse_int(key, value);
+  else if (k == "master-addr" || k == "master_addr") master_addr = std::string(value);
+  else if (k == "master-port" || k == "master_port") master_port = parse_int(key, value);
+  else if (k == "agent-store" || k == "agent_store") agent_store = parse_bool(key, value);
+  else if (k == "dist-backend" || k == "dist_backend") dist_backend = lower(value);
+  else if (k == "dist-timeout" || k == "dist_timeout") dist_timeout_s = parse_seconds(key, value);
   else TORCH_CHECK(false, "ferry config: unknown option '", key, "' (=", value, "); known options:\n", help());
   validate();
 }
@@ -164,6 +186,10 @@ Config Config::from_env(const std::map<std::string, std::string>& env) {
     if (auto w = get("SLURM_NTASKS")) c.world_size = parse_int("SLURM_NTASKS", *w);
     if (auto l = get("SLURM_LOCALID")) c.local_rank = parse_int("SLURM_LOCALID", *l);
   }
+  if (auto v = get("MASTER_ADDR")) c.master_addr = *v;
+  if (auto v = get("MASTER_PORT")) c.master_port = parse_int("MASTER_PORT", *v);
+  if (auto v = get("TORCHELASTIC_USE_AGENT_STORE")) c.agent_store = parse_bool("TORCHELASTIC_USE_AGENT_STORE", *v);
+  if (auto v = get("FERRY_DIST_TIMEOUT")) c.dist_timeout_s = parse_seconds("FERRY_DIST_TIMEOUT", *v);
   if (auto v = get("FERRY_LOG_LEVEL")) c.log_level = parse_log_level(*v);
   c.validate();
   return c;
@@ -217,6 +243,13 @@ void Config::validate() const {
   TORCH_CHECK(rank >= 0 && rank < world_size, "ferry config: expected 0 <= rank < world-size (", world_size,
               "), got ", rank);
   TORCH_CHECK(local_rank >= 0, "ferry config: expected local-rank >= 0, got ", local_rank);
+  TORCH_CHECK(!master_addr.empty(), "ferry config: expected a master-addr (host name or address), got ''");
+  TORCH_CHECK(master_port > 0 && master_port < 65536, "ferry config: expected master-port in [1, 65535], got ",
+              master_port);
+  TORCH_CHECK(dist_backend == "auto" || dist_backend == "gloo" || dist_backend == "nccl",
+              "ferry config: expected dist-backend auto|gloo|nccl, got '", dist_backend, "'");
+  TORCH_CHECK(dist_timeout_s > 0 && dist_timeout_s <= 86400, "ferry config: expected dist-timeout in (0, 86400] "
+              "seconds, got ", dist_timeout_s);
 }
 
 std::string Config::to_string() const {
@@ -228,6 +261,10 @@ std::string Config::to_string() const {
      << " host-budget=" << (host_budget_bytes ? format_bytes(host_budget_bytes) : "unlimited")
      << " cpu-threads=" << cpu_threads << " cpu-isa=" << cpu_isa << " log-level=" << log::to_string(log_level)
      << " rank=" << rank << "/" << world_size << " local-rank=" << local_rank;
+  if (world_size > 1) {
+    os << " master=" << master_addr << ":" << master_port << (agent_store ? " (agent store)" : "")
+       << " dist-backend=" << dist_backend << " dist-timeout=" << dist_timeout_s << "s";
+  }
   return os.str();
 }
 
@@ -241,7 +278,11 @@ std::string Config::help() {
          "  --cpu-threads=N                CPU Adam threads, 0 = all\n"
          "  --cpu-isa=auto|scalar|avx2|avx512|avx512_bf16   CPU Adam kernel\n"
          "  --log-level=trace|debug|info|warn|error|off\n"
-         "  --rank=N --world-size=N --local-rank=N   (normally from RANK/WORLD_SIZE/LOCAL_RANK or SLURM_*)\n";
+         "  --rank=N --world-size=N --local-rank=N   (normally from RANK/WORLD_SIZE/LOCAL_RANK or SLURM_*)\n"
+         "  --master-addr=HOST --master-port=N   rendezvous of rank 0 (normally MASTER_ADDR/MASTER_PORT)\n"
+         "  --agent-store=true|false       the launcher serves the store (torchrun sets it)\n"
+         "  --dist-backend=auto|gloo|nccl  collectives of a multi-process run (auto: nccl on CUDA, else gloo)\n"
+         "  --dist-timeout=SECONDS         how long to wait for other ranks before failing (default 300)\n";
 }
 
 }  // namespace ferry

@@ -2,7 +2,8 @@
 // ferry's one configuration struct, parsed and validated in one place (config.cpp).
 //
 // Sources, later ones win: built-in defaults < environment (launchers' RANK/WORLD_SIZE/LOCAL_RANK or
-// SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, and FERRY_LOG_LEVEL) < command line (--key=value).
+// SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, MASTER_ADDR/MASTER_PORT, torchrun's
+// TORCHELASTIC_USE_AGENT_STORE, FERRY_DIST_TIMEOUT and FERRY_LOG_LEVEL) < command line (--key=value).
 // No other file of ferry reads the environment.
 #include <cstdint>
 #include <map>
@@ -44,6 +45,16 @@ struct Config {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
+  // Rendezvous of a multi-process run (world_size > 1; dist/process_group.h): the TCPStore of rank 0
+  // (or of torchrun's agent) at master_addr:master_port.
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  // torchrun already serves the store at MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True): every rank
+  // is a client. Otherwise rank 0 serves it.
+  bool agent_store = false;
+  std::string dist_backend = "auto";  // auto (nccl on CUDA, gloo otherwise) | gloo | nccl
+  // Seconds a rendezvous or a collective may wait for the other ranks before failing (a dead rank).
+  double dist_timeout_s = 300.0;
 
   // Defaults overridden by the environment `env` (pass read_environment() in programs).
   static Config from_env(const std::map<std::string, std::string>& env);

@@ -58,6 +58,38 @@ TEST(Config, EnvironmentTorchrunThenSlurm) {
   EXPECT_EQ(l.log_level, log::Level::kDebug);
 }
 
+TEST(Config, EnvironmentRendezvousOfTorchrunAndByHand) {
+  Config t = Config::from_env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "node7"}, {"MASTER_PORT", "29411"},
+                               {"TORCHELASTIC_USE_AGENT_STORE", "True"}, {"FERRY_DIST_TIMEOUT", "45"}});
+  EXPECT_EQ(t.master_addr, "node7");
+  EXPECT_EQ(t.master_port, 29411);
+  EXPECT_TRUE(t.agent_store);
+  EXPECT_EQ(t.dist_timeout_s, 45);
+  Config d = Config::from_env({});
+  EXPECT_EQ(d.master_addr, "127.0.0.1");
+  EXPECT_EQ(d.master_port, 29500);
+  EXPECT_FALSE(d.agent_store);
+  EXPECT_EQ(d.dist_backend, "auto");
+  d.set("dist-backend", "GLOO");
+  EXPECT_EQ(d.dist_backend, "gloo");
+  d.set("master-port", "1234");
+  EXPECT_EQ(d.master_port, 1234);
+  auto error = [](const std::map<std::string, std::string>& env) {
+    try {
+      Config::from_env(env);
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("(no error)");
+  };
+  EXPECT_NE(error({{"MASTER_PORT", "70000"}}).find("expected master-port in [1, 65535], got 70000"), std::string::npos);
+  EXPECT_NE(error({{"MASTER_PORT", "x"}}).find("expected an integer for MASTER_PORT"), std::string::npos);
+  EXPECT_NE(error({{"FERRY_DIST_TIMEOUT", "0"}}).find("expected dist-timeout in (0, 86400]"), std::string::npos);
+  EXPECT_NE(error({{"TORCHELASTIC_USE_AGENT_STORE", "maybe"}}).find("expected true|false"), std::string::npos);
+  Config c;
+  EXPECT_THROW(c.set("dist-backend", "mpi"), c10::Error);
+}
+
 TEST(Config, EnvironmentInconsistentRankFails) {
   EXPECT_THROW(Config::from_env({{"RANK", "8"}, {"WORLD_SIZE", "8"}}), c10::Error);
   EXPECT_THROW(Config::from_env({{"RANK", "two"}}), c10::Error);
