@@ -16,6 +16,8 @@
 #include "ferry/cpu_adam/loss_scaler.h"
 #include "ferry/chunk/chunk_store.h"
 #include "ferry/chunk/layout.h"
+#include "ferry/dist/communicator.h"
+#include "ferry/dist/process_group.h"
 #include "ferry/hooks/checkpoint.h"
 #include "ferry/hooks/chunked_model.h"
 #include "ferry/hooks/init_scope.h"

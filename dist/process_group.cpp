@@ -1,0 +1,257 @@
+#include "ferry/dist/process_group.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "ferry/common/event_trace.h"
+#include "ferry/common/logging.h"
+
+#ifdef FERRY_WITH_GLOO
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#endif
+
+namespace ferry::dist {
+
+#ifdef FERRY_WITH_GLOO
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// An exception's message without c10's backtrace.
+std::string cause(const std::exception& e) {
+  if (const auto* c10e = dynamic_cast<const c10::Error*>(&e)) return c10e->what_without_backtrace();
+  return e.what();
+}
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.numel() << " " << t.scalar_type() << " on " << t.device();
+  return os.str();
+}
+
+// The collectives over one c10d backend. Every call waits for its Work; a failure (a dead or silent
+// peer) is rethrown naming the operation, this rank and the timeout.
+class C10dCommunicator final : public Communicator {
+ public:
+  C10dCommunicator(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> backend, int rank,
+                   int world, std::chrono::milliseconds timeout, std::string name)
+      : store_(std::move(store)),
+        backend_(std::move(backend)),
+        rank_(rank),
+        world_(world),
+        timeout_(timeout),
+        name_(std::move(name)) {}
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  std::string backend() const override { return name_; }
+  bool device_ok(const c10::Device& device) const override { return device.is_cpu(); }
+
+  void all_reduce(at::Tensor& tensor, ReduceOp op) override {
+    check(tensor, "all_reduce");
+    c10d::AllreduceOptions o;
+    o.reduceOp = op == ReduceOp::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
+    o.timeout = timeout_;
+    std::vector<at::Tensor> ts{tensor};
+    run("all_reduce", tensor, [&] { return backend_->allreduce(ts, o); });
+    const int64_t bytes = tensor.nbytes();
+    stats_.all_reduce_bytes += bytes;
+    stats_.ring_bytes_sent += 2 * ring_share(bytes);
+  }
+
+  void broadcast(at::Tensor& tensor, int root) override {
+    check(tensor, "broadcast");
+    TORCH_CHECK(root >= 0 && root < world_, "ferry: broadcast root ", root, " out of range [0, ", world_, ")");
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    o.timeout = timeout_;
+    std::vector<at::Tensor> ts{tensor};
+    run("broadcast", tensor, [&] { return backend_->broadcast(ts, o); });
+    stats_.broadcast_bytes += tensor.nbytes();
+    stats_.ring_bytes_sent += ring_share(tensor.nbytes());
+  }
+
+  void reduce_scatter(at::Tensor& output, const at::Tensor& input) override {
+    check(output, "reduce_scatter");
+    check(input, "reduce_scatter");
+    TORCH_CHECK(input.numel() == output.numel() * world_ && input.scalar_type() == output.scalar_type(),
+                "ferry: reduce_scatter needs an input of world size (", world_, ") x the output's elements of "
+                "its dtype; got input ", describe(input), ", output ", describe(output));
+    c10d::ReduceScatterOptions o;
+    o.reduceOp = c10d::ReduceOp::SUM;
+    o.timeout = timeout_;
+    at::Tensor in = input;
+    run("reduce_scatter", input, [&] { return backend_->_reduce_scatter_base(output, in, o); });
+    stats_.reduce_scatter_bytes += input.nbytes();
+    stats_.ring_bytes_sent += ring_share(input.nbytes());
+  }
+
+  void all_gather(at::Tensor& output, const at::Tensor& input) override {
+    check(output, "all_gather");
+    check(input, "all_gather");
+    TORCH_CHECK(output.numel() == input.numel() * world_ && input.scalar_type() == output.scalar_type(),
+                "ferry: all_gather needs an output of world size (", world_, ") x the input's elements of its "
+                "dtype; got input ", describe(input), ", output ", describe(output));
+    c10d::AllgatherOptions o;
+    o.timeout = timeout_;
+    at::Tensor in = input;
+    run("all_gather", output, [&] { return backend_->_allgather_base(output, in, o); });
+    stats_.all_gather_bytes += output.nbytes();
+    stats_.ring_bytes_sent += ring_share(output.nbytes());
+  }
+
+  void barrier() override {
+    c10d::BarrierOptions o;
+    o.timeout = timeout_;
+    at::Tensor none;
+    run("barrier", none, [&] { return backend_->barrier(o); });
+  }
+
+ private:
+  int64_t ring_share(int64_t bytes) const { return bytes / world_ * (world_ - 1); }
+
+  void check(const at::Tensor& t, const char* op) const {
+    TORCH_CHECK(t.defined() && t.is_contiguous(), "ferry: ", op, " needs a defined contiguous tensor");
+    TORCH_CHECK(device_ok(t.device()), "ferry: ", op, " over ", name_, " needs CPU tensors; got ", describe(t));
+  }
+
+  template <typename Launch>
+  void run(const char* op, const at::Tensor& what, Launch&& launch) {
+    TORCH_CHECK(!broken_, "ferry: rank ", rank_, " of ", world_, ": the process group failed earlier (",
+                broken_reason_, "); it cannot be used again");
+    trace::Span span("dist", op);
+    const auto t0 = Clock::now();
+    try {
+      c10::intrusive_ptr<c10d::Work> work = launch();
+      work->wait(timeout_);
+    } catch (const std::exception& e) {
+      broken_ = true;
+      broken_reason_ = std::string(op) + " failed";
+      TORCH_CHECK(false, "ferry: rank ", rank_, " of ", world_, ": ", op,
+                  what.defined() ? " of " + describe(what) : std::string(), " over ", name_,
+                  " failed: a rank died, or did not take part within dist-timeout (", timeout_.count() / 1000.0,
+                  " s). Cause: ", cause(e));
+    }
+    ++stats_.collectives;
+    stats_.wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+  }
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  int rank_, world_;
+  std::chrono::milliseconds timeout_;
+  std::string name_;
+  bool broken_ = false;
+  std::string broken_reason_;
+};
+
+bool is_loopback(const std::string& addr) {
+  return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;
+}
+
+// Every rank says which rank it is and what world size it was launched with; each checks all of them.
+void check_launch(c10d::Store& store, const Config& config, std::chrono::milliseconds timeout) {
+  const std::string me = std::to_string(config.rank);
+  const int64_t claims = store.add("ferry/launch/claims/" + me, 1);
+  TORCH_CHECK(claims == 1, "ferry: two processes claim rank ", config.rank, " of this job (", claims,
+              " so far): check RANK / SLURM_PROCID / --rank of each process");
+  store.set("ferry/launch/world/" + me, std::to_string(config.world_size));
+  std::vector<std::string> keys;
+  for (int r = 0; r < config.world_size; ++r) keys.push_back("ferry/launch/world/" + std::to_string(r));
+  try {
+    store.wait(keys, timeout);
+  } catch (const std::exception& e) {
+    std::vector<std::string> missing;
+    for (int r = 0; r < config.world_size; ++r) {
+      try {
+        if (!store.check({keys[r]})) missing.push_back(std::to_string(r));
+      } catch (const std::exception&) {
+        missing.push_back(std::to_string(r) + "?");
+      }
+    }
+    std::ostringstream os;
+    for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
+    TORCH_CHECK(false, "ferry: rank ", config.rank, ": not every rank of world size ", config.world_size,
+                " joined within dist-timeout (", timeout.count() / 1000.0, " s); missing rank(s): ", os.str(),
+                ". Were they started, with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE? (", cause(e), ")");
+  }
+  for (int r = 0; r < config.world_size; ++r) {
+    const std::vector<uint8_t> v = store.get(keys[r]);
+    const std::string theirs(v.begin(), v.end());
+    TORCH_CHECK(theirs == std::to_string(config.world_size), "ferry: ranks disagree on the world size: rank ", r,
+                " was launched with WORLD_SIZE=", theirs, ", rank ", config.rank, " with ", config.world_size,
+                ". Launch every process with the same world size.");
+  }
+}
+
+}  // namespace
+
+bool have_gloo() { return true; }
+
+std::shared_ptr<Communicator> connect(const Config& config) {
+  config.validate();
+  if (config.world_size == 1) return nullptr;
+  std::string backend = config.dist_backend;
+  if (backend == "auto") backend = "gloo";  // NCCL is to come (D44)
+  TORCH_CHECK(backend == "gloo", "ferry: dist-backend '", backend, "' is not built into ferry yet; use gloo "
+              "(the chunks are staged on the host for it). NCCL: docs/ARCHITECTURE.md D44");
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.dist_timeout_s * 1000.0));
+  const bool serve = config.rank == 0 && !config.agent_store;
+  log::info("ferry: rank ", config.rank, " of ", config.world_size, " joining ", config.master_addr, ":",
+            config.master_port, serve ? " (serving the store)" : "", " over ", backend);
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<uint16_t>(config.master_port);
+  store_options.isServer = serve;
+  store_options.waitWorkers = false;  // check_launch waits, with a message that says who is missing
+  store_options.timeout = timeout;
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(config.master_addr, store_options);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "ferry: rank ", config.rank, " could not ", serve ? "serve" : "reach", " the rendezvous store at ",
+                config.master_addr, ":", config.master_port, " within dist-timeout (", config.dist_timeout_s,
+                " s): ", serve ? "is the port free?" : "is rank 0 (or torchrun) running there, and are MASTER_ADDR / "
+                "MASTER_PORT right?", " (", cause(e), ")");
+  }
+  check_launch(*store, config, timeout);
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  // Loopback when the whole job is on this host by its master address; otherwise the address this
+  // host's name resolves to (as torch.distributed does without GLOO_SOCKET_IFNAME).
+  options->devices.push_back(is_loopback(config.master_addr)
+                                 ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                 : c10d::ProcessGroupGloo::createDefaultDevice());
+  c10::intrusive_ptr<c10d::Backend> pg;
+  try {
+    pg = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("ferry/gloo", store),
+                                                     config.rank, config.world_size, options);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "ferry: rank ", config.rank, " of ", config.world_size, " could not connect Gloo to the "
+                "other ranks within dist-timeout (", config.dist_timeout_s, " s): ", cause(e));
+  }
+  auto comm = std::make_shared<C10dCommunicator>(store, pg, config.rank, config.world_size, timeout, "gloo");
+  comm->barrier();
+  log::info("ferry: rank ", config.rank, " of ", config.world_size, " connected (gloo)");
+  return comm;
+}
+
+#else  // !FERRY_WITH_GLOO
+
+bool have_gloo() { return false; }
+
+std::shared_ptr<Communicator> connect(const Config& config) {
+  config.validate();
+  if (config.world_size == 1) return nullptr;
+  TORCH_CHECK(false, "ferry was built without Gloo's headers (Debian: libgloo-dev; scripts/setup.sh installs "
+              "them), so it cannot run world size ", config.world_size, "; rebuild after installing them");
+}
+
+#endif
+
+}  // namespace ferry::dist

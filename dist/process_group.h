@@ -1,0 +1,36 @@
+#pragma once
+// The process group of a multi-process run, on PyTorch's distributed engine: a c10d TCPStore for the
+// rendezvous and c10d's ProcessGroupGloo for the collectives (CPU tensors: the CPU and the simulated
+// device; on CUDA the chunks are staged on the host for it). NCCL is the GPU backend to come
+// (docs/ARCHITECTURE.md D44); asking for it today fails with that reason.
+//
+//   ferry::Config config = ferry::Config::from_args(argc, argv);   // RANK, WORLD_SIZE, MASTER_ADDR, ...
+//   std::shared_ptr<ferry::dist::Communicator> comm = ferry::dist::connect(config);  // null when world size 1
+//   ferry::HybridAdamOptions o; o.communicator = comm;
+//
+// Launchers (Config reads their environment):
+//  - torchrun --nproc-per-node=N --no-python PROGRAM ...: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+//    MASTER_PORT; torchrun's agent serves the store (TORCHELASTIC_USE_AGENT_STORE=True).
+//  - SLURM (srun): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, plus MASTER_ADDR (the first node of the
+//    allocation, e.g. `export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -1)`) and
+//    MASTER_PORT; rank 0 serves the store.
+//  - By hand: --rank, --world-size, --master-addr, --master-port on each process.
+//
+// connect() checks the launch before anything else runs, and fails with a clear error, within
+// Config::dist_timeout_s, when: rank 0's store cannot be reached; not all ranks arrive; two processes
+// claim the same rank; ranks disagree on the world size.
+#include <memory>
+
+#include "ferry/common/config.h"
+#include "ferry/dist/communicator.h"
+
+namespace ferry::dist {
+
+// The communicator of this process's rank (null when config.world_size == 1). Blocks until every rank
+// has joined.
+std::shared_ptr<Communicator> connect(const Config& config);
+
+// Whether this build of ferry has Gloo (c10d's ProcessGroupGloo headers were found at build time).
+bool have_gloo();
+
+}  // namespace ferry::dist
