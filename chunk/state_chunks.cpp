@@ -12,6 +12,9 @@ StateChunks::StateChunks(ChunkStoreOptions options, std::vector<ChunkRole> roles
 }
 
 void StateChunks::build(const ChunkLayout& layout, const std::vector<std::vector<int64_t>>& shapes, const Init& init) {
+  TORCH_CHECK(num_dropped_ == 0, "ferry: the parameters were repacked after the optimizer state was sharded "
+              "across ranks; the state of the new chunks is spread over other ranks. Shard after the layout is "
+              "final (HybridAdam does, at its first step after warm-up), or set repack_after_warmup = false.");
   auto store = std::make_unique<ChunkStore>(options_);
   const bool migrate = store_ != nullptr;
   std::vector<ChunkStore::RoleChunks> chunks;
@@ -31,15 +34,38 @@ void StateChunks::build(const ChunkLayout& layout, const std::vector<std::vector
   if (migrate) migration_peak_bytes_ = peak;
   store_ = std::move(store);  // the old store (and its device bytes on the accountant) goes
   chunks_ = std::move(chunks);
+  group_of_.assign(layout.slots().size(), 0);
+  for (size_t t = 0; t < layout.slots().size(); ++t) group_of_[t] = layout.slots()[t].chunk;
+  dropped_.assign(num_roles(), std::vector<char>(layout.num_chunks(), 0));
+}
+
+void StateChunks::check_held(int r, int64_t group) const {
+  TORCH_CHECK(!dropped_[r][group], "ferry: the ", to_string(roles_[r]), " state of chunk group ", group,
+              " is held by another rank (the optimizer state is sharded across ranks)");
+}
+
+void StateChunks::drop(int64_t group, const std::vector<int>& roles) {
+  for (int r : roles) {
+    if (dropped_[r][group]) continue;
+    const ChunkId id = chunk(r, group);
+    store_->retire(id);  // its tensors FREE, its payload freed
+    dropped_[r][group] = 1;
+    ++num_dropped_;
+  }
 }
 
 void StateChunks::move_group(int64_t group, Location to) {
-  for (int r = 0; r < num_roles(); ++r) store_->move(chunk(r, group), to);
+  for (int r = 0; r < num_roles(); ++r) {
+    check_held(r, group);
+    store_->move(chunk(r, group), to);
+  }
 }
 
 int64_t StateChunks::group_bytes(int64_t group) const {
   int64_t bytes = 0;
-  for (int r = 0; r < num_roles(); ++r) bytes += store_->chunk_info(chunk(r, group)).nbytes;
+  for (int r = 0; r < num_roles(); ++r) {
+    if (held(r, group)) bytes += store_->chunk_info(chunk(r, group)).nbytes;
+  }
   return bytes;
 }
 

@@ -8,6 +8,10 @@
 // repack, with the same routine (fill_layout, chunk/repack.h); the optimizer asks it for views and
 // decides where groups live (move_group), nothing more.
 //
+// Sharding (data parallelism, D44): drop(group, roles) frees the payloads of those roles of a group whose
+// state another rank holds; their views then fail, naming the group. A repack after a drop fails (the
+// state a rank would need for its new chunks is on other ranks): shard after the layout is final.
+//
 // Contract: for between iterations and for the optimizer's own work during backward (the pipelined
 // step); not thread-safe beyond what ChunkStore guarantees.
 #include <ATen/core/Tensor.h>
@@ -41,11 +45,21 @@ class StateChunks {
   ChunkId chunk(int r, int64_t group) const { return chunks_[r].chunks[group]; }
   TensorId tensor(int r, int64_t param) const { return chunks_[r].tensors[param]; }
   // Role r's chunk of the group (layout chunk), flat, and one tensor's slot (ChunkStore::payload/view rules).
-  at::Tensor payload(int r, int64_t group) { return store_->payload(chunk(r, group)); }
-  at::Tensor view(int r, int64_t param) { return store_->view(tensor(r, param)); }
+  at::Tensor payload(int r, int64_t group) {
+    check_held(r, group);
+    return store_->payload(chunk(r, group));
+  }
+  at::Tensor view(int r, int64_t param) {
+    check_held(r, group_of_[param]);
+    return store_->view(tensor(r, param));
+  }
+  // Frees role r's chunk of `group` for each r in `roles` (sharding: another rank holds it).
+  void drop(int64_t group, const std::vector<int>& roles);
+  bool held(int r, int64_t group) const { return !dropped_[r][group]; }
+  bool any_dropped() const { return num_dropped_ > 0; }
   // Moves every role's chunk of the group to `to` (synchronous, as ChunkStore::move).
   void move_group(int64_t group, Location to);
-  int64_t group_bytes(int64_t group) const;
+  int64_t group_bytes(int64_t group) const;  // of the roles held
   // Peak payload bytes of the old and new stores together during the last migration.
   int64_t last_migration_peak_bytes() const { return migration_peak_bytes_; }
 
@@ -55,6 +69,10 @@ class StateChunks {
   std::unique_ptr<ChunkStore> store_;
   std::vector<ChunkStore::RoleChunks> chunks_;  // per role
   int64_t migration_peak_bytes_ = 0;
+  std::vector<int64_t> group_of_;             // per tensor: its group (layout chunk)
+  std::vector<std::vector<char>> dropped_;    // per role, per group
+  int64_t num_dropped_ = 0;
+  void check_held(int r, int64_t group) const;
 };
 
 }  // namespace ferry

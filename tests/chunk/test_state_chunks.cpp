@@ -7,18 +7,33 @@
 #include <numeric>
 
 #include "ferry/chunk/state_chunks.h"
+#include "test_util.h"
 
 namespace ferry {
 namespace {
 
-TEST(StateChunks, BuildsMigratesAndMovesGroups) {
-  const std::vector<int64_t> numels = {100, 60, 200, 30, 90, 150};
+struct Tensors {
+  std::vector<int64_t> numels;
   std::vector<std::vector<int64_t>> shapes;
-  for (int64_t n : numels) shapes.push_back({n});
-  std::vector<int64_t> order(numels.size());
-  std::iota(order.begin(), order.end(), 0);
+  std::vector<int64_t> order;  // packing order: as given
   PackOptions pack;
-  pack.chunk_numel = 256;
+};
+Tensors tensors_of(std::vector<int64_t> numels) {
+  Tensors t;
+  t.numels = std::move(numels);
+  for (int64_t n : t.numels) t.shapes.push_back({n});
+  t.order.resize(t.numels.size());
+  std::iota(t.order.begin(), t.order.end(), 0);
+  t.pack.chunk_numel = 256;
+  return t;
+}
+
+TEST(StateChunks, BuildsMigratesAndMovesGroups) {
+  Tensors t = tensors_of({100, 60, 200, 30, 90, 150});
+  const std::vector<int64_t>& numels = t.numels;
+  const auto& shapes = t.shapes;
+  auto& order = t.order;
+  const PackOptions& pack = t.pack;
   const ChunkLayout a = ChunkLayout::pack(numels, order, pack);
   auto accountant = std::make_shared<DeviceAccountant>();
   ChunkStoreOptions options;
@@ -48,6 +63,37 @@ TEST(StateChunks, BuildsMigratesAndMovesGroups) {
         << "tensor " << j << " sits in its new layout chunk's group";
   }
   EXPECT_THROW(StateChunks(options, {}), c10::Error);
+}
+
+TEST(StateChunks, DroppedRolesFreeTheirMemoryAndRefuseUseAndRepack) {
+  // Sharding across ranks: a group whose state another rank holds drops it.
+  const Tensors t = tensors_of({100, 60, 200, 30});
+  const std::vector<int64_t>& numels = t.numels;
+  const auto& shapes = t.shapes;
+  const ChunkLayout layout = ChunkLayout::pack(numels, t.order, t.pack);
+  ASSERT_GE(layout.num_chunks(), 2);
+  ChunkStoreOptions options;
+  options.device = DeviceKind::kSimulated;
+  StateChunks state(options, {ChunkRole::kMaster, ChunkRole::kExpAvg, ChunkRole::kGrad});
+  state.build(layout, shapes, [&](int r, int64_t j, const at::Tensor& slot) { slot.fill_(static_cast<double>(j)); });
+  const int64_t before = state.store().stats().host.current_bytes;
+  const int64_t group0 = state.group_bytes(0);
+  state.drop(0, {0, 1});  // master and exp_avg go; the gradient role stays
+  EXPECT_FALSE(state.held(0, 0));
+  EXPECT_TRUE(state.held(2, 0));
+  EXPECT_TRUE(state.any_dropped());
+  EXPECT_EQ(state.group_bytes(0), group0 / 3) << "only the held role counts";
+  EXPECT_EQ(state.store().stats().host.current_bytes, before - 2 * group0 / 3) << "the payloads are freed";
+  const int64_t in_group0 = layout.chunks()[0].tensors[0];
+  EXPECT_NE(test::error_of([&] { state.view(0, in_group0); }).find("of chunk group 0 is held by another rank"),
+            std::string::npos);
+  EXPECT_NE(test::error_of([&] { state.move_group(0, Location::kDevice); }).find("held by another rank"),
+            std::string::npos);
+  EXPECT_TRUE(torch::equal(state.view(2, in_group0), torch::full({numels[in_group0]}, in_group0 * 1.0)));
+  const int64_t in_group1 = layout.chunks()[1].tensors[0];
+  EXPECT_TRUE(torch::equal(state.view(0, in_group1), torch::full({numels[in_group1]}, in_group1 * 1.0)));
+  EXPECT_NE(test::error_of([&] { state.build(layout, shapes); }).find("repacked after the optimizer state was sharded"),
+            std::string::npos);
 }
 
 }  // namespace
