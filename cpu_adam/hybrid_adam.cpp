@@ -90,6 +90,12 @@ HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
       model_.release_initial_value(p);
     });
     follow_layout_locked();
+    comm_ = options_.communicator;
+    if (comm_ && comm_->world_size() > 1) {
+      world_ = comm_->world_size();
+      rank_ = comm_->rank();
+      broadcast_initial_values_locked();
+    }
   }
   model_.release_initial_values();  // the masters hold them now
   model_.set_grad_sink(this);
@@ -98,7 +104,9 @@ HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
             num_chunks(), " state chunk groups (fp32 master, exp_avg, exp_avg_sq",
             options_.accumulate_grads ? ", grad accumulation" : "; grads in the parameter chunks", "), CPU kernel ",
             to_string(cpu_adam_.isa()), " x", cpu_adam_.threads(), " threads",
-            scaling_ ? ", fp16 dynamic loss scaling" : "");
+            scaling_ ? ", fp16 dynamic loss scaling" : "",
+            world_ > 1 ? ", rank " + std::to_string(rank_) + " of " + std::to_string(world_) + " (state sharded "
+                         "at the first step)" : std::string());
 }
 
 HybridAdam::~HybridAdam() {
@@ -155,27 +163,35 @@ void HybridAdam::place_locked() {
   // Decided once, after the warm-up of a training iteration (a forward-only trace lacks backward's memory).
   if (placed_ || !model_.scheduler().trace() || model_.scheduler().trace_is_forward_only()) return;
   const int64_t n = num_chunks();
+  // Candidates, last layout chunks first: with sharded state, the chunks whose state this rank holds.
+  std::vector<int64_t> order;
+  for (int64_t c = n - 1; c >= 0; --c) {
+    if (owned(c)) order.push_back(c);
+  }
+  const int64_t candidates = static_cast<int64_t>(order.size());
   int64_t count = 0;
   // Room for chunks at the trace's worst moment: the device budget, capped at capacity - non-model
   // peak when the capacity is known (CUDA). 0: no limit.
   const int64_t room = model_.scheduler().device_room_bytes();
   int64_t margin = -1;
   if (options_.device_state_chunks >= 0) {
-    count = std::min(options_.device_state_chunks, n);
+    count = std::min(options_.device_state_chunks, candidates);
   } else if (room == 0) {
-    count = n;
+    count = candidates;
   } else {
     int64_t param_bytes = 0;
     for (int64_t c = 0; c < n; ++c) param_bytes += model_.store().chunk_info(model_.param_chunk(c)).nbytes;
     margin = room - param_bytes;
     int64_t used = 0;
-    while (count < n && used + state_bytes_per_chunk(n - 1 - count) <= margin) used += state_bytes_per_chunk(n - 1 - count++);
+    while (count < candidates && used + state_bytes_per_chunk(order[count]) <= margin) {
+      used += state_bytes_per_chunk(order[count++]);
+    }
   }
   int64_t reserved = 0;
-  for (int64_t k = 0; k < count; ++k) reserved += state_bytes_per_chunk(n - 1 - k);
+  for (int64_t k = 0; k < count; ++k) reserved += state_bytes_per_chunk(order[k]);
   model_.scheduler().admit_device_bytes(reserved);  // evicts parameter chunks; throws, changing nothing, if too much
   for (int64_t k = 0; k < count; ++k) {
-    const int64_t c = n - 1 - k;
+    const int64_t c = order[k];
     state_->move_group(c, Location::kDevice);
     on_device_[c] = 1;
   }
@@ -188,13 +204,13 @@ void HybridAdam::place_locked() {
     for (int64_t c = 0; c < n; ++c) {
       const int64_t bytes = model_.store().chunk_info(model_.param_chunk(c)).nbytes;
       largest = std::max(largest, bytes);
-      if (!on_device_[c]) travelling += bytes;
+      if (!on_device_[c] && owned(c)) travelling += bytes;
     }
     if (travelling > 0) {
       model_.store().set_host_cache_bytes(std::max(model_.store().host_cache_bytes(), travelling + largest));
     }
   }
-  log::info("ferry: HybridAdam placed optimizer state: ", count, " of ", n, " chunk groups on the device (",
+  log::info("ferry: HybridAdam placed optimizer state: ", count, " of ", candidates, " chunk groups on the device (",
             format_bytes(reserved), ")", margin >= 0 ? ", margin after parameters and non-model peak " : "",
             margin >= 0 ? format_bytes(std::max<int64_t>(0, margin)) : std::string());
 }
@@ -246,7 +262,11 @@ std::vector<HybridAdam::Span> HybridAdam::landed_spans_locked(int64_t c) const {
 }
 
 at::Tensor HybridAdam::grad_payload_locked(int64_t c) {
-  if (options_.accumulate_grads) return state_->payload(kGradRole, c);
+  if (options_.accumulate_grads) {
+    // A data-parallel step reads the gradients summed over ranks; the accumulation chunk keeps this rank's.
+    if (static_cast<int64_t>(reduced_grads_.size()) > c && reduced_grads_[c].defined()) return reduced_grads_[c];
+    return state_->payload(kGradRole, c);
+  }
   return model_.store().payload(model_.param_chunk(c));
 }
 
@@ -258,7 +278,7 @@ void HybridAdam::stage_param_chunks_locked(bool skip_launched) {
   for (int pass = 0; pass < 2; ++pass) {
     const bool device = pass == 0;
     for (int64_t c = 0; c < num_chunks(); ++c) {
-      if (static_cast<bool>(on_device_[c]) != device || (skip_launched && launched_[c])) continue;
+      if (static_cast<bool>(on_device_[c]) != device || (skip_launched && launched_[c]) || !owned(c)) continue;
       const Location want = device ? Location::kDevice : Location::kHost;
       if (params.location(model_.param_chunk(c)) != want) params.move(model_.param_chunk(c), want);
     }
@@ -271,7 +291,7 @@ void HybridAdam::discard_grads_locked() {
     ChunkStore& params = model_.store();
     for (int64_t c = 0; c < num_chunks(); ++c) {
       const std::vector<Span> spans = landed_spans_locked(c);
-      if (spans.empty()) continue;
+      if (spans.empty() || !owned(c)) continue;  // sharded: the owners' values come with gather_params_locked
       restore_values(params.payload(model_.param_chunk(c)), state_->payload(kMasterRole, c), spans);
     }
     model_.clear_grad_slots();
@@ -568,6 +588,13 @@ StepResult HybridAdam::finish_pipelined_locked() {
 }
 
 StepResult HybridAdam::backward_step(const at::Tensor& loss) {
+  if (world_ > 1) {
+    // Not pipelined across ranks yet (Note [Sharded optimizer state]): backward, then the sharded step.
+    check_idle("backward_step()");
+    model_.backward(loss);
+    std::lock_guard<std::mutex> lock(mutex_);
+    return step_locked();
+  }
   if (options_.accumulate_grads) return backward_step_accumulated(loss);
   check_idle("backward_step()");
   bool pipelined = false;
@@ -722,6 +749,7 @@ HybridAdam::ChunkNorms HybridAdam::grad_norms_locked(bool pipelined) {
   std::vector<int64_t> device_index;
   for (int64_t c = 0; c < n; ++c) {
     const bool done = pipelined && launched_[c];  // computed during backward
+    if (!owned(c)) continue;                       // its owner's norm comes with the all-reduce
     if (on_device_[c]) {
       std::vector<at::Tensor> d = done ? std::move(chunk_device_norms_[c])
                                        : device_norms(grad_payload_locked(c), landed_spans_locked(c));
@@ -742,6 +770,7 @@ HybridAdam::ChunkNorms HybridAdam::grad_norms_locked(bool pipelined) {
 
 StepResult HybridAdam::step_locked() {
   sync_layout_locked();
+  if (world_ > 1) return dist_step_locked();
   TORCH_CHECK(grads_landed_, "ferry: HybridAdam::step() found no gradients since the last zero_grad(); call "
                              "model.backward(loss) first");
   place_locked();
@@ -777,17 +806,19 @@ StepResult HybridAdam::apply_locked(const ChunkNorms& norms, StepResult result) 
     if (!options_.accumulate_grads) discard_grads_locked();  // consumed: the slots get their values back
     return result;
   }
-  result.grad_norm = std::sqrt(norms.total_sq) / result.loss_scale;
+  // Data parallelism: the gradients are sums over the ranks; their mean is the concatenated batch's.
+  const double world = static_cast<double>(world_);
+  result.grad_norm = std::sqrt(norms.total_sq) / (result.loss_scale * world);
   if (options_.max_grad_norm > 0) {
     result.clip_coef = std::min(1.0, options_.max_grad_norm / (result.grad_norm + 1e-6));
   }
-  const double grad_scale = result.clip_coef / result.loss_scale;
+  const double grad_scale = result.clip_coef / (result.loss_scale * world);
 
   // 2. Update: device chunks with torch's fused kernel, host chunks with CpuAdam.
   for (int g = 0; g < num_param_groups(); ++g) cpu_adam_.advance_step(g);
   t0 = now_ns();
   for (int64_t c = 0; c < n; ++c) {
-    if (on_device_[c]) device_update_chunk_locked(c, grad_scale);
+    if (on_device_[c] && owned(c)) device_update_chunk_locked(c, grad_scale);
   }
   result.device_update_ns = now_ns() - t0;
   trace::complete("adam", "adam.device_update", t0, t0 + result.device_update_ns,
@@ -797,7 +828,7 @@ StepResult HybridAdam::apply_locked(const ChunkNorms& norms, StepResult result) 
   update_options.grad_scale = grad_scale;
   update_options.grads_checked = true;
   for (int64_t c = 0; c < n; ++c) {
-    if (!on_device_[c]) host_update_chunk_locked(c, update_options);
+    if (!on_device_[c] && owned(c)) host_update_chunk_locked(c, update_options);
   }
   result.host_update_ns = now_ns() - t0;
   trace::complete("adam", "adam.host_update", t0, t0 + result.host_update_ns,
@@ -824,6 +855,7 @@ StepResult HybridAdam::apply_locked(const ChunkNorms& norms, StepResult result) 
 
 void HybridAdam::write_back_locked() {
   for (int64_t c = 0; c < num_chunks(); ++c) {
+    if (!owned(c)) continue;  // sharded: gather_params_locked brings the owner's values
     model_.store().payload(model_.param_chunk(c)).copy_(state_->payload(kMasterRole, c));
   }
 }
@@ -833,6 +865,7 @@ void HybridAdam::zero_grad() {
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
   discard_grads_locked();
+  if (sharded_ && !options_.accumulate_grads) gather_params_locked();  // a collective: every rank calls zero_grad()
 }
 
 at::Tensor HybridAdam::state_view(Role role, int64_t param) {
@@ -859,6 +892,18 @@ at::Tensor HybridAdam::grad(int64_t param) {
 
 NamedTensors HybridAdam::state_dict() {
   NamedTensors out = model_.state_dict();  // checks the model is idle
+  if (sharded_) {  // the masters from their owners (a collective: every rank calls state_dict())
+    std::lock_guard<std::mutex> lock(mutex_);
+    gather_groups_locked(
+        at::kFloat, [&](int64_t c) { return state_->payload(kMasterRole, c); },
+        [&](int64_t c, const at::Tensor& values) {
+          for (int64_t p : model_.layout().chunks()[c].tensors) {
+            const Slot& slot = model_.layout().slots()[p];
+            out[p].second = values.slice(0, slot.offset, slot.offset + slot.numel).view(model_.param_shapes()[p]).clone();
+          }
+        });
+    return out;
+  }
   for (int64_t p = 0; p < model_.num_params(); ++p) {
     TORCH_INTERNAL_ASSERT(out[p].first == model_.param_name(p));
     out[p].second = master(p).to(at::kCPU);
@@ -875,6 +920,7 @@ void HybridAdam::load_state_dict(const NamedTensors& values) {
   std::unordered_map<std::string, const at::Tensor*> by_name;
   for (const auto& [name, t] : values) by_name.emplace(name, &t);
   for (int64_t p = 0; p < model_.num_params(); ++p) {
+    if (!owned(model_.layout().slots()[p].chunk)) continue;  // sharded: every rank loads the same values
     state_->view(kMasterRole, p).copy_(*by_name.at(model_.param_name(p)));
   }
   std::fill(landed_.begin(), landed_.end(), 0);  // the model's slots hold values again (it cleared them)

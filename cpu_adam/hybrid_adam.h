@@ -88,6 +88,30 @@
 //  - The model's parameters must not be changed by others while a HybridAdam holds it: the masters are
 //    the truth, and every step overwrites the parameter chunks from them.
 //  - The HybridAdam must not outlive the ChunkedModel.
+//
+// Note [Sharded optimizer state]
+// With a communicator of N > 1 ranks (HybridAdamOptions::communicator), every rank runs the same model
+// on its own batch, and the optimizer state exists once across the ranks. The layout chunks form
+// groups of N consecutive chunks; rank r owns member r of each group (chunk c belongs to rank c mod N).
+//  - Construction: rank 0's initial values are broadcast (masters, then the parameter chunks), so every
+//    rank starts from the same point.
+//  - The first step (after warm-up, when the call-order repack is behind us) shards: a rank frees the
+//    master/exp_avg/exp_avg_sq chunks it does not own (with accumulate_grads, the fp32 gradient chunks
+//    stay on every rank: each accumulates its own micro-batches). Ranks check they have the same layout.
+//  - A step (step(), or backward_step(), which is not pipelined across ranks yet): the set of parameters
+//    that received a gradient is made the union over ranks; per group, one reduce-scatter sums every
+//    rank's gradients into the owner's chunk; the owner takes the norm of its chunks, one all-reduce
+//    totals it (and the non-finite count), so clipping and fp16 overflow decide alike everywhere; the
+//    owners update their chunks (gradients scaled by 1/N: the mean over the concatenated batch); per
+//    group one all-gather brings every rank the owners' new parameter values. Bytes each rank sends per
+//    step: 2 (N-1)/N x the parameter chunk bytes, the ring minimum for a full update of all
+//    parameters (+ (N-1)/N x 4 B/param for the reduce-scatter of fp32 accumulation chunks instead).
+//  - Every collective is in the same order on every rank; zero_grad() in default mode is one too (the
+//    non-owned slots get their values from the owners) and must be called by every rank.
+//  - Memory per rank: every parameter chunk (the compute copy is replicated; sharding it is the next
+//    step, D44) + 12/N B/param of state; collectives stage one group (N chunks) at a time.
+//  - Views of state this rank does not hold (master(), exp_avg()...) fail, naming the chunk group;
+//    state_dict() gathers the masters. save()/load() at world size > 1 are not supported yet.
 #include <ATen/core/Tensor.h>
 
 #include <atomic>
@@ -104,6 +128,7 @@
 #include "ferry/cpu_adam/adam_options.h"
 #include "ferry/cpu_adam/cpu_adam.h"
 #include "ferry/cpu_adam/loss_scaler.h"
+#include "ferry/dist/communicator.h"
 #include "ferry/hooks/chunked_model.h"
 
 namespace ferry {
@@ -127,6 +152,9 @@ struct HybridAdamOptions {
   // Keep fp32 gradient chunks that accumulate across backward() calls (micro-batches). Off: gradients
   // live in the parameter chunks (Note [Gradient in the parameter slot]) and cost no memory.
   bool accumulate_grads = false;
+  // Data parallelism over the ranks of this communicator (dist::connect; null or world size 1: one
+  // process). Note [Sharded optimizer state].
+  std::shared_ptr<dist::Communicator> communicator;
 
   // `defaults` for matrices; biases and norm weights (tensors of dim <= 1) in group 1 without decay.
   static HybridAdamOptions no_decay_for_bias_and_norm(const AdamOptions& defaults);
@@ -155,6 +183,7 @@ struct StepResult {
   int64_t overlapped_chunks = 0;  // backward_step: chunks whose update (or norm) started during backward
   // Host synchronizations by the optimizer on the calling thread (reading device norms): at most 1.
   int64_t device_syncs = 0;
+  int64_t comm_ns = 0;  // data parallelism: time in collectives (reduce-scatter, norm, all-gather)
 };
 
 class HybridAdam final : private GradSink, private LayoutListener {
@@ -293,6 +322,20 @@ class HybridAdam final : private GradSink, private LayoutListener {
   void follow_layout_locked();  // placement and per-chunk bookkeeping for the model's current layout
   void place_locked();             // after warm-up: decide and move
   void check_idle(const char* what) const;
+  // Data parallelism (Note [Sharded optimizer state]).
+  bool owned(int64_t chunk) const { return !sharded_ || chunk % world_ == rank_; }
+  void broadcast_initial_values_locked();
+  void shard_locked();
+  // Slot ranges of chunk c whose parameters have mask[p] == want (alignment gaps excluded).
+  std::vector<Span> slot_ranges_locked(int64_t chunk, const std::vector<char>& mask, bool want) const;
+  // Per group: each rank's gradients (locally landed slots; zeros elsewhere) summed into the owner's chunk.
+  void reduce_grads_locked(const std::vector<char>& local_landed);
+  // Per group, the owner's chunk of `local(c)` to every rank: got(c, values) for every chunk c.
+  void gather_groups_locked(at::ScalarType dtype, const std::function<at::Tensor(int64_t)>& local,
+                            const std::function<void(int64_t, const at::Tensor&)>& got);
+  void gather_params_locked();  // the owners' parameter chunks to every rank
+  at::Tensor comm_payload_locked(int64_t chunk);  // parameter chunk c where the communicator reads it
+  StepResult dist_step_locked();
   at::Tensor state_view(Role role, int64_t param);
   void write_back_locked();
   StepResult step_locked();
@@ -335,6 +378,13 @@ class HybridAdam final : private GradSink, private LayoutListener {
   std::vector<std::vector<at::Tensor>> chunk_device_norms_;
   std::exception_ptr job_error_;
   std::atomic<int64_t> jobs_started_{0};
+  // Data parallelism: the ranks, whether the state is sharded, and (accumulate_grads, during a step)
+  // the gradients summed over ranks of the chunks this rank owns.
+  std::shared_ptr<dist::Communicator> comm_;
+  int world_ = 1;
+  int rank_ = 0;
+  bool sharded_ = false;
+  std::vector<at::Tensor> reduced_grads_;
 };
 
 }  // namespace ferry

@@ -375,6 +375,9 @@ void HybridAdam::check_save_target(const std::string& dir) {
 
 void HybridAdam::save(const std::string& dir) {
   check_idle("save()");
+  TORCH_CHECK(world_ == 1, "ferry: save() at world size ", world_, " is not supported yet: the optimizer state is "
+              "sharded across ranks (Note [Sharded optimizer state]); the per-rank format is planned in "
+              "docs/CHECKPOINT.md. state_dict() gathers the weights.");
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
   TORCH_CHECK(!dir.empty(), "ferry: save() needs a directory");
@@ -463,6 +466,8 @@ void HybridAdam::save(const std::string& dir) {
 
 void HybridAdam::load(const std::string& dir) {
   check_idle("load()");
+  TORCH_CHECK(world_ == 1, "ferry: load() at world size ", world_, " is not supported yet (Note [Sharded optimizer "
+              "state]); load a checkpoint at world size 1, or load weights with load_state_dict() on every rank");
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
   const Manifest m = parse_manifest(join(dir, "manifest.txt"));
