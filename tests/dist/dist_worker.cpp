@@ -1,0 +1,175 @@
+// One rank of a data-parallel run for tests/dist/test_dist.cpp (and, with world size 1, the
+// single-process reference): a small language model on the simulated device with a budget that forces
+// evictions, HybridAdam (AdamW) over a Communicator from dist::connect(Config from the environment).
+// Rank r of N trains on rows [r B/N, (r+1) B/N) of every global batch of B rows.
+//
+// Options: --out=DIR (writes DIR/rank<R>.bin: every parameter, fp32, in state_dict order) --steps=K
+// --batch=B --clip=NORM --micro=M (accumulate_grads over M micro-batches) --api=step|backward_step
+// --die-at-step=S --die-rank=R (that rank exits at step S without a word, as a crash would)
+// --frozen-rank=R: rank R's rows give the MLP no gradient (its parameters land on the other ranks only);
+// with world size 1, --emulate-world=N makes the reference: the loss is the mean over the N ranks' rows,
+// rank R's rows frozen.
+// --precision=... and every other ferry option. Prints one line "FERRY_DIST_RESULT key=value ...".
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "ferry/common/config.h"
+#include "ferry/common/logging.h"
+#include "ferry/cpu_adam/hybrid_adam.h"
+#include "ferry/dist/process_group.h"
+#include "ferry/hooks/chunked_model.h"
+
+namespace {
+
+constexpr int64_t kVocab = 32, kDim = 16, kSeq = 8;
+
+struct SmallLmImpl : torch::nn::Module {
+  SmallLmImpl() {
+    emb = register_module("emb", torch::nn::Embedding(kVocab, kDim));
+    up = register_module("up", torch::nn::Linear(kDim, 4 * kDim));
+    down = register_module("down", torch::nn::Linear(4 * kDim, kDim));
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})));
+    head = register_module("head", torch::nn::Linear(kDim, kVocab));
+    spare = register_parameter("spare", torch::randn({kDim}));  // never used: no rank lands a gradient
+  }
+  // frozen: the MLP gets no gradient from these rows (its output is detached).
+  torch::Tensor forward(const torch::Tensor& idx, bool frozen = false) {
+    auto x = emb(idx);
+    auto mlp = down(torch::gelu(up(x)));
+    x = x + (frozen ? mlp.detach() : mlp);
+    return head(norm(x));
+  }
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::Linear up{nullptr}, down{nullptr}, head{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+  torch::Tensor spare;
+};
+TORCH_MODULE(SmallLm);
+
+std::string option(const std::vector<std::string>& rest, const std::string& key, const std::string& fallback) {
+  const std::string prefix = "--" + key + "=";
+  for (const auto& a : rest) {
+    if (a.rfind(prefix, 0) == 0) return a.substr(prefix.size());
+  }
+  return fallback;
+}
+
+int run(int argc, char** argv) {
+  std::vector<std::string> rest;
+  ferry::Config config = ferry::Config::from_args(argc, argv, &rest);
+  config.device = ferry::DeviceKind::kSimulated;
+  if (config.chunk_size_bytes == 0) config.chunk_size_bytes = 4096;
+  if (config.device_budget_bytes == 0) config.device_budget_bytes = 6 * 4096;
+  const std::string out = option(rest, "out", "");
+  const int steps = std::stoi(option(rest, "steps", "4"));
+  const int64_t batch = std::stoll(option(rest, "batch", "8"));
+  const double clip = std::stod(option(rest, "clip", "0"));
+  const int micro = std::stoi(option(rest, "micro", "1"));
+  const std::string api = option(rest, "api", "step");
+  const int die_at = std::stoi(option(rest, "die-at-step", "-1"));
+  const int die_rank = std::stoi(option(rest, "die-rank", "-1"));
+  const int frozen_rank = std::stoi(option(rest, "frozen-rank", "-1"));
+  const int emulate = std::stoi(option(rest, "emulate-world", "1"));
+  TORCH_CHECK(emulate == 1 || config.world_size == 1, "--emulate-world is for the single-process reference");
+  TORCH_CHECK(batch % (config.world_size * micro) == 0, "batch must split evenly over ranks and micro-batches");
+
+  ferry::log::configure(config.log_level, config.rank);
+  auto comm = ferry::dist::connect(config);
+  torch::manual_seed(7 + config.rank);  // different per rank on purpose: rank 0's values must win
+  SmallLm net;
+  ferry::ChunkedModel model(net.ptr(), config);
+  ferry::AdamOptions adam_options;
+  adam_options.lr = 1e-2;
+  adam_options.weight_decay = 0.1;
+  ferry::HybridAdamOptions options(adam_options);
+  options.max_grad_norm = clip;
+  options.accumulate_grads = micro > 1;
+  options.device_state_chunks = 1;
+  options.communicator = comm;
+  ferry::HybridAdam adam(model, options);
+
+  const int64_t rows = batch / config.world_size, micro_rows = rows / micro;
+  double loss_sum = 0, grad_norm = 0;
+  int64_t evictions = 0;
+  for (int step = 0; step < steps; ++step) {
+    if (step == die_at && config.rank == die_rank) std::_Exit(3);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + step);
+    const torch::Tensor idx = torch::randint(kVocab, {batch, kSeq}, gen, torch::kLong);
+    const torch::Tensor target = (idx * 5 + 1) % kVocab;
+    ferry::StepResult r;
+    for (int m = 0; m < micro; ++m) {
+      const int64_t begin = config.rank * rows + m * micro_rows;
+      const torch::Tensor x = idx.slice(0, begin, begin + micro_rows), y = target.slice(0, begin, begin + micro_rows);
+      auto loss = model.forward([&] {
+        auto ce = [&](const torch::Tensor& xs, const torch::Tensor& ys, bool frozen) {
+          return torch::nn::functional::cross_entropy(net->forward(xs, frozen).reshape({-1, kVocab}), ys.reshape({-1}));
+        };
+        if (emulate == 1) return ce(x, y, config.rank == frozen_rank) / micro;
+        const int64_t part = x.size(0) / emulate;  // the rows the emulated ranks would have
+        torch::Tensor sum;
+        for (int v = 0; v < emulate; ++v) {
+          auto l = ce(x.slice(0, v * part, (v + 1) * part), y.slice(0, v * part, (v + 1) * part), v == frozen_rank);
+          sum = sum.defined() ? sum + l : l;
+        }
+        return sum / (emulate * micro);
+      });
+      loss_sum += loss.item<double>();
+      if (m + 1 < micro) {
+        model.backward(loss);
+      } else if (api == "backward_step" && micro == 1) {
+        r = adam.backward_step(loss);
+      } else {
+        model.backward(loss);
+        r = adam.step();
+      }
+      evictions += model.last_iteration().evictions;
+    }
+    TORCH_CHECK(r.applied, "step ", step, " was not applied");
+    grad_norm = r.grad_norm;
+    if (micro > 1) adam.zero_grad();
+  }
+  const ferry::ChunkStoreStats ss = adam.state_store().stats();
+  int64_t param_chunk_bytes = 0;
+  for (int64_t c = 0; c < model.layout().num_chunks(); ++c) {
+    param_chunk_bytes += model.store().chunk_info(model.param_chunk(c)).nbytes;
+  }
+  ferry::NamedTensors weights = adam.state_dict();  // gathers the masters from their owners
+  if (!out.empty()) {
+    std::ofstream f(out + "/rank" + std::to_string(config.rank) + ".bin", std::ios::binary);
+    for (int64_t p = 0; p < model.num_params(); ++p) {
+      const torch::Tensor v = model.param_values(p).to(torch::kCPU, torch::kFloat).contiguous();
+      // The compute copy is its master rounded to the compute dtype (fp32: the master itself).
+      const torch::Tensor rounded = weights[p].second.to(model.compute_dtype()).to(torch::kFloat);
+      TORCH_CHECK(torch::equal(v, rounded), "parameter ", p, " differs from its master");
+      f.write(static_cast<const char*>(v.data_ptr()), static_cast<std::streamsize>(v.nbytes()));
+    }
+    TORCH_CHECK(f.good(), "could not write ", out);
+  }
+  const ferry::dist::CommStats cs = comm ? comm->stats() : ferry::dist::CommStats{};
+  std::cout << "FERRY_DIST_RESULT rank=" << config.rank << " world=" << config.world_size
+            << " chunks=" << model.layout().num_chunks() << " param_chunk_bytes=" << param_chunk_bytes
+            << " state_bytes=" << ss.host.current_bytes + ss.device.current_bytes
+            << " state_device_bytes=" << ss.device.current_bytes << " evictions=" << evictions
+            << " ring_bytes=" << cs.ring_bytes_sent << " steps=" << steps << " grad_norm=" << grad_norm
+            << " loss=" << loss_sum << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const c10::Error& e) {
+    std::cerr << "dist_worker: " << e.what_without_backtrace() << std::endl;
+  } catch (const std::exception& e) {
+    std::cerr << "dist_worker: " << e.what() << std::endl;
+  }
+  return 1;
+}

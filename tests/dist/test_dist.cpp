@@ -1,0 +1,272 @@
+// Data parallelism over c10d Gloo, with processes started by the test (tests/dist/dist_worker.cpp): after
+// K AdamW steps with forced evictions, every rank's parameters equal one process trained on the
+// concatenated batch; the optimizer state per rank is 1/N of it; a dead rank, ranks that disagree on
+// the world size and an unreachable master fail with clear errors within the timeout, never hang.
+#include <gtest/gtest.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+extern char** environ;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::string temp_dir() {
+  std::string tmpl = (std::getenv("TMPDIR") ? std::string(std::getenv("TMPDIR")) : "/tmp") + "/ferry-dist-XXXXXX";
+  char* made = ::mkdtemp(tmpl.data());
+  EXPECT_NE(made, nullptr);
+  return tmpl;
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+struct Proc {
+  int exit_code = -1;  // -1: killed (timed out)
+  std::string out, err;
+  double seconds = 0;
+};
+
+// Starts one worker per entry of `envs` (each: extra environment), waits at most `timeout_s` for all.
+std::vector<Proc> launch(const std::vector<std::map<std::string, std::string>>& envs,
+                         const std::vector<std::string>& args, double timeout_s = 120) {
+  const std::string dir = temp_dir();
+  std::vector<pid_t> pids;
+  for (size_t i = 0; i < envs.size(); ++i) {
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e; ++e) {
+      const std::string s(*e);
+      const std::string key = s.substr(0, s.find('='));
+      if (!envs[i].count(key)) env_strings.push_back(s);
+    }
+    for (const auto& [k, v] : envs[i]) env_strings.push_back(k + "=" + v);
+    std::vector<std::string> argv_strings{FERRY_DIST_WORKER};
+    argv_strings.insert(argv_strings.end(), args.begin(), args.end());
+    const std::string out = dir + "/" + std::to_string(i) + ".out", err = dir + "/" + std::to_string(i) + ".err";
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      if (!std::freopen(out.c_str(), "w", stdout) || !std::freopen(err.c_str(), "w", stderr)) std::_Exit(127);
+      std::vector<char*> av, ev;
+      for (auto& s : argv_strings) av.push_back(s.data());
+      av.push_back(nullptr);
+      for (auto& s : env_strings) ev.push_back(s.data());
+      ev.push_back(nullptr);
+      ::execve(av[0], av.data(), ev.data());
+      std::_Exit(127);
+    }
+    pids.push_back(pid);
+  }
+  std::vector<Proc> procs(envs.size());
+  std::vector<bool> done(envs.size(), false);
+  const auto t0 = Clock::now();
+  size_t left = envs.size();
+  while (left > 0) {
+    for (size_t i = 0; i < pids.size(); ++i) {
+      if (done[i]) continue;
+      int status = 0;
+      if (::waitpid(pids[i], &status, WNOHANG) == pids[i]) {
+        done[i] = true;
+        --left;
+        procs[i].exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        procs[i].seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+      }
+    }
+    if (std::chrono::duration<double>(Clock::now() - t0).count() > timeout_s) {
+      for (size_t i = 0; i < pids.size(); ++i) {
+        if (done[i]) continue;
+        ::kill(pids[i], SIGKILL);
+        ::waitpid(pids[i], nullptr, 0);
+        procs[i].exit_code = -1;
+        procs[i].seconds = timeout_s;
+      }
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (size_t i = 0; i < envs.size(); ++i) {
+    procs[i].out = slurp(dir + "/" + std::to_string(i) + ".out");
+    procs[i].err = slurp(dir + "/" + std::to_string(i) + ".err");
+  }
+  return procs;
+}
+
+std::map<std::string, std::string> rank_env(int rank, int world, int port, double timeout_s = 30) {
+  return {{"RANK", std::to_string(rank)},      {"WORLD_SIZE", std::to_string(world)},
+          {"LOCAL_RANK", std::to_string(rank)}, {"MASTER_ADDR", "127.0.0.1"},
+          {"MASTER_PORT", std::to_string(port)}, {"FERRY_DIST_TIMEOUT", std::to_string(timeout_s)},
+          {"FERRY_LOG_LEVEL", "warn"},          {"OMP_NUM_THREADS", "1"}};
+}
+
+std::vector<Proc> run_world(int world, const std::vector<std::string>& args, double timeout_s = 30) {
+  const int port = free_port();
+  std::vector<std::map<std::string, std::string>> envs;
+  for (int r = 0; r < world; ++r) envs.push_back(rank_env(r, world, port, timeout_s));
+  return launch(envs, args);
+}
+
+std::map<std::string, double> result_of(const Proc& p) {
+  std::map<std::string, double> kv;
+  const auto at = p.out.find("FERRY_DIST_RESULT");
+  if (at == std::string::npos) return kv;
+  std::istringstream line(p.out.substr(at, p.out.find('\n', at) - at));
+  std::string word;
+  line >> word;
+  while (line >> word) {
+    const auto eq = word.find('=');
+    kv[word.substr(0, eq)] = std::stod(word.substr(eq + 1));
+  }
+  return kv;
+}
+
+std::vector<float> read_params(const std::string& path) {
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
+  const auto bytes = static_cast<size_t>(f.tellg());
+  std::vector<float> v(bytes / sizeof(float));
+  f.seekg(0);
+  f.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(bytes));
+  return v;
+}
+
+// max |a - b| / max |b|, as the single-process tests measure it.
+double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, scale = 1e-30;
+  for (size_t i = 0; i < b.size(); ++i) {
+    diff = std::max(diff, std::fabs(static_cast<double>(a[i]) - b[i]));
+    scale = std::max(scale, std::fabs(static_cast<double>(b[i])));
+  }
+  return diff / scale;
+}
+
+std::string describe(const std::vector<Proc>& procs) {
+  std::ostringstream os;
+  for (size_t i = 0; i < procs.size(); ++i) {
+    os << "--- process " << i << " exit " << procs[i].exit_code << " after " << procs[i].seconds << " s\n"
+       << procs[i].out << procs[i].err;
+  }
+  return os.str();
+}
+
+// Trains at world size `world` and alone on the whole batch with the same arguments; checks the
+// parameters and the per-rank state.
+void expect_equals_one_process(int world, const std::vector<std::string>& extra,
+                               const std::vector<std::string>& reference_only = {}) {
+  const std::string dir = temp_dir();
+  std::vector<std::string> args{"--out=" + dir, "--steps=5", "--batch=8"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  std::vector<std::string> single_args = args;
+  single_args.insert(single_args.end(), reference_only.begin(), reference_only.end());
+  const std::vector<Proc> single = launch({{{"FERRY_LOG_LEVEL", "warn"}, {"OMP_NUM_THREADS", "1"}}}, single_args);
+  ASSERT_EQ(single[0].exit_code, 0) << describe(single);
+  const std::vector<float> reference = read_params(dir + "/rank0.bin");
+  const double single_state = result_of(single[0])["state_bytes"];
+  const std::vector<Proc> ranks = run_world(world, args);
+  for (const Proc& p : ranks) ASSERT_EQ(p.exit_code, 0) << describe(ranks);
+  // fp32 chunks per layout chunk: master, exp_avg, exp_avg_sq (sharded), + the accumulation chunk
+  // (with micro-batches: on every rank, each accumulating its own).
+  const bool accumulate = std::find(extra.begin(), extra.end(), std::string("--micro=2")) != extra.end();
+  const double roles = accumulate ? 4 : 3;
+  const double sharded = single_state * 3 / roles, replicated = single_state - sharded;
+  double held = 0;
+  for (int r = 0; r < world; ++r) {
+    const std::vector<float> mine = read_params(dir + "/rank" + std::to_string(r) + ".bin");
+    ASSERT_EQ(mine.size(), reference.size());
+    EXPECT_LE(rel_err(mine, reference), 1e-6) << "rank " << r << " of " << world;
+    if (r > 0) {
+      EXPECT_EQ(mine, read_params(dir + "/rank0.bin")) << "ranks 0 and " << r << " hold different parameters";
+    }
+    auto res = result_of(ranks[r]);
+    EXPECT_GT(res["evictions"], 0) << "the budget must force evictions";
+    EXPECT_GT(res["ring_bytes"], 0);
+    held += res["state_bytes"];
+    // Rank r holds the state of member r of each group of `world` chunks, nothing more.
+    const double chunks = res["chunks"];
+    const double groups_held = std::ceil((chunks - r) / world);
+    EXPECT_NEAR(res["state_bytes"], sharded * groups_held / chunks + replicated, 1) << "rank " << r;
+  }
+  // Every sharded state byte exists once across the ranks.
+  EXPECT_NEAR(held, sharded + replicated * world, 1) << describe(ranks);
+}
+
+TEST(Dist, TwoRanksEqualOneProcessOnTheConcatenatedBatch) { expect_equals_one_process(2, {}); }
+
+TEST(Dist, FourRanksWithClippingEqualOneProcess) { expect_equals_one_process(4, {"--clip=0.5"}); }
+
+// The MLP's parameters get gradients on rank 0 only: on rank 1 their slots hold values,
+// which must not enter the sums.
+TEST(Dist, AParameterWithoutGradientOnSomeRanksEqualsOneProcess) {
+  expect_equals_one_process(2, {"--frozen-rank=1"}, {"--emulate-world=2"});
+}
+
+TEST(Dist, TwoRanksBackwardStepEqualsOneProcess) { expect_equals_one_process(2, {"--api=backward_step"}); }
+
+TEST(Dist, FourRanksWithGradientAccumulationEqualOneProcess) {
+  expect_equals_one_process(4, {"--micro=2", "--batch=16"});
+}
+
+TEST(Dist, ADeadRankFailsTheOthersWithinTheTimeout) {
+  const auto t0 = Clock::now();
+  const std::vector<Proc> ranks = run_world(2, {"--steps=5", "--die-at-step=2", "--die-rank=1"}, /*timeout_s=*/10);
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  EXPECT_EQ(ranks[1].exit_code, 3) << describe(ranks);
+  EXPECT_EQ(ranks[0].exit_code, 1) << "the survivor must fail, not hang or succeed\n" << describe(ranks);
+  EXPECT_NE(ranks[0].err.find("a rank died, or did not take part within dist-timeout"), std::string::npos)
+      << describe(ranks);
+  EXPECT_LT(seconds, 60) << describe(ranks);
+}
+
+TEST(Dist, RanksThatDisagreeOnTheWorldSizeFailClearly) {
+  const int port = free_port();
+  auto r0 = rank_env(0, 2, port, 10), r1 = rank_env(1, 3, port, 10);
+  const std::vector<Proc> ranks = launch({r0, r1}, {"--steps=1", "--batch=12"});
+  for (const Proc& p : ranks) {
+    EXPECT_EQ(p.exit_code, 1) << describe(ranks);
+    const bool clear = p.err.find("ranks disagree on the world size") != std::string::npos ||
+                       p.err.find("not every rank of world size 3 joined") != std::string::npos;
+    EXPECT_TRUE(clear) << describe(ranks);
+  }
+}
+
+TEST(Dist, AnUnreachableMasterFailsClearlyWithinTheTimeout) {
+  const std::vector<Proc> ranks = launch({rank_env(1, 2, free_port(), 3)}, {"--steps=1"});
+  EXPECT_EQ(ranks[0].exit_code, 1) << describe(ranks);
+  EXPECT_NE(ranks[0].err.find("could not reach the rendezvous store at 127.0.0.1:"), std::string::npos)
+      << describe(ranks);
+  EXPECT_LT(ranks[0].seconds, 30) << describe(ranks);
+}
+
+}  // namespace
