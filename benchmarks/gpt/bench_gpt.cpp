@@ -107,6 +107,9 @@ struct FerryResult {
   double syncs = 0, background_syncs = 0, transfers = 0, h2d_bytes = 0, d2h_bytes = 0;
   double overlapped_chunks = 0;
   double host_state_params = 0;  // parameters whose optimizer state is on the host (host Adam)
+  // Data parallelism (world size > 1), per measured step: bytes this rank sent as the ring algorithm
+  // sends them (dist::CommStats), collectives, time in them; the parameter chunks' bytes.
+  double ring_bytes = 0, collectives = 0, comm_s = 0, param_chunk_bytes = 0;
 };
 
 ferry::MoveStats sum_moves(const ferry::MoveStats& x, const ferry::MoveStats& y) {
@@ -120,7 +123,8 @@ ferry::MoveStats sum_moves(const ferry::MoveStats& x, const ferry::MoveStats& y)
   return m;
 }
 
-FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config config, bool cuda) {
+FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config config, bool cuda,
+                      const std::shared_ptr<ferry::dist::Communicator>& comm = nullptr) {
   torch::manual_seed(1);
   const auto t_start = Clock::now();
   std::shared_ptr<gpt::GptImpl> net;
@@ -139,9 +143,11 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   ferry::AdamOptions o;
   o.lr = 1e-4;
   o.weight_decay = 0.1;
-  ferry::HybridAdam adam(model, ferry::HybridAdamOptions::no_decay_for_bias_and_norm(o));
+  ferry::HybridAdamOptions adam_options = ferry::HybridAdamOptions::no_decay_for_bias_and_norm(o);
+  adam_options.communicator = comm;  // null: one process
+  ferry::HybridAdam adam(model, adam_options);
   const c10::Device device = model.store().device();
-  std::mt19937_64 rng(7);
+  std::mt19937_64 rng(7 + config.rank);  // each rank its own batches
   FerryResult r;
   r.construction_s = since(t_start);
   r.rss_after_construction = static_cast<double>(rss_peak_bytes());
@@ -165,6 +171,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     sync(cuda);
     const int64_t before_forward = allocated_bytes(cuda);
     const ferry::MoveStats moves_before = sum_moves(model.store().stats().moves, adam.state_store().stats().moves);
+    const ferry::dist::CommStats comm_before = comm ? comm->stats() : ferry::dist::CommStats{};
     auto t0 = Clock::now();
     auto loss = model.forward([&] { return gpt::GptImpl::loss(net->forward(x), y); });
     sync(cuda);
@@ -186,7 +193,8 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
       step = adam.backward_step(loss);
       sync(cuda);
       const double total = since(t1);
-      o_s = std::min(total, (step.norm_ns + step.device_update_ns + step.host_update_ns + step.writeback_ns) * 1e-9);
+      o_s = std::min(total, (step.norm_ns + step.device_update_ns + step.host_update_ns + step.writeback_ns +
+                             step.comm_ns) * 1e-9);
       b = total - o_s;
     }
     const ferry::MoveStats moves = sum_moves(model.store().stats().moves, adam.state_store().stats().moves);
@@ -218,6 +226,15 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     r.h2d_bytes += static_cast<double>(moves.h2d_bytes - moves_before.h2d_bytes) / a.steps;
     r.d2h_bytes += static_cast<double>(moves.d2h_bytes - moves_before.d2h_bytes) / a.steps;
     r.overlapped_chunks += static_cast<double>(step.overlapped_chunks) / a.steps;
+    if (comm) {
+      const ferry::dist::CommStats cs = comm->stats();
+      r.ring_bytes += static_cast<double>(cs.ring_bytes_sent - comm_before.ring_bytes_sent) / a.steps;
+      r.collectives += static_cast<double>(cs.collectives - comm_before.collectives) / a.steps;
+      r.comm_s += static_cast<double>(cs.wait_ns - comm_before.wait_ns) * 1e-9 / a.steps;
+    }
+  }
+  for (int64_t c = 0; c < model.layout().num_chunks(); ++c) {
+    r.param_chunk_bytes += static_cast<double>(model.store().chunk_info(model.param_chunk(c)).nbytes);
   }
   const auto ms = model.store().stats();
   const auto ss = adam.state_store().stats();
@@ -425,7 +442,10 @@ int run(int argc, char** argv) {
       .add("commit", &a.commit, "commit id recorded in the JSON")
       .add("trace", &a.trace, "Chrome trace of the last measured step into FILE.json");
   options.parse(rest);
-  a.baseline = !no_baseline;
+  const std::shared_ptr<ferry::dist::Communicator> comm = ferry::dist::connect(config);  // null: world size 1
+  const int world = config.world_size;
+  // The baseline is one process's; a multi-process run measures ferry only.
+  a.baseline = !no_baseline && world == 1;
   const bool cuda = ferry::resolve_device_kind(config.device) == ferry::DeviceKind::kCuda;
   std::ostringstream out;
   out.precision(6);
@@ -482,7 +502,7 @@ int run(int argc, char** argv) {
   const double tokens = static_cast<double>(a.batch * a.seq);
   const auto [managed_ns, plain_ns] = interception_ns(config, 20000);
   std::cerr << "bench_gpt: interception: " << managed_ns << " ns/op managed vs " << plain_ns << " ns/op plain\n";
-  const FerryResult f = run_ferry(a, gc, config, cuda);
+  const FerryResult f = run_ferry(a, gc, config, cuda, comm);
   out << "  \"model\": {\"preset\": \"" << gc.name << "\", \"params\": " << gc.num_params() << ", \"hidden\": "
       << gc.hidden << ", \"layers\": " << gc.layers << ", \"heads\": " << gc.heads << ", \"vocab\": " << gc.vocab << "},\n";
   out << "  \"interception\": {\"managed_ns_per_op\": " << managed_ns << ", \"plain_ns_per_op\": " << plain_ns
@@ -509,6 +529,19 @@ int run(int argc, char** argv) {
       << ", \"transfers_per_step\": " << f.transfers << ", \"h2d_bytes_per_step\": " << f.h2d_bytes
       << ", \"d2h_bytes_per_step\": " << f.d2h_bytes << ", \"overlapped_chunks_per_step\": " << f.overlapped_chunks
       << ", \"host_state_params\": " << f.host_state_params << "}";
+  if (comm) {
+    // The floor of data parallelism: each parameter byte all-gathered and reduce-scattered once per step.
+    const double elem = config.precision == ferry::Precision::kFp32 ? 4 : 2;
+    const double share = static_cast<double>(world - 1) / world;
+    const double floor_bytes = 2 * share * n * elem;
+    out << ",\n  \"dist\": {\"world_size\": " << world << ", \"rank\": " << config.rank << ", \"backend\": \""
+        << comm->backend() << "\", \"batch_per_rank\": " << a.batch << ", \"global_tokens_per_s\": "
+        << world * tokens / f.mean.total << ", \"ring_bytes_per_step\": " << f.ring_bytes
+        << ", \"floor_bytes_per_step\": " << floor_bytes << ", \"over_floor\": " << f.ring_bytes / floor_bytes
+        << ", \"chunk_floor_bytes_per_step\": " << 2 * share * f.param_chunk_bytes
+        << ", \"collectives_per_step\": " << f.collectives << ", \"comm_s_per_step\": " << f.comm_s
+        << ", \"optimizer_state_bytes_this_rank\": " << f.state_device + f.state_host << "}";
+  }
   StepTimes b;
   double baseline_loss = 0;
   if (a.baseline) b = run_baseline(a, gc, cuda, &baseline_loss);
@@ -541,7 +574,7 @@ int run(int argc, char** argv) {
         << (f.mean.forward + f.mean.backward) / (b.forward + b.backward);
   }
   out << "\n}\n";
-  std::cout << out.str();
+  if (config.rank == 0) std::cout << out.str();  // one report per job: rank 0's
   return 0;
 }
 

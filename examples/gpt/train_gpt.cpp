@@ -9,6 +9,11 @@
 //             [--log-every=10] [--expect-loss-below=X] [--trace=FILE.json]  + ferry's options (--device, --precision, --chunk-size, --device-budget,
 //             --host-budget, --cpu-threads, --log-level; see --help)
 //
+// Data parallel: launched by torchrun (--nproc-per-node=N --no-python), SLURM or by hand
+// (dist/process_group.h), each rank trains on its own batches and the optimizer state is sharded
+// across the ranks (Note [Sharded optimizer state]); rank 0 prints the progress, every log line names
+// its rank. --save/--resume need world size 1 for now.
+//
 // Defaults follow the device: on a GPU bf16 and a device budget of 90% of its memory; on the CPU
 // (simulated device) fp32, a chunk size of 1/8 of the model and a device budget of half the model, so
 // chunks really move.
@@ -108,8 +113,14 @@ int train(int argc, char** argv) {
     throw ferry::cli::UsageError("--seq=" + std::to_string(args.seq) + " exceeds preset " + gc.name + "'s " +
                                  std::to_string(gc.seq));
   }
+  if (config.world_size > 1 && (!args.save.empty() || !args.resume.empty())) {
+    throw ferry::cli::UsageError("--save/--resume need world size 1 for now (the optimizer state is sharded across "
+                                 "ranks; docs/CHECKPOINT.md)");
+  }
   // A save that would fail must fail now, not after the whole run.
   if (!args.save.empty()) ferry::HybridAdam::check_save_target(args.save);
+  const std::shared_ptr<ferry::dist::Communicator> comm = ferry::dist::connect(config);  // null: one process
+  const bool report = config.rank == 0;  // progress lines from rank 0 only
   const int64_t n_params = gc.num_params();
   if (!given(argc, argv, {"precision"})) config.precision = cuda ? ferry::Precision::kBf16 : ferry::Precision::kFp32;
   const int64_t elem = config.precision == ferry::Precision::kFp32 ? 4 : 2;
@@ -148,6 +159,7 @@ int train(int argc, char** argv) {
   // Micro-batches accumulate gradients across backward passes: fp32 accumulation chunks (+4 B/param).
   // One batch per step: the gradients live in the parameter chunks and cost nothing.
   options.accumulate_grads = args.micro_batches > 1;
+  options.communicator = comm;
   ferry::HybridAdam adam(model, options);
   int64_t first_step = 0;
   if (!args.resume.empty()) {
@@ -155,9 +167,11 @@ int train(int argc, char** argv) {
     first_step = adam.step_count(0);
   }
   const c10::Device device = model.store().device();
-  std::mt19937_64 rng(static_cast<uint64_t>(args.seed) * 7919 + static_cast<uint64_t>(first_step));
+  // Each rank its own batches.
+  std::mt19937_64 rng(static_cast<uint64_t>(args.seed) * 7919 + static_cast<uint64_t>(first_step) +
+                      static_cast<uint64_t>(config.rank) * 1000003);
   const int64_t micro = args.batch / args.micro_batches;
-  const double tokens_per_step = static_cast<double>(args.batch * args.seq);
+  const double tokens_per_step = static_cast<double>(args.batch * args.seq * config.world_size);  // all ranks
   const double flops_per_step = 6.0 * n_params * tokens_per_step;
 
   using Clock = std::chrono::steady_clock;
@@ -209,7 +223,7 @@ int train(int argc, char** argv) {
       const double mean = window_loss / window_steps;
       if (first_window_loss < 0) first_window_loss = mean;
       last_window_loss = mean;
-      std::printf(
+      if (report) std::printf(
           "step %6lld  loss %.4f  lr %.2e  |g| %.3f  %8.0f tok/s  %6.3f TFLOPS  device %s (+state %s)  host %s "
           "(+state %s)  moved %s\n",
           static_cast<long long>(step + 1), mean, lr, r.grad_norm, tokens_per_step * window_steps / secs,
@@ -225,8 +239,8 @@ int train(int argc, char** argv) {
     }
   }
   const double total = std::chrono::duration<double>(Clock::now() - t_start).count();
-  if (g_stop.load()) std::printf("interrupted: stopped cleanly after step %lld\n", static_cast<long long>(adam.step_count(0)));
-  std::printf(
+  if (g_stop.load() && report) std::printf("interrupted: stopped cleanly after step %lld\n", static_cast<long long>(adam.step_count(0)));
+  if (report) std::printf(
       "summary: %lld steps in %.1f s (%.0f tokens/s), loss %.4f -> %.4f over the first/last %lld-step windows, "
       "%lld steps skipped, %s, device %s (%s), optimizer state on the device: %lld of %lld chunks\n",
       static_cast<long long>(steps_done), total, tokens_per_step * steps_done / total, first_window_loss,
