@@ -111,6 +111,16 @@ def gpt_table(doc, path):
                   f"| transfers | {fl['transfers_s']:.3f} | {gbs(r['h2d_bytes_per_s'])} GB/s h2d, {gbs(r['d2h_bytes_per_s'])} GB/s d2h |",
                   f"| host Adam | {fl['host_adam_s']:.3f} | {gbs(r['host_adam_bytes_per_s'])} GB/s at 28 B/param |",
                   f"| **measured / floor** | **{fl['measured_over_floor']:.2f}x** | step {t['step_s']:.3f} s, floor {fl['floor_s']:.3f} s |"]
+    if "dist" in doc:
+        d = doc["dist"]
+        lines += ["", f"Data parallel: {d['world_size']} ranks over {d['backend']} (rank {d['rank']}'s report), "
+                      f"{d['batch_per_rank']} sequences per rank, {d['global_tokens_per_s']:.0f} tokens/s over all ranks.", "",
+                  "| sent / step (ring) MiB | floor MiB (2(N-1)/N x param bytes) | sent / floor | chunk floor MiB | "
+                  "collectives / step | comm s / step | optimizer state on this rank MiB |",
+                  "|---:|---:|---:|---:|---:|---:|---:|",
+                  f"| {mib(d['ring_bytes_per_step'])} | {mib(d['floor_bytes_per_step'])} | {d['over_floor']:.3f} | "
+                  f"{mib(d['chunk_floor_bytes_per_step'])} | {d['collectives_per_step']:.0f} | {d['comm_s_per_step']:.3f} | "
+                  f"{mib(d['optimizer_state_bytes_this_rank'])} |"]
     return "\n".join(lines)
 
 
