@@ -111,7 +111,9 @@
 //  - Memory per rank: every parameter chunk (the compute copy is replicated; sharding it is the next
 //    step, D44) + 12/N B/param of state; collectives stage one group (N chunks) at a time.
 //  - Views of state this rank does not hold (master(), exp_avg()...) fail, naming the chunk group;
-//    state_dict() gathers the masters. save()/load() at world size > 1 are not supported yet.
+//    state_dict() gathers the masters. save() at N > 1 (a collective) writes the same checkpoint as one
+//    process: rank 0 writes the files, the owners' state reaching it group by group; load() at any world
+//    size reads it (every rank must see the directory), each rank taking the state it holds.
 #include <ATen/core/Tensor.h>
 
 #include <atomic>
@@ -240,6 +242,7 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // options per group, loss scaler, a CRC-32C per file.
   // save() is atomic and durable: whatever interrupts it (a kill, a full disk, a permission error),
   // `dir` holds either its previous complete checkpoint or the new one; it refuses non-finite state.
+  // Across ranks both are collectives with the same files (Note [Sharded optimizer state]).
   // load() checks the whole checkpoint first (every manifest number, names, shapes, group count, file
   // sizes, checksums, finite values) and changes nothing if any check fails; then it writes the state.
   void save(const std::string& dir);
@@ -322,6 +325,13 @@ class HybridAdam final : private GradSink, private LayoutListener {
   void follow_layout_locked();  // placement and per-chunk bookkeeping for the model's current layout
   void place_locked();             // after warm-up: decide and move
   void check_idle(const char* what) const;
+  // Checkpoints (hybrid_adam_io.cpp): the manifest's text; writing it over the previous one (`written`:
+  // the files to remove if it fails); the save of several ranks (rank 0 writes, the owners' state
+  // gathered to it group by group).
+  std::string manifest_text_locked(int64_t generation, const std::string& file_lines) const;
+  void publish_checkpoint_locked(const std::string& dir, int64_t generation, const std::string& file_lines,
+                                 std::vector<std::string>& written);
+  void save_across_ranks_locked(const std::string& dir);
   // Data parallelism (Note [Sharded optimizer state]).
   bool owned(int64_t chunk) const { return !sharded_ || chunk % world_ == rank_; }
   void broadcast_initial_values_locked();

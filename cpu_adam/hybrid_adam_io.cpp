@@ -78,6 +78,18 @@ class DurableFile {
       n -= static_cast<size_t>(w);
     }
   }
+  // At byte `offset` (files written out of order: the checkpoint of several ranks).
+  void write_at(int64_t offset, const void* data, size_t n) {
+    const auto* p = static_cast<const char*>(data);
+    while (n > 0) {
+      const ssize_t w = ::pwrite(fd_, p, n, static_cast<off_t>(offset));
+      if (w < 0 && errno == EINTR) continue;
+      TORCH_CHECK(w > 0, "ferry: writing ", path_, " failed: ", w < 0 ? errno_text() : "no progress");
+      p += w;
+      offset += w;
+      n -= static_cast<size_t>(w);
+    }
+  }
   void sync_and_close() {
     TORCH_CHECK(::fsync(fd_) == 0, "ferry: fsync of ", path_, " failed: ", errno_text());
     const int fd = fd_;
@@ -152,6 +164,33 @@ int64_t first_bad_value(const float* x, int64_t n, bool non_negative) {
     if (!std::isfinite(x[i]) || (non_negative && x[i] < 0)) return i;
   }
   return -1;
+}
+
+// The CRC-32C of the first `bytes` bytes of a file, read in blocks.
+uint32_t crc_of_file(const std::string& path, int64_t bytes) {
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
+  TORCH_CHECK(f, "ferry: cannot open ", path, ": ", errno_text());
+  std::vector<float> block(kBlockFloats);
+  uint32_t crc = 0;
+  for (int64_t done = 0; done < bytes;) {
+    const size_t n = static_cast<size_t>(std::min<int64_t>(kBlockFloats * sizeof(float), bytes - done));
+    TORCH_CHECK(std::fread(block.data(), 1, n, f.get()) == n, "ferry: reading back ", path, " failed");
+    crc = crc32c_extend(crc, block.data(), n);
+    done += static_cast<int64_t>(n);
+  }
+  return crc;
+}
+
+int64_t next_generation(const std::string& dir) {
+  int64_t generation = 0;
+  for (const std::string& name : list_dir(dir)) generation = std::max(generation, generation_of(name) + 1);
+  return generation;
+}
+
+// An exception's message without c10's backtrace.
+std::string message_of(const std::exception& e) {
+  if (const auto* c10e = dynamic_cast<const c10::Error*>(&e)) return c10e->what_without_backtrace();
+  return e.what();
 }
 
 // ---- manifest --------------------------------------------------------------------------------
@@ -359,6 +398,72 @@ Manifest parse_manifest(const std::string& path) {
   return m;
 }
 
+// Steps 1 and 2 of a load: the manifest, names, shapes, group count and file sizes against the model,
+// then one read of every file for its checksum and finite values. Changes nothing; throws on the first
+// problem. `scaler`: the optimizer's loss scaler when it scales (its saved state is validated too).
+Manifest verify_checkpoint(const std::string& dir, const ChunkedModel& model, int num_groups,
+                           const DynamicLossScaler* scaler) {
+  const Manifest m = parse_manifest(join(dir, "manifest.txt"));
+
+  // 1. Check everything before changing anything.
+  TORCH_CHECK(static_cast<int64_t>(m.params.size()) == model.num_params(), "ferry: checkpoint ", dir, " has ",
+              m.params.size(), " parameters, this model ", model.num_params());
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    const auto& want = model.param_shapes()[p];
+    TORCH_CHECK(m.params[p].shape == want && m.params[p].name == model.param_name(p), "ferry: checkpoint ", dir,
+                " parameter ", p, " is ", m.params[p].name, " ", c10::IntArrayRef(m.params[p].shape),
+                ", this model has ", model.param_name(p), " ", c10::IntArrayRef(want));
+  }
+  TORCH_CHECK(static_cast<int>(m.groups.size()) == num_groups, "ferry: checkpoint ", dir, " has ",
+              m.groups.size(), " param groups, this optimizer ", num_groups);
+  const int64_t want_bytes = m.total_numel * static_cast<int64_t>(sizeof(float));
+  for (const auto& f : m.files) {
+    const int64_t size = file_size(join(dir, f.name));
+    TORCH_CHECK(size == want_bytes, "ferry: checkpoint file ", join(dir, f.name),
+                size < 0 ? " is missing" : " has " + std::to_string(size) + " bytes", ", expected ", want_bytes,
+                " bytes");
+  }
+  if (scaler) {
+    DynamicLossScaler probe(scaler->options());
+    probe.set_state(m.scaler);  // validates
+  }
+  if (m.version == 1) {
+    log::warn("ferry: checkpoint ", dir, " is version 1: it has no checksums, so corruption cannot be detected");
+  }
+  // 2. Read every file once: checksum, and values that training can use.
+  {
+    std::vector<float> block(kBlockFloats);
+    for (int r = 0; r < 3; ++r) {
+      const std::string path = join(dir, m.files[r].name);
+      std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
+      TORCH_CHECK(f, "ferry: cannot open ", path, ": ", errno_text());
+      uint32_t crc = 0;
+      for (int64_t done = 0; done < m.total_numel;) {
+        const size_t n = static_cast<size_t>(std::min<int64_t>(kBlockFloats, m.total_numel - done));
+        TORCH_CHECK(std::fread(block.data(), sizeof(float), n, f.get()) == n, "ferry: reading ", path, " failed");
+        crc = crc32c_extend(crc, block.data(), n * sizeof(float));
+        const int64_t bad = first_bad_value(block.data(), static_cast<int64_t>(n), /*exp_avg_sq*/ r == 2);
+        if (bad >= 0) {
+          int64_t at = done + bad;  // which parameter holds element `at`
+          int64_t p = 0;
+          while (p + 1 < static_cast<int64_t>(m.params.size()) && at >= m.params[p].numel) at -= m.params[p++].numel;
+          TORCH_CHECK(false, "ferry: checkpoint file ", path, " holds ", block[bad], " in ", kRoleNames[r],
+                      " of parameter ", m.params[p].name, " (element ", at, "); nothing was loaded");
+        }
+        done += static_cast<int64_t>(n);
+      }
+      TORCH_CHECK(!m.files[r].has_crc || crc == m.files[r].crc, "ferry: checkpoint file ", path,
+                  " is corrupt: CRC-32C ", crc32c_hex(crc), ", the manifest says ", crc32c_hex(m.files[r].crc),
+                  "; nothing was loaded");
+    }
+  }
+  if (m.precision != c10::toString(model.compute_dtype())) {
+    log::warn("ferry: checkpoint ", dir, " was saved with compute dtype ", m.precision, ", loading into ",
+              c10::toString(model.compute_dtype()), " (the fp32 masters are exact; parameters are re-cast)");
+  }
+  return m;
+}
+
 }  // namespace
 
 void HybridAdam::check_save_target(const std::string& dir) {
@@ -373,19 +478,73 @@ void HybridAdam::check_save_target(const std::string& dir) {
   TORCH_CHECK(::unlink(probe.c_str()) == 0, "ferry: cannot remove ", probe, ": ", errno_text());
 }
 
+std::string HybridAdam::manifest_text_locked(int64_t generation, const std::string& file_lines) const {
+  std::ostringstream m;
+  m << std::setprecision(17) << kMagic << " " << kVersion << "\n";
+  m << "generation " << generation << "\n";
+  m << "precision " << c10::toString(model_.compute_dtype()) << "\n";
+  m << "params " << model_.num_params() << "\n";
+  for (int64_t p = 0; p < model_.num_params(); ++p) {
+    const auto& shape = model_.param_shapes()[p];
+    int64_t numel = 1;
+    for (int64_t d : shape) numel *= d;
+    m << "param " << p << " " << numel << " " << shape.size();
+    for (int64_t d : shape) m << " " << d;
+    m << " " << model_.param_name(p) << "\n";
+  }
+  m << "groups " << num_param_groups() << "\n";
+  for (int g = 0; g < num_param_groups(); ++g) {
+    const AdamOptions& o = cpu_adam_.options(g);
+    m << "group " << g << " step " << cpu_adam_.step_count(g) << " lr " << o.lr << " beta1 " << o.beta1 << " beta2 "
+      << o.beta2 << " eps " << o.eps << " weight_decay " << o.weight_decay << " mode "
+      << (o.mode == AdamMode::kAdam ? "adam" : "adamw") << "\n";
+  }
+  const LossScalerState& s = scaler_.state();
+  m << "loss_scaler scale " << s.scale << " clean_steps " << s.clean_steps << " hysteresis_left "
+    << s.hysteresis_left << " overflows " << s.overflows << "\n";
+  m << file_lines << "end\n";
+  return m.str();
+}
+
+void HybridAdam::publish_checkpoint_locked(const std::string& dir, int64_t generation, const std::string& file_lines,
+                                           std::vector<std::string>& written) {
+  const std::string manifest_tmp = join(dir, "manifest.tmp." + std::to_string(generation));
+  const std::string text = manifest_text_locked(generation, file_lines);
+  written.push_back(manifest_tmp);
+  DurableFile f(manifest_tmp);
+  f.write(text.data(), text.size());
+  f.sync_and_close();
+  // The switch: atomic on POSIX file systems; durable once the directory is synced.
+  TORCH_CHECK(::rename(manifest_tmp.c_str(), join(dir, "manifest.txt").c_str()) == 0,
+              "ferry: cannot rename the manifest in ", dir, ": ", errno_text());
+  written.pop_back();
+  fsync_dir(dir);
+  written.clear();  // the new checkpoint stands: nothing to undo from here
+  // The previous generations (and leftovers of interrupted saves) are garbage now.
+  for (const std::string& name : list_dir(dir)) {
+    const int64_t g = generation_of(name);
+    const bool stale_v1 = name == "master.f32" || name == "exp_avg.f32" || name == "exp_avg_sq.f32";
+    const bool stale_tmp = name.rfind("manifest.tmp", 0) == 0;
+    if ((g >= 0 && g != generation) || stale_v1 || stale_tmp) {
+      if (::unlink(join(dir, name).c_str()) != 0) {
+        log::warn("ferry: cannot remove the stale checkpoint file ", join(dir, name), ": ", errno_text());
+      }
+    }
+  }
+}
+
 void HybridAdam::save(const std::string& dir) {
   check_idle("save()");
-  TORCH_CHECK(world_ == 1, "ferry: save() at world size ", world_, " is not supported yet: the optimizer state is "
-              "sharded across ranks (Note [Sharded optimizer state]); the per-rank format is planned in "
-              "docs/CHECKPOINT.md. state_dict() gathers the weights.");
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
   TORCH_CHECK(!dir.empty(), "ferry: save() needs a directory");
+  if (world_ > 1) {
+    save_across_ranks_locked(dir);
+    return;
+  }
   make_dirs(dir);
-  int64_t generation = 0;
-  for (const std::string& name : list_dir(dir)) generation = std::max(generation, generation_of(name) + 1);
+  const int64_t generation = next_generation(dir);
   std::vector<std::string> written;
-  const std::string manifest_tmp = join(dir, "manifest.tmp." + std::to_string(generation));
   int64_t bytes = 0;
   try {
     std::ostringstream files;
@@ -412,131 +571,123 @@ void HybridAdam::save(const std::string& dir) {
       bytes += role_bytes;
       files << "file " << kRoleNames[r] << " " << name << " bytes " << role_bytes << " crc32c " << crc32c_hex(crc) << "\n";
     }
-    std::ostringstream m;
-    m << std::setprecision(17) << kMagic << " " << kVersion << "\n";
-    m << "generation " << generation << "\n";
-    m << "precision " << c10::toString(model_.compute_dtype()) << "\n";
-    m << "params " << model_.num_params() << "\n";
-    for (int64_t p = 0; p < model_.num_params(); ++p) {
-      const auto& shape = model_.param_shapes()[p];
-      int64_t numel = 1;
-      for (int64_t d : shape) numel *= d;
-      m << "param " << p << " " << numel << " " << shape.size();
-      for (int64_t d : shape) m << " " << d;
-      m << " " << model_.param_name(p) << "\n";
-    }
-    m << "groups " << num_param_groups() << "\n";
-    for (int g = 0; g < num_param_groups(); ++g) {
-      const AdamOptions& o = cpu_adam_.options(g);
-      m << "group " << g << " step " << cpu_adam_.step_count(g) << " lr " << o.lr << " beta1 " << o.beta1 << " beta2 "
-        << o.beta2 << " eps " << o.eps << " weight_decay " << o.weight_decay << " mode "
-        << (o.mode == AdamMode::kAdam ? "adam" : "adamw") << "\n";
-    }
-    const LossScalerState& s = scaler_.state();
-    m << "loss_scaler scale " << s.scale << " clean_steps " << s.clean_steps << " hysteresis_left "
-      << s.hysteresis_left << " overflows " << s.overflows << "\n";
-    m << files.str() << "end\n";
-    const std::string text = m.str();
-    written.push_back(manifest_tmp);
-    DurableFile f(manifest_tmp);
-    f.write(text.data(), text.size());
-    f.sync_and_close();
-    // The switch: atomic on POSIX file systems; durable once the directory is synced.
-    TORCH_CHECK(::rename(manifest_tmp.c_str(), join(dir, "manifest.txt").c_str()) == 0,
-                "ferry: cannot rename the manifest in ", dir, ": ", errno_text());
-    written.pop_back();
-    fsync_dir(dir);
+    publish_checkpoint_locked(dir, generation, files.str(), written);
   } catch (...) {
     for (const std::string& path : written) ::unlink(path.c_str());  // best effort; the old checkpoint stands
     throw;
   }
-  // The previous generations (and leftovers of interrupted saves) are garbage now.
-  for (const std::string& name : list_dir(dir)) {
-    const int64_t g = generation_of(name);
-    const bool stale_v1 = name == "master.f32" || name == "exp_avg.f32" || name == "exp_avg_sq.f32";
-    const bool stale_tmp = name.rfind("manifest.tmp", 0) == 0;
-    if ((g >= 0 && g != generation) || stale_v1 || stale_tmp) {
-      if (::unlink(join(dir, name).c_str()) != 0) {
-        log::warn("ferry: cannot remove the stale checkpoint file ", join(dir, name), ": ", errno_text());
+  log::info("ferry: saved training state (step ", cpu_adam_.step_count(0), ", ", format_bytes(bytes), ") to ", dir);
+}
+
+void HybridAdam::save_across_ranks_locked(const std::string& dir) {
+  // The same files as one process's save, written by rank 0; the owners' state reaches it one chunk
+  // group at a time (each group's all-gather), and each parameter lands at its offset in the file.
+  const bool writer = rank_ == 0;
+  const int64_t np = model_.num_params();
+  std::vector<int64_t> offset(np + 1, 0);
+  for (int64_t p = 0; p < np; ++p) offset[p + 1] = offset[p] + model_.layout().slots()[p].numel;
+  std::string error;  // rank 0's, told to every rank at the end
+  int64_t generation = 0;
+  std::vector<std::string> written;
+  std::vector<std::unique_ptr<DurableFile>> files;
+  if (writer) {
+    try {
+      make_dirs(dir);
+      generation = next_generation(dir);
+      for (int r = 0; r < 3; ++r) {
+        written.push_back(join(dir, data_file_name(r, generation)));
+        files.push_back(std::make_unique<DurableFile>(written.back()));
       }
+    } catch (const std::exception& e) {
+      error = message_of(e);
     }
   }
-  log::info("ferry: saved training state (step ", cpu_adam_.step_count(0), ", ", format_bytes(bytes), ") to ", dir);
+  for (int r = 0; r < 3; ++r) {  // every rank takes part in every gather, whatever happened on rank 0
+    gather_groups_locked(
+        at::kFloat, [&](int64_t c) { return state_->payload(r, c); },
+        [&](int64_t c, const at::Tensor& values) {
+          if (!writer || !error.empty()) return;
+          try {
+            const float* base = values.data_ptr<float>();
+            for (int64_t p : model_.layout().chunks()[c].tensors) {
+              const Slot& slot = model_.layout().slots()[p];
+              const float* x = base + slot.offset;
+              const int64_t bad = first_bad_value(x, slot.numel, r == kExpAvgSqRole);
+              TORCH_CHECK(bad < 0, "ferry: refusing to save a checkpoint with ", kRoleNames[r], " of parameter ",
+                          model_.param_name(p), " = ", bad < 0 ? 0.0f : x[bad], " at element ", bad,
+                          " (the training state is not finite)");
+              files[r]->write_at(offset[p] * static_cast<int64_t>(sizeof(float)), x,
+                                 static_cast<size_t>(slot.numel) * sizeof(float));
+            }
+          } catch (const std::exception& e) {
+            error = message_of(e);
+          }
+        });
+  }
+  if (writer && error.empty()) {
+    try {
+      std::ostringstream lines;
+      const int64_t bytes = offset[np] * static_cast<int64_t>(sizeof(float));
+      for (int r = 0; r < 3; ++r) {
+        files[r]->sync_and_close();
+        lines << "file " << kRoleNames[r] << " " << data_file_name(r, generation) << " bytes " << bytes << " crc32c "
+              << crc32c_hex(crc_of_file(written[r], bytes)) << "\n";
+      }
+      publish_checkpoint_locked(dir, generation, lines.str(), written);
+    } catch (const std::exception& e) {
+      error = message_of(e);
+    }
+  }
+  files.clear();
+  if (!error.empty()) {
+    for (const std::string& path : written) ::unlink(path.c_str());  // best effort; the old checkpoint stands
+  }
+  at::Tensor failed = at::full({1}, error.empty() ? 0.0f : 1.0f, at::kFloat);
+  comm_->broadcast(failed, 0);
+  TORCH_CHECK(failed.item<float>() == 0.0f, "ferry: rank ", rank_, ": saving ", dir, " failed",
+              writer ? ": " + error : std::string(" on rank 0, which writes it (its log says why)"),
+              "; the directory keeps its previous checkpoint");
+  log::info("ferry: saved training state (step ", cpu_adam_.step_count(0), ", ", world_, " ranks) to ", dir);
 }
 
 void HybridAdam::load(const std::string& dir) {
   check_idle("load()");
-  TORCH_CHECK(world_ == 1, "ferry: load() at world size ", world_, " is not supported yet (Note [Sharded optimizer "
-              "state]); load a checkpoint at world size 1, or load weights with load_state_dict() on every rank");
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
-  const Manifest m = parse_manifest(join(dir, "manifest.txt"));
-  // 1. Check everything before changing anything.
-  TORCH_CHECK(static_cast<int64_t>(m.params.size()) == model_.num_params(), "ferry: checkpoint ", dir, " has ",
-              m.params.size(), " parameters, this model ", model_.num_params());
-  for (int64_t p = 0; p < model_.num_params(); ++p) {
-    const auto& want = model_.param_shapes()[p];
-    TORCH_CHECK(m.params[p].shape == want && m.params[p].name == model_.param_name(p), "ferry: checkpoint ", dir,
-                " parameter ", p, " is ", m.params[p].name, " ", c10::IntArrayRef(m.params[p].shape),
-                ", this model has ", model_.param_name(p), " ", c10::IntArrayRef(want));
+  // Every rank reads the checkpoint (it must see the directory: one host, or a shared file system) and
+  // checks it; all ranks agree before any writes a value, so either every rank loads or none does.
+  Manifest m;
+  std::string error;
+  try {
+    m = verify_checkpoint(dir, model_, num_param_groups(), scaling_ ? &scaler_ : nullptr);
+  } catch (const std::exception& e) {
+    if (world_ == 1) throw;
+    error = message_of(e);
   }
-  TORCH_CHECK(static_cast<int>(m.groups.size()) == num_param_groups(), "ferry: checkpoint ", dir, " has ",
-              m.groups.size(), " param groups, this optimizer ", num_param_groups());
-  const int64_t want_bytes = m.total_numel * static_cast<int64_t>(sizeof(float));
-  for (const auto& f : m.files) {
-    const int64_t size = file_size(join(dir, f.name));
-    TORCH_CHECK(size == want_bytes, "ferry: checkpoint file ", join(dir, f.name),
-                size < 0 ? " is missing" : " has " + std::to_string(size) + " bytes", ", expected ", want_bytes,
-                " bytes");
+  if (world_ > 1) {
+    at::Tensor failed = at::full({1}, error.empty() ? 0.0f : static_cast<float>(rank_ + 1), at::kFloat);
+    comm_->all_reduce(failed, dist::ReduceOp::kMax);
+    const int bad_rank = static_cast<int>(failed.item<float>()) - 1;
+    TORCH_CHECK(bad_rank < 0, "ferry: rank ", rank_, ": loading ", dir, " failed",
+                error.empty() ? " on rank " + std::to_string(bad_rank) + " (its log says why)" : ": " + error,
+                "; nothing was loaded on any rank");
   }
-  if (scaling_) {
-    DynamicLossScaler probe(scaler_.options());
-    probe.set_state(m.scaler);  // validates
-  }
-  if (m.version == 1) {
-    log::warn("ferry: checkpoint ", dir, " is version 1: it has no checksums, so corruption cannot be detected");
-  }
-  // 2. Read every file once: checksum, and values that training can use.
-  {
-    std::vector<float> block(kBlockFloats);
-    for (int r = 0; r < 3; ++r) {
-      const std::string path = join(dir, m.files[r].name);
-      std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
-      TORCH_CHECK(f, "ferry: cannot open ", path, ": ", errno_text());
-      uint32_t crc = 0;
-      for (int64_t done = 0; done < m.total_numel;) {
-        const size_t n = static_cast<size_t>(std::min<int64_t>(kBlockFloats, m.total_numel - done));
-        TORCH_CHECK(std::fread(block.data(), sizeof(float), n, f.get()) == n, "ferry: reading ", path, " failed");
-        crc = crc32c_extend(crc, block.data(), n * sizeof(float));
-        const int64_t bad = first_bad_value(block.data(), static_cast<int64_t>(n), r == kExpAvgSqRole);
-        if (bad >= 0) {
-          int64_t at = done + bad;  // which parameter holds element `at`
-          int64_t p = 0;
-          while (p + 1 < static_cast<int64_t>(m.params.size()) && at >= m.params[p].numel) at -= m.params[p++].numel;
-          TORCH_CHECK(false, "ferry: checkpoint file ", path, " holds ", block[bad], " in ", kRoleNames[r],
-                      " of parameter ", m.params[p].name, " (element ", at, "); nothing was loaded");
-        }
-        done += static_cast<int64_t>(n);
-      }
-      TORCH_CHECK(!m.files[r].has_crc || crc == m.files[r].crc, "ferry: checkpoint file ", path,
-                  " is corrupt: CRC-32C ", crc32c_hex(crc), ", the manifest says ", crc32c_hex(m.files[r].crc),
-                  "; nothing was loaded");
-    }
-  }
-  if (m.precision != c10::toString(model_.compute_dtype())) {
-    log::warn("ferry: checkpoint ", dir, " was saved with compute dtype ", m.precision, ", loading into ",
-              c10::toString(model_.compute_dtype()), " (the fp32 masters are exact; parameters are re-cast)");
-  }
-  // 3. Copy the values in.
+  // 3. Copy the values in: the state this rank holds (every chunk group before sharding, its own after).
   for (int r = 0; r < 3; ++r) {
     const std::string path = join(dir, m.files[r].name);
     std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
     TORCH_CHECK(f, "ferry: cannot open ", path, ": ", errno_text());
     for (int64_t p = 0; p < model_.num_params(); ++p) {
-      at::Tensor host = at::empty({m.params[p].numel}, at::kFloat);
-      const size_t n = static_cast<size_t>(host.numel());
-      TORCH_CHECK(std::fread(host.data_ptr<float>(), sizeof(float), n, f.get()) == n, "ferry: reading ", path,
-                  " failed (it changed while loading?)");
+      const int64_t n = m.params[p].numel;
+      if (!state_->held(r, model_.layout().slots()[p].chunk)) {
+        TORCH_CHECK(std::fseek(f.get(), static_cast<long>(n * sizeof(float)), SEEK_CUR) == 0, "ferry: seeking in ",
+                    path, " failed");
+        continue;
+      }
+      at::Tensor host = at::empty({n}, at::kFloat);
+      TORCH_CHECK(std::fread(host.data_ptr<float>(), sizeof(float), static_cast<size_t>(n), f.get()) ==
+                      static_cast<size_t>(n),
+                  "ferry: reading ", path, " failed (it changed while loading?)");
       at::Tensor slot = state_->view(r, p);
       slot.copy_(host.view(slot.sizes()));
     }
@@ -556,6 +707,7 @@ void HybridAdam::load(const std::string& dir) {
   model_.clear_grad_slots();
   grads_landed_ = false;
   write_back_locked();
+  if (sharded_) gather_params_locked();  // the other chunks' values from their owners
   log::info("ferry: resumed training state from ", dir, " at step ", cpu_adam_.step_count(0));
 }
 

@@ -12,7 +12,7 @@
 // Data parallel: launched by torchrun (--nproc-per-node=N --no-python), SLURM or by hand
 // (dist/process_group.h), each rank trains on its own batches and the optimizer state is sharded
 // across the ranks (Note [Sharded optimizer state]); rank 0 prints the progress, every log line names
-// its rank. --save/--resume need world size 1 for now.
+// its rank. --save writes one checkpoint (rank 0 writes it); --resume reads it at any world size.
 //
 // Defaults follow the device: on a GPU bf16 and a device budget of 90% of its memory; on the CPU
 // (simulated device) fp32, a chunk size of 1/8 of the model and a device budget of half the model, so
@@ -113,12 +113,8 @@ int train(int argc, char** argv) {
     throw ferry::cli::UsageError("--seq=" + std::to_string(args.seq) + " exceeds preset " + gc.name + "'s " +
                                  std::to_string(gc.seq));
   }
-  if (config.world_size > 1 && (!args.save.empty() || !args.resume.empty())) {
-    throw ferry::cli::UsageError("--save/--resume need world size 1 for now (the optimizer state is sharded across "
-                                 "ranks; docs/CHECKPOINT.md)");
-  }
-  // A save that would fail must fail now, not after the whole run.
-  if (!args.save.empty()) ferry::HybridAdam::check_save_target(args.save);
+  // A save that would fail must fail now, not after the whole run (rank 0 writes a multi-process save).
+  if (!args.save.empty() && config.rank == 0) ferry::HybridAdam::check_save_target(args.save);
   const std::shared_ptr<ferry::dist::Communicator> comm = ferry::dist::connect(config);  // null: one process
   const bool report = config.rank == 0;  // progress lines from rank 0 only
   const int64_t n_params = gc.num_params();

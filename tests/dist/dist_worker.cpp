@@ -6,6 +6,7 @@
 // Options: --out=DIR (writes DIR/rank<R>.bin: every parameter, fp32, in state_dict order) --steps=K
 // --batch=B --clip=NORM --micro=M (accumulate_grads over M micro-batches) --api=step|backward_step
 // --die-at-step=S --die-rank=R (that rank exits at step S without a word, as a crash would)
+// --save=DIR (after the last step) --resume=DIR (before the first; training goes on to --steps)
 // --frozen-rank=R: rank R's rows give the MLP no gradient (its parameters land on the other ranks only);
 // with world size 1, --emulate-world=N makes the reference: the loss is the mean over the N ranks' rows,
 // rank R's rows frozen.
@@ -75,6 +76,7 @@ int run(int argc, char** argv) {
   const int die_at = std::stoi(option(rest, "die-at-step", "-1"));
   const int die_rank = std::stoi(option(rest, "die-rank", "-1"));
   const int frozen_rank = std::stoi(option(rest, "frozen-rank", "-1"));
+  const std::string save = option(rest, "save", ""), resume = option(rest, "resume", "");
   const int emulate = std::stoi(option(rest, "emulate-world", "1"));
   TORCH_CHECK(emulate == 1 || config.world_size == 1, "--emulate-world is for the single-process reference");
   TORCH_CHECK(batch % (config.world_size * micro) == 0, "batch must split evenly over ranks and micro-batches");
@@ -93,11 +95,16 @@ int run(int argc, char** argv) {
   options.device_state_chunks = 1;
   options.communicator = comm;
   ferry::HybridAdam adam(model, options);
+  int first_step = 0;
+  if (!resume.empty()) {
+    adam.load(resume);
+    first_step = static_cast<int>(adam.step_count(0));
+  }
 
   const int64_t rows = batch / config.world_size, micro_rows = rows / micro;
   double loss_sum = 0, grad_norm = 0;
   int64_t evictions = 0;
-  for (int step = 0; step < steps; ++step) {
+  for (int step = first_step; step < steps; ++step) {
     if (step == die_at && config.rank == die_rank) std::_Exit(3);
     auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + step);
     const torch::Tensor idx = torch::randint(kVocab, {batch, kSeq}, gen, torch::kLong);
@@ -134,6 +141,7 @@ int run(int argc, char** argv) {
     grad_norm = r.grad_norm;
     if (micro > 1) adam.zero_grad();
   }
+  if (!save.empty()) adam.save(save);
   const ferry::ChunkStoreStats ss = adam.state_store().stats();
   int64_t param_chunk_bytes = 0;
   for (int64_t c = 0; c < model.layout().num_chunks(); ++c) {

@@ -238,6 +238,33 @@ TEST(Dist, FourRanksWithGradientAccumulationEqualOneProcess) {
   expect_equals_one_process(4, {"--micro=2", "--batch=16"});
 }
 
+// save() at world size 2 writes one checkpoint; resumed at 2 the run continues bit for bit as if
+// uninterrupted; resumed at 1 (another world size) it continues too, equal to one process to the
+// rounding of the summed gradients.
+TEST(Dist, SaveAtTwoResumeAtTwoEqualsAnUninterruptedRunAndAtOneToo) {
+  const std::string whole = temp_dir(), parts = temp_dir(), ckpt = temp_dir() + "/ckpt", single = temp_dir();
+  const std::vector<std::string> common{"--batch=8", "--clip=0.5"};
+  auto with = [&](std::vector<std::string> args) {
+    args.insert(args.end(), common.begin(), common.end());
+    return args;
+  };
+  const auto uninterrupted = run_world(2, with({"--out=" + whole, "--steps=5"}));
+  for (const Proc& p : uninterrupted) ASSERT_EQ(p.exit_code, 0) << describe(uninterrupted);
+  const auto first = run_world(2, with({"--steps=3", "--save=" + ckpt}));
+  for (const Proc& p : first) ASSERT_EQ(p.exit_code, 0) << describe(first);
+  const auto second = run_world(2, with({"--out=" + parts, "--steps=5", "--resume=" + ckpt}));
+  for (const Proc& p : second) ASSERT_EQ(p.exit_code, 0) << describe(second);
+  for (int r = 0; r < 2; ++r) {
+    const std::string name = "/rank" + std::to_string(r) + ".bin";
+    EXPECT_EQ(read_params(parts + name), read_params(whole + name)) << "rank " << r << " after resume";
+  }
+  // Another world size reads the same checkpoint: one process continues from it.
+  const auto alone = launch({{{"FERRY_LOG_LEVEL", "warn"}, {"OMP_NUM_THREADS", "1"}}},
+                            with({"--out=" + single, "--steps=5", "--resume=" + ckpt}));
+  ASSERT_EQ(alone[0].exit_code, 0) << describe(alone);
+  EXPECT_LE(rel_err(read_params(single + "/rank0.bin"), read_params(whole + "/rank0.bin")), 1e-6);
+}
+
 TEST(Dist, ADeadRankFailsTheOthersWithinTheTimeout) {
   const auto t0 = Clock::now();
   const std::vector<Proc> ranks = run_world(2, {"--steps=5", "--die-at-step=2", "--die-rank=1"}, /*timeout_s=*/10);
