@@ -450,6 +450,7 @@ void HybridAdam::after_landing(int64_t param) {
 }
 
 void HybridAdam::launch_chunk_locked(int64_t c) {
+  if (dist_pipelined_) return chunk_final_across_ranks_locked(c);
   launched_[c] = 1;
   ChunkStore& params = model_.store();
   const ChunkId pc = model_.param_chunk(c);
@@ -466,6 +467,24 @@ void HybridAdam::launch_chunk_locked(int64_t c) {
     }
     return;
   }
+  launch_host_job_locked(c, "pipelined host adam chunk ",
+                         [this, c, spans = std::move(spans), eager = eager_](const at::Tensor& g, float* p, float* m,
+                                                                           float* v, const at::Tensor& master) {
+                           const ChunkOutcome out = host_norm(g, spans);
+                           if (eager) {
+                             if (out.finite) {
+                               run_host_update(adam_spans(spans, p, m, v, g), UpdateOptions{1.0, /*grads_checked=*/true});
+                             } else {
+                               restore_values(g, master, spans);
+                             }
+                           }
+                           outcomes_[c] = out;
+                         });
+}
+
+void HybridAdam::launch_host_job_locked(int64_t c, const char* what, HostJob work) {
+  ChunkStore& params = model_.store();
+  const ChunkId pc = model_.param_chunk(c);
   if (params.location(pc) != Location::kHost) params.move_async(pc, Location::kHost);  // one transfer
   params.lock_on_host(pc);
   try {
@@ -473,8 +492,8 @@ void HybridAdam::launch_chunk_locked(int64_t c) {
     float* p = master.data_ptr<float>();
     float* m = state_->payload(kExpAvgRole, c).data_ptr<float>();
     float* v = state_->payload(kExpAvgSqRole, c).data_ptr<float>();
-    jobs_[c] = cpu_adam_.run_async([this, c, pc, store = &params, spans = std::move(spans), p, m, v,
-                                    master = std::move(master), eager = eager_] {
+    jobs_[c] = cpu_adam_.run_async([this, c, pc, store = &params, what, work = std::move(work), p, m, v,
+                                    master = std::move(master)] {
       struct Unlock {
         ChunkStore* store;
         ChunkId id;
@@ -487,23 +506,34 @@ void HybridAdam::launch_chunk_locked(int64_t c) {
         }
       } unlock{store, pc};
       ++jobs_started_;
-      trace::Span span("adam", trace::enabled() ? "pipelined host adam chunk " + std::to_string(c) : std::string());
+      trace::Span span("adam", trace::enabled() ? what + std::to_string(c) : std::string());
       store->wait(pc, WaitFrom::kBackground);  // its gradients' copy to the host
-      const at::Tensor g = store->payload(pc);
-      const ChunkOutcome out = host_norm(g, spans);
-      if (eager) {
-        if (out.finite) {
-          run_host_update(adam_spans(spans, p, m, v, g), UpdateOptions{1.0, /*grads_checked=*/true});
-        } else {
-          restore_values(g, master, spans);
-        }
-      }
-      outcomes_[c] = out;
+      work(store->payload(pc), p, m, v, master);
     });
   } catch (...) {
     params.unlock_on_host(pc);
     throw;
   }
+}
+
+void HybridAdam::check_backward_step_start_locked() {
+  sync_layout_locked();
+  TORCH_CHECK(!grads_landed_, "ferry: HybridAdam::backward_step: gradients of an earlier backward() wait for "
+                              "step(); call step() or zero_grad() first");
+}
+
+std::exception_ptr HybridAdam::join_jobs_locked() {
+  std::exception_ptr error;
+  for (auto& job : jobs_) {
+    if (!job.valid()) continue;
+    try {
+      job.get();
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  jobs_.clear();
+  return error;
 }
 
 void HybridAdam::arm_landing_count_locked(bool armed) {
@@ -551,17 +581,7 @@ StepResult HybridAdam::finish_pipelined_locked() {
   TORCH_INTERNAL_ASSERT(layout_version_ == model_.layout_version(), "the layout changed under a pipelined step");
   StepResult result;
   result.loss_scale = loss_scale();
-  std::exception_ptr error;
-  for (auto& job : jobs_) {
-    if (!job.valid()) continue;
-    try {
-      job.get();
-    } catch (...) {
-      if (!error) error = std::current_exception();
-    }
-  }
-  jobs_.clear();
-  if (error) std::rethrow_exception(error);
+  if (std::exception_ptr error = join_jobs_locked()) std::rethrow_exception(error);
   for (char l : launched_) result.overlapped_chunks += l;
   for (char d : on_device_) (d ? result.device_chunks : result.host_chunks) += 1;
   // Chunks that did not become final during backward: staged now, as step() stages them; the norms of
@@ -588,21 +608,13 @@ StepResult HybridAdam::finish_pipelined_locked() {
 }
 
 StepResult HybridAdam::backward_step(const at::Tensor& loss) {
-  if (world_ > 1) {
-    // Not pipelined across ranks yet (Note [Sharded optimizer state]): backward, then the sharded step.
-    check_idle("backward_step()");
-    model_.backward(loss);
-    std::lock_guard<std::mutex> lock(mutex_);
-    return step_locked();
-  }
+  if (world_ > 1) return dist_backward_step(loss);
   if (options_.accumulate_grads) return backward_step_accumulated(loss);
   check_idle("backward_step()");
   bool pipelined = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    sync_layout_locked();
-    TORCH_CHECK(!grads_landed_, "ferry: HybridAdam::backward_step: gradients of an earlier backward() wait for "
-                                "step(); call step() or zero_grad() first");
+    check_backward_step_start_locked();
     place_locked();
     const int64_t n = num_chunks();
     // Pipelined once placed (the trace and the repack are behind us) and the previous call said how

@@ -98,14 +98,20 @@
 //  - The first step (after warm-up, when the call-order repack is behind us) shards: a rank frees the
 //    master/exp_avg/exp_avg_sq chunks it does not own (with accumulate_grads, the fp32 gradient chunks
 //    stay on every rank: each accumulates its own micro-batches). Ranks check they have the same layout.
-//  - A step (step(), or backward_step(), which is not pipelined across ranks yet): the set of parameters
-//    that received a gradient is made the union over ranks; per group, one reduce-scatter sums every
-//    rank's gradients into the owner's chunk; the owner takes the norm of its chunks, one all-reduce
+//  - A step (step()): per group, one reduce-scatter sums every rank's gradients into the owner's chunk,
+//    with one 0/1 per tensor beside them, so the owner also learns which tensors landed on any rank
+//    (a rank may not have used one) and updates exactly those; the owner takes the norm of its chunks, one all-reduce
 //    totals it (and the non-finite count), so clipping and fp16 overflow decide alike everywhere; the
 //    owners update their chunks (gradients scaled by 1/N: the mean over the concatenated batch); per
 //    group one all-gather brings every rank the owners' new parameter values. Bytes each rank sends per
 //    step: 2 (N-1)/N x the parameter chunk bytes, the ring minimum for a full update of all
 //    parameters (+ (N-1)/N x 4 B/param for the reduce-scatter of fp32 accumulation chunks instead).
+//  - backward_step() pipelines this (eager: no clipping, loss scaling or accumulation): when all chunks of
+//    a group are final in backward, its reduce-scatter starts (async, on Gloo's threads) and the owner's
+//    host Adam runs on CpuAdam's worker as soon as the sums arrive, while autograd goes on; device-state
+//    chunks and the all-gather follow backward. Groups complete in the same order on every rank only if
+//    every rank expects the same landings: checked after each call (one all-reduce of a hash); if not,
+//    the next call runs backward + step(). Same sums in the same order as step(): the same result.
 //  - Every collective is in the same order on every rank; zero_grad() in default mode is one too (the
 //    non-owned slots get their values from the owners) and must be called by every rank.
 //  - Memory per rank: every parameter chunk (the compute copy is replicated; sharding it is the next
@@ -292,6 +298,14 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // non-finite gradients is skipped (default mode: its values restored). Returns whether all were finite.
   bool update_unlaunched_locked(const ChunkNorms& norms, StepResult& result);
   void launch_chunk_locked(int64_t chunk);
+  // Moves chunk c's parameter chunk to the host (one transfer on the copy stream), locks it there and
+  // queues work(grads, master, exp_avg, exp_avg_sq pointers, master tensor) on CpuAdam's worker, run once
+  // the copy has landed; the chunk is unlocked when the job ends, whatever happens. jobs_[c] holds it.
+  using HostJob = std::function<void(const at::Tensor& grads, float* p, float* m, float* v, const at::Tensor& master)>;
+  void launch_host_job_locked(int64_t chunk, const char* what, HostJob work);
+  // Waits for every job in jobs_ and clears it; the first error any of them threw (or null).
+  std::exception_ptr join_jobs_locked();
+  void check_backward_step_start_locked();  // the layout is followed, no gradients wait for step()
   StepResult finish_pipelined_locked();
   // The chunk's landed spans: the host norm (as grad_norms_locked computes it), and device norms.
   ChunkOutcome host_norm(const at::Tensor& grads, const std::vector<Span>& spans) const;
@@ -338,14 +352,42 @@ class HybridAdam final : private GradSink, private LayoutListener {
   void shard_locked();
   // Slot ranges of chunk c whose parameters have mask[p] == want (alignment gaps excluded).
   std::vector<Span> slot_ranges_locked(int64_t chunk, const std::vector<char>& mask, bool want) const;
-  // Per group: each rank's gradients (locally landed slots; zeros elsewhere) summed into the owner's chunk.
-  void reduce_grads_locked(const std::vector<char>& local_landed);
+  // One collective: whether `value` is the same on every rank.
+  bool same_on_every_rank_locked(double value);
+  // A group's reduce-scatter input: per member chunk, this rank's gradients then its landed flags.
+  struct GroupBuffer {
+    at::Tensor flat;
+    int64_t cap = 0, seg = 0;  // elements of a member's values, and of a member's whole segment
+  };
+  GroupBuffer pack_group_locked(int64_t group);
+  // The owned chunk c's spans from the summed flags (counts[i]: ranks that landed its i-th tensor):
+  // landed somewhere (by param group, as landed_spans_locked) and landed nowhere. Thread-safe.
+  struct OwnedSpans {
+    std::vector<Span> landed, unlanded;
+  };
+  OwnedSpans owned_spans(int64_t chunk, const at::Tensor& counts) const;
+  // Per group: every rank's gradients summed into the owner's chunk (landed_ there: the union).
+  void reduce_grads_locked();
+  void receive_owned_locked(int64_t chunk, const at::Tensor& out, int64_t cap);
   // Per group, the owner's chunk of `local(c)` to every rank: got(c, values) for every chunk c.
   void gather_groups_locked(at::ScalarType dtype, const std::function<at::Tensor(int64_t)>& local,
                             const std::function<void(int64_t, const at::Tensor&)>& got);
   void gather_params_locked();  // the owners' parameter chunks to every rank
   at::Tensor comm_payload_locked(int64_t chunk);  // parameter chunk c where the communicator reads it
   StepResult dist_step_locked();
+  // The pipelined step across ranks (eager only): each group's reduce-scatter starts when its chunks are
+  // final in backward, the owner's host Adam runs on CpuAdam's worker when it completes.
+  struct GroupFlight {
+    std::unique_ptr<dist::Pending> pending;
+    at::Tensor out;  // the owner's member: summed values [0, cap), then per-tensor landed counts
+    int64_t cap = 0;
+  };
+  StepResult dist_backward_step(const at::Tensor& loss);
+  void chunk_final_across_ranks_locked(int64_t chunk);
+  void launch_group_locked(int64_t group);
+  StepResult finish_dist_pipelined_locked();
+  // Whether every rank expects the same landings next backward_step (a collective).
+  void check_landings_agree_locked();
   at::Tensor state_view(Role role, int64_t param);
   void write_back_locked();
   StepResult step_locked();
@@ -395,6 +437,10 @@ class HybridAdam final : private GradSink, private LayoutListener {
   int rank_ = 0;
   bool sharded_ = false;
   std::vector<at::Tensor> reduced_grads_;
+  std::vector<GroupFlight> flights_;  // per group, during a pipelined backward_step
+  std::vector<char> owner_job_;        // per layout chunk: its owner update runs as a pipeline job
+  bool dist_pipelined_ = false;
+  bool landings_agree_ = false;
 };
 
 }  // namespace ferry

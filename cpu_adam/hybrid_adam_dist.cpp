@@ -1,5 +1,9 @@
 // HybridAdam across ranks: Note [Sharded optimizer state] (cpu_adam/hybrid_adam.h), D44.
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/logical_not.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -44,11 +48,8 @@ void HybridAdam::shard_locked() {
     mix(s.offset);
     mix(s.numel);
   }
-  const double mine = static_cast<double>(h >> 12);  // exact in a double
-  at::Tensor range = at::tensor({mine, -mine}, at::kDouble);
-  comm_->all_reduce(range, dist::ReduceOp::kMax);
-  TORCH_CHECK(range[0].item<double>() == -range[1].item<double>(), "ferry: rank ", rank_, ": the ranks' chunk layouts "
-              "differ (same model, chunk size and call order on every rank is needed for data parallelism)");
+  TORCH_CHECK(same_on_every_rank_locked(static_cast<double>(h >> 12)), "ferry: rank ", rank_, ": the ranks' chunk "
+              "layouts differ (same model, chunk size and call order on every rank is needed for data parallelism)");
   std::vector<int> roles{kMasterRole, kExpAvgRole, kExpAvgSqRole};  // accumulation chunks stay on every rank
   int64_t held = 0, bytes = 0;
   for (int64_t c = 0; c < num_chunks(); ++c) {
@@ -62,6 +63,12 @@ void HybridAdam::shard_locked() {
   sharded_ = true;
   log::info("ferry: rank ", rank_, " of ", world_, " holds the optimizer state of ", held, " of ", num_chunks(),
             " chunk groups (", format_bytes(bytes), ")");
+}
+
+bool HybridAdam::same_on_every_rank_locked(double value) {
+  at::Tensor range = at::tensor({value, -value}, at::kDouble);
+  comm_->all_reduce(range, dist::ReduceOp::kMax);
+  return range[0].item<double>() == -range[1].item<double>();
 }
 
 std::vector<HybridAdam::Span> HybridAdam::slot_ranges_locked(int64_t c, const std::vector<char>& mask,
@@ -80,6 +87,38 @@ std::vector<HybridAdam::Span> HybridAdam::slot_ranges_locked(int64_t c, const st
   return out;
 }
 
+HybridAdam::OwnedSpans HybridAdam::owned_spans(int64_t c, const at::Tensor& counts) const {
+  // counts[i]: how many ranks landed a gradient for the chunk's i-th tensor (the reduce-scatter's sum of
+  // each rank's 0/1 flags). Landed somewhere: updated, in runs of one param group, as landed_spans_locked.
+  const ChunkLayout& layout = model_.layout();
+  const at::Tensor n = counts.to(at::kFloat);
+  const float* k = n.data_ptr<float>();
+  OwnedSpans out;
+  const std::vector<int64_t>& tensors = layout.chunks()[c].tensors;
+  bool open = false;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const Slot& slot = layout.slots()[tensors[i]];
+    if (slot.numel == 0) continue;
+    if (k[i] == 0.0f) {
+      open = false;
+      if (!out.unlanded.empty() && out.unlanded.back().end == slot.offset) {
+        out.unlanded.back().end = slot.offset + slot.numel;
+      } else {
+        out.unlanded.push_back({0, slot.offset, slot.offset + slot.numel});
+      }
+      continue;
+    }
+    const int g = group_of_param_[tensors[i]];
+    if (open && out.landed.back().group == g) {
+      out.landed.back().end = slot.offset + slot.numel;
+    } else {
+      out.landed.push_back({g, slot.offset, slot.offset + slot.numel});
+    }
+    open = true;
+  }
+  return out;
+}
+
 at::Tensor HybridAdam::comm_payload_locked(int64_t c) {
   ChunkStore& params = model_.store();
   const ChunkId pc = model_.param_chunk(c);
@@ -91,42 +130,67 @@ at::Tensor HybridAdam::comm_payload_locked(int64_t c) {
   return payload;
 }
 
-void HybridAdam::reduce_grads_locked(const std::vector<char>& local_landed) {
+HybridAdam::GroupBuffer HybridAdam::pack_group_locked(int64_t group) {
+  // Member k of the group at [k seg, (k + 1) seg): this rank's gradients of chunk first + k (its landed
+  // slots; zeros elsewhere: in default mode those slots hold parameter values, which must not be
+  // summed), then one 0/1 per tensor of the chunk (landed here). Summed over ranks, the owner gets the
+  // gradients and, per tensor, how many ranks landed one: the union it must update.
+  const int64_t n = num_chunks(), first = group * world_, last = std::min(n, first + world_);
+  const bool accumulate = options_.accumulate_grads;
+  GroupBuffer b;
+  int64_t flags = 0;
+  for (int64_t c = first; c < last; ++c) {
+    b.cap = std::max(b.cap, model_.layout().chunks()[c].numel);
+    flags = std::max<int64_t>(flags, static_cast<int64_t>(model_.layout().chunks()[c].tensors.size()));
+  }
+  b.seg = b.cap + flags;
+  const at::ScalarType dtype = accumulate ? at::kFloat : model_.compute_dtype();
+  b.flat = at::zeros({world_ * b.seg}, at::TensorOptions().dtype(dtype));
+  for (int64_t c = first; c < last; ++c) {
+    const at::Tensor src = accumulate ? state_->payload(kGradRole, c) : comm_payload_locked(c);
+    at::Tensor member = b.flat.slice(0, (c - first) * b.seg, (c - first + 1) * b.seg);
+    at::Tensor values = member.slice(0, 0, src.numel());
+    values.copy_(src);
+    if (!accumulate) {
+      for (const Span& s : slot_ranges_locked(c, landed_, false)) values.slice(0, s.begin, s.end).zero_();
+    }
+    const std::vector<int64_t>& tensors = model_.layout().chunks()[c].tensors;
+    at::Tensor mine = at::empty({static_cast<int64_t>(tensors.size())}, at::kFloat);
+    for (size_t i = 0; i < tensors.size(); ++i) mine.data_ptr<float>()[i] = landed_[tensors[i]] ? 1.0f : 0.0f;
+    member.slice(0, b.cap, b.cap + mine.numel()).copy_(mine);
+  }
+  return b;
+}
+
+void HybridAdam::reduce_grads_locked() {
   trace::Span span("adam", "adam.reduce_scatter_grads");
   const int64_t n = num_chunks();
-  const bool accumulate = options_.accumulate_grads;
-  if (accumulate) reduced_grads_.assign(n, at::Tensor());
-  for (int64_t first = 0; first < n; first += world_) {
-    const int64_t last = std::min(n, first + world_);
-    int64_t cap = 0;
-    for (int64_t c = first; c < last; ++c) cap = std::max(cap, model_.layout().chunks()[c].numel);
-    at::Tensor flat;
-    for (int64_t c = first; c < last; ++c) {
-      // This rank's contribution to chunk c: its landed gradients, zeros in every other slot (default
-      // mode: those slots hold parameter values, which must not be summed).
-      const at::Tensor src = accumulate ? state_->payload(kGradRole, c) : comm_payload_locked(c);
-      if (!flat.defined()) flat = at::zeros({world_ * cap}, src.options().device(at::kCPU));
-      at::Tensor dst = flat.slice(0, (c - first) * cap, (c - first) * cap + src.numel());
-      dst.copy_(src);
-      if (!accumulate) {
-        for (const Span& s : slot_ranges_locked(c, local_landed, false)) dst.slice(0, s.begin, s.end).zero_();
-      }
-    }
-    at::Tensor out = at::empty({cap}, flat.options());
-    comm_->reduce_scatter(out, flat);
-    const int64_t mine = first + rank_;
-    if (mine >= last) continue;
-    const int64_t numel = model_.layout().chunks()[mine].numel;
-    if (accumulate) {
-      reduced_grads_[mine] = out.slice(0, 0, numel);
-    } else {
-      // The owner's chunk: summed gradients in the slots that received one on any rank; the others get
-      // their values back from the masters.
-      at::Tensor payload = comm_payload_locked(mine);
-      payload.copy_(out.slice(0, 0, numel));
-      restore_values(payload, state_->payload(kMasterRole, mine), slot_ranges_locked(mine, landed_, false));
-    }
+  if (options_.accumulate_grads) reduced_grads_.assign(n, at::Tensor());
+  for (int64_t g = 0; g * world_ < n; ++g) {
+    GroupBuffer b = pack_group_locked(g);
+    at::Tensor out = at::empty({b.seg}, b.flat.options());
+    comm_->reduce_scatter(out, b.flat);
+    const int64_t own = g * world_ + rank_;
+    if (own >= n) continue;
+    receive_owned_locked(own, out, b.cap);
   }
+}
+
+void HybridAdam::receive_owned_locked(int64_t c, const at::Tensor& out, int64_t cap) {
+  // The landed set of the owned chunk becomes the union over ranks.
+  const std::vector<int64_t>& tensors = model_.layout().chunks()[c].tensors;
+  const OwnedSpans spans = owned_spans(c, out.slice(0, cap, cap + static_cast<int64_t>(tensors.size())));
+  const at::Tensor counts = out.slice(0, cap, cap + static_cast<int64_t>(tensors.size())).to(at::kFloat);
+  for (size_t i = 0; i < tensors.size(); ++i) landed_[tensors[i]] = counts.data_ptr<float>()[i] != 0.0f;
+  const int64_t numel = model_.layout().chunks()[c].numel;
+  if (options_.accumulate_grads) {
+    reduced_grads_[c] = out.slice(0, 0, numel);
+    return;
+  }
+  // Summed gradients in the slots that received one on any rank; the others get their values back.
+  at::Tensor payload = comm_payload_locked(c);
+  payload.copy_(out.slice(0, 0, numel));
+  restore_values(payload, state_->payload(kMasterRole, c), spans.unlanded);
 }
 
 void HybridAdam::gather_groups_locked(at::ScalarType dtype, const std::function<at::Tensor(int64_t)>& local,
@@ -170,46 +234,226 @@ StepResult HybridAdam::dist_step_locked() {
   result.loss_scale = loss_scale();
   int64_t comm_ns = 0;
   int64_t t0 = now_ns();
-  // 1. The parameters that received a gradient on any rank (a rank may have skipped one).
-  const std::vector<char> local = landed_;
-  const int64_t np = model_.num_params();
-  at::Tensor flags = at::empty({np}, at::kFloat);
-  float* f = flags.data_ptr<float>();
-  for (int64_t p = 0; p < np; ++p) f[p] = landed_[p] ? 1.0f : 0.0f;
-  comm_->all_reduce(flags, dist::ReduceOp::kMax);
-  bool any = false;
-  for (int64_t p = 0; p < np; ++p) {
-    landed_[p] = f[p] != 0.0f;
-    any = any || landed_[p];
-  }
-  TORCH_CHECK(any, "ferry: HybridAdam::step() found no gradients since the last zero_grad() on any rank; call "
-                   "model.backward(loss) first");
-  grads_landed_ = true;
-  // 2. Every rank's gradients summed into their owners' chunks.
-  reduce_grads_locked(local);
+  // 1. Every rank's gradients summed into their owners' chunks, with the union of the landed sets.
+  reduce_grads_locked();
   comm_ns += now_ns() - t0;
-  // 3. The owned chunks to their state's tier; their norms, totalled over the ranks.
+  // 2. The owned chunks to their state's tier; their norms, totalled over the ranks.
   stage_param_chunks_locked();
   t0 = now_ns();
   ChunkNorms norms = grad_norms_locked();
   result.device_syncs = norms.syncs;
+  int64_t landed = 0;
+  for (int64_t c = 0; c < num_chunks(); ++c) {
+    if (!owned(c)) continue;
+    for (int64_t p : model_.layout().chunks()[c].tensors) landed += landed_[p];
+  }
   const int64_t tn = now_ns();
-  at::Tensor totals = at::tensor({norms.total_sq, norms.all_finite ? 0.0 : 1.0}, at::kDouble);
+  at::Tensor totals = at::tensor({norms.total_sq, norms.all_finite ? 0.0 : 1.0, static_cast<double>(landed)},
+                                 at::kDouble);
   comm_->all_reduce(totals, dist::ReduceOp::kSum);
+  comm_ns += now_ns() - tn;
   norms.total_sq = totals[0].item<double>();
   norms.all_finite = totals[1].item<double>() == 0.0 && std::isfinite(norms.total_sq);
-  comm_ns += now_ns() - tn;
   result.norm_ns = now_ns() - t0;
+  if (totals[2].item<double>() == 0.0) {  // the same on every rank: all fail together
+    gather_params_locked();               // slots of this rank's own landings (if any) get values back
+    std::fill(landed_.begin(), landed_.end(), 0);
+    grads_landed_ = false;
+    model_.clear_grad_slots();
+    TORCH_CHECK(false, "ferry: HybridAdam::step() found no gradients since the last zero_grad() on any rank; call "
+                       "model.backward(loss) first");
+  }
+  grads_landed_ = true;
   for (int64_t c = 0; c < num_chunks(); ++c) {
     if (owned(c)) (on_device_[c] ? result.device_chunks : result.host_chunks) += 1;
   }
-  // 4. The owners update (or, on overflow, restore) their chunks; 5. everyone gets the new values.
+  // 3. The owners update (or, on overflow, restore) their chunks; 4. everyone gets the new values.
   result = apply_locked(norms, result);
   reduced_grads_.clear();
   t0 = now_ns();
   gather_params_locked();
   comm_ns += now_ns() - t0;
   result.comm_ns = comm_ns;
+  return result;
+}
+
+// ---- the pipelined step across ranks --------------------------------------------------------------
+
+void HybridAdam::check_landings_agree_locked() {
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t v : expected_landings_) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
+  landings_agree_ = same_on_every_rank_locked(static_cast<double>(h >> 12));
+}
+
+void HybridAdam::chunk_final_across_ranks_locked(int64_t c) {
+  // launched_ marks the chunk final (a later gradient for it is refused); its group goes when all are.
+  launched_[c] = 1;
+  const int64_t group = c / world_, first = group * world_, last = std::min(num_chunks(), first + world_);
+  for (int64_t k = first; k < last; ++k) {
+    if (!launched_[k]) return;
+  }
+  launch_group_locked(group);
+}
+
+void HybridAdam::launch_group_locked(int64_t group) {
+  // Every chunk of the group is final here (or backward is over): the same moment, in the same order,
+  // on every rank, since every rank expects the same landings (check_landings_agree_locked).
+  GroupFlight& flight = flights_[group];
+  TORCH_INTERNAL_ASSERT(!flight.pending, "group launched twice");
+  trace::Span span("adam", trace::enabled() ? "reduce_scatter group " + std::to_string(group) : std::string());
+  GroupBuffer b = pack_group_locked(group);
+  flight.cap = b.cap;
+  flight.out = at::empty({b.seg}, b.flat.options());
+  flight.pending = comm_->reduce_scatter_async(flight.out, b.flat);
+  const int64_t c = group * world_ + rank_;
+  if (c >= num_chunks() || on_device_[c]) return;  // device-state chunks: updated when backward ends
+  // The owner's host-state chunk: its update runs on CpuAdam's worker once the sums are in.
+  owner_job_[c] = 1;
+  const int64_t numel = model_.layout().chunks()[c].numel;
+  const int64_t tensors = static_cast<int64_t>(model_.layout().chunks()[c].tensors.size());
+  launch_host_job_locked(c, "pipelined owner adam chunk ",
+                         [this, c, flight = &flight, numel, tensors](const at::Tensor& g, float* p, float* m, float* v,
+                                                                      const at::Tensor& master) {
+                           flight->pending->wait();  // the sums over ranks
+                           const OwnedSpans spans =
+                               owned_spans(c, flight->out.slice(0, flight->cap, flight->cap + tensors));
+                           g.copy_(flight->out.slice(0, 0, numel));
+                           restore_values(g, master, spans.unlanded);
+                           const ChunkOutcome out = host_norm(g, spans.landed);
+                           if (out.finite) {
+                             run_host_update(adam_spans(spans.landed, p, m, v, g),
+                                             UpdateOptions{1.0 / world_, /*grads_checked=*/true});
+                           } else {
+                             restore_values(g, master, spans.landed);
+                           }
+                           outcomes_[c] = out;
+                         });
+}
+
+StepResult HybridAdam::finish_dist_pipelined_locked() {
+  trace::Span step_span("adam", "adam.finish_dist_pipelined_step");
+  StepResult result;
+  result.loss_scale = loss_scale();
+  const int64_t n = num_chunks();
+  const int64_t groups = (n + world_ - 1) / world_;
+  for (char l : owner_job_) result.overlapped_chunks += l;  // owned host chunks launched during backward
+  // Groups with a chunk that did not become final: now, in index order (the same on every rank).
+  for (int64_t g = 0; g < groups; ++g) {
+    if (!flights_[g].pending) launch_group_locked(g);
+  }
+  if (std::exception_ptr error = join_jobs_locked()) {
+    for (GroupFlight& f : flights_) f.pending.reset();  // waits
+    flights_.clear();
+    std::rethrow_exception(error);
+  }
+  // Device-state owned chunks: their sums, then the fused Adam (skipped by a device flag if not finite).
+  ChunkNorms norms;
+  norms.sum_sq.assign(n, 0.0);
+  norms.finite.assign(n, 1);
+  std::vector<at::Tensor> device_norms_all;
+  std::vector<int64_t> device_index;
+  ChunkStore& params = model_.store();
+  for (int64_t g = 0; g < groups; ++g) {
+    GroupFlight& flight = flights_[g];
+    const int64_t c = g * world_ + rank_;
+    flight.pending->wait();
+    if (c >= n || !on_device_[c]) continue;
+    const int64_t tensors = static_cast<int64_t>(model_.layout().chunks()[c].tensors.size());
+    const OwnedSpans spans = owned_spans(c, flight.out.slice(0, flight.cap, flight.cap + tensors));
+    const ChunkId pc = model_.param_chunk(c);
+    if (params.location(pc) != Location::kDevice) params.move(pc, Location::kDevice);
+    at::Tensor payload = params.payload(pc);
+    payload.copy_(flight.out.slice(0, 0, model_.layout().chunks()[c].numel));
+    restore_values(payload, state_->payload(kMasterRole, c), spans.unlanded);
+    // device_update_chunk_locked updates the spans of landed_: the union over ranks.
+    const at::Tensor counts = flight.out.slice(0, flight.cap, flight.cap + tensors).to(at::kFloat);
+    for (int64_t i = 0; i < tensors; ++i) {
+      landed_[model_.layout().chunks()[c].tensors[i]] = counts.data_ptr<float>()[i] != 0.0f;
+    }
+    std::vector<at::Tensor> d = device_norms(payload, spans.landed);
+    if (!d.empty()) {
+      const at::Tensor found_inf = at::logical_not(at::isfinite(at::stack(d)).all()).to(at::kFloat);
+      device_update_chunk_locked(c, 1.0 / world_, found_inf);
+    }
+    for (at::Tensor& t : d) {
+      device_norms_all.push_back(std::move(t));
+      device_index.push_back(c);
+    }
+  }
+  flights_.clear();
+  for (int64_t c = 0; c < n; ++c) {
+    if (owner_job_[c]) {
+      norms.sum_sq[c] = outcomes_[c].sum_sq;
+      norms.finite[c] = outcomes_[c].finite;
+    }
+    if (owned(c)) (on_device_[c] ? result.device_chunks : result.host_chunks) += 1;
+  }
+  finish_norms(device_norms_all, device_index, norms);
+  result.device_syncs = norms.syncs;
+  at::Tensor totals = at::tensor({norms.total_sq, norms.all_finite ? 0.0 : 1.0}, at::kDouble);
+  comm_->all_reduce(totals, dist::ReduceOp::kSum);
+  const int64_t t0 = now_ns();
+  gather_params_locked();
+  result.comm_ns = now_ns() - t0;
+  model_.clear_grad_slots();
+  std::fill(landed_.begin(), landed_.end(), 0);
+  grads_landed_ = false;
+  const double total_sq = totals[0].item<double>();
+  result.grad_norm = std::sqrt(total_sq) / world_;
+  result.overflow = totals[1].item<double>() != 0.0 || !std::isfinite(total_sq);
+  result.applied = !result.overflow;
+  if (result.overflow) {
+    log::warn("ferry: backward_step: non-finite gradients; those chunks were not updated, the others were");
+  }
+  return result;
+}
+
+StepResult HybridAdam::dist_backward_step(const at::Tensor& loss) {
+  check_idle("backward_step()");
+  bool pipelined = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    check_backward_step_start_locked();
+    // Pipelined once sharded and placed, without clipping, loss scaling or accumulation (eager), when
+    // every rank expects the same landings (so groups complete in the same order everywhere).
+    pipelined = sharded_ && placed_ && landings_agree_ && !options_.accumulate_grads &&
+                options_.max_grad_norm == 0 && !scaling_ &&
+                static_cast<int64_t>(expected_landings_.size()) == model_.num_params();
+    arm_landing_count_locked(pipelined);
+    if (pipelined) {
+      const int64_t n = num_chunks();
+      eager_ = true;
+      jobs_.clear();
+      jobs_.resize(n);
+      outcomes_.assign(n, ChunkOutcome{});
+      owner_job_.assign(n, 0);
+      flights_.clear();
+      flights_.resize((n + world_ - 1) / world_);
+      for (int g = 0; g < num_param_groups(); ++g) cpu_adam_.advance_step(g);  // updates start during backward
+    }
+    dist_pipelined_ = pipelined;
+    overlap_active_ = pipelined;
+  }
+  try {
+    model_.backward(loss);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (pipelined) {
+      if (join_jobs_locked()) log::error("ferry: backward_step: an owner update failed too");
+      flights_.clear();  // waits for the collectives in flight
+      log::error("ferry: backward_step: backward threw on rank ", rank_, "; the other ranks will fail at their next "
+                 "collective");
+    }
+    overlap_active_ = false;
+    dist_pipelined_ = false;
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  overlap_active_ = false;
+  dist_pipelined_ = false;
+  expected_landings_ = landings_;
+  StepResult result = pipelined ? finish_dist_pipelined_locked() : step_locked();
+  check_landings_agree_locked();  // for the next call
   return result;
 }
 

@@ -11,9 +11,13 @@
 //  - Tensors are contiguous and live where the backend serves them (device_ok()); Gloo: CPU memory.
 //  - A peer that dies or stops answering makes the call fail with a c10::Error that names the
 //    operation, this rank and the timeout, within that timeout; the communicator is unusable after.
-//  - Not thread-safe: one thread issues the collectives (the training thread).
+//  - One thread at a time issues collectives, in the same order on every rank (the training thread, or
+//    autograd's during backward while the training thread waits in it). A Pending may be waited for
+//    from any thread.
 #include <ATen/core/Tensor.h>
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace ferry::dist {
@@ -34,6 +38,14 @@ struct CommStats {
   int64_t wait_ns = 0;               // wall time inside collectives
 };
 
+// A collective in flight: wait() returns once its outputs are written (or throws as the synchronous
+// call would). Holds its tensors until then. Destroying it without wait() waits.
+class Pending {
+ public:
+  virtual ~Pending() = default;
+  virtual void wait() = 0;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -51,13 +63,24 @@ class Communicator {
   virtual void reduce_scatter(at::Tensor& output, const at::Tensor& input) = 0;
   // output (world * n elements): rank r's input (n elements) at [r * n, (r + 1) * n).
   virtual void all_gather(at::Tensor& output, const at::Tensor& input) = 0;
+  // reduce_scatter started now, running beside the caller (Gloo: on its own threads).
+  virtual std::unique_ptr<Pending> reduce_scatter_async(const at::Tensor& output, const at::Tensor& input) = 0;
   virtual void barrier() = 0;
 
-  const CommStats& stats() const { return stats_; }
-  void reset_stats() { stats_ = {}; }
+  // wait_ns includes the waits of Pendings (on whatever thread).
+  CommStats stats() const {
+    CommStats s = stats_;
+    s.wait_ns += async_wait_ns_.load();
+    return s;
+  }
+  void reset_stats() {
+    stats_ = {};
+    async_wait_ns_ = 0;
+  }
 
  protected:
-  CommStats stats_;
+  CommStats stats_;                          // updated by the issuing thread
+  std::atomic<int64_t> async_wait_ns_{0};    // by the threads that wait for Pendings
 };
 
 }  // namespace ferry::dist

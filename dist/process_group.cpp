@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <sstream>
 #include <string>
@@ -107,6 +108,30 @@ class C10dCommunicator final : public Communicator {
     stats_.ring_bytes_sent += ring_share(output.nbytes());
   }
 
+  std::unique_ptr<Pending> reduce_scatter_async(const at::Tensor& output, const at::Tensor& input) override {
+    check(output, "reduce_scatter");
+    check(input, "reduce_scatter");
+    TORCH_CHECK(input.numel() == output.numel() * world_ && input.scalar_type() == output.scalar_type(),
+                "ferry: reduce_scatter needs an input of world size (", world_, ") x the output's elements of "
+                "its dtype; got input ", describe(input), ", output ", describe(output));
+    TORCH_CHECK(!broken_.load(), "ferry: rank ", rank_, " of ", world_, ": the process group failed earlier; it "
+                "cannot be used again");
+    c10d::ReduceScatterOptions o;
+    o.reduceOp = c10d::ReduceOp::SUM;
+    o.timeout = timeout_;
+    at::Tensor out = output, in = input;
+    c10::intrusive_ptr<c10d::Work> work;
+    try {
+      work = backend_->_reduce_scatter_base(out, in, o);
+    } catch (const std::exception& e) {
+      fail("reduce_scatter", in, e);
+    }
+    ++stats_.collectives;
+    stats_.reduce_scatter_bytes += input.nbytes();
+    stats_.ring_bytes_sent += ring_share(input.nbytes());
+    return std::make_unique<GlooPending>(this, std::move(work), std::move(out), std::move(in));
+  }
+
   void barrier() override {
     c10d::BarrierOptions o;
     o.timeout = timeout_;
@@ -122,22 +147,56 @@ class C10dCommunicator final : public Communicator {
     TORCH_CHECK(device_ok(t.device()), "ferry: ", op, " over ", name_, " needs CPU tensors; got ", describe(t));
   }
 
+  // A collective in flight over Gloo.
+  class GlooPending final : public Pending {
+   public:
+    GlooPending(C10dCommunicator* comm, c10::intrusive_ptr<c10d::Work> work, at::Tensor out, at::Tensor in)
+        : comm_(comm), work_(std::move(work)), out_(std::move(out)), in_(std::move(in)) {}
+    ~GlooPending() override {
+      try {
+        wait();
+      } catch (const std::exception& e) {
+        log::error("ferry: a collective in flight failed while it was abandoned: ", cause(e));
+      }
+    }
+    void wait() override {
+      if (!work_) return;
+      trace::Span span("dist", "wait reduce_scatter");
+      const auto t0 = Clock::now();
+      c10::intrusive_ptr<c10d::Work> work = std::move(work_);
+      try {
+        work->wait(comm_->timeout_);
+      } catch (const std::exception& e) {
+        comm_->fail("reduce_scatter", in_, e);
+      }
+      comm_->async_wait_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+    }
+
+   private:
+    C10dCommunicator* comm_;
+    c10::intrusive_ptr<c10d::Work> work_;
+    at::Tensor out_, in_;
+  };
+
+  [[noreturn]] void fail(const char* op, const at::Tensor& what, const std::exception& e) {
+    broken_ = true;
+    TORCH_CHECK(false, "ferry: rank ", rank_, " of ", world_, ": ", op,
+                what.defined() ? " of " + describe(what) : std::string(), " over ", name_,
+                " failed: a rank died, or did not take part within dist-timeout (", timeout_.count() / 1000.0,
+                " s). Cause: ", cause(e));
+  }
+
   template <typename Launch>
   void run(const char* op, const at::Tensor& what, Launch&& launch) {
-    TORCH_CHECK(!broken_, "ferry: rank ", rank_, " of ", world_, ": the process group failed earlier (",
-                broken_reason_, "); it cannot be used again");
+    TORCH_CHECK(!broken_.load(), "ferry: rank ", rank_, " of ", world_, ": the process group failed earlier; it "
+                "cannot be used again");
     trace::Span span("dist", op);
     const auto t0 = Clock::now();
     try {
       c10::intrusive_ptr<c10d::Work> work = launch();
       work->wait(timeout_);
     } catch (const std::exception& e) {
-      broken_ = true;
-      broken_reason_ = std::string(op) + " failed";
-      TORCH_CHECK(false, "ferry: rank ", rank_, " of ", world_, ": ", op,
-                  what.defined() ? " of " + describe(what) : std::string(), " over ", name_,
-                  " failed: a rank died, or did not take part within dist-timeout (", timeout_.count() / 1000.0,
-                  " s). Cause: ", cause(e));
+      fail(op, what, e);
     }
     ++stats_.collectives;
     stats_.wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
@@ -148,8 +207,7 @@ class C10dCommunicator final : public Communicator {
   int rank_, world_;
   std::chrono::milliseconds timeout_;
   std::string name_;
-  bool broken_ = false;
-  std::string broken_reason_;
+  std::atomic<bool> broken_{false};
 };
 
 bool is_loopback(const std::string& addr) {

@@ -103,7 +103,7 @@ int run(int argc, char** argv) {
 
   const int64_t rows = batch / config.world_size, micro_rows = rows / micro;
   double loss_sum = 0, grad_norm = 0;
-  int64_t evictions = 0;
+  int64_t evictions = 0, overlapped = 0;
   for (int step = first_step; step < steps; ++step) {
     if (step == die_at && config.rank == die_rank) std::_Exit(3);
     auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + step);
@@ -138,6 +138,7 @@ int run(int argc, char** argv) {
       evictions += model.last_iteration().evictions;
     }
     TORCH_CHECK(r.applied, "step ", step, " was not applied");
+    overlapped += r.overlapped_chunks;
     grad_norm = r.grad_norm;
     if (micro > 1) adam.zero_grad();
   }
@@ -164,7 +165,7 @@ int run(int argc, char** argv) {
             << " chunks=" << model.layout().num_chunks() << " param_chunk_bytes=" << param_chunk_bytes
             << " state_bytes=" << ss.host.current_bytes + ss.device.current_bytes
             << " state_device_bytes=" << ss.device.current_bytes << " evictions=" << evictions
-            << " ring_bytes=" << cs.ring_bytes_sent << " steps=" << steps << " grad_norm=" << grad_norm
+            << " ring_bytes=" << cs.ring_bytes_sent << " overlapped=" << overlapped << " steps=" << steps << " grad_norm=" << grad_norm
             << " loss=" << loss_sum << std::endl;
   return 0;
 }

@@ -234,6 +234,37 @@ TEST(Dist, AParameterWithoutGradientOnSomeRanksEqualsOneProcess) {
 
 TEST(Dist, TwoRanksBackwardStepEqualsOneProcess) { expect_equals_one_process(2, {"--api=backward_step"}); }
 
+// backward_step pipelines the step into backward across ranks (each group's reduce-scatter and its
+// owner's host Adam start when the group is final): the same parameters as backward() + step(), bit
+// for bit, on every rank. With a rank whose landings differ it must not pipeline (groups would complete
+// in different orders), and stays right.
+TEST(Dist, PipelinedBackwardStepEqualsBackwardThenStepBitForBit) {
+  for (const std::vector<std::string> extra : {std::vector<std::string>{}, {"--frozen-rank=1"}}) {
+    const std::string stepped = temp_dir(), pipelined = temp_dir();
+    auto args = [&](const std::string& dir, const std::string& api) {
+      std::vector<std::string> a{"--out=" + dir, "--steps=6", "--batch=8", "--api=" + api};
+      a.insert(a.end(), extra.begin(), extra.end());
+      return a;
+    };
+    const auto a = run_world(4, args(stepped, "step"));
+    for (const Proc& p : a) ASSERT_EQ(p.exit_code, 0) << describe(a);
+    const auto b = run_world(4, args(pipelined, "backward_step"));
+    for (const Proc& p : b) ASSERT_EQ(p.exit_code, 0) << describe(b);
+    double overlapped = 0;  // owner updates of host-state chunks that ran as pipeline jobs
+    for (int r = 0; r < 4; ++r) {
+      const std::string name = "/rank" + std::to_string(r) + ".bin";
+      EXPECT_EQ(read_params(pipelined + name), read_params(stepped + name)) << "rank " << r << describe(b);
+      overlapped += result_of(b[r])["overlapped"];
+    }
+    // 5 chunks over 4 ranks, one state group per rank on the device: rank 0's chunk 0 is host-state.
+    if (extra.empty()) {
+      EXPECT_GT(overlapped, 0) << "no owner update ran as a pipeline job\n" << describe(b);
+    } else {
+      EXPECT_EQ(overlapped, 0) << "pipelined although the ranks' landings differ\n" << describe(b);
+    }
+  }
+}
+
 TEST(Dist, FourRanksWithGradientAccumulationEqualOneProcess) {
   expect_equals_one_process(4, {"--micro=2", "--batch=16"});
 }
