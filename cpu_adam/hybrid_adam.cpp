@@ -876,8 +876,15 @@ void HybridAdam::zero_grad() {
   check_idle("zero_grad()");
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
+  const bool had = grads_landed_;
   discard_grads_locked();
-  if (sharded_ && !options_.accumulate_grads) gather_params_locked();  // a collective: every rank calls zero_grad()
+  if (sharded_ && !options_.accumulate_grads) {
+    // Slots of non-owned chunks that held gradients get their values from the owners: needed if any rank
+    // had gradients (a collective decides, so every rank calls zero_grad() and gathers alike).
+    at::Tensor any = at::full({1}, had ? 1.0f : 0.0f, at::kFloat);
+    comm_->all_reduce(any, dist::ReduceOp::kMax);
+    if (any.item<float>() != 0.0f) gather_params_locked();
+  }
 }
 
 at::Tensor HybridAdam::state_view(Role role, int64_t param) {

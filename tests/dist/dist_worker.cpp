@@ -6,6 +6,7 @@
 // Options: --out=DIR (writes DIR/rank<R>.bin: every parameter, fp32, in state_dict order) --steps=K
 // --batch=B --clip=NORM --micro=M (accumulate_grads over M micro-batches) --api=step|backward_step
 // --die-at-step=S --die-rank=R (that rank exits at step S without a word, as a crash would)
+// --discard-step=S: at step S, zero_grad() discards the gradients instead of a step
 // --save=DIR (after the last step) --resume=DIR (before the first; training goes on to --steps)
 // --frozen-rank=R: rank R's rows give the MLP no gradient (its parameters land on the other ranks only);
 // with world size 1, --emulate-world=N makes the reference: the loss is the mean over the N ranks' rows,
@@ -77,6 +78,7 @@ int run(int argc, char** argv) {
   const int die_rank = std::stoi(option(rest, "die-rank", "-1"));
   const int frozen_rank = std::stoi(option(rest, "frozen-rank", "-1"));
   const std::string save = option(rest, "save", ""), resume = option(rest, "resume", "");
+  const int discard_step = std::stoi(option(rest, "discard-step", "-1"));
   const int emulate = std::stoi(option(rest, "emulate-world", "1"));
   TORCH_CHECK(emulate == 1 || config.world_size == 1, "--emulate-world is for the single-process reference");
   TORCH_CHECK(batch % (config.world_size * micro) == 0, "batch must split evenly over ranks and micro-batches");
@@ -129,6 +131,10 @@ int run(int argc, char** argv) {
       loss_sum += loss.item<double>();
       if (m + 1 < micro) {
         model.backward(loss);
+      } else if (step == discard_step) {
+        model.backward(loss);
+        adam.zero_grad();  // the parameters keep their values on every rank
+        r.applied = true;
       } else if (api == "backward_step" && micro == 1) {
         r = adam.backward_step(loss);
       } else {

@@ -224,6 +224,10 @@ void expect_equals_one_process(int world, const std::vector<std::string>& extra,
 
 TEST(Dist, TwoRanksEqualOneProcessOnTheConcatenatedBatch) { expect_equals_one_process(2, {}); }
 
+// zero_grad() after backward discards the gradients: the chunks this rank does not own get their
+// values back from their owners.
+TEST(Dist, DiscardedGradientsLeaveTheParametersAsTheyWere) { expect_equals_one_process(2, {"--discard-step=2"}); }
+
 TEST(Dist, FourRanksWithClippingEqualOneProcess) { expect_equals_one_process(4, {"--clip=0.5"}); }
 
 // The MLP's parameters get gradients on rank 0 only: on rank 1 their slots hold values,
