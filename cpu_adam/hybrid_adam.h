@@ -348,6 +348,7 @@ class HybridAdam final : private GradSink, private LayoutListener {
   void save_across_ranks_locked(const std::string& dir);
   // Data parallelism (Note [Sharded optimizer state]).
   bool owned(int64_t chunk) const { return !sharded_ || chunk % world_ == rank_; }
+  void check_same_layout_locked();  // a collective; fails clearly if the ranks' layouts differ
   void broadcast_initial_values_locked();
   void shard_locked();
   // Slot ranges of chunk c whose parameters have mask[p] == want (alignment gaps excluded).

@@ -23,9 +23,29 @@ using trace::now_ns;
 
 }  // namespace
 
+void HybridAdam::check_same_layout_locked() {
+  // The ranks must agree on the layout chunk for chunk, slot for slot: every collective pairs them.
+  const ChunkLayout& layout = model_.layout();
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](int64_t v) { h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull; };
+  mix(layout.num_chunks());
+  for (const ChunkExtent& e : layout.chunks()) mix(e.numel);
+  for (const Slot& s : layout.slots()) {
+    mix(s.chunk);
+    mix(s.offset);
+    mix(s.numel);
+  }
+  mix(static_cast<int64_t>(model_.compute_dtype()));
+  TORCH_CHECK(same_on_every_rank_locked(static_cast<double>(h >> 12)), "ferry: rank ", rank_, ": the ranks' chunk "
+              "layouts differ (", layout.num_chunks(), " chunks of ", format_bytes(model_.chunk_size_bytes()),
+              " in ", c10::toString(model_.compute_dtype()), " here); data parallelism needs the same model, "
+              "precision, chunk size and call order on every rank");
+}
+
 void HybridAdam::broadcast_initial_values_locked() {
   // Rank 0's starting point everywhere: its masters (fp32, held on the host until placement), then the
   // parameter chunks from them, as a step writes them.
+  check_same_layout_locked();
   for (int64_t c = 0; c < num_chunks(); ++c) {
     at::Tensor master = state_->payload(kMasterRole, c);
     TORCH_INTERNAL_ASSERT(comm_->device_ok(master.device()), "the masters are on the host before placement");
@@ -37,19 +57,7 @@ void HybridAdam::broadcast_initial_values_locked() {
 void HybridAdam::shard_locked() {
   if (world_ == 1 || sharded_) return;
   TORCH_INTERNAL_ASSERT(!placed_, "placement comes after sharding");
-  // The ranks must agree on the layout chunk for chunk, slot for slot: every collective below pairs them.
-  const ChunkLayout& layout = model_.layout();
-  uint64_t h = 1469598103934665603ull;
-  auto mix = [&](int64_t v) { h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull; };
-  mix(layout.num_chunks());
-  for (const ChunkExtent& e : layout.chunks()) mix(e.numel);
-  for (const Slot& s : layout.slots()) {
-    mix(s.chunk);
-    mix(s.offset);
-    mix(s.numel);
-  }
-  TORCH_CHECK(same_on_every_rank_locked(static_cast<double>(h >> 12)), "ferry: rank ", rank_, ": the ranks' chunk "
-              "layouts differ (same model, chunk size and call order on every rank is needed for data parallelism)");
+  check_same_layout_locked();  // again: the warm-up repacked in call order
   std::vector<int> roles{kMasterRole, kExpAvgRole, kExpAvgSqRole};  // accumulation chunks stay on every rank
   int64_t held = 0, bytes = 0;
   for (int64_t c = 0; c < num_chunks(); ++c) {

@@ -63,8 +63,10 @@ struct Proc {
 };
 
 // Starts one worker per entry of `envs` (each: extra environment), waits at most `timeout_s` for all.
+// per_rank[i] (if given): more arguments for process i.
 std::vector<Proc> launch(const std::vector<std::map<std::string, std::string>>& envs,
-                         const std::vector<std::string>& args, double timeout_s = 120) {
+                         const std::vector<std::string>& args, double timeout_s = 120,
+                         const std::vector<std::vector<std::string>>& per_rank = {}) {
   const std::string dir = temp_dir();
   std::vector<pid_t> pids;
   for (size_t i = 0; i < envs.size(); ++i) {
@@ -77,6 +79,7 @@ std::vector<Proc> launch(const std::vector<std::map<std::string, std::string>>& 
     for (const auto& [k, v] : envs[i]) env_strings.push_back(k + "=" + v);
     std::vector<std::string> argv_strings{FERRY_DIST_WORKER};
     argv_strings.insert(argv_strings.end(), args.begin(), args.end());
+    if (i < per_rank.size()) argv_strings.insert(argv_strings.end(), per_rank[i].begin(), per_rank[i].end());
     const std::string out = dir + "/" + std::to_string(i) + ".out", err = dir + "/" + std::to_string(i) + ".err";
     const pid_t pid = ::fork();
     if (pid == 0) {
@@ -320,6 +323,25 @@ TEST(Dist, RanksThatDisagreeOnTheWorldSizeFailClearly) {
     const bool clear = p.err.find("ranks disagree on the world size") != std::string::npos ||
                        p.err.find("not every rank of world size 3 joined") != std::string::npos;
     EXPECT_TRUE(clear) << describe(ranks);
+  }
+}
+
+TEST(Dist, RanksWithDifferentChunkLayoutsFailClearlyBeforeAnyCollectiveOnChunks) {
+  const int port = free_port();
+  const std::vector<Proc> ranks = launch({rank_env(0, 2, port, 10), rank_env(1, 2, port, 10)}, {"--steps=2"}, 120,
+                                         {{}, {"--chunk-size=8KiB"}});
+  for (const Proc& p : ranks) {
+    EXPECT_EQ(p.exit_code, 1) << describe(ranks);
+    EXPECT_NE(p.err.find("the ranks' chunk layouts differ"), std::string::npos) << describe(ranks);
+  }
+}
+
+TEST(Dist, AskingForABackendNotBuiltFailsClearly) {
+  const std::vector<Proc> ranks = run_world(2, {"--steps=1", "--dist-backend=nccl"}, 10);
+  for (const Proc& p : ranks) {
+    EXPECT_EQ(p.exit_code, 1) << describe(ranks);
+    EXPECT_NE(p.err.find("dist-backend 'nccl' is not built into ferry yet; use gloo"), std::string::npos)
+        << describe(ranks);
   }
 }
 
