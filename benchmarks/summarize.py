@@ -201,16 +201,25 @@ def trace_breakdown(path):
     backward = spans(lambda e: e["cat"] == "model" and e["name"] == "backward")
     rows = [("forward", total(spans(lambda e: e["cat"] == "model" and e["name"] == "forward")), ""),
             ("backward", total(backward), "")]
-    for name in ("adam.finish_pipelined_step", "adam.step", "adam.stage_param_chunks", "adam.grad_norm",
-                 "adam.device_update", "adam.host_update", "adam.writeback"):
+    for name in ("adam.finish_pipelined_step", "adam.finish_dist_pipelined_step", "adam.step", "adam.dist_step",
+                 "adam.stage_param_chunks", "adam.grad_norm", "adam.reduce_scatter_grads", "adam.device_update",
+                 "adam.host_update", "adam.writeback", "adam.all_gather_params"):
         iv = spans(lambda e, n=name: e["cat"] == "adam" and e["name"] == n)
         if iv:
             rows.append((name, total(iv), ""))
-    for kind in ("host", "device"):
+    for kind in ("host", "device", "owner"):
         iv = spans(lambda e, k=kind: e["cat"] == "adam" and e["name"].startswith(f"pipelined {k} adam chunk"))
         if iv:
             rows.append((f"pipelined {kind} Adam ({len(iv)} chunks)", total(iv),
                          f"{overlap(iv, backward):.3f} ms of it during backward"))
+    for op in ("reduce_scatter", "all_gather", "all_reduce", "wait reduce_scatter"):  # collectives (dist)
+        iv = spans(lambda e, o=op: e["cat"] == "dist" and e["name"] == o)
+        if iv:
+            rows.append((f"{op} ({len(iv)})", total(iv), f"{overlap(iv, backward):.3f} ms of it during backward"))
+    iv = spans(lambda e: e["cat"] == "adam" and e["name"].startswith("reduce_scatter group"))
+    if iv:
+        rows.append((f"group reduce-scatters started ({len(iv)})", total(iv),
+                     f"{overlap(iv, backward):.3f} ms of it during backward"))
     for d in ("h2d", "d2h"):
         iv = spans(lambda e, d=d: e["cat"] == "copy" and e["name"].startswith(d))
         if iv:

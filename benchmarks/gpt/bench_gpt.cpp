@@ -440,8 +440,13 @@ int run(int argc, char** argv) {
       .add_flag("unpipelined", &a.unpipelined, "model.backward() + adam.step() instead of adam.backward_step()")
       .add_flag("find-max", &a.find_max, "find the largest preset that trains")
       .add("commit", &a.commit, "commit id recorded in the JSON")
-      .add("trace", &a.trace, "Chrome trace of the last measured step into FILE.json");
+      .add("trace", &a.trace, "Chrome trace of the last measured step into FILE.json (FILE-rankR.json per rank)");
   options.parse(rest);
+  if (config.world_size > 1 && !a.trace.empty()) {  // one file per rank
+    const auto dot = a.trace.rfind('.');
+    const std::string suffix = "-rank" + std::to_string(config.rank);
+    a.trace = dot == std::string::npos ? a.trace + suffix : a.trace.substr(0, dot) + suffix + a.trace.substr(dot);
+  }
   const std::shared_ptr<ferry::dist::Communicator> comm = ferry::dist::connect(config);  // null: world size 1
   const int world = config.world_size;
   // The baseline is one process's; a multi-process run measures ferry only.
