@@ -121,6 +121,11 @@ def gpt_table(doc, path):
                   f"| {mib(d['ring_bytes_per_step'])} | {mib(d['floor_bytes_per_step'])} | {d['over_floor']:.3f} | "
                   f"{mib(d['chunk_floor_bytes_per_step'])} | {d['collectives_per_step']:.0f} | {d['comm_s_per_step']:.3f} | "
                   f"{mib(d['optimizer_state_bytes_this_rank'])} |"]
+        if "memory_per_rank" in d:
+            m = d["memory_per_rank"]
+            lines += ["", f"Memory per rank: parameter chunks {m['parameter_chunk_bytes_per_param']:.2f} + optimizer state "
+                          f"{m['state_bytes_per_param']:.2f} B/param; fully sharded (parameters and state 1/N) "
+                          f"{m['fully_sharded_bytes_per_param']:.2f} B/param."]
     return "\n".join(lines)
 
 

@@ -545,7 +545,12 @@ int run(int argc, char** argv) {
         << ", \"floor_bytes_per_step\": " << floor_bytes << ", \"over_floor\": " << f.ring_bytes / floor_bytes
         << ", \"chunk_floor_bytes_per_step\": " << 2 * share * f.param_chunk_bytes
         << ", \"collectives_per_step\": " << f.collectives << ", \"comm_s_per_step\": " << f.comm_s
-        << ", \"optimizer_state_bytes_this_rank\": " << f.state_device + f.state_host << "}";
+        << ", \"optimizer_state_bytes_this_rank\": " << f.state_device + f.state_host
+        // Memory per rank against full sharding (parameters and state, each 1/N): the compute copy is
+        // still replicated (docs/ARCHITECTURE.md D44).
+        << ", \"memory_per_rank\": {\"parameter_chunk_bytes_per_param\": " << f.param_chunk_bytes / n
+        << ", \"state_bytes_per_param\": " << (f.state_device + f.state_host) / n
+        << ", \"fully_sharded_bytes_per_param\": " << (elem + 12.0) / world << "}}";
   }
   StepTimes b;
   double baseline_loss = 0;
