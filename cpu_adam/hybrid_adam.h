@@ -370,6 +370,7 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // Per group: every rank's gradients summed into the owner's chunk (landed_ there: the union).
   void reduce_grads_locked();
   void receive_owned_locked(int64_t chunk, const at::Tensor& out, int64_t cap);
+  void take_union_locked(int64_t chunk, const at::Tensor& counts);  // landed_ of chunk's tensors: counts != 0
   // Per group, the owner's chunk of `local(c)` to every rank: got(c, values) for every chunk c.
   void gather_groups_locked(at::ScalarType dtype, const std::function<at::Tensor(int64_t)>& local,
                             const std::function<void(int64_t, const at::Tensor&)>& got);

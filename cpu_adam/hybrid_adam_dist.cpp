@@ -184,12 +184,19 @@ void HybridAdam::reduce_grads_locked() {
   }
 }
 
+void HybridAdam::take_union_locked(int64_t c, const at::Tensor& counts) {
+  // counts[i] sums 0/1 flags in the compute dtype: exact up to 256 ranks in bf16 (2048 in fp16), and
+  // never 0 once a rank sent 1, which is all that is read.
+  const std::vector<int64_t>& tensors = model_.layout().chunks()[c].tensors;
+  const at::Tensor n = counts.to(at::kFloat);
+  for (size_t i = 0; i < tensors.size(); ++i) landed_[tensors[i]] = n.data_ptr<float>()[i] != 0.0f;
+}
+
 void HybridAdam::receive_owned_locked(int64_t c, const at::Tensor& out, int64_t cap) {
   // The landed set of the owned chunk becomes the union over ranks.
-  const std::vector<int64_t>& tensors = model_.layout().chunks()[c].tensors;
-  const OwnedSpans spans = owned_spans(c, out.slice(0, cap, cap + static_cast<int64_t>(tensors.size())));
-  const at::Tensor counts = out.slice(0, cap, cap + static_cast<int64_t>(tensors.size())).to(at::kFloat);
-  for (size_t i = 0; i < tensors.size(); ++i) landed_[tensors[i]] = counts.data_ptr<float>()[i] != 0.0f;
+  const int64_t tensors = static_cast<int64_t>(model_.layout().chunks()[c].tensors.size());
+  const OwnedSpans spans = owned_spans(c, out.slice(0, cap, cap + tensors));
+  take_union_locked(c, out.slice(0, cap, cap + tensors));
   const int64_t numel = model_.layout().chunks()[c].numel;
   if (options_.accumulate_grads) {
     reduced_grads_[c] = out.slice(0, 0, numel);
@@ -373,11 +380,7 @@ StepResult HybridAdam::finish_dist_pipelined_locked() {
     at::Tensor payload = params.payload(pc);
     payload.copy_(flight.out.slice(0, 0, model_.layout().chunks()[c].numel));
     restore_values(payload, state_->payload(kMasterRole, c), spans.unlanded);
-    // device_update_chunk_locked updates the spans of landed_: the union over ranks.
-    const at::Tensor counts = flight.out.slice(0, flight.cap, flight.cap + tensors).to(at::kFloat);
-    for (int64_t i = 0; i < tensors; ++i) {
-      landed_[model_.layout().chunks()[c].tensors[i]] = counts.data_ptr<float>()[i] != 0.0f;
-    }
+    take_union_locked(c, flight.out.slice(0, flight.cap, flight.cap + tensors));  // device_update_chunk_locked reads it
     std::vector<at::Tensor> d = device_norms(payload, spans.landed);
     if (!d.empty()) {
       const at::Tensor found_inf = at::logical_not(at::isfinite(at::stack(d)).all()).to(at::kFloat);
