@@ -158,6 +158,11 @@ std::string Options::help() const {
   return os.str();
 }
 
+std::string message_of(const std::exception& e) {
+  if (const auto* c10e = dynamic_cast<const c10::Error*>(&e)) return c10e->what_without_backtrace();
+  return e.what();
+}
+
 int run_main(const char* program, const std::function<int()>& body) {
   try {
     return body();
@@ -166,7 +171,7 @@ int run_main(const char* program, const std::function<int()>& body) {
     return 2;
   } catch (const c10::Error& e) {
     const bool verbose = log::enabled(log::Level::kDebug);
-    std::cerr << program << ": " << (verbose ? e.what() : e.what_without_backtrace()) << "\n";
+    std::cerr << program << ": " << (verbose ? e.what() : message_of(e)) << "\n";
     return 1;
   } catch (const std::exception& e) {
     std::cerr << program << ": " << e.what() << "\n";

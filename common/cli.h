@@ -63,6 +63,9 @@ class Options {
   std::vector<Option> options_;
 };
 
+// An error's message; for a c10::Error without its C++ backtrace (for messages that quote another).
+std::string message_of(const std::exception& e);
+
 // Runs `body`; prints any error as "PROGRAM: message" on stderr (a UsageError adds "(try --help)" and
 // returns 2; other errors return 1). c10 errors are printed without their C++ backtrace unless the
 // log level is debug or trace.

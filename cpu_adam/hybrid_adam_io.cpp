@@ -187,12 +187,6 @@ int64_t next_generation(const std::string& dir) {
   return generation;
 }
 
-// An exception's message without c10's backtrace.
-std::string message_of(const std::exception& e) {
-  if (const auto* c10e = dynamic_cast<const c10::Error*>(&e)) return c10e->what_without_backtrace();
-  return e.what();
-}
-
 // ---- manifest --------------------------------------------------------------------------------
 
 struct Manifest {
@@ -599,7 +593,7 @@ void HybridAdam::save_across_ranks_locked(const std::string& dir) {
         files.push_back(std::make_unique<DurableFile>(written.back()));
       }
     } catch (const std::exception& e) {
-      error = message_of(e);
+      error = cli::message_of(e);
     }
   }
   for (int r = 0; r < 3; ++r) {  // every rank takes part in every gather, whatever happened on rank 0
@@ -620,7 +614,7 @@ void HybridAdam::save_across_ranks_locked(const std::string& dir) {
                                  static_cast<size_t>(slot.numel) * sizeof(float));
             }
           } catch (const std::exception& e) {
-            error = message_of(e);
+            error = cli::message_of(e);
           }
         });
   }
@@ -635,7 +629,7 @@ void HybridAdam::save_across_ranks_locked(const std::string& dir) {
       }
       publish_checkpoint_locked(dir, generation, lines.str(), written);
     } catch (const std::exception& e) {
-      error = message_of(e);
+      error = cli::message_of(e);
     }
   }
   files.clear();
@@ -662,7 +656,7 @@ void HybridAdam::load(const std::string& dir) {
     m = verify_checkpoint(dir, model_, num_param_groups(), scaling_ ? &scaler_ : nullptr);
   } catch (const std::exception& e) {
     if (world_ == 1) throw;
-    error = message_of(e);
+    error = cli::message_of(e);
   }
   if (world_ > 1) {
     at::Tensor failed = at::full({1}, error.empty() ? 0.0f : static_cast<float>(rank_ + 1), at::kFloat);

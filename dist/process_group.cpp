@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/common/cli.h"
 #include "ferry/common/event_trace.h"
 #include "ferry/common/logging.h"
 
@@ -24,12 +25,6 @@ namespace ferry::dist {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// An exception's message without c10's backtrace.
-std::string cause(const std::exception& e) {
-  if (const auto* c10e = dynamic_cast<const c10::Error*>(&e)) return c10e->what_without_backtrace();
-  return e.what();
-}
 
 std::string describe(const at::Tensor& t) {
   std::ostringstream os;
@@ -80,18 +75,7 @@ class C10dCommunicator final : public Communicator {
   }
 
   void reduce_scatter(at::Tensor& output, const at::Tensor& input) override {
-    check(output, "reduce_scatter");
-    check(input, "reduce_scatter");
-    TORCH_CHECK(input.numel() == output.numel() * world_ && input.scalar_type() == output.scalar_type(),
-                "ferry: reduce_scatter needs an input of world size (", world_, ") x the output's elements of "
-                "its dtype; got input ", describe(input), ", output ", describe(output));
-    c10d::ReduceScatterOptions o;
-    o.reduceOp = c10d::ReduceOp::SUM;
-    o.timeout = timeout_;
-    at::Tensor in = input;
-    run("reduce_scatter", input, [&] { return backend_->_reduce_scatter_base(output, in, o); });
-    stats_.reduce_scatter_bytes += input.nbytes();
-    stats_.ring_bytes_sent += ring_share(input.nbytes());
+    reduce_scatter_async(output, input)->wait();
   }
 
   void all_gather(at::Tensor& output, const at::Tensor& input) override {
@@ -156,7 +140,7 @@ class C10dCommunicator final : public Communicator {
       try {
         wait();
       } catch (const std::exception& e) {
-        log::error("ferry: a collective in flight failed while it was abandoned: ", cause(e));
+        log::error("ferry: a collective in flight failed while it was abandoned: ", cli::message_of(e));
       }
     }
     void wait() override {
@@ -183,7 +167,7 @@ class C10dCommunicator final : public Communicator {
     TORCH_CHECK(false, "ferry: rank ", rank_, " of ", world_, ": ", op,
                 what.defined() ? " of " + describe(what) : std::string(), " over ", name_,
                 " failed: a rank died, or did not take part within dist-timeout (", timeout_.count() / 1000.0,
-                " s). Cause: ", cause(e));
+                " s). Cause: ", cli::message_of(e));
   }
 
   template <typename Launch>
@@ -238,7 +222,7 @@ void check_launch(c10d::Store& store, const Config& config, std::chrono::millise
     for (size_t i = 0; i < missing.size(); ++i) os << (i ? ", " : "") << missing[i];
     TORCH_CHECK(false, "ferry: rank ", config.rank, ": not every rank of world size ", config.world_size,
                 " joined within dist-timeout (", timeout.count() / 1000.0, " s); missing rank(s): ", os.str(),
-                ". Were they started, with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE? (", cause(e), ")");
+                ". Were they started, with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE? (", cli::message_of(e), ")");
   }
   for (int r = 0; r < config.world_size; ++r) {
     const std::vector<uint8_t> v = store.get(keys[r]);
@@ -276,7 +260,7 @@ std::shared_ptr<Communicator> connect(const Config& config) {
     TORCH_CHECK(false, "ferry: rank ", config.rank, " could not ", serve ? "serve" : "reach", " the rendezvous store at ",
                 config.master_addr, ":", config.master_port, " within dist-timeout (", config.dist_timeout_s,
                 " s): ", serve ? "is the port free?" : "is rank 0 (or torchrun) running there, and are MASTER_ADDR / "
-                "MASTER_PORT right?", " (", cause(e), ")");
+                "MASTER_PORT right?", " (", cli::message_of(e), ")");
   }
   check_launch(*store, config, timeout);
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
@@ -291,7 +275,7 @@ std::shared_ptr<Communicator> connect(const Config& config) {
                                                      config.rank, config.world_size, options);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "ferry: rank ", config.rank, " of ", config.world_size, " could not connect Gloo to the "
-                "other ranks within dist-timeout (", config.dist_timeout_s, " s): ", cause(e));
+                "other ranks within dist-timeout (", config.dist_timeout_s, " s): ", cli::message_of(e));
   }
   auto comm = std::make_shared<C10dCommunicator>(store, pg, config.rank, config.world_size, timeout, "gloo");
   comm->barrier();
