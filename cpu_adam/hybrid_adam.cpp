@@ -205,6 +205,7 @@ void HybridAdam::place_locked() {
       const int64_t bytes = model_.store().chunk_info(model_.param_chunk(c)).nbytes;
       largest = std::max(largest, bytes);
       if (!on_device_[c] && owned(c)) travelling += bytes;
+      if (param_shards_ && !owned(c)) travelling += bytes;  // fetched into host buffers every step
     }
     if (travelling > 0) {
       model_.store().set_host_cache_bytes(std::max(model_.store().host_cache_bytes(), travelling + largest));
@@ -291,7 +292,7 @@ void HybridAdam::discard_grads_locked() {
     ChunkStore& params = model_.store();
     for (int64_t c = 0; c < num_chunks(); ++c) {
       const std::vector<Span> spans = landed_spans_locked(c);
-      if (spans.empty() || !owned(c)) continue;  // sharded: the owners' values come with gather_params_locked
+      if (spans.empty() || !owned(c)) continue;  // sharded: the owners' values come with the next gather
       restore_values(params.payload(model_.param_chunk(c)), state_->payload(kMasterRole, c), spans);
     }
     model_.clear_grad_slots();
@@ -878,7 +879,10 @@ void HybridAdam::zero_grad() {
   sync_layout_locked();
   const bool had = grads_landed_;
   discard_grads_locked();
-  if (sharded_ && !options_.accumulate_grads) {
+  if (param_shards_ && !options_.accumulate_grads) {
+    // The other ranks' chunks (some holding gradients) are given up; the next use fetches the owners' values.
+    param_shards_->release_all();
+  } else if (sharded_ && !options_.accumulate_grads) {
     // Slots of non-owned chunks that held gradients get their values from the owners: needed if any rank
     // had gradients (a collective decides, so every rank calls zero_grad() and gathers alike).
     at::Tensor any = at::full({1}, had ? 1.0f : 0.0f, at::kFloat);
@@ -945,6 +949,7 @@ void HybridAdam::load_state_dict(const NamedTensors& values) {
   std::fill(landed_.begin(), landed_.end(), 0);  // the model's slots hold values again (it cleared them)
   grads_landed_ = false;
   write_back_locked();
+  if (param_shards_) param_shards_->release_all();  // the model fetched every chunk to load it
 }
 
 void HybridAdam::export_safetensors(const std::string& path) { write_safetensors(path, state_dict(), {{"format", "pt"}}); }

@@ -114,12 +114,28 @@
 //    the next call runs backward + step(). Same sums in the same order as step(): the same result.
 //  - Every collective is in the same order on every rank; zero_grad() in default mode is one too (the
 //    non-owned slots get their values from the owners) and must be called by every rank.
-//  - Memory per rank: every parameter chunk (the compute copy is replicated; sharding it is the next
-//    step, D44) + 12/N B/param of state; collectives stage one group (N chunks) at a time.
+//  - Parameters (shard_params, the default): the compute copy is sharded with the same ownership
+//    (Note [Sharded parameters] below); then no all-gather follows the step: the owners write their
+//    chunks, the other ranks give theirs up once the gradients are reduced, and fetch them again before
+//    their next use. Without shard_params every rank keeps every parameter chunk and a step ends with
+//    one all-gather per group.
+//  - Memory per rank: 12/N B/param of state; parameter chunks: 1/N between steps (shard_params) or all;
+//    collectives stage one group (N chunks) at a time.
 //  - Views of state this rank does not hold (master(), exp_avg()...) fail, naming the chunk group;
 //    state_dict() gathers the masters. save() at N > 1 (a collective) writes the same checkpoint as one
 //    process: rank 0 writes the files, the owners' state reaching it group by group; load() at any world
 //    size reads it (every rank must see the directory), each rank taking the state it holds.
+//
+// Note [Sharded parameters]
+// (dist/param_shards.h, D45.) Rank r keeps the parameter chunks of its groups' member r between steps;
+// the others are remote (no payload). The first use of a chunk in an iteration makes every rank join one
+// all-gather of its group (the scheduler starts it ahead of the use from the trace, like a prefetch), so
+// all of a group's chunks land in host payloads on every rank and move to the device as usual; they stay
+// (evictable to the host) until the step's reduce-scatter has sent their gradients to the owners, then
+// they are given up. Per step each parameter byte is gathered once and reduced once: 2 (N-1)/N x the
+// parameter bytes per rank, the floor. The price: during forward and backward a rank holds the whole
+// compute copy (on the host beyond the device budget); releasing groups after their last forward use
+// would cap that at the groups in use, for one more all-gather per step (D45).
 #include <ATen/core/Tensor.h>
 
 #include <atomic>
@@ -137,6 +153,7 @@
 #include "ferry/cpu_adam/cpu_adam.h"
 #include "ferry/cpu_adam/loss_scaler.h"
 #include "ferry/dist/communicator.h"
+#include "ferry/dist/param_shards.h"
 #include "ferry/hooks/chunked_model.h"
 
 namespace ferry {
@@ -163,6 +180,10 @@ struct HybridAdamOptions {
   // Data parallelism over the ranks of this communicator (dist::connect; null or world size 1: one
   // process). Note [Sharded optimizer state].
   std::shared_ptr<dist::Communicator> communicator;
+  // With N > 1 ranks, shard the parameter chunks too (Note [Sharded parameters], dist/param_shards.h):
+  // each rank keeps only the chunks it owns between steps and gathers the others before their use.
+  // Off: every rank keeps every parameter chunk, and a step all-gathers the updated values.
+  bool shard_params = true;
 
   // `defaults` for matrices; biases and norm weights (tensors of dim <= 1) in group 1 without decay.
   static HybridAdamOptions no_decay_for_bias_and_norm(const AdamOptions& defaults);
@@ -176,6 +197,7 @@ struct HybridAdamOptions {
   HybridAdamOptions& with_loss_scaler(const LossScalerOptions& v) { loss_scaler = v; return *this; }
   HybridAdamOptions& with_device_state_chunks(int64_t n) { device_state_chunks = n; return *this; }
   HybridAdamOptions& with_accumulate_grads(bool v = true) { accumulate_grads = v; return *this; }
+  HybridAdamOptions& with_shard_params(bool v = true) { shard_params = v; return *this; }
   void validate() const;
 };
 
@@ -212,6 +234,9 @@ class HybridAdam final : private GradSink, private LayoutListener {
   StepResult backward_step(const at::Tensor& loss);
   // Host Adam jobs of the pipeline that have started running, since construction (tests, reports).
   int64_t pipelined_jobs_started() const { return jobs_started_.load(); }
+  // Data parallelism with sharded parameters (Note [Sharded parameters]): their gathers and releases;
+  // null when not sharded (one rank, shard_params off, or before the first step).
+  std::shared_ptr<const dist::ParamShards> param_shards() const { return param_shards_; }
   // Discards the gradients landed since the last step (and zeroes the accumulation chunks).
   void zero_grad();
 
@@ -351,6 +376,9 @@ class HybridAdam final : private GradSink, private LayoutListener {
   void check_same_layout_locked();  // a collective; fails clearly if the ranks' layouts differ
   void broadcast_initial_values_locked();
   void shard_locked();
+  // Sharded parameters: one collective per step; lets the scheduler give groups up after forward only
+  // while every rank follows the same trace.
+  void agree_on_trace_locked();
   // Slot ranges of chunk c whose parameters have mask[p] == want (alignment gaps excluded).
   std::vector<Span> slot_ranges_locked(int64_t chunk, const std::vector<char>& mask, bool want) const;
   // One collective: whether `value` is the same on every rank.
@@ -438,6 +466,9 @@ class HybridAdam final : private GradSink, private LayoutListener {
   int world_ = 1;
   int rank_ = 0;
   bool sharded_ = false;
+  std::shared_ptr<dist::ParamShards> param_shards_;  // Note [Sharded parameters] (null: replicated)
+  int64_t hashed_trace_version_ = -1, trace_agreed_ = -1;  // agree_on_trace_locked
+  double trace_hash_ = 0;
   std::vector<at::Tensor> reduced_grads_;
   std::vector<GroupFlight> flights_;  // per group, during a pipelined backward_step
   std::vector<char> owner_job_;        // per layout chunk: its owner update runs as a pipeline job

@@ -57,6 +57,9 @@ void HybridAdam::broadcast_initial_values_locked() {
 void HybridAdam::shard_locked() {
   if (world_ == 1 || sharded_) return;
   TORCH_INTERNAL_ASSERT(!placed_, "placement comes after sharding");
+  TORCH_CHECK(model_.layout_final(), "ferry: rank ", rank_, ": the first optimizer step at world size ", world_,
+              " came before the warm-up repack (warmup_iterations > 1?); the state and parameters are sharded by "
+              "the final layout: run the warm-up iterations first, or use warmup_iterations = 1");
   check_same_layout_locked();  // again: the warm-up repacked in call order
   std::vector<int> roles{kMasterRole, kExpAvgRole, kExpAvgSqRole};  // accumulation chunks stay on every rank
   int64_t held = 0, bytes = 0;
@@ -71,6 +74,15 @@ void HybridAdam::shard_locked() {
   sharded_ = true;
   log::info("ferry: rank ", rank_, " of ", world_, " holds the optimizer state of ", held, " of ", num_chunks(),
             " chunk groups (", format_bytes(bytes), ")");
+  if (options_.shard_params) {
+    // Note [Sharded parameters]: from the reduce-scatter of this step on, the other ranks' chunks go.
+    std::vector<ChunkId> chunks(num_chunks());
+    for (int64_t c = 0; c < num_chunks(); ++c) chunks[c] = model_.param_chunk(c);
+    param_shards_ = std::make_shared<dist::ParamShards>(model_.store(), std::move(chunks), comm_);
+    model_.set_remote_chunks(param_shards_);
+    log::info("ferry: rank ", rank_, " shards the parameter chunks too: it keeps ", held, " of ", num_chunks(),
+              " between steps and gathers the others, group by group, before their use");
+  }
 }
 
 bool HybridAdam::same_on_every_rank_locked(double value) {
@@ -155,8 +167,11 @@ HybridAdam::GroupBuffer HybridAdam::pack_group_locked(int64_t group) {
   const at::ScalarType dtype = accumulate ? at::kFloat : model_.compute_dtype();
   b.flat = at::zeros({world_ * b.seg}, at::TensorOptions().dtype(dtype));
   for (int64_t c = first; c < last; ++c) {
-    const at::Tensor src = accumulate ? state_->payload(kGradRole, c) : comm_payload_locked(c);
     at::Tensor member = b.flat.slice(0, (c - first) * b.seg, (c - first + 1) * b.seg);
+    if (!accumulate && model_.store().location(model_.param_chunk(c)) == Location::kNone) {
+      continue;  // a sharded chunk not fetched this iteration: nothing of it was used, nothing landed (zeros)
+    }
+    const at::Tensor src = accumulate ? state_->payload(kGradRole, c) : comm_payload_locked(c);
     at::Tensor values = member.slice(0, 0, src.numel());
     values.copy_(src);
     if (!accumulate) {
@@ -251,6 +266,7 @@ StepResult HybridAdam::dist_step_locked() {
   int64_t t0 = now_ns();
   // 1. Every rank's gradients summed into their owners' chunks, with the union of the landed sets.
   reduce_grads_locked();
+  if (param_shards_) param_shards_->release_all();  // their gradients are with the owners now
   comm_ns += now_ns() - t0;
   // 2. The owned chunks to their state's tier; their norms, totalled over the ranks.
   stage_param_chunks_locked();
@@ -271,7 +287,7 @@ StepResult HybridAdam::dist_step_locked() {
   norms.all_finite = totals[1].item<double>() == 0.0 && std::isfinite(norms.total_sq);
   result.norm_ns = now_ns() - t0;
   if (totals[2].item<double>() == 0.0) {  // the same on every rank: all fail together
-    gather_params_locked();               // slots of this rank's own landings (if any) get values back
+    if (!param_shards_) gather_params_locked();  // slots of this rank's own landings (if any) get values back
     std::fill(landed_.begin(), landed_.end(), 0);
     grads_landed_ = false;
     model_.clear_grad_slots();
@@ -285,14 +301,45 @@ StepResult HybridAdam::dist_step_locked() {
   // 3. The owners update (or, on overflow, restore) their chunks; 4. everyone gets the new values.
   result = apply_locked(norms, result);
   reduced_grads_.clear();
+  agree_on_trace_locked();
   t0 = now_ns();
-  gather_params_locked();
+  if (!param_shards_) gather_params_locked();  // sharded parameters: fetched at their next use instead
   comm_ns += now_ns() - t0;
   result.comm_ns = comm_ns;
   return result;
 }
 
 // ---- the pipelined step across ranks --------------------------------------------------------------
+
+void HybridAdam::agree_on_trace_locked() {
+  // Note [Sharded parameters]: groups given up after forward are fetched again where the trace says, so
+  // every rank must follow the same trace. One small collective per step (every rank calls it, whatever
+  // its trace) compares them; a rank whose backward differs (a parameter without gradient on some ranks)
+  // keeps the groups instead.
+  if (!param_shards_) return;
+  Scheduler& scheduler = model_.scheduler();
+  const std::shared_ptr<const AccessTrace> trace = scheduler.trace();
+  const int64_t version = scheduler.trace_version();
+  if (version != hashed_trace_version_) {
+    uint64_t h = 1469598103934665603ull;
+    auto mix = [&](int64_t v) { h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull; };
+    if (trace) {
+      mix(trace->size());
+      mix(trace->backward_start());
+      for (TensorId t : trace->tensors()) mix(t);
+    }
+    trace_hash_ = static_cast<double>(h >> 12);
+    hashed_trace_version_ = version;
+  }
+  const bool agree = same_on_every_rank_locked(trace_hash_) && trace != nullptr;
+  if (agree != (trace_agreed_ == version)) {
+    log::info("ferry: rank ", rank_, ": the ranks' parameter use orders ", agree ? "agree" : "differ",
+              agree ? ": sharded parameter groups are given up after forward and fetched again for backward"
+                    : ": sharded parameter groups stay from their first use to the step");
+  }
+  trace_agreed_ = agree ? version : -1;
+  scheduler.allow_forward_releases(version, agree);
+}
 
 void HybridAdam::check_landings_agree_locked() {
   uint64_t h = 1469598103934665603ull;
@@ -317,6 +364,8 @@ void HybridAdam::launch_group_locked(int64_t group) {
   TORCH_INTERNAL_ASSERT(!flight.pending, "group launched twice");
   trace::Span span("adam", trace::enabled() ? "reduce_scatter group " + std::to_string(group) : std::string());
   GroupBuffer b = pack_group_locked(group);
+  // The gradients travel in b: the other ranks' chunks of the group can go now (Note [Sharded parameters]).
+  if (param_shards_) param_shards_->release(model_.param_chunk(group * world_));
   flight.cap = b.cap;
   flight.out = at::empty({b.seg}, b.flat.options());
   flight.pending = comm_->reduce_scatter_async(flight.out, b.flat);
@@ -403,8 +452,13 @@ StepResult HybridAdam::finish_dist_pipelined_locked() {
   result.device_syncs = norms.syncs;
   at::Tensor totals = at::tensor({norms.total_sq, norms.all_finite ? 0.0 : 1.0}, at::kDouble);
   comm_->all_reduce(totals, dist::ReduceOp::kSum);
+  agree_on_trace_locked();
   const int64_t t0 = now_ns();
-  gather_params_locked();
+  if (param_shards_) {
+    param_shards_->release_all();  // every group's gradients reached its owner
+  } else {
+    gather_params_locked();
+  }
   result.comm_ns = now_ns() - t0;
   model_.clear_grad_slots();
   std::fill(landed_.begin(), landed_.end(), 0);

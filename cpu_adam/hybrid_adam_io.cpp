@@ -701,7 +701,11 @@ void HybridAdam::load(const std::string& dir) {
   model_.clear_grad_slots();
   grads_landed_ = false;
   write_back_locked();
-  if (sharded_) gather_params_locked();  // the other chunks' values from their owners
+  if (param_shards_) {
+    param_shards_->release_all();  // the other chunks: fetched from their owners at their next use
+  } else if (sharded_) {
+    gather_params_locked();  // the other chunks' values from their owners
+  }
   log::info("ferry: resumed training state from ", dir, " at step ", cpu_adam_.step_count(0));
 }
 

@@ -7,7 +7,8 @@
 //  - Every rank calls the same collectives in the same order with tensors of the same sizes and dtype
 //    (the SPMD rule of every collective library); a mismatch is the caller's bug and may hang until the
 //    timeout.
-//  - All calls are synchronous: on return the output is written and the inputs may be reused.
+//  - The calls without _async are synchronous: on return the output is written and the inputs may be
+//    reused. An _async call returns a Pending; its tensors must not be touched until it was waited for.
 //  - Tensors are contiguous and live where the backend serves them (device_ok()); Gloo: CPU memory.
 //  - A peer that dies or stops answering makes the call fail with a c10::Error that names the
 //    operation, this rank and the timeout, within that timeout; the communicator is unusable after.
@@ -63,8 +64,9 @@ class Communicator {
   virtual void reduce_scatter(at::Tensor& output, const at::Tensor& input) = 0;
   // output (world * n elements): rank r's input (n elements) at [r * n, (r + 1) * n).
   virtual void all_gather(at::Tensor& output, const at::Tensor& input) = 0;
-  // reduce_scatter started now, running beside the caller (Gloo: on its own threads).
+  // reduce_scatter / all_gather started now, running beside the caller (Gloo: on its own threads).
   virtual std::unique_ptr<Pending> reduce_scatter_async(const at::Tensor& output, const at::Tensor& input) = 0;
+  virtual std::unique_ptr<Pending> all_gather_async(const at::Tensor& output, const at::Tensor& input) = 0;
   virtual void barrier() = 0;
 
   // wait_ns includes the waits of Pendings (on whatever thread).

@@ -78,19 +78,7 @@ class C10dCommunicator final : public Communicator {
     reduce_scatter_async(output, input)->wait();
   }
 
-  void all_gather(at::Tensor& output, const at::Tensor& input) override {
-    check(output, "all_gather");
-    check(input, "all_gather");
-    TORCH_CHECK(output.numel() == input.numel() * world_ && input.scalar_type() == output.scalar_type(),
-                "ferry: all_gather needs an output of world size (", world_, ") x the input's elements of its "
-                "dtype; got input ", describe(input), ", output ", describe(output));
-    c10d::AllgatherOptions o;
-    o.timeout = timeout_;
-    at::Tensor in = input;
-    run("all_gather", output, [&] { return backend_->_allgather_base(output, in, o); });
-    stats_.all_gather_bytes += output.nbytes();
-    stats_.ring_bytes_sent += ring_share(output.nbytes());
-  }
+  void all_gather(at::Tensor& output, const at::Tensor& input) override { all_gather_async(output, input)->wait(); }
 
   std::unique_ptr<Pending> reduce_scatter_async(const at::Tensor& output, const at::Tensor& input) override {
     check(output, "reduce_scatter");
@@ -98,22 +86,29 @@ class C10dCommunicator final : public Communicator {
     TORCH_CHECK(input.numel() == output.numel() * world_ && input.scalar_type() == output.scalar_type(),
                 "ferry: reduce_scatter needs an input of world size (", world_, ") x the output's elements of "
                 "its dtype; got input ", describe(input), ", output ", describe(output));
-    TORCH_CHECK(!broken_.load(), "ferry: rank ", rank_, " of ", world_, ": the process group failed earlier; it "
-                "cannot be used again");
     c10d::ReduceScatterOptions o;
     o.reduceOp = c10d::ReduceOp::SUM;
     o.timeout = timeout_;
     at::Tensor out = output, in = input;
-    c10::intrusive_ptr<c10d::Work> work;
-    try {
-      work = backend_->_reduce_scatter_base(out, in, o);
-    } catch (const std::exception& e) {
-      fail("reduce_scatter", in, e);
-    }
-    ++stats_.collectives;
+    auto pending = start("reduce_scatter", out, in, [&] { return backend_->_reduce_scatter_base(out, in, o); });
     stats_.reduce_scatter_bytes += input.nbytes();
     stats_.ring_bytes_sent += ring_share(input.nbytes());
-    return std::make_unique<GlooPending>(this, std::move(work), std::move(out), std::move(in));
+    return pending;
+  }
+
+  std::unique_ptr<Pending> all_gather_async(const at::Tensor& output, const at::Tensor& input) override {
+    check(output, "all_gather");
+    check(input, "all_gather");
+    TORCH_CHECK(output.numel() == input.numel() * world_ && input.scalar_type() == output.scalar_type(),
+                "ferry: all_gather needs an output of world size (", world_, ") x the input's elements of its "
+                "dtype; got input ", describe(input), ", output ", describe(output));
+    c10d::AllgatherOptions o;
+    o.timeout = timeout_;
+    at::Tensor out = output, in = input;
+    auto pending = start("all_gather", out, in, [&] { return backend_->_allgather_base(out, in, o); });
+    stats_.all_gather_bytes += output.nbytes();
+    stats_.ring_bytes_sent += ring_share(output.nbytes());
+    return pending;
   }
 
   void barrier() override {
@@ -134,8 +129,9 @@ class C10dCommunicator final : public Communicator {
   // A collective in flight over Gloo.
   class GlooPending final : public Pending {
    public:
-    GlooPending(C10dCommunicator* comm, c10::intrusive_ptr<c10d::Work> work, at::Tensor out, at::Tensor in)
-        : comm_(comm), work_(std::move(work)), out_(std::move(out)), in_(std::move(in)) {}
+    GlooPending(C10dCommunicator* comm, const char* op, c10::intrusive_ptr<c10d::Work> work, at::Tensor out,
+                at::Tensor in)
+        : comm_(comm), op_(op), work_(std::move(work)), out_(std::move(out)), in_(std::move(in)) {}
     ~GlooPending() override {
       try {
         wait();
@@ -145,22 +141,38 @@ class C10dCommunicator final : public Communicator {
     }
     void wait() override {
       if (!work_) return;
-      trace::Span span("dist", "wait reduce_scatter");
+      trace::Span span("dist", trace::enabled() ? std::string("wait ") + op_ : std::string());
       const auto t0 = Clock::now();
       c10::intrusive_ptr<c10d::Work> work = std::move(work_);
       try {
         work->wait(comm_->timeout_);
       } catch (const std::exception& e) {
-        comm_->fail("reduce_scatter", in_, e);
+        comm_->fail(op_, in_, e);
       }
       comm_->async_wait_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
     }
 
    private:
     C10dCommunicator* comm_;
+    const char* op_;
     c10::intrusive_ptr<c10d::Work> work_;
     at::Tensor out_, in_;
   };
+
+  // Launches a collective; its Pending waits for it. Counts it.
+  template <typename Launch>
+  std::unique_ptr<Pending> start(const char* op, const at::Tensor& out, const at::Tensor& in, Launch&& launch) {
+    TORCH_CHECK(!broken_.load(), "ferry: rank ", rank_, " of ", world_, ": the process group failed earlier; it "
+                "cannot be used again");
+    c10::intrusive_ptr<c10d::Work> work;
+    try {
+      work = launch();
+    } catch (const std::exception& e) {
+      fail(op, in, e);
+    }
+    ++stats_.collectives;
+    return std::make_unique<GlooPending>(this, op, std::move(work), out, in);
+  }
 
   [[noreturn]] void fail(const char* op, const at::Tensor& what, const std::exception& e) {
     broken_ = true;

@@ -2,6 +2,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/full_like.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -9,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -117,7 +119,7 @@ ChunkedModel::ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Conf
 
 ChunkedModel::~ChunkedModel() {
   try {
-    materialize();
+    materialize(/*fetch_remote=*/false);
   } catch (const std::exception& e) {
     log::error("ferry: ChunkedModel could not give parameters their memory back: ", e.what());
   }
@@ -220,6 +222,24 @@ std::shared_ptr<StateChunks> ChunkedModel::attach_state(std::vector<ChunkRole> r
   return state;
 }
 
+void ChunkedModel::set_remote_chunks(std::shared_ptr<RemoteChunks> remote) {
+  TORCH_CHECK(phase_.load() == ModelPhase::kIdle, "ferry: set_remote_chunks() inside an iteration (phase ",
+              to_string(phase_.load()), ")");
+  TORCH_CHECK(!remote || layout_final(), "ferry: parameters can be sharded only once the warm-up repack is done");
+  remote_ = std::move(remote);
+  scheduler_->set_remote(remote_);
+}
+
+at::Tensor ChunkedModel::param_values(int64_t index) {
+  TORCH_CHECK(index >= 0 && index < num_params(), "ferry: parameter index ", index, " out of range [0, ", num_params(),
+              ")");
+  const TensorId t = tensor_of_param_[index];
+  TORCH_CHECK(!remote_ || !remote_->remote(chunk_of_param_[index]) || store_->tensor_info(t).state != TensorState::kFree,
+              "ferry: parameter ", names_[index], " is in a chunk that another rank owns and that is not fetched "
+              "now (sharded parameters); state_dict() gathers every parameter");
+  return store_->view(t);
+}
+
 void ChunkedModel::set_layout_listener(LayoutListener* listener) {
   TORCH_CHECK(phase_.load() == ModelPhase::kIdle, "ferry: set_layout_listener() inside an iteration (phase ",
               to_string(phase_.load()), ")");
@@ -263,6 +283,8 @@ void ChunkedModel::land_grad(int64_t param, const at::Tensor& variable) {
   c10::impl::ExcludeDispatchKeyGuard no_intercept(kInterceptKey);
   at::NoGradGuard no_grad;
   const TensorId t = tensor_of_param_[param];
+  // A sharded group given up after forward and not used in backward since: fetched for its gradients.
+  if (remote_ && remote_->remote(chunk_of_param_[param])) remote_->fetch(chunk_of_param_[param]);
   at::Tensor slot = store_->access(t);
   try {
     if (grad_in_slot_[param]) {
@@ -345,6 +367,7 @@ void ChunkedModel::backward(const at::Tensor& loss) {
   TORCH_CHECK(loss.defined() && loss.numel() == 1, "ferry: backward() needs a defined scalar loss, got ",
               loss.defined() ? loss.sizes().vec() : std::vector<int64_t>{});
   transition(ModelPhase::kBackward);
+  scheduler_->begin_backward();
   trace::Span span("model", "backward");
   try {
     InterceptionScope scope;
@@ -414,10 +437,19 @@ void ChunkedModel::finish_iteration(bool aborted, bool forward_only) {
   }
 }
 
-void ChunkedModel::materialize() {
+void ChunkedModel::materialize(bool fetch_remote) {
   if (materialized_) return;
   TORCH_CHECK(phase_.load() == ModelPhase::kIdle || phase_.load() == ModelPhase::kForwardDone,
               "ferry: materialize() inside forward/backward");
+  if (remote_ && remote_->any_remote()) {
+    if (fetch_remote) {
+      remote_->fetch_all();  // a collective: every rank materializes
+    } else {
+      log::warn("ferry: the ChunkedModel is destroyed while its parameters are sharded across ranks: the "
+                "parameters in chunks of other ranks are left NaN (call materialize() on every rank first to "
+                "keep them)");
+    }
+  }
   if (grad_sink_) {
     install_grad_hooks(false);
     grad_sink_ = nullptr;
@@ -429,7 +461,14 @@ void ChunkedModel::materialize() {
   unregister_storages();
   const c10::Device device = store_->device();
   for (size_t p = 0; p < params_.size(); ++p) {
-    at::Tensor fresh = store_->view(tensor_of_param_[p]).to(device, /*non_blocking=*/false, /*copy=*/true);
+    const TensorId t = tensor_of_param_[p];
+    at::Tensor fresh;
+    if (store_->location(chunk_of_param_[p]) == Location::kNone) {  // remote, not fetched (see above)
+      fresh = at::full(shapes_[p], std::numeric_limits<double>::quiet_NaN(),
+                       at::TensorOptions().dtype(dtype_).device(device));
+    } else {
+      fresh = store_->view(t).to(device, /*non_blocking=*/false, /*copy=*/true);
+    }
     params_[p].set_data(fresh);
   }
   store_->synchronize();
@@ -440,8 +479,11 @@ NamedTensors ChunkedModel::state_dict() {
   TORCH_CHECK(phase_.load() == ModelPhase::kIdle, "ferry: state_dict() is for between iterations (the model is in ",
               to_string(phase_.load()), ")");
   check_no_grad_in_slots("state_dict()");
+  const bool fetched = remote_ && remote_->any_remote();
+  if (fetched) remote_->fetch_all();  // a collective: every rank calls state_dict()
   NamedTensors out;
   for (int64_t p = 0; p < num_params(); ++p) out.emplace_back(names_[p], param_values(p).to(at::kCPU).clone());
+  if (fetched) remote_->release_all();
   for (const auto& b : module_->named_buffers(/*recurse=*/true)) {
     if (b.value().defined()) out.emplace_back(b.key(), b.value().to(at::kCPU).clone());
   }
@@ -478,6 +520,7 @@ void ChunkedModel::load_state_dict(const NamedTensors& values) {
     }
   }
   at::NoGradGuard no_grad;
+  if (remote_ && remote_->any_remote()) remote_->fetch_all();  // a collective: every rank loads
   for (int64_t p = 0; p < num_params(); ++p) param_values(p).copy_(*given.at(names_[p]));
   for (auto& b : buffers) {
     if (b.value().defined()) b.value().copy_(*given.at(b.key()));

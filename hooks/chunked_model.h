@@ -135,13 +135,22 @@ class ChunkedModel final : private UseListener {
   double loss_scale() const { return loss_scale_; }
   // Routes gradients to `sink` (null: back to autograd's .grad). Not inside an iteration.
   void set_grad_sink(GradSink* sink);
+  // Sharded parameters (dist/param_shards.h; HybridAdam installs them at world size > 1; null: none).
+  // Once the layout is final (layout_final()); between iterations. While any chunk is remote,
+  // state_dict(), load_state_dict() and materialize() fetch every chunk first: collectives then, called
+  // by every rank; the destructor does not (the other ranks may be gone): parameters of chunks that are
+  // remote then are left NaN, with a warning.
+  void set_remote_chunks(std::shared_ptr<RemoteChunks> remote);
+  const std::shared_ptr<RemoteChunks>& remote_chunks() const { return remote_; }
+  // No repack is to come: the warm-up ended (or repacking is off).
+  bool layout_final() const { return !options_.repack_after_warmup || scheduler_->trace() != nullptr; }
   // The one listener told of repacks (null: none). Not inside an iteration.
   void set_layout_listener(LayoutListener* listener);
   LayoutListener* layout_listener() const { return layout_listener_; }
   // Ends an iteration that had no backward (evaluation); forward() also does it implicitly.
   void end_iteration();
   // Gives every parameter plain device memory again and detaches it from ferry (the destructor).
-  void materialize();
+  void materialize() { materialize(/*fetch_remote=*/true); }
 
   // The module's parameters (tied ones once, in the compute dtype, as the chunks hold them) and
   // floating/integer buffers by name, as CPU copies, in named_parameters() then named_buffers() order.
@@ -180,8 +189,9 @@ class ChunkedModel final : private UseListener {
   at::ScalarType compute_dtype() const { return dtype_; }
   const Config& config() const { return config_; }
   // The parameter's slot in its chunk, wherever that is now (device or host); between iterations. It
-  // holds the parameter's gradient instead while grad_in_slot(index).
-  at::Tensor param_values(int64_t index) { return store_->view(tensor_of_param_[index]); }
+  // holds the parameter's gradient instead while grad_in_slot(index). Fails for a parameter whose chunk
+  // is remote (another rank's, not fetched now).
+  at::Tensor param_values(int64_t index);
   // Whether the parameter's slot holds its gradient (Note [Gradient in the parameter slot]).
   bool grad_in_slot(int64_t index) const { return grad_in_slot_[index] != 0; }
   bool any_grad_in_slot() const { return grads_in_slots_ > 0; }
@@ -225,6 +235,7 @@ class ChunkedModel final : private UseListener {
   friend struct GradLandingHook;
   void land_grad(int64_t param, const at::Tensor& variable);
   void check_no_grad_in_slots(const char* what) const;
+  void materialize(bool fetch_remote);
 
   std::shared_ptr<torch::nn::Module> module_;
   Config config_;
@@ -249,6 +260,7 @@ class ChunkedModel final : private UseListener {
   std::vector<std::weak_ptr<StateChunks>> states_;  // see attach_state()
   std::shared_ptr<OptEvictionPolicy> policy_;
   std::unique_ptr<Scheduler> scheduler_;
+  std::shared_ptr<RemoteChunks> remote_;
   std::vector<TensorId> tensor_of_param_;
   std::vector<ChunkId> chunk_of_param_;
   std::vector<const c10::StorageImpl*> registered_;

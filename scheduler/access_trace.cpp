@@ -17,6 +17,7 @@ void AccessTrace::clear() {
   tensors_.clear();
   chunks_.clear();
   non_model_.clear();
+  backward_start_ = -1;
   positions_of_chunk_.clear();
 }
 

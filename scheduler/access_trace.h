@@ -19,6 +19,10 @@ class AccessTrace {
   static constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 
   void record(TensorId tensor, ChunkId chunk, int64_t non_model_bytes);
+  // The backward pass begins at the next position recorded (the first use in backward). Unset (a
+  // forward-only iteration): backward_start() is size().
+  void mark_backward_start() { backward_start_ = size(); }
+  int64_t backward_start() const { return backward_start_ < 0 ? size() : backward_start_; }
   void clear();
   int64_t size() const { return static_cast<int64_t>(tensors_.size()); }
   bool empty() const { return tensors_.empty(); }
@@ -47,6 +51,7 @@ class AccessTrace {
   std::vector<TensorId> tensors_;
   std::vector<ChunkId> chunks_;
   std::vector<int64_t> non_model_;
+  int64_t backward_start_ = -1;
   std::vector<std::vector<int64_t>> positions_of_chunk_;  // ascending
   std::vector<int64_t> run_end_;
 };

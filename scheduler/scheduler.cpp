@@ -16,6 +16,7 @@ void SchedulerOptions::validate() const {
   TORCH_CHECK(prefetch_depth >= 0, "ferry: prefetch_depth must be >= 0, got ", prefetch_depth);
   TORCH_CHECK(prefetch_window >= 1, "ferry: prefetch_window must be >= 1, got ", prefetch_window);
   TORCH_CHECK(non_model_window >= 1, "ferry: non_model_window must be >= 1, got ", non_model_window);
+  TORCH_CHECK(reshard_min_gap >= 0, "ferry: reshard_min_gap must be >= 0, got ", reshard_min_gap);
   TORCH_CHECK(device_budget_bytes >= 0, "ferry: device budget must be >= 0, got ", device_budget_bytes);
   TORCH_CHECK(device_capacity_bytes >= 0, "ferry: device capacity must be >= 0 (0: unknown), got ",
               device_capacity_bytes);
@@ -55,12 +56,81 @@ int64_t Scheduler::trace_non_model_peak_locked() const {
   return peak;
 }
 
+void Scheduler::set_remote(std::shared_ptr<RemoteChunks> remote) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!in_iteration_, "ferry: Scheduler::set_remote() inside an iteration");
+  remote_ = std::move(remote);
+  releases_planned_ = false;
+}
+
+int64_t Scheduler::trace_version() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return trace_version_;
+}
+
+void Scheduler::allow_forward_releases(int64_t version, bool allow) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!in_iteration_, "ferry: Scheduler::allow_forward_releases() inside an iteration");
+  releases_allowed_for_ = allow ? version : -1;
+}
+
+void Scheduler::plan_releases_locked() {
+  // Per group: its last forward position and its next use after it; released at the first position after
+  // the last forward use when that next use is far enough. Every rank computes the same from the same trace.
+  releases_planned_ = true;
+  release_at_.assign(trace_->size() + 1, {});
+  if (!remote_ || !options_.reshard_after_forward) return;
+  const int64_t start = trace_->backward_start();
+  std::vector<char> done(store_->num_chunks(), 0);
+  for (int64_t p = 0; p < start; ++p) {
+    const ChunkId c = trace_->chunk_at(p);
+    if (done[c]) continue;
+    const std::vector<ChunkId> members = remote_->group(c);
+    int64_t last_forward = -1, next = AccessTrace::kNever;
+    for (ChunkId m : members) {
+      done[m] = 1;
+      for (int64_t q = 0; q < trace_->size(); ++q) {  // O(trace x chunks) once per trace; traces are short
+        if (trace_->chunk_at(q) != m) continue;
+        if (q < start) last_forward = std::max(last_forward, q);
+      }
+    }
+    for (ChunkId m : members) {
+      for (int64_t q = last_forward + 1; q < trace_->size(); ++q) {
+        if (trace_->chunk_at(q) == m) {
+          next = std::min(next, q);
+          break;
+        }
+      }
+    }
+    // A group with no later use is kept: its gradients land in its chunks at the end of backward, which
+    // would fetch it again just for that.
+    const int64_t at = last_forward + 1;
+    if (next != AccessTrace::kNever && next - at >= options_.reshard_min_gap) release_at_[at].push_back(c);
+  }
+}
+
+void Scheduler::release_until_locked(int64_t position) {
+  if (!remote_ || !trace_ || recording_ || diverged_ || releases_allowed_for_ != trace_version_) return;
+  if (!releases_planned_) plan_releases_locked();
+  for (; released_upto_ <= std::min<int64_t>(position, trace_->size()); ++released_upto_) {
+    for (ChunkId c : release_at_[released_upto_]) remote_->release(c);
+  }
+}
+
+void Scheduler::begin_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!in_iteration_) return;
+  if (recording_) recording_->mark_backward_start();
+  release_until_locked(position_);
+}
+
 void Scheduler::begin_iteration() {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_INTERNAL_ASSERT(!in_iteration_, "begin_iteration twice");
   in_iteration_ = true;
   diverged_ = false;
   position_ = 0;
+  released_upto_ = 0;
   current_ = IterationStats{};
   current_.index = iteration_;
   const bool record = !trace_ || retrace_next_ || warmups_done_ < options_.warmup_iterations;
@@ -142,6 +212,10 @@ void Scheduler::pre_use(int64_t param) {
   }
   apply_budget_locked(position);
   const int64_t non_model = recording_ ? non_model_now_locked() : 0;
+  if (remote_) {
+    if (following && !diverged_) release_until_locked(position);
+    if (remote_->remote(chunk_of_param_[param])) remote_->fetch(chunk_of_param_[param]);
+  }
   store_->access(tensor_of_param_[param]);
   if (recording_) recording_->record(param, chunk_of_param_[param], non_model);
   if (following && !diverged_) prefetch_locked(position);
@@ -157,6 +231,10 @@ void Scheduler::prefetch_locked(int64_t position) {
     const ChunkId c = trace_->chunk_at(q);
     if (std::find(seen.begin(), seen.end(), c) != seen.end()) continue;
     seen.push_back(c);
+    if (remote_ && remote_->remote(c)) {  // its group's gather first; the move follows at its use
+      remote_->prefetch(c);
+      continue;
+    }
     if (store_->location(c) == Location::kDevice) continue;
     if (store_->prefetch(c)) ++current_.prefetches;
   }
@@ -194,6 +272,7 @@ IterationStats Scheduler::end_iteration(bool aborted, bool forward_only) {
     trace_forward_only_ = forward_only;
     if (trace_ && retrace_next_) log::info("ferry scheduler: re-traced (", recording_->size(), " accesses)");
     trace_ = recording_;
+    ++trace_version_;
     retrace_next_ = false;
     ++warmups_done_;
     if (warmups_done_ >= options_.warmup_iterations) {
@@ -223,6 +302,7 @@ void Scheduler::finalize_trace_locked() {
   optimal_bytes_ = belady_moves(*trace_, bytes, moment_budget_locked(trace_non_model_peak_locked())).total();
   optimal_for_others_ = store_->device_bytes_elsewhere();
   policy_->set_trace(trace_);
+  releases_planned_ = false;
 }
 
 bool Scheduler::repack_wanted() const {
@@ -233,6 +313,7 @@ bool Scheduler::repack_wanted() const {
 void Scheduler::relayout(ChunkStore& store, std::vector<TensorId> tensor_of_param, std::vector<ChunkId> chunk_of_param) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_INTERNAL_ASSERT(!in_iteration_, "relayout inside an iteration");
+  TORCH_CHECK(!remote_, "ferry: the parameters cannot be repacked while they are sharded across ranks");
   store_ = &store;
   store_budget_ = store_->stats().device.budget_bytes;
   tensor_of_param_ = std::move(tensor_of_param);

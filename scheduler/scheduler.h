@@ -28,6 +28,7 @@
 #include "ferry/scheduler/access_trace.h"
 #include "ferry/scheduler/memory_probe.h"
 #include "ferry/scheduler/opt_policy.h"
+#include "ferry/scheduler/remote_chunks.h"
 
 namespace ferry {
 
@@ -41,6 +42,12 @@ struct SchedulerOptions {
   // trace is followed, the chunk budget at each moment is also capped at capacity - other stores' device bytes -
   // the non-model peak recorded a few positions ahead. 0: unknown, the chunk budget alone limits.
   int64_t device_capacity_bytes = 0;
+  // Sharded parameters (set_remote): give a group of remote chunks up after its last forward use when its
+  // next use (in backward) is at least `reshard_min_gap` trace positions later, and fetch it again
+  // ahead of that use: the compute copy a rank holds stays near the groups in use, for one more
+  // all-gather of those groups per step. Off (or a nearer next use): kept until the step releases it.
+  bool reshard_after_forward = true;
+  int64_t reshard_min_gap = 16;
   void validate() const;
 };
 
@@ -72,7 +79,19 @@ class Scheduler {
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
 
+  // Sharded parameters (null: none): a remote chunk is fetched before its use, and fetched ahead of it
+  // like a prefetched move while the trace is followed. Between iterations.
+  void set_remote(std::shared_ptr<RemoteChunks> remote);
+  // Forward releases (reshard_after_forward) follow the trace, so they need the same trace on every rank:
+  // the caller (HybridAdam, with a collective between steps) confirms it per trace version. Until then
+  // (and for any later trace until confirmed) sharded groups are kept from their first use to the step.
+  int64_t trace_version() const;  // incremented whenever a newly recorded trace is adopted
+  void allow_forward_releases(int64_t trace_version, bool allow);
+
   void begin_iteration();
+  // The backward pass starts (ChunkedModel::backward): recorded in the trace, so that sharded groups are
+  // given up after their forward uses only.
+  void begin_backward();
   // Pre-use hook: follows/records the trace, makes the parameter resident (COMPUTE), prefetches.
   void pre_use(int64_t param);
   // Post-use hook: COMPUTE -> `after`.
@@ -107,6 +126,10 @@ class Scheduler {
 
  private:
   void finalize_trace_locked();
+  // Sharded parameters: release_at_[q]: a chunk of each group given up at position q (the first use after
+  // the group's forward uses), from the trace; built when first needed.
+  void plan_releases_locked();
+  void release_until_locked(int64_t position);
   void prefetch_locked(int64_t position);
   void apply_budget_locked(int64_t position);
   int64_t non_model_now_locked();
@@ -123,6 +146,12 @@ class Scheduler {
   ChunkStore* store_;
   std::shared_ptr<OptEvictionPolicy> policy_;
   std::unique_ptr<MemoryProbe> probe_;
+  std::shared_ptr<RemoteChunks> remote_;
+  std::vector<std::vector<ChunkId>> release_at_;
+  bool releases_planned_ = false;
+  int64_t trace_version_ = 0;
+  int64_t releases_allowed_for_ = -1;  // the trace version confirmed the same on every rank
+  int64_t released_upto_ = 0;  // positions whose releases were made this iteration
   SchedulerOptions options_;
   std::vector<TensorId> tensor_of_param_;
   std::vector<ChunkId> chunk_of_param_;

@@ -11,6 +11,11 @@
 // --frozen-rank=R: rank R's rows give the MLP no gradient (its parameters land on the other ranks only);
 // with world size 1, --emulate-world=N makes the reference: the loss is the mean over the N ranks' rows,
 // rank R's rows frozen.
+// --shard-params=0: every rank keeps every parameter chunk (Note [Sharded parameters] off).
+// --reshard=0 / --reshard-gap=G (default 0: every group given up after forward):
+// SchedulerOptions::reshard_after_forward / reshard_min_gap.
+// --reorder-rank=R: from the second step on, rank R uses the head before the rest in forward (ranks with
+// different use orders once the parameters are sharded).
 // --precision=... and every other ferry option. Prints one line "FERRY_DIST_RESULT key=value ...".
 #include <torch/torch.h>
 
@@ -80,6 +85,7 @@ int run(int argc, char** argv) {
   const std::string save = option(rest, "save", ""), resume = option(rest, "resume", "");
   const int discard_step = std::stoi(option(rest, "discard-step", "-1"));
   const int emulate = std::stoi(option(rest, "emulate-world", "1"));
+  const int reorder_rank = std::stoi(option(rest, "reorder-rank", "-1"));
   TORCH_CHECK(emulate == 1 || config.world_size == 1, "--emulate-world is for the single-process reference");
   TORCH_CHECK(batch % (config.world_size * micro) == 0, "batch must split evenly over ranks and micro-batches");
 
@@ -87,7 +93,10 @@ int run(int argc, char** argv) {
   auto comm = ferry::dist::connect(config);
   torch::manual_seed(7 + config.rank);  // different per rank on purpose: rank 0's values must win
   SmallLm net;
-  ferry::ChunkedModel model(net.ptr(), config);
+  ferry::ChunkedModelOptions model_options;
+  model_options.scheduler.reshard_min_gap = std::stoll(option(rest, "reshard-gap", "0"));
+  model_options.scheduler.reshard_after_forward = option(rest, "reshard", "1") == "1";
+  ferry::ChunkedModel model(net.ptr(), config, std::move(model_options));
   ferry::AdamOptions adam_options;
   adam_options.lr = 1e-2;
   adam_options.weight_decay = 0.1;
@@ -96,6 +105,7 @@ int run(int argc, char** argv) {
   options.accumulate_grads = micro > 1;
   options.device_state_chunks = 1;
   options.communicator = comm;
+  options.shard_params = option(rest, "shard-params", "1") == "1";
   ferry::HybridAdam adam(model, options);
   int first_step = 0;
   if (!resume.empty()) {
@@ -106,8 +116,19 @@ int run(int argc, char** argv) {
   const int64_t rows = batch / config.world_size, micro_rows = rows / micro;
   double loss_sum = 0, grad_norm = 0;
   int64_t evictions = 0, overlapped = 0;
+  int64_t forward_end_bytes = 0;  // parameter chunk bytes present here at the end of the last forward
+  auto present_param_bytes = [&] {
+    int64_t bytes = 0;
+    for (int64_t c = 0; c < model.layout().num_chunks(); ++c) {
+      const ferry::ChunkInfo info = model.store().chunk_info(model.param_chunk(c));
+      if (info.location != ferry::Location::kNone) bytes += info.nbytes;
+    }
+    return bytes;
+  };
+  int64_t ring_before_last = 0;  // ring bytes sent before the last step
   for (int step = first_step; step < steps; ++step) {
     if (step == die_at && config.rank == die_rank) std::_Exit(3);
+    if (step == steps - 1 && comm) ring_before_last = comm->stats().ring_bytes_sent;
     auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + step);
     const torch::Tensor idx = torch::randint(kVocab, {batch, kSeq}, gen, torch::kLong);
     const torch::Tensor target = (idx * 5 + 1) % kVocab;
@@ -116,6 +137,7 @@ int run(int argc, char** argv) {
       const int64_t begin = config.rank * rows + m * micro_rows;
       const torch::Tensor x = idx.slice(0, begin, begin + micro_rows), y = target.slice(0, begin, begin + micro_rows);
       auto loss = model.forward([&] {
+        if (config.rank == reorder_rank && step >= 1) (void)net->head(torch::zeros({1, kDim}));  // after sharding
         auto ce = [&](const torch::Tensor& xs, const torch::Tensor& ys, bool frozen) {
           return torch::nn::functional::cross_entropy(net->forward(xs, frozen).reshape({-1, kVocab}), ys.reshape({-1}));
         };
@@ -128,6 +150,7 @@ int run(int argc, char** argv) {
         }
         return sum / (emulate * micro);
       });
+      forward_end_bytes = present_param_bytes();
       loss_sum += loss.item<double>();
       if (m + 1 < micro) {
         model.backward(loss);
@@ -150,15 +173,20 @@ int run(int argc, char** argv) {
   }
   if (!save.empty()) adam.save(save);
   const ferry::ChunkStoreStats ss = adam.state_store().stats();
-  int64_t param_chunk_bytes = 0;
+  int64_t param_chunk_bytes = 0;  // all parameter chunks
   for (int64_t c = 0; c < model.layout().num_chunks(); ++c) {
     param_chunk_bytes += model.store().chunk_info(model.param_chunk(c)).nbytes;
   }
+  const int64_t param_held_bytes = present_param_bytes();  // those with a payload here after the last step
+  const auto shards = adam.param_shards();
+  const ferry::dist::ParamShardStats ps = shards ? shards->stats() : ferry::dist::ParamShardStats{};
+  const ferry::dist::CommStats cs = comm ? comm->stats() : ferry::dist::CommStats{};  // training's, not the checks'
   ferry::NamedTensors weights = adam.state_dict();  // gathers the masters from their owners
+  ferry::NamedTensors compute = model.state_dict();  // the compute copy, every chunk fetched (a collective too)
   if (!out.empty()) {
     std::ofstream f(out + "/rank" + std::to_string(config.rank) + ".bin", std::ios::binary);
     for (int64_t p = 0; p < model.num_params(); ++p) {
-      const torch::Tensor v = model.param_values(p).to(torch::kCPU, torch::kFloat).contiguous();
+      const torch::Tensor v = compute[p].second.to(torch::kFloat).contiguous();
       // The compute copy is its master rounded to the compute dtype (fp32: the master itself).
       const torch::Tensor rounded = weights[p].second.to(model.compute_dtype()).to(torch::kFloat);
       TORCH_CHECK(torch::equal(v, rounded), "parameter ", p, " differs from its master");
@@ -166,12 +194,14 @@ int run(int argc, char** argv) {
     }
     TORCH_CHECK(f.good(), "could not write ", out);
   }
-  const ferry::dist::CommStats cs = comm ? comm->stats() : ferry::dist::CommStats{};
   std::cout << "FERRY_DIST_RESULT rank=" << config.rank << " world=" << config.world_size
-            << " chunks=" << model.layout().num_chunks() << " param_chunk_bytes=" << param_chunk_bytes
+            << " chunks=" << model.layout().num_chunks() << " param_chunk_bytes=" << param_chunk_bytes << " param_held_bytes=" << param_held_bytes
+            << " forward_end_bytes=" << forward_end_bytes << " gathers=" << ps.gathers << " prefetched=" << ps.prefetched
+            << " released=" << ps.released_chunks << " groups=" << (shards ? shards->num_groups() : 0)
             << " state_bytes=" << ss.host.current_bytes + ss.device.current_bytes
             << " state_device_bytes=" << ss.device.current_bytes << " evictions=" << evictions
-            << " ring_bytes=" << cs.ring_bytes_sent << " overlapped=" << overlapped << " steps=" << steps << " grad_norm=" << grad_norm
+            << " ring_bytes=" << cs.ring_bytes_sent
+            << " last_step_ring_bytes=" << cs.ring_bytes_sent - ring_before_last << " overlapped=" << overlapped << " steps=" << steps << " grad_norm=" << grad_norm
             << " loss=" << loss_sum << std::endl;
   return 0;
 }

@@ -204,7 +204,8 @@ void expect_equals_one_process(int world, const std::vector<std::string>& extra,
   const bool accumulate = std::find(extra.begin(), extra.end(), std::string("--micro=2")) != extra.end();
   const double roles = accumulate ? 4 : 3;
   const double sharded = single_state * 3 / roles, replicated = single_state - sharded;
-  double held = 0;
+  double held = 0, params_held = 0;
+  const bool shard_params = std::find(extra.begin(), extra.end(), std::string("--shard-params=0")) == extra.end();
   for (int r = 0; r < world; ++r) {
     const std::vector<float> mine = read_params(dir + "/rank" + std::to_string(r) + ".bin");
     ASSERT_EQ(mine.size(), reference.size());
@@ -221,16 +222,27 @@ void expect_equals_one_process(int world, const std::vector<std::string>& extra,
     EXPECT_GT(res["evictions"], 0) << "the budget must force evictions";
     EXPECT_GT(res["ring_bytes"], 0);
     held += res["state_bytes"];
+    params_held += res["param_held_bytes"];
+    if (shard_params) {  // after the last step: only its own parameter chunks (Note [Sharded parameters])
+      EXPECT_LT(res["param_held_bytes"], res["param_chunk_bytes"]) << "rank " << r;
+    } else {
+      EXPECT_EQ(res["param_held_bytes"], res["param_chunk_bytes"]) << "rank " << r;
+    }
     // Rank r holds the state of member r of each group of `world` chunks, nothing more.
     const double chunks = res["chunks"];
     const double groups_held = std::ceil((chunks - r) / world);
     EXPECT_NEAR(res["state_bytes"], sharded * groups_held / chunks + replicated, 1) << "rank " << r;
   }
-  // Every sharded state byte exists once across the ranks.
+  // Every sharded state byte exists once across the ranks; so does every parameter chunk byte.
   EXPECT_NEAR(held, sharded + replicated * world, 1) << describe(ranks);
+  const double param_bytes = result_of(ranks[0])["param_chunk_bytes"];
+  EXPECT_EQ(params_held, shard_params ? param_bytes : param_bytes * world) << describe(ranks);
 }
 
 TEST(Dist, TwoRanksEqualOneProcessOnTheConcatenatedBatch) { expect_equals_one_process(2, {}); }
+
+// Replicated parameter chunks (the step all-gathers the new values) give the same result.
+TEST(Dist, TwoRanksWithReplicatedParametersEqualOneProcess) { expect_equals_one_process(2, {"--shard-params=0"}); }
 
 // zero_grad() after backward discards the gradients: the chunks this rank does not own get their
 // values back from their owners.
@@ -244,14 +256,17 @@ TEST(Dist, AParameterWithoutGradientOnSomeRanksEqualsOneProcess) {
   expect_equals_one_process(2, {"--frozen-rank=1"}, {"--emulate-world=2"});
 }
 
-TEST(Dist, TwoRanksBackwardStepEqualsOneProcess) { expect_equals_one_process(2, {"--api=backward_step"}); }
+// (A tighter budget: with groups given up after forward, the default one leaves room for every chunk.)
+TEST(Dist, TwoRanksBackwardStepEqualsOneProcess) {
+  expect_equals_one_process(2, {"--api=backward_step", "--device-budget=20480"});
+}
 
 // backward_step pipelines the step into backward across ranks (each group's reduce-scatter and its
 // owner's host Adam start when the group is final): the same parameters as backward() + step(), bit
 // for bit, on every rank. With a rank whose landings differ it must not pipeline (groups would complete
 // in different orders), and stays right.
 TEST(Dist, PipelinedBackwardStepEqualsBackwardThenStepBitForBit) {
-  for (const std::vector<std::string> extra : {std::vector<std::string>{}, {"--frozen-rank=1"}}) {
+  for (const std::vector<std::string>& extra : {std::vector<std::string>{}, {"--frozen-rank=1"}}) {
     const std::string stepped = temp_dir(), pipelined = temp_dir();
     auto args = [&](const std::string& dir, const std::string& api) {
       std::vector<std::string> a{"--out=" + dir, "--steps=6", "--batch=8", "--api=" + api};
@@ -274,6 +289,54 @@ TEST(Dist, PipelinedBackwardStepEqualsBackwardThenStepBitForBit) {
     } else {
       EXPECT_EQ(overlapped, 0) << "pipelined although the ranks' landings differ\n" << describe(b);
     }
+  }
+}
+
+// Note [Sharded parameters]: between steps a rank keeps only its own parameter chunks; each group is
+// gathered ahead of its use (prefetched from the trace after the first one), given up after forward and
+// gathered again for backward (reshard after forward), or kept until the step (--reshard=0): then each
+// parameter byte is gathered once and reduced once per step, as many bytes as replicated chunks send.
+TEST(Dist, ShardedParametersAreGatheredAheadAndGivenUpAfterUse) {
+  const std::vector<std::string> common{"--steps=6", "--batch=8"};
+  auto with = [&](std::vector<std::string> args) {
+    args.insert(args.end(), common.begin(), common.end());
+    return args;
+  };
+  const auto reshard = run_world(2, with({}));
+  const auto kept = run_world(2, with({"--reshard=0"}));
+  const auto replicated = run_world(2, with({"--shard-params=0"}));
+  for (const auto* run : {&reshard, &kept, &replicated}) {
+    for (const Proc& p : *run) ASSERT_EQ(p.exit_code, 0) << describe(*run);
+  }
+  for (int r = 0; r < 2; ++r) {
+    auto a = result_of(reshard[r]), k = result_of(kept[r]), rep = result_of(replicated[r]);
+    const double groups = a["groups"], gathered_steps = 5;  // the first step shards; 5 steps gather
+    ASSERT_GT(groups, 1);
+    EXPECT_EQ(a["gathers"], 2 * groups * gathered_steps) << "rank " << r << ": once for forward, once for backward";
+    EXPECT_EQ(k["gathers"], groups * gathered_steps) << "rank " << r;
+    EXPECT_GT(a["prefetched"], 0) << "no gather was started ahead of its use";
+    EXPECT_GT(k["prefetched"], 0);
+    // At the end of forward, reshard keeps the rank's own chunks and at most the other members of the
+    // last group used (given up as backward begins); kept, every chunk.
+    const double chunk_bytes = 4096;  // the worker's chunk size
+    EXPECT_LE(a["forward_end_bytes"], a["param_held_bytes"] + chunk_bytes) << "rank " << r;
+    EXPECT_LT(a["forward_end_bytes"], a["param_chunk_bytes"]);
+    EXPECT_EQ(k["forward_end_bytes"], k["param_chunk_bytes"]) << "rank " << r;
+    // Bytes of one step: kept sends what replicated chunks send (one all-gather + one reduce-scatter per
+    // group; + 8 bytes per chunk of group index), reshard one more all-gather.
+    EXPECT_NEAR(k["last_step_ring_bytes"], rep["last_step_ring_bytes"], 0.01 * rep["last_step_ring_bytes"]);
+    EXPECT_GT(a["last_step_ring_bytes"], 1.3 * k["last_step_ring_bytes"]);
+    EXPECT_LT(a["last_step_ring_bytes"], 1.6 * k["last_step_ring_bytes"]);
+  }
+}
+
+// Ranks that use the parameters in different orders would gather different groups at once: every rank
+// fails with a message that says so, never mixing parameters up.
+TEST(Dist, RanksUsingParametersInDifferentOrdersFailClearly) {
+  const auto ranks = run_world(2, {"--steps=3", "--reorder-rank=1"});
+  for (const Proc& p : ranks) {
+    EXPECT_EQ(p.exit_code, 1) << describe(ranks);
+    EXPECT_NE(p.err.find("the ranks use the parameters in different orders"), std::string::npos) << describe(ranks);
   }
 }
 

@@ -3,6 +3,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <string>
+#include <vector>
+
 #include "ferry/scheduler/access_trace.h"
 #include "ferry/scheduler/opt_policy.h"
 #include "ferry/scheduler/scheduler.h"
@@ -271,6 +275,121 @@ TEST(SchedulerOptions, BadValuesAreRejected) {
   o.device_capacity_bytes = -1;
   EXPECT_THROW(o.validate(), c10::Error);
   EXPECT_NO_THROW(SchedulerOptions{}.validate());
+}
+
+// Sharded parameters through the scheduler, with a stand-in for dist::ParamShards: groups {0, 1} and
+// {2, 3}, none owned here; what it is asked, in order.
+struct FakeRemote final : RemoteChunks {
+  explicit FakeRemote(ChunkStore& store) : store(store) {}
+  static int64_t group_of(ChunkId c) { return c / 2; }
+  bool remote(ChunkId c) const override { return !present[group_of(c)]; }
+  void fetch(ChunkId c) override {
+    const int64_t g = group_of(c);
+    if (present[g]) return;
+    log.push_back("fetch " + std::to_string(g));
+    for (ChunkId m : group(c)) {
+      if (store.location(m) == Location::kNone) store.allocate_payload(m, Location::kHost);
+      for (TensorId t : store.chunk_info(m).tensors) store.set_state(t, TensorState::kHold);
+    }
+    present[g] = true;
+  }
+  void prefetch(ChunkId c) override { log.push_back("prefetch " + std::to_string(group_of(c))); }
+  std::vector<ChunkId> group(ChunkId c) const override { return {group_of(c) * 2, group_of(c) * 2 + 1}; }
+  void release(ChunkId c) override {
+    log.push_back("release " + std::to_string(group_of(c)));
+    for (ChunkId m : group(c)) store.retire(m);
+    present[group_of(c)] = false;
+  }
+  bool any_remote() const override { return !present[0] || !present[1]; }
+  void fetch_all() override { fetch(0), fetch(2); }
+  void release_all() override {
+    for (ChunkId c : {0, 2}) {
+      for (ChunkId m : group(c)) {
+        if (store.location(m) != Location::kNone) store.retire(m);
+      }
+      present[group_of(c)] = false;
+    }
+  }
+  ChunkStore& store;
+  bool present[2] = {true, true};
+  std::vector<std::string> log;
+};
+
+// One iteration: forward over `fwd`, then backward over `bwd`.
+void run_with_backward(Fixture& f, const std::vector<int64_t>& fwd, const std::vector<int64_t>& bwd) {
+  f.scheduler->begin_iteration();
+  for (int64_t p : fwd) {
+    f.scheduler->pre_use(p);
+    f.scheduler->post_use(p, TensorState::kHoldAfterFwd);
+  }
+  f.scheduler->begin_backward();
+  for (int64_t p : bwd) {
+    f.scheduler->pre_use(p);
+    f.scheduler->post_use(p, TensorState::kHoldAfterBwd);
+  }
+  f.last = f.scheduler->end_iteration();
+}
+
+TEST(Scheduler, RemoteGroupsAreFetchedBeforeUsePrefetchedAndGivenUpAfterForward) {
+  Fixture f(/*budget=*/0);
+  const std::vector<int64_t> fwd = {0, 1, 2, 3}, bwd = {3, 2, 1, 0};
+  run_with_backward(f, fwd, bwd);  // warm-up: the trace, with where backward starts
+  f.scheduler->relayout(*f.store, {0, 1, 2, 3}, {0, 1, 2, 3});
+  EXPECT_EQ(f.scheduler->trace()->backward_start(), 4);
+  auto remote = std::make_shared<FakeRemote>(*f.store);
+  f.scheduler->set_remote(remote);
+  remote->release_all();
+  // Not confirmed the same on every rank: fetched before use, the next group ahead, nothing given up.
+  run_with_backward(f, fwd, bwd);
+  EXPECT_EQ(remote->log, (std::vector<std::string>{"fetch 0", "prefetch 1", "fetch 1"}));
+  // Confirmed (reshard_min_gap 16 by default): the gap from forward to backward is too short here.
+  f.scheduler->allow_forward_releases(f.scheduler->trace_version(), true);
+  remote->release_all();
+  remote->log.clear();
+  run_with_backward(f, fwd, bwd);
+  EXPECT_EQ(remote->log, (std::vector<std::string>{"fetch 0", "prefetch 1", "fetch 1"}));
+}
+
+TEST(Scheduler, RemoteGroupsWithAFarNextUseAreGivenUpAfterForwardAndFetchedAgain) {
+  Fixture f(/*budget=*/0);
+  // Rebuilt with reshard_min_gap 1: group 0's next use (position 6) is 4 after its forward (ends at
+  // 1); group 1's (position 4) directly follows its forward: kept.
+  SchedulerOptions so;
+  so.prefetch_depth = 1;
+  so.reshard_min_gap = 1;
+  f.scheduler = std::make_unique<Scheduler>(*f.store, f.policy, make_memory_probe(DeviceKind::kSimulated), so,
+                                            std::vector<TensorId>{0, 1, 2, 3}, std::vector<ChunkId>{0, 1, 2, 3});
+  const std::vector<int64_t> fwd = {0, 1, 2, 3}, bwd = {3, 2, 1, 0};
+  run_with_backward(f, fwd, bwd);
+  f.scheduler->relayout(*f.store, {0, 1, 2, 3}, {0, 1, 2, 3});
+  auto remote = std::make_shared<FakeRemote>(*f.store);
+  f.scheduler->set_remote(remote);
+  f.scheduler->allow_forward_releases(f.scheduler->trace_version(), true);
+  remote->release_all();
+  run_with_backward(f, fwd, bwd);
+  EXPECT_EQ(remote->log, (std::vector<std::string>{"fetch 0", "prefetch 1", "release 0", "fetch 1", "prefetch 0",
+                                                   "fetch 0"}));
+  // A newer trace is not confirmed yet: nothing is given up until it is.
+  run_with_backward(f, {0, 1, 3}, {3, 1, 0});  // diverges: re-traced next
+  run_with_backward(f, {0, 1, 3}, {3, 1, 0});
+  remote->release_all();
+  remote->log.clear();
+  run_with_backward(f, {0, 1, 3}, {3, 1, 0});
+  EXPECT_EQ(std::count(remote->log.begin(), remote->log.end(), "release 0"), 0) << "released on an unconfirmed trace";
+  f.scheduler->allow_forward_releases(f.scheduler->trace_version(), true);
+  remote->release_all();
+  remote->log.clear();
+  run_with_backward(f, {0, 1, 3}, {3, 1, 0});
+  EXPECT_EQ(std::count(remote->log.begin(), remote->log.end(), "release 0"), 1);
+  // Groups not used again after forward keep their chunks (their gradients land there).
+  run_with_backward(f, {1, 0, 3}, {3});  // diverges
+  run_with_backward(f, {1, 0, 3}, {3});  // re-traced
+  f.scheduler->allow_forward_releases(f.scheduler->trace_version(), true);
+  remote->release_all();
+  remote->log.clear();
+  run_with_backward(f, {1, 0, 3}, {3});
+  ASSERT_FALSE(f.last.diverged);
+  EXPECT_EQ(std::count(remote->log.begin(), remote->log.end(), "release 0"), 0);
 }
 
 }  // namespace

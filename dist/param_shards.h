@@ -1,0 +1,96 @@
+#pragma once
+// ParamShards: the parameter chunks sharded across the ranks in groups of chunks (Note [Sharded
+// parameters], docs/ARCHITECTURE.md D45). The N ranks' chunks form groups of N consecutive layout
+// chunks; rank r owns member r of each group (chunk i with i % N == r), the same ownership as the
+// optimizer state's (Note [Sharded optimizer state] in cpu_adam/hybrid_adam.h), so a chunk's owner holds
+// both its parameters and their optimizer state.
+//
+//  - An owned chunk always has its payload (on the device or the host, as the scheduler places it): the
+//    owner's optimizer writes its updated values there.
+//  - A chunk owned by another rank is remote between iterations: no payload, its tensors FREE. Its
+//    group is fetched by one all-gather (every rank sends the chunk it owns) before its first use, or
+//    earlier when the scheduler prefetches it from the trace; the gather runs asynchronously on the
+//    backend's threads (Gloo's) and lands in host payloads, from where the scheduler moves the chunks
+//    to the device like any other.
+//  - A group is given up (release()) when the scheduler sees its forward uses are over and its next use
+//    is far (SchedulerOptions::reshard_after_forward; fetched again for backward), and once its
+//    gradients have been reduce-scattered to their owners: during backward by HybridAdam's pipelined
+//    step, else by the step (release_all()). Kept from forward to backward, each parameter byte is
+//    gathered once and reduced once per step: 2 (N-1)/N x parameter bytes per rank, the floor; released
+//    after forward, it is gathered twice: 3 (N-1)/N, for a compute copy that never exceeds the groups
+//    in use (D45).
+//  - Each rank's contribution carries the group index; a rank that gathers a different group (the ranks
+//    used the parameters in different orders) makes every rank fail naming both groups, instead of
+//    mixing up parameters.
+//
+// Contract: thread-safe (an internal mutex); fetches are collectives (scheduler/remote_chunks.h). The
+// store and the communicator must outlive this object; a gather in flight is waited for on destruction.
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "ferry/chunk/chunk_store.h"
+#include "ferry/dist/communicator.h"
+#include "ferry/scheduler/remote_chunks.h"
+
+namespace ferry::dist {
+
+struct ParamShardStats {
+  int64_t gathers = 0;           // group all-gathers (count)
+  int64_t prefetched = 0;        // ... of them started by prefetch() (count)
+  int64_t waited = 0;            // fetches that found their gather still running (count)
+  int64_t wait_ns = 0;           // time blocked on gathers in fetch()
+  int64_t gathered_bytes = 0;    // payload bytes received from other ranks
+  int64_t released_chunks = 0;   // payloads given up (count)
+};
+
+class ParamShards final : public RemoteChunks {
+ public:
+  // chunks[i]: layout chunk i's id in `store`. Every chunk starts present.
+  ParamShards(ChunkStore& store, std::vector<ChunkId> chunks, std::shared_ptr<Communicator> comm);
+  ~ParamShards() override;
+  ParamShards(const ParamShards&) = delete;
+  ParamShards& operator=(const ParamShards&) = delete;
+
+  bool remote(ChunkId chunk) const override;
+  void fetch(ChunkId chunk) override;
+  void prefetch(ChunkId chunk) override;
+  std::vector<ChunkId> group(ChunkId chunk) const override;
+  void release(ChunkId chunk) override;
+  bool any_remote() const override;
+  void fetch_all() override;
+  void release_all() override;
+
+  // Layout chunk `index` is this rank's.
+  bool owned(int64_t index) const { return index % world_ == rank_; }
+  int64_t num_groups() const { return (static_cast<int64_t>(chunks_.size()) + world_ - 1) / world_; }
+  // Payload bytes of the parameter chunks present here now (owned and fetched).
+  int64_t present_bytes() const;
+  ParamShardStats stats() const;
+
+ private:
+  struct Flight {
+    std::unique_ptr<Pending> pending;
+    at::Tensor out;  // world x segment bytes
+  };
+  int64_t group_of(ChunkId chunk) const;
+  int64_t segment_bytes(int64_t group) const;  // the largest chunk's bytes + the 8-byte group index
+  void start_locked(int64_t group, bool prefetch);
+  void fetch_locked(int64_t group);
+  void release_group_locked(int64_t group);
+  void install_locked(int64_t group, const at::Tensor& out);
+
+  mutable std::mutex mutex_;
+  ChunkStore& store_;
+  std::vector<ChunkId> chunks_;
+  std::vector<int64_t> index_of_;  // ChunkId -> layout index (-1: not a parameter chunk)
+  std::shared_ptr<Communicator> comm_;
+  int rank_ = 0, world_ = 1;
+  int64_t segment_bytes_ = 0;
+  std::vector<char> present_;      // per group: every member has its payload here
+  std::vector<Flight> flights_;    // per group
+  ParamShardStats stats_;
+};
+
+}  // namespace ferry::dist
