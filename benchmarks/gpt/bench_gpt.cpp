@@ -4,7 +4,8 @@
 //
 //   bench_gpt [--preset=small] [--batch=8] [--seq=256] [--steps=5] [--warmup-steps=2]
 //             [--checkpoint-activations] [--no-baseline] [--find-max] [--trace=FILE.json] [--commit=SHA]
-//             [--unpipelined] + ferry options   (--trace: a Chrome trace of the last measured step)
+//             [--unpipelined] [--replicate-params] [--keep-gathered] [--reshard-gap=16]
+//             + ferry options   (--trace: a Chrome trace of the last measured step)
 //
 // The step is HybridAdam::backward_step (the pipelined step, Note [Pipelined step]); --unpipelined runs
 // model.backward() + adam.step() instead. Per step it splits the time into forward, backward and
@@ -17,6 +18,10 @@
 // It also measures the interception overhead in ns per op (an op on a managed parameter inside
 // ChunkedModel's scope against the same op on a plain tensor).
 // --find-max: the largest preset (in parameter count) that trains 3 steps within the given budgets.
+// Under torchrun (world size > 1) the parameter chunks are sharded (Note [Sharded parameters]);
+// --replicate-params keeps every chunk on every rank, --keep-gathered keeps a gathered group to the step
+// instead of giving it up after forward; the "dist" section reports bytes sent against the floor and
+// the parameter and state bytes per rank between steps and at the peak.
 // Baseline: on CUDA bf16 autocast + fused AdamW; on the CPU fp32 + torch::optim::AdamW.
 #include <ferry/ferry.h>
 #include <torch/cuda.h>
@@ -44,6 +49,8 @@ struct Args {
   std::string preset = "small", commit = "unknown", trace;
   int64_t batch = 8, seq = 256, steps = 5, warmup_steps = 2;
   bool checkpoint = false, baseline = true, find_max = false, init_scope = false, unpipelined = false;
+  bool replicate_params = false, keep_gathered = false;  // world size > 1: Note [Sharded parameters] off / no reshard
+  int64_t reshard_gap = 16;
 };
 
 // Peak resident set of this process so far (getrusage; Linux reports KiB).
@@ -110,6 +117,9 @@ struct FerryResult {
   // Data parallelism (world size > 1), per measured step: bytes this rank sent as the ring algorithm
   // sends them (dist::CommStats), collectives, time in them; the parameter chunks' bytes.
   double ring_bytes = 0, collectives = 0, comm_s = 0, param_chunk_bytes = 0;
+  // Parameter chunk bytes present on this rank (sharded: its own + those gathered now): after the last
+  // step, and the largest seen at the end of a measured forward or backward. Group gathers per step.
+  double param_bytes_between_steps = 0, param_bytes_peak = 0, gathers = 0;
 };
 
 ferry::MoveStats sum_moves(const ferry::MoveStats& x, const ferry::MoveStats& y) {
@@ -121,6 +131,16 @@ ferry::MoveStats sum_moves(const ferry::MoveStats& x, const ferry::MoveStats& y)
   m.sync_count = x.sync_count + y.sync_count;
   m.background_sync_count = x.background_sync_count + y.background_sync_count;
   return m;
+}
+
+// Bytes of the parameter chunks that have a payload in this process now.
+double present_param_bytes(ferry::ChunkedModel& model) {
+  double bytes = 0;
+  for (int64_t c = 0; c < model.layout().num_chunks(); ++c) {
+    const ferry::ChunkInfo info = model.store().chunk_info(model.param_chunk(c));
+    if (info.location != ferry::Location::kNone) bytes += static_cast<double>(info.nbytes);
+  }
+  return bytes;
 }
 
 FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config config, bool cuda,
@@ -139,12 +159,16 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
       return ferry::checkpoint([b](const std::vector<at::Tensor>& in) mutable { return b->forward(in[0]); }, {x});
     };
   }
-  ferry::ChunkedModel model(net, config);
+  ferry::ChunkedModelOptions model_options;
+  model_options.scheduler.reshard_after_forward = !a.keep_gathered;
+  model_options.scheduler.reshard_min_gap = a.reshard_gap;
+  ferry::ChunkedModel model(net, config, std::move(model_options));
   ferry::AdamOptions o;
   o.lr = 1e-4;
   o.weight_decay = 0.1;
   ferry::HybridAdamOptions adam_options = ferry::HybridAdamOptions::no_decay_for_bias_and_norm(o);
   adam_options.communicator = comm;  // null: one process
+  adam_options.shard_params = !a.replicate_params;
   ferry::HybridAdam adam(model, adam_options);
   const c10::Device device = model.store().device();
   std::mt19937_64 rng(7 + config.rank);  // each rank its own batches
@@ -176,14 +200,18 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     auto loss = model.forward([&] { return gpt::GptImpl::loss(net->forward(x), y); });
     sync(cuda);
     const double f = since(t0);
+    const double present_after_forward = present_param_bytes(model);
     const int64_t activations = allocated_bytes(cuda) - before_forward;
     auto t1 = Clock::now();
     ferry::StepResult step;
     double b = 0, o_s = 0;
+    double present_after_backward = 0;
+    const auto shards_before = adam.param_shards() ? adam.param_shards()->stats() : ferry::dist::ParamShardStats{};
     if (a.unpipelined) {
       model.backward(loss);
       sync(cuda);
       b = since(t1);
+      present_after_backward = present_param_bytes(model);
       auto t2 = Clock::now();
       step = adam.step();
       adam.zero_grad();
@@ -209,6 +237,10 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
               << " s, opt " << o_s << " s, loss " << l << ", moved " << ferry::format_bytes(it.h2d_bytes + it.d2h_bytes)
               << "\n";
     if (!measured) continue;
+    r.param_bytes_peak = std::max({r.param_bytes_peak, present_after_forward, present_after_backward});
+    if (adam.param_shards()) {
+      r.gathers += static_cast<double>(adam.param_shards()->stats().gathers - shards_before.gathers) / a.steps;
+    }
     if (r.loss_first == 0) r.loss_first = l;
     r.loss_last = l;
     r.activation_bytes = std::max(r.activation_bytes, static_cast<double>(activations));
@@ -236,6 +268,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   for (int64_t c = 0; c < model.layout().num_chunks(); ++c) {
     r.param_chunk_bytes += static_cast<double>(model.store().chunk_info(model.param_chunk(c)).nbytes);
   }
+  r.param_bytes_between_steps = present_param_bytes(model);
   const auto ms = model.store().stats();
   const auto ss = adam.state_store().stats();
   r.device_peak = static_cast<double>(ms.device.peak_bytes + ss.device.peak_bytes);
@@ -439,6 +472,10 @@ int run(int argc, char** argv) {
       .add_flag("no-baseline", &no_baseline, "skip the unwrapped baseline")
       .add_flag("unpipelined", &a.unpipelined, "model.backward() + adam.step() instead of adam.backward_step()")
       .add_flag("find-max", &a.find_max, "find the largest preset that trains")
+      .add_flag("replicate-params", &a.replicate_params, "world size > 1: every rank keeps every parameter chunk")
+      .add_flag("keep-gathered", &a.keep_gathered, "world size > 1: keep gathered groups from forward to the step")
+      .add("reshard-gap", &a.reshard_gap, "world size > 1: give a group up after forward if its next use is at "
+           "least this many trace positions later (default 16)", 0)
       .add("commit", &a.commit, "commit id recorded in the JSON")
       .add("trace", &a.trace, "Chrome trace of the last measured step into FILE.json (FILE-rankR.json per rank)");
   options.parse(rest);
@@ -546,10 +583,15 @@ int run(int argc, char** argv) {
         << ", \"chunk_floor_bytes_per_step\": " << 2 * share * f.param_chunk_bytes
         << ", \"collectives_per_step\": " << f.collectives << ", \"comm_s_per_step\": " << f.comm_s
         << ", \"optimizer_state_bytes_this_rank\": " << f.state_device + f.state_host
-        // Memory per rank against full sharding (parameters and state, each 1/N): the compute copy is
-        // still replicated (docs/ARCHITECTURE.md D44).
+        << ", \"params\": \"" << (a.replicate_params ? "replicated" : a.keep_gathered ? "sharded, kept gathered to the step"
+                                                                  : "sharded, given up after forward") << "\""
+        << ", \"reshard_gap\": " << a.reshard_gap << ", \"group_gathers_per_step\": " << f.gathers
+        // Memory per rank against full sharding (parameters and state, each 1/N; D45).
         << ", \"memory_per_rank\": {\"parameter_chunk_bytes_per_param\": " << f.param_chunk_bytes / n
+        << ", \"parameter_bytes_per_param_between_steps\": " << f.param_bytes_between_steps / n
+        << ", \"parameter_bytes_per_param_peak\": " << f.param_bytes_peak / n
         << ", \"state_bytes_per_param\": " << (f.state_device + f.state_host) / n
+        << ", \"between_steps_bytes_per_param\": " << (f.param_bytes_between_steps + f.state_device + f.state_host) / n
         << ", \"fully_sharded_bytes_per_param\": " << (elem + 12.0) / world << "}}";
   }
   StepTimes b;
