@@ -196,6 +196,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     const int64_t before_forward = allocated_bytes(cuda);
     const ferry::MoveStats moves_before = sum_moves(model.store().stats().moves, adam.state_store().stats().moves);
     const ferry::dist::CommStats comm_before = comm ? comm->stats() : ferry::dist::CommStats{};
+    const auto shards_before = adam.param_shards() ? adam.param_shards()->stats() : ferry::dist::ParamShardStats{};
     auto t0 = Clock::now();
     auto loss = model.forward([&] { return gpt::GptImpl::loss(net->forward(x), y); });
     sync(cuda);
@@ -206,7 +207,6 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     ferry::StepResult step;
     double b = 0, o_s = 0;
     double present_after_backward = 0;
-    const auto shards_before = adam.param_shards() ? adam.param_shards()->stats() : ferry::dist::ParamShardStats{};
     if (a.unpipelined) {
       model.backward(loss);
       sync(cuda);
