@@ -59,9 +59,10 @@ std::string errno_text() { return std::strerror(errno); }
 // An fd written whole, fsync'd and closed with every error checked.
 class DurableFile {
  public:
-  explicit DurableFile(std::string path) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    TORCH_CHECK(fd_ >= 0, "ferry: cannot create ", path_, ": ", errno_text());
+  // Creates (truncates) the file; with `existing`, opens one another process created for writing.
+  explicit DurableFile(std::string path, bool existing = false) : path_(std::move(path)) {
+    fd_ = ::open(path_.c_str(), existing ? O_WRONLY | O_CLOEXEC : O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    TORCH_CHECK(fd_ >= 0, "ferry: cannot ", existing ? "open " : "create ", path_, ": ", errno_text());
   }
   ~DurableFile() {
     if (fd_ >= 0) ::close(fd_);
@@ -90,6 +91,7 @@ class DurableFile {
       n -= static_cast<size_t>(w);
     }
   }
+  int fd() const { return fd_; }
   void sync_and_close() {
     TORCH_CHECK(::fsync(fd_) == 0, "ferry: fsync of ", path_, " failed: ", errno_text());
     const int fd = fd_;
@@ -166,19 +168,16 @@ int64_t first_bad_value(const float* x, int64_t n, bool non_negative) {
   return -1;
 }
 
-// The CRC-32C of the first `bytes` bytes of a file, read in blocks.
-uint32_t crc_of_file(const std::string& path, int64_t bytes) {
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
-  TORCH_CHECK(f, "ferry: cannot open ", path, ": ", errno_text());
-  std::vector<float> block(kBlockFloats);
-  uint32_t crc = 0;
-  for (int64_t done = 0; done < bytes;) {
-    const size_t n = static_cast<size_t>(std::min<int64_t>(kBlockFloats * sizeof(float), bytes - done));
-    TORCH_CHECK(std::fread(block.data(), 1, n, f.get()) == n, "ferry: reading back ", path, " failed");
-    crc = crc32c_extend(crc, block.data(), n);
-    done += static_cast<int64_t>(n);
-  }
-  return crc;
+// A state slot as it is written: a contiguous CPU copy, refused (naming it) unless finite and, for a
+// second moment, non-negative.
+at::Tensor savable(const at::Tensor& slot, int role, bool second_moment, const std::string& param) {
+  at::Tensor t = slot.to(at::kCPU).contiguous();
+  const float* x = t.data_ptr<float>();
+  const int64_t bad = first_bad_value(x, t.numel(), second_moment);
+  TORCH_CHECK(bad < 0, "ferry: refusing to save a checkpoint with ", kRoleNames[role], " of parameter ", param, " = ",
+              bad < 0 ? 0.0f : x[bad], " at element ", bad,
+              " (the training state is not finite); the directory keeps its previous checkpoint");
+  return t;
 }
 
 int64_t next_generation(const std::string& dir) {
@@ -550,12 +549,8 @@ void HybridAdam::save(const std::string& dir) {
       int64_t role_bytes = 0;
       for (int64_t p = 0; p < model_.num_params(); ++p) {
         // One parameter at a time: at most one slot is ever copied off the device.
-        at::Tensor t = state_->view(r, p).to(at::kCPU).contiguous();
+        const at::Tensor t = savable(state_->view(r, p), r, r == kExpAvgSqRole, model_.param_name(p));
         const float* x = t.data_ptr<float>();
-        const int64_t bad = first_bad_value(x, t.numel(), r == kExpAvgSqRole);
-        TORCH_CHECK(bad < 0, "ferry: refusing to save a checkpoint with ", kRoleNames[r], " of parameter ",
-                    model_.param_name(p), " = ", bad < 0 ? 0.0f : x[bad], " at element ", bad,
-                    " (the training state is not finite); the directory keeps its previous checkpoint");
         const size_t n = static_cast<size_t>(t.numel()) * sizeof(float);
         crc = crc32c_extend(crc, x, n);
         f.write(x, n);
@@ -574,74 +569,115 @@ void HybridAdam::save(const std::string& dir) {
 }
 
 void HybridAdam::save_across_ranks_locked(const std::string& dir) {
-  // The same files as one process's save, written by rank 0; the owners' state reaches it one chunk
-  // group at a time (each group's all-gather), and each parameter lands at its offset in the file.
-  const bool writer = rank_ == 0;
+  // The same files as one process's save. Rank 0 creates them; then every rank writes the parameters of
+  // the chunks it owns at their offsets (pwrite, in parallel) and the CRC-32C of what it wrote. Rank 0
+  // reads the files back once: the whole-file CRCs for the manifest, and per rank the CRC of its part,
+  // which must equal the writer's, or the directory is not one directory shared by every rank.
   const int64_t np = model_.num_params();
   std::vector<int64_t> offset(np + 1, 0);
-  for (int64_t p = 0; p < np; ++p) offset[p + 1] = offset[p] + model_.layout().slots()[p].numel;
-  std::string error;  // rank 0's, told to every rank at the end
+  std::vector<int> owner(np);
+  for (int64_t p = 0; p < np; ++p) {
+    offset[p + 1] = offset[p] + model_.layout().slots()[p].numel;
+    owner[p] = static_cast<int>(model_.layout().slots()[p].chunk % world_);
+  }
+  const int64_t bytes = offset[np] * static_cast<int64_t>(sizeof(float));
+  std::string error;  // this rank's
   int64_t generation = 0;
-  std::vector<std::string> written;
-  std::vector<std::unique_ptr<DurableFile>> files;
-  if (writer) {
+  std::vector<std::string> paths;
+  if (rank_ == 0) {
     try {
       make_dirs(dir);
       generation = next_generation(dir);
       for (int r = 0; r < 3; ++r) {
-        written.push_back(join(dir, data_file_name(r, generation)));
-        files.push_back(std::make_unique<DurableFile>(written.back()));
+        DurableFile f(join(dir, data_file_name(r, generation)));
+        TORCH_CHECK(::ftruncate(f.fd(), static_cast<off_t>(bytes)) == 0, "ferry: sizing ",
+                    join(dir, data_file_name(r, generation)), " failed: ", errno_text());
+        f.sync_and_close();
       }
     } catch (const std::exception& e) {
       error = cli::message_of(e);
     }
   }
-  for (int r = 0; r < 3; ++r) {  // every rank takes part in every gather, whatever happened on rank 0
-    gather_groups_locked(
-        at::kFloat, [&](int64_t c) { return state_->payload(r, c); },
-        [&](int64_t c, const at::Tensor& values) {
-          if (!writer || !error.empty()) return;
-          try {
-            const float* base = values.data_ptr<float>();
-            for (int64_t p : model_.layout().chunks()[c].tensors) {
-              const Slot& slot = model_.layout().slots()[p];
-              const float* x = base + slot.offset;
-              const int64_t bad = first_bad_value(x, slot.numel, r == kExpAvgSqRole);
-              TORCH_CHECK(bad < 0, "ferry: refusing to save a checkpoint with ", kRoleNames[r], " of parameter ",
-                          model_.param_name(p), " = ", bad < 0 ? 0.0f : x[bad], " at element ", bad,
-                          " (the training state is not finite)");
-              files[r]->write_at(offset[p] * static_cast<int64_t>(sizeof(float)), x,
-                                 static_cast<size_t>(slot.numel) * sizeof(float));
-            }
-          } catch (const std::exception& e) {
-            error = cli::message_of(e);
-          }
-        });
+  at::Tensor created = at::tensor({static_cast<double>(generation), error.empty() ? 0.0 : 1.0}, at::kDouble);
+  comm_->broadcast(created, 0);
+  generation = static_cast<int64_t>(created[0].item<double>());
+  for (int r = 0; r < 3; ++r) paths.push_back(join(dir, data_file_name(r, generation)));
+  auto fail_all = [&](const std::string& why) {
+    if (rank_ == 0) {
+      for (const std::string& path : paths) ::unlink(path.c_str());  // best effort; the old checkpoint stands
+    }
+    TORCH_CHECK(false, "ferry: rank ", rank_, ": saving ", dir, " failed: ", why,
+                "; the directory keeps its previous checkpoint");
+  };
+  if (created[1].item<double>() != 0.0) fail_all(rank_ == 0 ? error : "rank 0 could not create the files (its log says why)");
+  // Every rank: its parts, and their CRCs (model order within the rank's parameters).
+  std::vector<uint32_t> mine(3, 0);
+  try {
+    for (int r = 0; r < 3; ++r) {
+      DurableFile f(paths[r], /*existing=*/true);
+      for (int64_t p = 0; p < np; ++p) {
+        if (owner[p] != rank_) continue;
+        const at::Tensor t = savable(state_->view(r, p), r, r == kExpAvgSqRole, model_.param_name(p));
+        const float* x = t.data_ptr<float>();
+        const size_t n = static_cast<size_t>(t.numel()) * sizeof(float);
+        f.write_at(offset[p] * static_cast<int64_t>(sizeof(float)), x, n);
+        mine[r] = crc32c_extend(mine[r], x, n);
+      }
+      f.sync_and_close();
+    }
+  } catch (const std::exception& e) {
+    error = cli::message_of(e);
   }
-  if (writer && error.empty()) {
+  at::Tensor report = at::tensor({error.empty() ? 0.0 : 1.0, static_cast<double>(mine[0]), static_cast<double>(mine[1]),
+                                  static_cast<double>(mine[2])}, at::kDouble);
+  at::Tensor reports = at::empty({world_ * 4}, at::kDouble);
+  comm_->all_gather(reports, report);
+  for (int k = 0; k < world_; ++k) {
+    if (reports[k * 4].item<double>() != 0.0) {
+      fail_all(k == rank_ ? error : "rank " + std::to_string(k) + " could not write its part (its log says why)");
+    }
+  }
+  // Rank 0: one read of each file, the manifest, and the word to every rank.
+  if (rank_ == 0) {
     try {
       std::ostringstream lines;
-      const int64_t bytes = offset[np] * static_cast<int64_t>(sizeof(float));
+      std::vector<float> block(kBlockFloats);
       for (int r = 0; r < 3; ++r) {
-        files[r]->sync_and_close();
+        std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(paths[r].c_str(), "rb"), &std::fclose);
+        TORCH_CHECK(f, "cannot open ", paths[r], ": ", errno_text());
+        uint32_t whole = 0;
+        std::vector<uint32_t> part(world_, 0);
+        for (int64_t p = 0; p < np; ++p) {
+          for (int64_t done = offset[p]; done < offset[p + 1];) {
+            const int64_t n = std::min<int64_t>(kBlockFloats, offset[p + 1] - done);
+            const size_t nb = static_cast<size_t>(n) * sizeof(float);
+            TORCH_CHECK(std::fread(block.data(), 1, nb, f.get()) == nb, "reading back ", paths[r], " failed");
+            whole = crc32c_extend(whole, block.data(), nb);
+            part[owner[p]] = crc32c_extend(part[owner[p]], block.data(), nb);
+            done += n;
+          }
+        }
+        for (int k = 0; k < world_; ++k) {
+          const auto wrote = static_cast<uint32_t>(reports[k * 4 + 1 + r].item<double>());
+          TORCH_CHECK(part[k] == wrote, "rank ", k, "'s part of ", paths[r], " reads back with CRC-32C ",
+                      crc32c_hex(part[k]), ", it wrote ", crc32c_hex(wrote), ": every rank must write into the same "
+                      "directory (one host, or a file system shared by all ranks)");
+        }
         lines << "file " << kRoleNames[r] << " " << data_file_name(r, generation) << " bytes " << bytes << " crc32c "
-              << crc32c_hex(crc_of_file(written[r], bytes)) << "\n";
+              << crc32c_hex(whole) << "\n";
       }
-      publish_checkpoint_locked(dir, generation, lines.str(), written);
+      publish_checkpoint_locked(dir, generation, lines.str(), paths);
     } catch (const std::exception& e) {
       error = cli::message_of(e);
     }
-  }
-  files.clear();
-  if (!error.empty()) {
-    for (const std::string& path : written) ::unlink(path.c_str());  // best effort; the old checkpoint stands
   }
   at::Tensor failed = at::full({1}, error.empty() ? 0.0f : 1.0f, at::kFloat);
   comm_->broadcast(failed, 0);
-  TORCH_CHECK(failed.item<float>() == 0.0f, "ferry: rank ", rank_, ": saving ", dir, " failed",
-              writer ? ": " + error : std::string(" on rank 0, which writes it (its log says why)"),
-              "; the directory keeps its previous checkpoint");
-  log::info("ferry: saved training state (step ", cpu_adam_.step_count(0), ", ", world_, " ranks) to ", dir);
+  if (failed.item<float>() != 0.0f) {
+    fail_all(rank_ == 0 ? error : "on rank 0, which checks and publishes it (its log says why)");
+  }
+  log::info("ferry: saved training state (step ", cpu_adam_.step_count(0), ", ", world_, " ranks, each writing its "
+            "part) to ", dir);
 }
 
 void HybridAdam::load(const std::string& dir) {

@@ -8,6 +8,7 @@
 // --die-at-step=S --die-rank=R (that rank exits at step S without a word, as a crash would)
 // --discard-step=S: at step S, zero_grad() discards the gradients instead of a step
 // --save=DIR (after the last step) --resume=DIR (before the first; training goes on to --steps)
+// --save-per-rank=1: rank R saves into DIR/rankR (ranks that do not share the checkpoint directory)
 // --frozen-rank=R: rank R's rows give the MLP no gradient (its parameters land on the other ranks only);
 // with world size 1, --emulate-world=N makes the reference: the loss is the mean over the N ranks' rows,
 // rank R's rows frozen.
@@ -171,7 +172,9 @@ int run(int argc, char** argv) {
     grad_norm = r.grad_norm;
     if (micro > 1) adam.zero_grad();
   }
-  if (!save.empty()) adam.save(save);
+  if (!save.empty()) {
+    adam.save(option(rest, "save-per-rank", "0") == "1" ? save + "/rank" + std::to_string(config.rank) : save);
+  }
   const ferry::ChunkStoreStats ss = adam.state_store().stats();
   int64_t param_chunk_bytes = 0;  // all parameter chunks
   for (int64_t c = 0; c < model.layout().num_chunks(); ++c) {

@@ -371,6 +371,28 @@ TEST(Dist, SaveAtTwoResumeAtTwoEqualsAnUninterruptedRunAndAtOneToo) {
   EXPECT_LE(rel_err(read_params(single + "/rank0.bin"), read_params(whole + "/rank0.bin")), 1e-6);
 }
 
+// Every rank writes its own part of the checkpoint; rank 0 reads the files back and compares each part
+// with what its writer wrote. Ranks that do not share the directory (here: rank 1 writes into files
+// of the same names in another one) fail, and no checkpoint is published.
+TEST(Dist, SavingIntoDirectoriesThatAreNotSharedFailsClearly) {
+  const std::string ckpt = temp_dir();
+  ASSERT_EQ(::mkdir((ckpt + "/rank0").c_str(), 0755), 0);
+  ASSERT_EQ(::mkdir((ckpt + "/rank1").c_str(), 0755), 0);
+  for (const char* role : {"master", "exp_avg", "exp_avg_sq"}) {
+    std::ofstream(ckpt + "/rank1/" + role + ".0.f32").flush();  // what rank 1 opens for writing
+  }
+  const auto ranks = run_world(2, {"--steps=2", "--save=" + ckpt, "--save-per-rank=1"});
+  for (const Proc& p : ranks) {
+    EXPECT_EQ(p.exit_code, 1) << describe(ranks);
+    EXPECT_NE(p.err.find("saving " + ckpt + "/rank"), std::string::npos) << describe(ranks);
+  }
+  EXPECT_NE(ranks[0].err.find("every rank must write into the same directory"), std::string::npos) << describe(ranks);
+  std::ifstream manifest(ckpt + "/rank0/manifest.txt");
+  EXPECT_FALSE(manifest.good()) << "a checkpoint was published";
+  std::ifstream data(ckpt + "/rank0/master.0.f32");
+  EXPECT_FALSE(data.good()) << "the failed save's files were left behind";
+}
+
 TEST(Dist, ADeadRankFailsTheOthersWithinTheTimeout) {
   const auto t0 = Clock::now();
   const std::vector<Proc> ranks = run_world(2, {"--steps=5", "--die-at-step=2", "--die-rank=1"}, /*timeout_s=*/10);
