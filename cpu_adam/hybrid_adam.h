@@ -102,18 +102,21 @@
 //    with one 0/1 per tensor beside them, so the owner also learns which tensors landed on any rank
 //    (a rank may not have used one) and updates exactly those; the owner takes the norm of its chunks, one all-reduce
 //    totals it (and the non-finite count), so clipping and fp16 overflow decide alike everywhere; the
-//    owners update their chunks (gradients scaled by 1/N: the mean over the concatenated batch); per
-//    group one all-gather brings every rank the owners' new parameter values. Bytes each rank sends per
-//    step: 2 (N-1)/N x the parameter chunk bytes, the ring minimum for a full update of all
-//    parameters (+ (N-1)/N x 4 B/param for the reduce-scatter of fp32 accumulation chunks instead).
+//    owners update their chunks (gradients scaled by 1/N: the mean over the concatenated batch); the
+//    other ranks get the new values by the next gather (sharded parameters, below) or, replicated, by
+//    one all-gather per group now. Bytes each rank sends per step: 2 (N-1)/N x the parameter chunk
+//    bytes, the ring minimum for a full update of all parameters (+ (N-1)/N x 4 B/param for the
+//    reduce-scatter of fp32 accumulation chunks instead; + one more gather of the groups given up
+//    after forward).
 //  - backward_step() pipelines this (eager: no clipping, loss scaling or accumulation): when all chunks of
 //    a group are final in backward, its reduce-scatter starts (async, on Gloo's threads) and the owner's
 //    host Adam runs on CpuAdam's worker as soon as the sums arrive, while autograd goes on; device-state
-//    chunks and the all-gather follow backward. Groups complete in the same order on every rank only if
+//    chunks follow backward. Groups complete in the same order on every rank only if
 //    every rank expects the same landings: checked after each call (one all-reduce of a hash); if not,
 //    the next call runs backward + step(). Same sums in the same order as step(): the same result.
-//  - Every collective is in the same order on every rank; zero_grad() in default mode is one too (the
-//    non-owned slots get their values from the owners) and must be called by every rank.
+//  - Every collective is in the same order on every rank; zero_grad() in default mode must be called by
+//    every rank (replicated parameters: it all-gathers the owners' values; sharded: it gives the
+//    other ranks' chunks up).
 //  - Parameters (shard_params, the default): the compute copy is sharded with the same ownership
 //    (Note [Sharded parameters] below); then no all-gather follows the step: the owners write their
 //    chunks, the other ranks give theirs up once the gradients are reduced, and fetch them again before
@@ -123,8 +126,9 @@
 //    collectives stage one group (N chunks) at a time.
 //  - Views of state this rank does not hold (master(), exp_avg()...) fail, naming the chunk group;
 //    state_dict() gathers the masters. save() at N > 1 (a collective) writes the same checkpoint as one
-//    process: rank 0 writes the files, the owners' state reaching it group by group; load() at any world
-//    size reads it (every rank must see the directory), each rank taking the state it holds.
+//    process: every rank writes its own parameters' state at their offsets in the same files, rank 0
+//    checks each rank's part by its CRC and publishes the manifest; load() at any world size reads it
+//    (every rank must see the directory), each rank taking the state it holds.
 //
 // Note [Sharded parameters]
 // (dist/param_shards.h, D45.) Rank r keeps the parameter chunks of its groups' member r between steps;
@@ -365,8 +369,8 @@ class HybridAdam final : private GradSink, private LayoutListener {
   void place_locked();             // after warm-up: decide and move
   void check_idle(const char* what) const;
   // Checkpoints (hybrid_adam_io.cpp): the manifest's text; writing it over the previous one (`written`:
-  // the files to remove if it fails); the save of several ranks (rank 0 writes, the owners' state
-  // gathered to it group by group).
+  // the files to remove if it fails); the save of several ranks (each writes its part, rank 0 checks
+  // the parts and publishes).
   std::string manifest_text_locked(int64_t generation, const std::string& file_lines) const;
   void publish_checkpoint_locked(const std::string& dir, int64_t generation, const std::string& file_lines,
                                  std::vector<std::string>& written);
