@@ -2,7 +2,6 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
 #include <ATen/ops/full_like.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -10,7 +9,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -414,6 +412,8 @@ void ChunkedModel::finish_iteration(bool aborted, bool forward_only) {
   if (!in_iteration_) return;
   in_iteration_ = false;
   scheduler_->end_iteration(aborted, forward_only);
+  // An evaluation forward left no gradients in the groups it gathered: every rank gives them up now.
+  if (remote_ && forward_only && !aborted) remote_->release_all();
   store_->settle();  // idle: every parameter readable, its chunk on the device or aliased on the host
   if (!aborted && !forward_only && !initial_values_.empty()) {
     log::debug("ferry: releasing the parameters' initial values (an optimizer attached from now on starts its "
@@ -445,9 +445,9 @@ void ChunkedModel::materialize(bool fetch_remote) {
     if (fetch_remote) {
       remote_->fetch_all();  // a collective: every rank materializes
     } else {
-      log::warn("ferry: the ChunkedModel is destroyed while its parameters are sharded across ranks: the "
-                "parameters in chunks of other ranks are left NaN (call materialize() on every rank first to "
-                "keep them)");
+      log::info("ferry: the ChunkedModel is destroyed while its parameters are sharded across ranks: the "
+                "parameters in chunks of other ranks are left empty (0 elements); call materialize() on every "
+                "rank first to keep them");
     }
   }
   if (grad_sink_) {
@@ -463,9 +463,10 @@ void ChunkedModel::materialize(bool fetch_remote) {
   for (size_t p = 0; p < params_.size(); ++p) {
     const TensorId t = tensor_of_param_[p];
     at::Tensor fresh;
-    if (store_->location(chunk_of_param_[p]) == Location::kNone) {  // remote, not fetched (see above)
-      fresh = at::full(shapes_[p], std::numeric_limits<double>::quiet_NaN(),
-                       at::TensorOptions().dtype(dtype_).device(device));
+    if (store_->location(chunk_of_param_[p]) == Location::kNone) {
+      // Remote, not fetched (see above): unusable, loudly (any use fails on its shape), and no memory for
+      // a model that may not fit.
+      fresh = at::empty({0}, at::TensorOptions().dtype(dtype_).device(device));
     } else {
       fresh = store_->view(t).to(device, /*non_blocking=*/false, /*copy=*/true);
     }

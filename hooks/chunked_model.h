@@ -139,7 +139,7 @@ class ChunkedModel final : private UseListener {
   // Once the layout is final (layout_final()); between iterations. While any chunk is remote,
   // state_dict(), load_state_dict() and materialize() fetch every chunk first: collectives then, called
   // by every rank; the destructor does not (the other ranks may be gone): parameters of chunks that are
-  // remote then are left NaN, with a warning.
+  // remote then are left empty (0 elements; any use fails), said in the log.
   void set_remote_chunks(std::shared_ptr<RemoteChunks> remote);
   const std::shared_ptr<RemoteChunks>& remote_chunks() const { return remote_; }
   // No repack is to come: the warm-up ended (or repacking is off).

@@ -12,6 +12,7 @@
 // --frozen-rank=R: rank R's rows give the MLP no gradient (its parameters land on the other ranks only);
 // with world size 1, --emulate-world=N makes the reference: the loss is the mean over the N ranks' rows,
 // rank R's rows frozen.
+// --eval-every=K: after every K-th step an evaluation forward (no backward) on the rank's rows.
 // --shard-params=0: every rank keeps every parameter chunk (Note [Sharded parameters] off).
 // --reshard=0 / --reshard-gap=G (default 0: every group given up after forward):
 // SchedulerOptions::reshard_after_forward / reshard_min_gap.
@@ -87,6 +88,7 @@ int run(int argc, char** argv) {
   const int discard_step = std::stoi(option(rest, "discard-step", "-1"));
   const int emulate = std::stoi(option(rest, "emulate-world", "1"));
   const int reorder_rank = std::stoi(option(rest, "reorder-rank", "-1"));
+  const int eval_every = std::stoi(option(rest, "eval-every", "0"));
   TORCH_CHECK(emulate == 1 || config.world_size == 1, "--emulate-world is for the single-process reference");
   TORCH_CHECK(batch % (config.world_size * micro) == 0, "batch must split evenly over ranks and micro-batches");
 
@@ -115,7 +117,7 @@ int run(int argc, char** argv) {
   }
 
   const int64_t rows = batch / config.world_size, micro_rows = rows / micro;
-  double loss_sum = 0, grad_norm = 0;
+  double loss_sum = 0, grad_norm = 0, eval_loss = 0;
   int64_t evictions = 0, overlapped = 0;
   int64_t forward_end_bytes = 0;  // parameter chunk bytes present here at the end of the last forward
   auto present_param_bytes = [&] {
@@ -168,6 +170,16 @@ int run(int argc, char** argv) {
       evictions += model.last_iteration().evictions;
     }
     TORCH_CHECK(r.applied, "step ", step, " was not applied");
+    if (eval_every > 0 && step % eval_every == 0) {  // an evaluation forward between steps (no backward)
+      torch::NoGradGuard no_grad;
+      const torch::Tensor x = idx.slice(0, config.rank * rows, (config.rank + 1) * rows);
+      auto l = model.forward([&] {
+        return torch::nn::functional::cross_entropy(net->forward(x).reshape({-1, kVocab}),
+                                                    target.slice(0, config.rank * rows, (config.rank + 1) * rows).reshape({-1}));
+      });
+      model.end_iteration();
+      eval_loss += l.item<double>();
+    }
     overlapped += r.overlapped_chunks;
     grad_norm = r.grad_norm;
     if (micro > 1) adam.zero_grad();
@@ -205,7 +217,7 @@ int run(int argc, char** argv) {
             << " state_device_bytes=" << ss.device.current_bytes << " evictions=" << evictions
             << " ring_bytes=" << cs.ring_bytes_sent
             << " last_step_ring_bytes=" << cs.ring_bytes_sent - ring_before_last << " overlapped=" << overlapped << " steps=" << steps << " grad_norm=" << grad_norm
-            << " loss=" << loss_sum << std::endl;
+            << " loss=" << loss_sum << " eval_loss=" << eval_loss << std::endl;
   return 0;
 }
 

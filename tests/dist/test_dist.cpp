@@ -244,6 +244,12 @@ TEST(Dist, TwoRanksEqualOneProcessOnTheConcatenatedBatch) { expect_equals_one_pr
 // Replicated parameter chunks (the step all-gathers the new values) give the same result.
 TEST(Dist, TwoRanksWithReplicatedParametersEqualOneProcess) { expect_equals_one_process(2, {"--shard-params=0"}); }
 
+// Evaluation forwards (no backward) between steps gather the sharded groups they use like training
+// forwards do, and change nothing.
+TEST(Dist, EvaluationForwardsBetweenStepsLeaveTheTrainingAsInOneProcess) {
+  expect_equals_one_process(2, {"--eval-every=2"});
+}
+
 // zero_grad() after backward discards the gradients: the chunks this rank does not own get their
 // values back from their owners.
 TEST(Dist, DiscardedGradientsLeaveTheParametersAsTheyWere) { expect_equals_one_process(2, {"--discard-step=2"}); }
