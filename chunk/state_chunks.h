@@ -8,6 +8,11 @@
 // repack, with the same routine (fill_layout, chunk/repack.h); the optimizer asks it for views and
 // decides where groups live (move_group), nothing more.
 //
+// Zero roles (the moments, the accumulated gradients): they start at zero, so their chunks get memory
+// only when first touched (payload(), view(), move_group(): allocated in place, on the device directly
+// for a group placed there) and never on a rank that drops them before (D46). A repack keeps a role
+// that was never touched unallocated.
+//
 // Sharding (data parallelism, D44): drop(group, roles) frees the payloads of those roles of a group whose
 // state another rank holds; their views then fail, naming the group. A repack after a drop fails (the
 // state a rank would need for its new chunks is on other ranks): shard after the layout is final.
@@ -28,8 +33,9 @@ namespace ferry {
 
 class StateChunks {
  public:
-  // `roles`: the roles of the chunks that mirror each parameter chunk (all fp32).
-  StateChunks(ChunkStoreOptions options, std::vector<ChunkRole> roles);
+  // `roles`: the roles of the chunks that mirror each parameter chunk (all fp32); `zero_roles`: indices
+  // into `roles` of those that start at zero and are allocated when first touched.
+  StateChunks(ChunkStoreOptions options, std::vector<ChunkRole> roles, std::vector<int> zero_roles = {});
 
   // Chunks for `layout` (shapes[j]: tensor j's shape). The first call gives every slot zeros, then
   // init(role, tensor, slot view) may write initial values; later calls (a repack) migrate the values
@@ -47,12 +53,16 @@ class StateChunks {
   // Role r's chunk of the group (layout chunk), flat, and one tensor's slot (ChunkStore::payload/view rules).
   at::Tensor payload(int r, int64_t group) {
     check_held(r, group);
+    ensure_allocated(r, group, Location::kHost);
     return store_->payload(chunk(r, group));
   }
   at::Tensor view(int r, int64_t param) {
     check_held(r, group_of_[param]);
+    ensure_allocated(r, group_of_[param], Location::kHost);
     return store_->view(tensor(r, param));
   }
+  // Whether role r's chunk of the group has memory (a zero role not yet touched, or dropped, has none).
+  bool allocated(int r, int64_t group) const { return !dropped_[r][group] && !untouched_[r][group]; }
   // Frees role r's chunk of `group` for each r in `roles` (sharding: another rank holds it).
   void drop(int64_t group, const std::vector<int>& roles);
   bool held(int r, int64_t group) const { return !dropped_[r][group]; }
@@ -71,8 +81,12 @@ class StateChunks {
   int64_t migration_peak_bytes_ = 0;
   std::vector<int64_t> group_of_;             // per tensor: its group (layout chunk)
   std::vector<std::vector<char>> dropped_;    // per role, per group
+  std::vector<char> zero_role_;               // per role: starts at zero, allocated when first touched
+  std::vector<std::vector<char>> untouched_;  // per role, per group: a zero role's chunk without memory yet
   int64_t num_dropped_ = 0;
   void check_held(int r, int64_t group) const;
+  // A zero role's untouched chunk gets zeros at `at` (its tensors HOLD).
+  void ensure_allocated(int r, int64_t group, Location at);
 };
 
 }  // namespace ferry

@@ -82,13 +82,17 @@ HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
     // the masters take over from the parameters' initial fp32 values, each released as soon as it is
     // copied, so the fp32 values are never held twice.
     std::vector<ChunkRole> roles(kRoleOf, kRoleOf + num_roles_);
+    // The moments (and accumulation chunks) start at zero: memory only when first touched, so none is
+    // spent before the first step, and at N > 1 none for the groups the rank will not own (D46).
+    std::vector<int> zero_roles{kExpAvgRole, kExpAvgSqRole};
+    if (options_.accumulate_grads) zero_roles.push_back(kGradRole);
     state_ = model_.attach_state(roles, [this](int r, int64_t p, const at::Tensor& slot) {
       if (r != kMasterRole) return;  // moments (and accumulated grads) start at zero
       // The masters start from the values the module built (fp32), not from their rounded compute copy.
       const at::Tensor initial = model_.initial_value(p);
       slot.copy_(initial.defined() ? initial : model_.param_values(p));
       model_.release_initial_value(p);
-    });
+    }, zero_roles);
     follow_layout_locked();
     comm_ = options_.communicator;
     if (comm_ && comm_->world_size() > 1) {

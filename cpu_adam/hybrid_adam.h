@@ -96,8 +96,9 @@
 //  - Construction: rank 0's initial values are broadcast (masters, then the parameter chunks), so every
 //    rank starts from the same point.
 //  - The first step (after warm-up, when the call-order repack is behind us) shards: a rank frees the
-//    master/exp_avg/exp_avg_sq chunks it does not own (with accumulate_grads, the fp32 gradient chunks
-//    stay on every rank: each accumulates its own micro-batches). Ranks check they have the same layout.
+//    master chunks it does not own and never allocates their exp_avg/exp_avg_sq (the moments get memory
+//    when first touched, D46; with accumulate_grads, the fp32 gradient chunks stay on every rank: each
+//    accumulates its own micro-batches). Ranks check they have the same layout.
 //  - A step (step()): per group, one reduce-scatter sums every rank's gradients into the owner's chunk,
 //    with one 0/1 per tensor beside them, so the owner also learns which tensors landed on any rank
 //    (a rank may not have used one) and updates exactly those; the owner takes the norm of its chunks, one all-reduce

@@ -202,7 +202,8 @@ void ChunkedModel::set_loss_scale(double scale) {
   loss_scale_ = scale;
 }
 
-std::shared_ptr<StateChunks> ChunkedModel::attach_state(std::vector<ChunkRole> roles, const StateChunks::Init& init) {
+std::shared_ptr<StateChunks> ChunkedModel::attach_state(std::vector<ChunkRole> roles, const StateChunks::Init& init,
+                                                       std::vector<int> zero_roles) {
   TORCH_CHECK(phase_.load() == ModelPhase::kIdle || phase_.load() == ModelPhase::kForwardDone,
               "ferry: attach_state() inside an iteration");
   ChunkStoreOptions options = ChunkStoreOptions::from(config_);
@@ -214,7 +215,7 @@ std::shared_ptr<StateChunks> ChunkedModel::attach_state(std::vector<ChunkRole> r
   // lock 12 B/param of host memory for nothing and cost seconds of cudaHostAlloc.
   options.pin_host_memory = false;
   options.accountant = accountant_;  // one device budget for parameters and state
-  auto state = std::make_shared<StateChunks>(std::move(options), std::move(roles));
+  auto state = std::make_shared<StateChunks>(std::move(options), std::move(roles), std::move(zero_roles));
   state->build(layout_, shapes_, init);
   states_.push_back(state);
   return state;

@@ -171,7 +171,9 @@ class ChunkedModel final : private UseListener {
   // (before the LayoutListener hears of it) for as long as the caller holds it. Its store never pins host
   // memory and has no budget of its own (the optimizer places groups; Scheduler::admit_device_bytes
   // makes room). Between iterations. init: as StateChunks::build's.
-  std::shared_ptr<StateChunks> attach_state(std::vector<ChunkRole> roles, const StateChunks::Init& init);
+  // zero_roles: as StateChunks' (roles that start at zero, allocated when first touched).
+  std::shared_ptr<StateChunks> attach_state(std::vector<ChunkRole> roles, const StateChunks::Init& init,
+                                            std::vector<int> zero_roles = {});
   // The device accountant of the parameter chunks, for every store that shares the device budget with
   // them (HybridAdam's optimizer state charges it too): total and by role.
   const std::shared_ptr<DeviceAccountant>& device_accountant() const { return accountant_; }

@@ -96,5 +96,66 @@ TEST(StateChunks, DroppedRolesFreeTheirMemoryAndRefuseUseAndRepack) {
             std::string::npos);
 }
 
+// D46: the moments start at zero, so their chunks get memory only when first touched; placed on the
+// device they are made there (no copy of zeros); a rank that drops them before never allocates them;
+// a repack keeps an untouched role untouched and migrates a touched one.
+TEST(StateChunks, ZeroRolesGetMemoryOnlyWhenFirstTouched) {
+  Tensors t = tensors_of({100, 60, 200, 30, 90, 150});
+  const ChunkLayout a = ChunkLayout::pack(t.numels, t.order, t.pack);
+  ASSERT_GE(a.num_chunks(), 3);
+  auto accountant = std::make_shared<DeviceAccountant>();
+  ChunkStoreOptions options;
+  options.device = DeviceKind::kSimulated;
+  options.accountant = accountant;
+  StateChunks state(options, {ChunkRole::kMaster, ChunkRole::kExpAvg, ChunkRole::kExpAvgSq}, {1, 2});
+  state.build(a, t.shapes, [&](int r, int64_t j, const at::Tensor& slot) {
+    ASSERT_EQ(r, 0) << "only the master role is filled";
+    slot.fill_(static_cast<double>(j) + 0.5);
+  });
+  auto host_bytes = [&] { return state.store().stats().host.current_bytes; };
+  int64_t masters = 0;
+  for (const ChunkExtent& e : a.chunks()) masters += e.numel * 4;
+  EXPECT_EQ(host_bytes(), masters) << "the moments have no memory yet";
+  for (int64_t g = 0; g < a.num_chunks(); ++g) EXPECT_FALSE(state.allocated(1, g));
+  EXPECT_EQ(state.group_bytes(0), 3 * a.chunks()[0].numel * 4) << "placement plans with the full size";
+  // Touched: zeros, on the host.
+  EXPECT_TRUE(torch::equal(state.view(1, 0), torch::zeros({t.numels[0]})));
+  EXPECT_TRUE(state.allocated(1, a.slots()[0].chunk));
+  EXPECT_EQ(host_bytes(), masters + a.chunks()[a.slots()[0].chunk].numel * 4);
+  // Placed on the device: made there, nothing copied.
+  const int64_t g = a.num_chunks() - 1;
+  state.move_group(g, Location::kDevice);
+  EXPECT_EQ(state.store().stats().moves.h2d_count, 1) << "only the master moved";
+  EXPECT_EQ(accountant->bytes_by_role()[static_cast<int>(ChunkRole::kExpAvgSq)], a.chunks()[g].numel * 4);
+  EXPECT_TRUE(torch::equal(state.payload(2, g).cpu(), torch::zeros({a.chunks()[g].numel})));
+  // Dropped before being touched: nothing to free, and views refuse.
+  const int64_t before = host_bytes();
+  state.drop(1, {1, 2});
+  EXPECT_EQ(host_bytes(), before);
+  EXPECT_THROW(state.payload(1, 1), c10::Error);
+}
+
+TEST(StateChunks, ARepackKeepsUntouchedZeroRolesUntouchedAndMigratesTouchedOnes) {
+  Tensors t = tensors_of({100, 60, 200, 30, 90, 150});
+  const ChunkLayout a = ChunkLayout::pack(t.numels, t.order, t.pack);
+  ChunkStoreOptions options;
+  options.device = DeviceKind::kSimulated;
+  StateChunks state(options, {ChunkRole::kMaster, ChunkRole::kExpAvg, ChunkRole::kExpAvgSq}, {1, 2});
+  state.build(a, t.shapes, [&](int, int64_t j, const at::Tensor& slot) { slot.fill_(static_cast<double>(j)); });
+  state.view(1, 2).fill_(7.0);  // exp_avg touched in one group; exp_avg_sq never
+  std::reverse(t.order.begin(), t.order.end());
+  const ChunkLayout b = ChunkLayout::pack(t.numels, t.order, t.pack);
+  state.build(b, t.shapes);
+  for (int64_t g = 0; g < b.num_chunks(); ++g) {
+    EXPECT_TRUE(state.allocated(1, g)) << "a touched role is migrated whole";
+    EXPECT_FALSE(state.allocated(2, g)) << "an untouched role stays without memory";
+  }
+  for (int64_t j = 0; j < static_cast<int64_t>(t.numels.size()); ++j) {
+    EXPECT_TRUE(torch::equal(state.view(0, j), torch::full({t.numels[j]}, static_cast<double>(j)))) << j;
+    EXPECT_TRUE(torch::equal(state.view(1, j), torch::full({t.numels[j]}, j == 2 ? 7.0 : 0.0))) << j;
+    EXPECT_TRUE(torch::equal(state.view(2, j), torch::zeros({t.numels[j]}))) << j;
+  }
+}
+
 }  // namespace
 }  // namespace ferry

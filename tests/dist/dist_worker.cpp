@@ -110,6 +110,8 @@ int run(int argc, char** argv) {
   options.communicator = comm;
   options.shard_params = option(rest, "shard-params", "1") == "1";
   ferry::HybridAdam adam(model, options);
+  const ferry::ChunkStoreStats built = adam.state_store().stats();
+  const int64_t construct_state_bytes = built.host.current_bytes + built.device.current_bytes;
   int first_step = 0;
   if (!resume.empty()) {
     adam.load(resume);
@@ -214,7 +216,7 @@ int run(int argc, char** argv) {
             << " forward_end_bytes=" << forward_end_bytes << " gathers=" << ps.gathers << " prefetched=" << ps.prefetched
             << " released=" << ps.released_chunks << " groups=" << (shards ? shards->num_groups() : 0)
             << " state_bytes=" << ss.host.current_bytes + ss.device.current_bytes
-            << " state_device_bytes=" << ss.device.current_bytes << " evictions=" << evictions
+            << " state_device_bytes=" << ss.device.current_bytes << " construct_state_bytes=" << construct_state_bytes << " evictions=" << evictions
             << " ring_bytes=" << cs.ring_bytes_sent
             << " last_step_ring_bytes=" << cs.ring_bytes_sent - ring_before_last << " overlapped=" << overlapped << " steps=" << steps << " grad_norm=" << grad_norm
             << " loss=" << loss_sum << " eval_loss=" << eval_loss << std::endl;
