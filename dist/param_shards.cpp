@@ -40,6 +40,8 @@ ParamShards::ParamShards(ChunkStore& store, std::vector<ChunkId> chunks, std::sh
     TORCH_CHECK(store_.location(c) != Location::kNone, "ferry: ParamShards: parameter chunk ", i,
                 " has no payload; every chunk must be present when sharding starts");
   }
+  // One size for every group (the largest chunk): ranks that disagree on the group still exchange equal
+  // sizes, so the group index check can name the problem.
   for (ChunkId c : chunks_) segment_bytes_ = std::max(segment_bytes_, store_.chunk_info(c).nbytes + kHeaderBytes);
   present_.assign(num_groups(), 1);
   flights_.resize(num_groups());
@@ -54,12 +56,6 @@ int64_t ParamShards::group_of(ChunkId chunk) const {
   TORCH_CHECK(chunk >= 0 && chunk < static_cast<int64_t>(index_of_.size()) && index_of_[chunk] >= 0,
               "ferry: chunk ", chunk, " is not a sharded parameter chunk");
   return index_of_[chunk] / world_;
-}
-
-int64_t ParamShards::segment_bytes(int64_t /*group*/) const {
-  // The same for every group (the largest chunk): ranks that disagree on the group still exchange
-  // equal sizes, so the group index check below can name the problem.
-  return segment_bytes_;
 }
 
 bool ParamShards::remote(ChunkId chunk) const {
@@ -79,7 +75,7 @@ void ParamShards::start_locked(int64_t group, bool prefetch) {
   Flight& flight = flights_[group];
   TORCH_INTERNAL_ASSERT(!flight.pending && !present_[group], "gather of group ", group, " started twice");
   trace::Span span("dist", trace::enabled() ? "all_gather params group " + std::to_string(group) : std::string());
-  const int64_t seg = segment_bytes(group);
+  const int64_t seg = segment_bytes_;
   at::Tensor mine = at::zeros({seg}, at::kByte);
   const int64_t own = group * world_ + rank_;
   if (own < static_cast<int64_t>(chunks_.size())) {
@@ -97,7 +93,7 @@ void ParamShards::start_locked(int64_t group, bool prefetch) {
 }
 
 void ParamShards::install_locked(int64_t group, const at::Tensor& out) {
-  const int64_t seg = segment_bytes(group);
+  const int64_t seg = segment_bytes_;
   const uint8_t* base = out.data_ptr<uint8_t>();
   for (int k = 0; k < world_; ++k) {
     int64_t theirs = -1;

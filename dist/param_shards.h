@@ -75,7 +75,6 @@ class ParamShards final : public RemoteChunks {
     at::Tensor out;  // world x segment bytes
   };
   int64_t group_of(ChunkId chunk) const;
-  int64_t segment_bytes(int64_t group) const;  // the largest chunk's bytes + the 8-byte group index
   void start_locked(int64_t group, bool prefetch);
   void fetch_locked(int64_t group);
   void release_group_locked(int64_t group);
@@ -87,7 +86,7 @@ class ParamShards final : public RemoteChunks {
   std::vector<int64_t> index_of_;  // ChunkId -> layout index (-1: not a parameter chunk)
   std::shared_ptr<Communicator> comm_;
   int rank_ = 0, world_ = 1;
-  int64_t segment_bytes_ = 0;
+  int64_t segment_bytes_ = 0;  // of each rank's contribution: the largest chunk + the 8-byte group index
   std::vector<char> present_;      // per group: every member has its payload here
   std::vector<Flight> flights_;    // per group
   ParamShardStats stats_;

@@ -80,32 +80,27 @@ void Scheduler::plan_releases_locked() {
   releases_planned_ = true;
   release_at_.assign(trace_->size() + 1, {});
   if (!remote_ || !options_.reshard_after_forward) return;
-  const int64_t start = trace_->backward_start();
-  std::vector<char> done(store_->num_chunks(), 0);
-  for (int64_t p = 0; p < start; ++p) {
-    const ChunkId c = trace_->chunk_at(p);
-    if (done[c]) continue;
+  const int64_t start = trace_->backward_start(), n = trace_->size();
+  std::vector<int64_t> last_forward(store_->num_chunks(), -1);  // per chunk, then per group (its first member)
+  for (int64_t q = 0; q < start; ++q) last_forward[trace_->chunk_at(q)] = q;
+  std::vector<ChunkId> leader(store_->num_chunks(), -1);  // each chunk's group, named by its first member
+  for (ChunkId c = 0; c < store_->num_chunks(); ++c) {
+    if (leader[c] >= 0 || last_forward[c] < 0) continue;
     const std::vector<ChunkId> members = remote_->group(c);
-    int64_t last_forward = -1, next = AccessTrace::kNever;
-    for (ChunkId m : members) {
-      done[m] = 1;
-      for (int64_t q = 0; q < trace_->size(); ++q) {  // O(trace x chunks) once per trace; traces are short
-        if (trace_->chunk_at(q) != m) continue;
-        if (q < start) last_forward = std::max(last_forward, q);
-      }
-    }
-    for (ChunkId m : members) {
-      for (int64_t q = last_forward + 1; q < trace_->size(); ++q) {
-        if (trace_->chunk_at(q) == m) {
-          next = std::min(next, q);
-          break;
-        }
-      }
-    }
+    for (ChunkId m : members) leader[m] = members.front();
+    for (ChunkId m : members) last_forward[members.front()] = std::max(last_forward[members.front()], last_forward[m]);
+  }
+  std::vector<int64_t> next(store_->num_chunks(), AccessTrace::kNever);  // per group: first use after its forward
+  for (int64_t q = n - 1; q >= 0; --q) {
+    const ChunkId g = leader[trace_->chunk_at(q)];
+    if (g >= 0 && q > last_forward[g]) next[g] = q;
+  }
+  for (ChunkId g = 0; g < store_->num_chunks(); ++g) {
+    if (leader[g] != g) continue;
     // A group with no later use is kept: its gradients land in its chunks at the end of backward, which
     // would fetch it again just for that.
-    const int64_t at = last_forward + 1;
-    if (next != AccessTrace::kNever && next - at >= options_.reshard_min_gap) release_at_[at].push_back(c);
+    const int64_t at = last_forward[g] + 1;
+    if (next[g] != AccessTrace::kNever && next[g] - at >= options_.reshard_min_gap) release_at_[at].push_back(g);
   }
 }
 
