@@ -225,6 +225,7 @@ void expect_equals_one_process(int world, const std::vector<std::string>& extra,
     params_held += res["param_held_bytes"];
     if (shard_params) {  // after the last step: only its own parameter chunks (Note [Sharded parameters])
       EXPECT_LT(res["param_held_bytes"], res["param_chunk_bytes"]) << "rank " << r;
+      EXPECT_EQ(res["remote_view_refused"], 1) << "rank " << r << ": a remote parameter's view must fail clearly";
     } else {
       EXPECT_EQ(res["param_held_bytes"], res["param_chunk_bytes"]) << "rank " << r;
     }
@@ -245,6 +246,17 @@ TEST(Dist, TwoRanksEqualOneProcessOnTheConcatenatedBatch) { expect_equals_one_pr
 
 // Replicated parameter chunks (the step all-gathers the new values) give the same result.
 TEST(Dist, TwoRanksWithReplicatedParametersEqualOneProcess) { expect_equals_one_process(2, {"--shard-params=0"}); }
+
+// The state and the parameters are sharded by the final layout: a first step before the warm-up
+// repack (more than one warm-up iteration) fails on every rank, saying why, instead of sharding a
+// layout that is about to change.
+TEST(Dist, AFirstStepBeforeTheWarmupRepackFailsClearly) {
+  const auto ranks = run_world(2, {"--steps=2", "--warmup-iterations=2"});
+  for (const Proc& p : ranks) {
+    EXPECT_EQ(p.exit_code, 1) << describe(ranks);
+    EXPECT_NE(p.err.find("came before the warm-up repack"), std::string::npos) << describe(ranks);
+  }
+}
 
 // Evaluation forwards (no backward) between steps gather the sharded groups they use like training
 // forwards do, and change nothing.

@@ -274,6 +274,9 @@ TEST(SchedulerOptions, BadValuesAreRejected) {
   o = SchedulerOptions{};
   o.device_capacity_bytes = -1;
   EXPECT_THROW(o.validate(), c10::Error);
+  o = SchedulerOptions{};
+  o.reshard_min_gap = -1;
+  EXPECT_THROW(o.validate(), c10::Error);
   EXPECT_NO_THROW(SchedulerOptions{}.validate());
 }
 
