@@ -21,22 +21,32 @@ namespace {
 
 using trace::now_ns;
 
+// FNV-1a over 64-bit values: what the ranks compare with one all-reduce (same_on_every_rank_locked) to
+// learn whether their layouts, landings or traces agree. A double holds 52 of its bits exactly.
+class Fingerprint {
+ public:
+  void mix(int64_t v) { h_ = (h_ ^ static_cast<uint64_t>(v)) * 1099511628211ull; }
+  double value() const { return static_cast<double>(h_ >> 12); }
+
+ private:
+  uint64_t h_ = 1469598103934665603ull;
+};
+
 }  // namespace
 
 void HybridAdam::check_same_layout_locked() {
   // The ranks must agree on the layout chunk for chunk, slot for slot: every collective pairs them.
   const ChunkLayout& layout = model_.layout();
-  uint64_t h = 1469598103934665603ull;
-  auto mix = [&](int64_t v) { h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull; };
-  mix(layout.num_chunks());
-  for (const ChunkExtent& e : layout.chunks()) mix(e.numel);
+  Fingerprint f;
+  f.mix(layout.num_chunks());
+  for (const ChunkExtent& e : layout.chunks()) f.mix(e.numel);
   for (const Slot& s : layout.slots()) {
-    mix(s.chunk);
-    mix(s.offset);
-    mix(s.numel);
+    f.mix(s.chunk);
+    f.mix(s.offset);
+    f.mix(s.numel);
   }
-  mix(static_cast<int64_t>(model_.compute_dtype()));
-  TORCH_CHECK(same_on_every_rank_locked(static_cast<double>(h >> 12)), "ferry: rank ", rank_, ": the ranks' chunk "
+  f.mix(static_cast<int64_t>(model_.compute_dtype()));
+  TORCH_CHECK(same_on_every_rank_locked(f.value()), "ferry: rank ", rank_, ": the ranks' chunk "
               "layouts differ (", layout.num_chunks(), " chunks of ", format_bytes(model_.chunk_size_bytes()),
               " in ", c10::toString(model_.compute_dtype()), " here); data parallelism needs the same model, "
               "precision, chunk size and call order on every rank");
@@ -321,14 +331,13 @@ void HybridAdam::agree_on_trace_locked() {
   const std::shared_ptr<const AccessTrace> trace = scheduler.trace();
   const int64_t version = scheduler.trace_version();
   if (version != hashed_trace_version_) {
-    uint64_t h = 1469598103934665603ull;
-    auto mix = [&](int64_t v) { h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull; };
+    Fingerprint f;
     if (trace) {
-      mix(trace->size());
-      mix(trace->backward_start());
-      for (TensorId t : trace->tensors()) mix(t);
+      f.mix(trace->size());
+      f.mix(trace->backward_start());
+      for (TensorId t : trace->tensors()) f.mix(t);
     }
-    trace_hash_ = static_cast<double>(h >> 12);
+    trace_hash_ = f.value();
     hashed_trace_version_ = version;
   }
   const bool agree = same_on_every_rank_locked(trace_hash_) && trace != nullptr;
@@ -342,9 +351,9 @@ void HybridAdam::agree_on_trace_locked() {
 }
 
 void HybridAdam::check_landings_agree_locked() {
-  uint64_t h = 1469598103934665603ull;
-  for (int64_t v : expected_landings_) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
-  landings_agree_ = same_on_every_rank_locked(static_cast<double>(h >> 12));
+  Fingerprint f;
+  for (int64_t v : expected_landings_) f.mix(v);
+  landings_agree_ = same_on_every_rank_locked(f.value());
 }
 
 void HybridAdam::chunk_final_across_ranks_locked(int64_t c) {
