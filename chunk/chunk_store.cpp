@@ -382,16 +382,23 @@ void ChunkStore::ready_for_use(Chunk& chunk) {
   }
 }
 
-void ChunkStore::fill_zero(Chunk& chunk, Location at) {
+void ChunkStore::fill_zero(Chunk& chunk, Location at, const at::Tensor& bytes) {
   TORCH_INTERNAL_ASSERT(chunk.location() == Location::kNone);
+  auto fill = [&](const at::Tensor& flat) {
+    if (bytes.defined()) {
+      flat.view(at::kByte).copy_(bytes);
+    } else {
+      flat.zero_();
+    }
+  };
   switch (at) {
     case Location::kDevice:
       give_device_memory(chunk, /*must=*/true);
-      chunk.device_flat().zero_();
+      fill(chunk.device_flat());
       break;
     case Location::kHost:
       give_host_buffer(chunk, /*must=*/true);
-      chunk.host_flat().zero_();
+      fill(chunk.host_flat());
       break;
     case Location::kNone: TORCH_CHECK(false, "ferry: a payload goes to the device or the host, not none");
   }
@@ -662,13 +669,16 @@ void ChunkStore::retire(ChunkId id) {
   release_payload(id);
 }
 
-void ChunkStore::allocate_payload(ChunkId id, Location at) {
+void ChunkStore::allocate_payload(ChunkId id, Location at, const at::Tensor& bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   reap_completed();
   Chunk& chunk = chunk_at(id);
   TORCH_CHECK(chunk.location() == Location::kNone, "ferry: ", describe(chunk), " already has a payload on the ",
               to_string(chunk.location()));
-  fill_zero(chunk, at);
+  TORCH_CHECK(!bytes.defined() || (bytes.scalar_type() == at::kByte && bytes.numel() == chunk.nbytes()),
+              "ferry: allocate_payload of ", describe(chunk), " needs ", chunk.nbytes(), " uint8 values, got ",
+              bytes.defined() ? bytes.toString() : "none");
+  fill_zero(chunk, at, bytes);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -203,8 +203,10 @@ class ChunkStore {
   // For a chunk whose tensors have moved to another store (a repack): sets its tensors FREE (none
   // may be in COMPUTE) and frees its payload.
   void retire(ChunkId id);
-  // Gives a RELEASED chunk a zero-filled payload at `at` (kDevice or kHost). Its tensors stay FREE.
-  void allocate_payload(ChunkId id, Location at);
+  // Gives a RELEASED chunk a payload at `at` (kDevice or kHost): zero-filled, or a copy of `bytes` (a
+  // uint8 tensor of exactly the chunk's bytes, written in the same pass: no zero-fill first). Its
+  // tensors stay FREE.
+  void allocate_payload(ChunkId id, Location at, const at::Tensor& bytes = {});
 
   // Released host buffers kept for reuse, at most (ChunkStoreOptions::host_cache_bytes); trims now if
   // lower. HybridAdam raises it to the parameter chunks that travel to the host every step, so that
@@ -279,7 +281,7 @@ class ChunkStore {
   // A chunk on the host with a complete payload: its device storage aliases the host buffer.
   void alias_if_possible(Chunk& chunk);
   void ready_for_use(Chunk& chunk);  // host: wait; device: order the caller's stream
-  void fill_zero(Chunk& chunk, Location at);
+  void fill_zero(Chunk& chunk, Location at, const at::Tensor& bytes = {});  // or with `bytes`
   // Make room, allocate, charge the tier; false (or OutOfMemoryError when `must`) without room.
   bool give_device_memory(Chunk& chunk, bool must);
   bool give_host_buffer(Chunk& chunk, bool must);

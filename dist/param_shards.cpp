@@ -107,14 +107,13 @@ void ParamShards::install_locked(int64_t group, const at::Tensor& out) {
   for (int64_t i = first; i < last; ++i) {
     if (owned(i)) continue;
     const ChunkId c = chunks_[i];
-    if (store_.location(c) == Location::kNone) store_.allocate_payload(c, Location::kHost);
-    at::Tensor dst = store_.payload(c);
-    const int64_t nbytes = dst.nbytes();
-    at::Tensor src = out.slice(0, (i - first) * seg, (i - first) * seg + nbytes);
-    if (dst.device().is_cpu()) {
-      dst.view(at::kByte).copy_(src);
-    } else {
-      dst.view(at::kByte).copy_(src.to(dst.device()));
+    const int64_t nbytes = store_.chunk_info(c).nbytes;
+    const at::Tensor src = out.slice(0, (i - first) * seg, (i - first) * seg + nbytes);
+    if (store_.location(c) == Location::kNone) {
+      store_.allocate_payload(c, Location::kHost, src);  // written once, no zero-fill first
+    } else {  // kept by a release while in use (release_group_locked): rewritten where it is
+      at::Tensor dst = store_.payload(c);
+      dst.view(at::kByte).copy_(dst.device().is_cpu() ? src : src.to(dst.device()));
     }
     for (TensorId t : store_.chunk_info(c).tensors) {
       if (store_.tensor_info(t).state == TensorState::kFree) store_.set_state(t, TensorState::kHold);

@@ -286,6 +286,16 @@ TEST(ChunkStore, StatesThroughTheStore) {
   store.access(t0);  // FREE -> COMPUTE: an op produces it
   EXPECT_TRUE(torch::equal(store.view(t0), torch::zeros({16})));
   store.release(t0, TensorState::kHoldAfterBwd);
+  // A payload given its bytes at once (a gathered chunk): exactly the chunk's bytes, written as given.
+  store.set_state(t0, TensorState::kFree);
+  store.release_payload(c);
+  const int64_t nbytes = store.chunk_info(c).nbytes;
+  EXPECT_ERROR_HAS(store.allocate_payload(c, Location::kHost, torch::zeros({nbytes - 1}, torch::kUInt8)),
+                   "uint8 values");
+  EXPECT_EQ(store.chunk_info(c).location, Location::kNone) << "a refused payload allocates nothing";
+  const torch::Tensor values = torch::arange(nbytes / 4, torch::kFloat);
+  store.allocate_payload(c, Location::kHost, values.view(torch::kUInt8));
+  EXPECT_TRUE(torch::equal(store.payload(c).cpu(), values));
 }
 
 TEST(ChunkStore, BadInputIsRejected) {
