@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Everything one device call does, inside the call's time limit (the device tool's `run`):
+#   scripts/gpu_session.sh STAGES_FILE
+# 1. scripts/gpu_check.sh (build into build-gpu/, the `gpu`-labelled tests; the whole suite too unless
+#    FERRY_GPU_TESTS_ONLY=1; FERRY_SKIP_BUILD=1 skips this step on a warm machine);
+# 2. each line of STAGES_FILE, "NAME SECONDS COMMAND...", run by bash under `timeout SECONDS` (cut to
+#    what is left of the call's deadline, FERRY_DEADLINE seconds, default 570), stdout to NAME.out and
+#    stderr to NAME.log; blank lines and lines starting with '#' are skipped;
+# 3. packs everything into $OUT/results.tgz (the device tool brings back at most 8 files).
+# Stages see BUILD (the build directory) and RES (the results directory) in their environment.
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+stages=${1:?usage: scripts/gpu_session.sh STAGES_FILE}
+out=${OUT:?OUT must name the folder that comes back}
+deadline=$((SECONDS + ${FERRY_DEADLINE:-570}))
+export RES=/tmp/ferry-gpu-results BUILD=$root/build-gpu
+rm -rf "$RES" && mkdir -p "$RES"
+pack() { git -C "$root" rev-parse HEAD > "$RES/commit.txt" 2>/dev/null; tar czf "$out/results.tgz" -C "$RES" .; }
+trap pack EXIT
+cd "$root"
+if [[ ${FERRY_SKIP_BUILD:-0} != 1 ]]; then
+  timeout $((deadline - SECONDS - 60)) scripts/gpu_check.sh "$RES/check"
+  echo "[gpu_session] gpu_check exit $? after $SECONDS s"
+fi
+while IFS= read -r line || [[ -n $line ]]; do
+  [[ -z ${line// } || $line == \#* ]] && continue
+  read -r name t cmd <<<"$line"
+  left=$((deadline - SECONDS - 10))
+  if ((left < 15)); then echo "[gpu_session] $name: skipped, ${left}s left"; continue; fi
+  ((t > left)) && t=$left
+  echo "[gpu_session] $name (limit ${t}s): $cmd"
+  start=$SECONDS
+  timeout --kill-after=5 "$t" bash -c "$cmd" > "$RES/$name.out" 2> "$RES/$name.log"
+  echo "[gpu_session] $name exit $? after $((SECONDS - start)) s"
+  tail -4 "$RES/$name.log"
+done < "$stages"
