@@ -111,6 +111,7 @@ def main():
     t_build = time.time()
     if a.mode == "fsdp2":
         import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         if not dist.is_initialized():
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -124,9 +125,11 @@ def main():
         model = Gpt(hidden, layers, heads, seq, a.checkpoint_activations)  # fp32 on the CPU, as LibTorch builds
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
         offload = CPUOffloadPolicy(pin_memory=cuda)
+        # The mesh names the device type: left to FSDP it is CUDA wherever a GPU exists, --device=cpu too.
+        mesh = init_device_mesh(a.device, (1,))
         for b in model.blocks:
-            fully_shard(b, mp_policy=mp, offload_policy=offload)
-        fully_shard(model, mp_policy=mp, offload_policy=offload)
+            fully_shard(b, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
         autocast = False
     else:
