@@ -279,14 +279,25 @@ void HybridAdam::stage_param_chunks_locked(bool skip_launched) {
   if (options_.accumulate_grads) return;
   trace::Span span("adam", "adam.stage_param_chunks");
   ChunkStore& params = model_.store();
-  // Device-state chunks first: making room for them may evict parameter chunks bound for the host.
+  // Host-bound chunks first: they must leave anyway, and the room they free is what the device-bound
+  // ones are moved into. (Device-bound first let the eviction policy, which knows nothing of the step,
+  // evict a device-bound chunk staged a moment before to make room for the next one: seen on a GPU,
+  // where the device norms then met a gradient on the host.)
   for (int pass = 0; pass < 2; ++pass) {
-    const bool device = pass == 0;
+    const bool device = pass == 1;
     for (int64_t c = 0; c < num_chunks(); ++c) {
       if (static_cast<bool>(on_device_[c]) != device || (skip_launched && launched_[c]) || !owned(c)) continue;
       const Location want = device ? Location::kDevice : Location::kHost;
       if (params.location(model_.param_chunk(c)) != want) params.move(model_.param_chunk(c), want);
     }
+  }
+  const int64_t on_device = std::count(on_device_.begin(), on_device_.end(), 1);
+  for (int64_t c = 0; c < num_chunks(); ++c) {
+    if (!on_device_[c] || (skip_launched && launched_[c]) || !owned(c)) continue;
+    TORCH_CHECK(params.location(model_.param_chunk(c)) == Location::kDevice, "ferry: HybridAdam: the parameter chunk of "
+                "state chunk ", c, " (state on the device) was evicted while the step staged the others: the device "
+                "budget's parameter region holds fewer chunks than the ", on_device, " whose state is on the device. "
+                "Lower HybridAdamOptions::device_state_chunks or raise the device budget.");
   }
 }
 
