@@ -163,7 +163,13 @@ std::string message_of(const std::exception& e) {
   return e.what();
 }
 
+bool prefer_expandable_segments() {
+  if (std::getenv("PYTORCH_CUDA_ALLOC_CONF") != nullptr || std::getenv("PYTORCH_ALLOC_CONF") != nullptr) return false;
+  return ::setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", /*overwrite=*/0) == 0;
+}
+
 int run_main(const char* program, const std::function<int()>& body) {
+  prefer_expandable_segments();
   try {
     return body();
   } catch (const UsageError& e) {

@@ -68,7 +68,15 @@ std::string message_of(const std::exception& e);
 
 // Runs `body`; prints any error as "PROGRAM: message" on stderr (a UsageError adds "(try --help)" and
 // returns 2; other errors return 1). c10 errors are printed without their C++ backtrace unless the
-// log level is debug or trace.
+// log level is debug or trace. Before `body`, prefer_expandable_segments().
 int run_main(const char* program, const std::function<int()>& body);
+
+// Unless the user configured the CUDA caching allocator (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF
+// set), sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for this process; returns whether it did.
+// Chunks of two sizes (bf16 parameters, fp32 state: twice as large) moving in and out fragment the
+// default allocator's pool of large blocks: on an H100 a 12B run failed its second step with 9.1 GiB
+// reserved but unallocated. Must run before the first CUDA allocation (the allocator reads it once);
+// ferry's programs call it through run_main, and programs of users can call it first thing in main().
+bool prefer_expandable_segments();
 
 }  // namespace ferry::cli

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -104,6 +105,27 @@ TEST(Cli, RunMainPrintsWithoutBacktraceAndReturnsCodes) {
   EXPECT_NE(err.find("prog: ferry: something went wrong\n"), std::string::npos) << err;
   EXPECT_EQ(err.find("Exception raised from"), std::string::npos) << "no C++ backtrace at the default log level: " << err;
   EXPECT_EQ(err.find("prog: prog:"), std::string::npos) << err;
+}
+
+TEST(Cli, ExpandableSegmentsOnlyWhenTheUserConfiguredNothing) {
+  const char* had = std::getenv("PYTORCH_CUDA_ALLOC_CONF");
+  const std::string saved = had ? had : "";
+  ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
+  ::setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:128", 1);
+  EXPECT_FALSE(cli::prefer_expandable_segments()) << "the user's PYTORCH_ALLOC_CONF wins";
+  EXPECT_EQ(std::getenv("PYTORCH_CUDA_ALLOC_CONF"), nullptr);
+  ::unsetenv("PYTORCH_ALLOC_CONF");
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6", 1);
+  EXPECT_FALSE(cli::prefer_expandable_segments());
+  EXPECT_STREQ(std::getenv("PYTORCH_CUDA_ALLOC_CONF"), "garbage_collection_threshold:0.6");
+  ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
+  EXPECT_TRUE(cli::prefer_expandable_segments());
+  EXPECT_STREQ(std::getenv("PYTORCH_CUDA_ALLOC_CONF"), "expandable_segments:True");
+  if (had) {
+    ::setenv("PYTORCH_CUDA_ALLOC_CONF", saved.c_str(), 1);
+  } else {
+    ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
+  }
 }
 
 TEST(Crc32c, KnownVectorsAndBothImplementationsAgree) {
