@@ -16,26 +16,36 @@
 // values (as PatrickStar's fp16 model-init context does), and initializers run in bf16 (their
 // distribution is the same; their bits differ from an fp32 initialization).
 //
+// The scope also runs the modules' random initializers (uniform_, normal_: nn::Linear's kaiming init)
+// on every core instead of one (Note [Parallel initializers], interceptor.h): the values follow
+// torch::manual_seed and not the thread count, but differ bit for bit from torch's serial stream.
+// `parallel_init = false` keeps torch's own.
+//
 // Contract: the default dtype is process-global in LibTorch; do not create tensors on other threads
-// while a scope is open. Scopes nest (each restores what it found). Modules that name fp32
-// explicitly (dtype(at::kFloat)) are not affected.
+// while a scope is open. The parallel initializers apply to the thread that opened the scope. Scopes
+// nest (each restores what it found). Modules that name fp32 explicitly (dtype(at::kFloat)) are not
+// affected by the dtype.
 #include <c10/core/ScalarType.h>
 #include <c10/util/typeid.h>
 
+#include <optional>
+
 #include "ferry/common/config.h"
+#include "ferry/hooks/interceptor.h"
 
 namespace ferry {
 
 class InitScope {
  public:
-  explicit InitScope(at::ScalarType dtype);
-  explicit InitScope(Precision precision);
+  explicit InitScope(at::ScalarType dtype, bool parallel_init = true);
+  explicit InitScope(Precision precision, bool parallel_init = true);
   ~InitScope();
   InitScope(const InitScope&) = delete;
   InitScope& operator=(const InitScope&) = delete;
 
  private:
   caffe2::TypeMeta previous_;
+  std::optional<ParallelInitScope> parallel_;
 };
 
 }  // namespace ferry

@@ -1,7 +1,11 @@
 // Note [Parameter interception]: see interceptor.h.
 #include "ferry/hooks/interceptor.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/GradMode.h>
+#include <ATen/ops/empty.h>
 #include <ATen/core/stack.h>
 #include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
@@ -9,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
 #include <shared_mutex>
 #include <unordered_map>
 
@@ -110,8 +115,67 @@ void run_excluded(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   op.callBoxed(stack);
 }
 
+// Note [Parallel initializers] (interceptor.h).
+thread_local int parallel_init_depth = 0;
+std::atomic<int64_t> parallel_init_count{0};
+constexpr int64_t kParallelInitMin = int64_t{1} << 16;
+constexpr int64_t kParallelInitBlock = int64_t{1} << 20;
+constexpr int64_t kParallelInitPiece = int64_t{1} << 13;  // 32 KiB of fp32 scratch per thread
+
+// uniform_(self, from, to, generator) / normal_(self, mean, std, generator) on the stack: fills in
+// parallel and leaves the result, or returns false (the op then runs as usual).
+bool parallel_init(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& name = op.schema().operator_name();
+  const bool uniform = name.name == "aten::uniform_", normal = name.name == "aten::normal_";
+  if ((!uniform && !normal) || !name.overload_name.empty() || stack->size() < 4) return false;
+  const size_t first = stack->size() - 4;
+  const c10::IValue& self_v = (*stack)[first];
+  if (!self_v.isTensor() || !(*stack)[first + 3].isNone()) return false;  // an explicit generator: its stream
+  const at::Tensor self = self_v.toTensor();
+  // A leaf that requires grad under grad mode: the op runs as usual, for autograd's error.
+  if (!self.device().is_cpu() || !self.is_contiguous() || self.numel() < kParallelInitMin ||
+      !at::isFloatingType(self.scalar_type()) || (self.requires_grad() && c10::GradMode::is_enabled())) {
+    return false;
+  }
+  const double a = (*stack)[first + 1].toDouble(), b = (*stack)[first + 2].toDouble();
+  uint64_t seed = 0;
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    seed = gen.get<at::CPUGeneratorImpl>()->random64();
+  }
+  c10::impl::ExcludeDispatchKeyGuard exclude(kInterceptKey);
+  const at::Tensor flat = self.detach().view({-1});  // the workers' grad mode is their own
+  const int64_t n = flat.numel(), blocks = (n + kParallelInitBlock - 1) / kParallelInitBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(seed ^ (0x9E3779B97F4A7C15ull * static_cast<uint64_t>(k + 1)));
+      const at::Tensor block = flat.narrow(0, k * kParallelInitBlock, std::min(kParallelInitBlock, n - k * kParallelInitBlock));
+      // Drawn in fp32 (torch's vectorized kernels), in pieces through a small scratch for other dtypes.
+      const bool fp32 = block.scalar_type() == at::kFloat;
+      const int64_t piece = fp32 ? block.numel() : kParallelInitPiece;
+      at::Tensor scratch = fp32 ? at::Tensor() : at::empty({std::min(piece, block.numel())}, at::kFloat);
+      for (int64_t at = 0; at < block.numel(); at += piece) {
+        const int64_t len = std::min(piece, block.numel() - at);
+        at::Tensor fill = fp32 ? block.narrow(0, at, len) : scratch.narrow(0, 0, len);
+        if (uniform) {
+          fill.uniform_(a, b, gen);
+        } else {
+          fill.normal_(a, b, gen);
+        }
+        if (!fp32) block.narrow(0, at, len).copy_(fill);
+      }
+    }
+  });
+  parallel_init_count.fetch_add(n, std::memory_order_relaxed);
+  stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end());
+  stack->emplace_back(self);
+  return true;
+}
+
 void intercept(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   op_count.fetch_add(1, std::memory_order_relaxed);
+  if (parallel_init_depth > 0 && parallel_init(op, stack)) return;
   if (registry_size.load(std::memory_order_acquire) == 0) {
     run_excluded(op, stack);
     return;
@@ -149,6 +213,10 @@ void intercept(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 }  // namespace
+
+ParallelInitScope::ParallelInitScope() : guard_(kInterceptKey) { ++parallel_init_depth; }
+ParallelInitScope::~ParallelInitScope() { --parallel_init_depth; }
+int64_t parallel_init_elements() { return parallel_init_count.load(std::memory_order_relaxed); }
 
 TORCH_LIBRARY_IMPL(_, DeferredInit, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&intercept>()); }
 

@@ -60,6 +60,29 @@ class InterceptionScope {
   c10::impl::IncludeDispatchKeyGuard guard_;
 };
 
+// Note [Parallel initializers]: LibTorch modules initialize their parameters in their constructors
+// with uniform_/normal_ (nn::Linear's kaiming_uniform_), on one thread: about 8 ns per element, 100 s
+// and more for a 12B model, and torch's normal_ is 6x slower again in bf16. While a
+// ParallelInitScope is alive on a thread, the interception key is on there too and the fallback
+// replaces `uniform_` and `normal_` without an explicit generator, on contiguous CPU tensors of at
+// least 2^16 elements, with a fill on every core: blocks of 2^20 elements, each drawn in fp32 by its
+// own generator seeded from (one draw of the default CPU generator, block index), then rounded to the
+// tensor's dtype. The values follow torch::manual_seed and do not depend on the thread count; they
+// differ bit for bit from torch's serial stream (same distribution). Every other op runs as usual.
+// InitScope holds one (ferry/hooks/init_scope.h).
+class ParallelInitScope {
+ public:
+  ParallelInitScope();
+  ~ParallelInitScope();
+  ParallelInitScope(const ParallelInitScope&) = delete;
+  ParallelInitScope& operator=(const ParallelInitScope&) = delete;
+
+ private:
+  c10::impl::IncludeDispatchKeyGuard guard_;
+};
+// Elements filled by the parallel initializers in this process (tests).
+int64_t parallel_init_elements();
+
 // Count of ops the fallback has seen in this process, and of those that used a registered storage.
 struct InterceptionCounters {
   int64_t ops = 0;
