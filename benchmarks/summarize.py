@@ -4,6 +4,9 @@ into PNG plots next to them (step-time breakdown, memory) when matplotlib is ins
 
     python3 benchmarks/summarize.py benchmarks/results/cpu_adam-*.json
     python3 benchmarks/summarize.py --plots benchmarks/results/gpt-*.json
+    python3 benchmarks/summarize.py --scaling=OUT.png benchmarks/results/gpt-h100-*.json \
+        benchmarks/results/peer-*-h100-*.json
+        (tokens/s against model size, one line per system: ferry, and the peers by mode)
 """
 import json
 import sys
@@ -237,13 +240,69 @@ def trace_breakdown(path):
     return "\n".join(lines)
 
 
-TABLES = {"cpu_adam": cpu_adam_table, "chunk_move": chunk_move_table, "gpt": gpt_table}
+def peer_table(doc, path):
+    t, m = doc["time"], doc["memory"]
+    return "\n".join([
+        f"`{path}` — {doc['kind']}, commit `{doc['commit']}`, torch {doc['env']['torch']}, "
+        f"GPU {doc['env']['gpu_name'] or 'none'}",
+        "",
+        "| preset | params | batch x seq | step s | fwd s | bwd s | opt s | tokens/s | TFLOPS 6N | start-up s | "
+        "host RSS peak GiB | device peak GiB |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| {doc['model']['preset']} | {doc['model']['params'] / 1e9:.2f}B | {doc['config']['batch']} x "
+        f"{doc['config']['seq']} | {t['step_s']:.4f} | {t['forward_s']:.4f} | {t['backward_s']:.4f} | "
+        f"{t['optimizer_s']:.4f} | {doc['tokens_per_s']:,.0f} | {doc['tflops_6n']:.0f} | {doc['startup_s']:.1f} | "
+        f"{m['host_rss_peak_bytes'] / 2**30:.1f} | {m['device_peak_bytes'] / 2**30:.1f} |"])
+
+
+def scaling_plot(docs, out):
+    """tokens/s against parameters, one line per system (ferry; each peer mode), from gpt and gpt_peer
+    results of one machine."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    lines = {}
+    for doc in docs:
+        if doc.get("benchmark") == "gpt" and "ferry" in doc:
+            name = "ferry" + (" (activation checkpointing)" if doc["config"].get("checkpoint_activations") else "")
+            lines.setdefault(name, []).append((doc["model"]["params"], doc["ferry"]["tokens_per_s"]))
+            if "baseline" in doc:
+                lines.setdefault("bench_gpt C++ baseline", []).append((doc["model"]["params"],
+                                                                       doc["baseline"]["tokens_per_s"]))
+        elif doc.get("benchmark") == "gpt_peer":
+            name = {"plain": "plain PyTorch", "fsdp2": "FSDP2 + CPU offload"}.get(doc["mode"], doc["mode"])
+            lines.setdefault(name, []).append((doc["model"]["params"], doc["tokens_per_s"]))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([p / 1e9 for p, _ in pts], [v for _, v in pts], marker="o", label=name)
+    ax.set_xlabel("parameters (billions)")
+    ax.set_ylabel("tokens / s")
+    ax.set_yscale("log")
+    ax.set_title("GPT training throughput, one GPU, bf16, batch 8 x 1024")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    return out
+
+
+TABLES = {"cpu_adam": cpu_adam_table, "chunk_move": chunk_move_table, "gpt": gpt_table, "gpt_peer": peer_table}
 PLOTS = {"gpt": gpt_plots}
 
 
 def main(paths):
     plots = "--plots" in paths
-    paths = [p for p in paths if p != "--plots"]
+    scaling = [p.split("=", 1)[1] for p in paths if p.startswith("--scaling=")]
+    paths = [p for p in paths if p != "--plots" and not p.startswith("--scaling=")]
+    if scaling:
+        docs = []
+        for path in paths:
+            with open(path) as f:
+                docs.append(json.load(f))
+        print(f"![{scaling[0]}]({scaling[0].rsplit('/', 1)[-1]})")
+        scaling_plot(docs, scaling[0])
+        return 0
     if not paths:
         print(__doc__.strip(), file=sys.stderr)
         return 2
