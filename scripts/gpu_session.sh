@@ -7,13 +7,16 @@
 #    what is left of the call's deadline, FERRY_DEADLINE seconds, default 570), stdout to NAME.out and
 #    stderr to NAME.log; blank lines and lines starting with '#' are skipped;
 # 3. packs everything into $OUT/results.tgz (the device tool brings back at most 8 files).
-# Stages see BUILD (the build directory) and RES (the results directory) in their environment.
+# Stages see BUILD (the build directory), RES (the results directory) and COMMIT (FERRY_COMMIT, or
+# `git rev-parse` where .git travelled, else "unknown": the device gets the working tree without .git)
+# in their environment. Stage files for the open measurements live in scripts/gpu_stages/.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 stages=${1:?usage: scripts/gpu_session.sh STAGES_FILE}
 out=${OUT:?OUT must name the folder that comes back}
 deadline=$((SECONDS + ${FERRY_DEADLINE:-570}))
 export RES=/tmp/ferry-gpu-results BUILD=$root/build-gpu
+export COMMIT=${FERRY_COMMIT:-$(git -C "$root" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 rm -rf "$RES" && mkdir -p "$RES"
 pack() { git -C "$root" rev-parse HEAD > "$RES/commit.txt" 2>/dev/null; tar czf "$out/results.tgz" -C "$RES" .; }
 trap pack EXIT

@@ -148,11 +148,18 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   torch::manual_seed(1);
   const auto t_start = Clock::now();
   std::shared_ptr<gpt::GptImpl> net;
+  if (config.rank == 0) {  // the module's constructor is the longest silent part of a large run
+    std::cerr << "bench_gpt: building the " << gc.name << " preset (" << gc.num_params() / 1e6 << "M parameters) "
+              << (a.init_scope ? "inside ferry::InitScope" : "in fp32") << "\n";
+  }
   if (a.init_scope) {  // parameters built in the compute dtype: no fp32 model ever exists
     ferry::InitScope scope(config.precision);
     net = std::make_shared<gpt::GptImpl>(gc);
   } else {
     net = std::make_shared<gpt::GptImpl>(gc);
+  }
+  if (config.rank == 0) {
+    std::cerr << "bench_gpt: module built in " << since(t_start) << " s; wrapping it in ChunkedModel\n";
   }
   if (a.checkpoint) {
     net->run_block = [](gpt::Block& b, const torch::Tensor& x) {
