@@ -225,7 +225,13 @@ void HybridAdam::land_grad(int64_t param, const at::Tensor& grad) {
   sync_layout_locked();
   TORCH_CHECK(grad.layout() == at::kStrided, "ferry: HybridAdam needs dense gradients; parameter ",
               model_.param_name(param), " got a ", grad.layout(), " one");
-  if (options_.accumulate_grads) {
+  if (slot_accumulation()) {
+    // The model wrote it into the parameter's slot; after_landing() consumes the chunk when it is final
+    // for this backward (Note [Accumulation per chunk]).
+    if (!accum_armed_) arm_accumulation_locked();
+    in_slot_[param] = 1;
+    ++accum_landings_[param];
+  } else if (options_.accumulate_grads) {
     at::Tensor slot = state_->view(kGradRole, param);
     // add_ widens a bf16/fp16 grad itself; only a grad on another device needs a copy first.
     slot.add_(grad.device() == slot.device() ? grad : grad.to(slot.device()));
@@ -233,7 +239,7 @@ void HybridAdam::land_grad(int64_t param, const at::Tensor& grad) {
   landed_[param] = 1;
   grads_landed_ = true;
   ++landings_[param];
-  if (!overlap_active_ || !options_.accumulate_grads) return;  // default mode: after_landing()
+  if (!overlap_active_ || !options_.accumulate_grads || slot_accumulation()) return;  // after_landing()
   const int64_t c = model_.layout().slots()[param].chunk;
   TORCH_CHECK(!launched_[c], "ferry: HybridAdam::backward_step: parameter ", model_.param_name(param),
               " got more gradient contributions (", landings_[param], ") than in the previous backward_step (",
@@ -450,6 +456,20 @@ void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale, const 
 
 void HybridAdam::before_landing(int64_t param) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (slot_accumulation()) {
+    const int64_t c = model_.layout().slots()[param].chunk;
+    TORCH_CHECK(!overlap_active_ || !launched_[c], "ferry: HybridAdam::backward_step: parameter ",
+                model_.param_name(param), " got gradient contribution ", landings_[param] + 1, " after its chunk's "
+                "update had started (the previous backward saw ", accum_expected_[param], "; Note [Pipelined step]). "
+                "Use backward() + step() for models whose backward changes between steps.");
+    if (accum_armed_ && accum_consumed_[c]) {
+      // A landing this backward did not have last time, on a chunk already consumed: its job (which
+      // holds the chunk on the host) ends first; the chunk is consumed again when backward ends.
+      if (static_cast<int64_t>(jobs_.size()) > c && jobs_[c].valid()) jobs_[c].wait();
+      accum_consumed_[c] = 0;
+    }
+    return;
+  }
   if (!overlap_active_ || options_.accumulate_grads) return;
   const int64_t c = model_.layout().slots()[param].chunk;
   TORCH_CHECK(!launched_[c], "ferry: HybridAdam::backward_step: parameter ", model_.param_name(param),
@@ -460,6 +480,14 @@ void HybridAdam::before_landing(int64_t param) {
 
 void HybridAdam::after_landing(int64_t param) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (slot_accumulation()) {
+    const int64_t c = model_.layout().slots()[param].chunk;
+    if (accum_landings_[param] > accum_expected_[param] || --accum_remaining_[c] != 0) return;
+    consume_slot_grads_locked(c);
+    // backward_step of the last micro-batch: the chunk's update follows its accumulation on the worker.
+    if (overlap_active_ && !on_device_[c] && !launched_[c]) launch_overlapped_locked(c);
+    return;
+  }
   if (!overlap_active_ || options_.accumulate_grads) return;
   const int64_t c = model_.layout().slots()[param].chunk;
   if (landings_[param] <= expected_landings_[param] && --remaining_[c] == 0) launch_chunk_locked(c);
@@ -498,7 +526,7 @@ void HybridAdam::launch_chunk_locked(int64_t c) {
                          });
 }
 
-void HybridAdam::launch_host_job_locked(int64_t c, const char* what, HostJob work) {
+void HybridAdam::launch_host_job_locked(int64_t c, const char* what, HostJob work, bool with_state) {
   ChunkStore& params = model_.store();
   const ChunkId pc = model_.param_chunk(c);
   if (params.location(pc) != Location::kHost) params.move_async(pc, Location::kHost);  // one transfer
@@ -506,8 +534,9 @@ void HybridAdam::launch_host_job_locked(int64_t c, const char* what, HostJob wor
   try {
     at::Tensor master = state_->payload(kMasterRole, c);
     float* p = master.data_ptr<float>();
-    float* m = state_->payload(kExpAvgRole, c).data_ptr<float>();
-    float* v = state_->payload(kExpAvgSqRole, c).data_ptr<float>();
+    float* m = with_state ? state_->payload(kExpAvgRole, c).data_ptr<float>() : nullptr;
+    float* v = with_state ? state_->payload(kExpAvgSqRole, c).data_ptr<float>() : nullptr;
+    if (static_cast<int64_t>(jobs_.size()) < num_chunks()) jobs_.resize(num_chunks());
     jobs_[c] = cpu_adam_.run_async([this, c, pc, store = &params, what, work = std::move(work), p, m, v,
                                     master = std::move(master)] {
       struct Unlock {
@@ -530,6 +559,55 @@ void HybridAdam::launch_host_job_locked(int64_t c, const char* what, HostJob wor
     params.unlock_on_host(pc);
     throw;
   }
+}
+
+// Note [Accumulation per chunk] (hybrid_adam.h, HybridAdamOptions::accumulate_grads).
+void HybridAdam::arm_accumulation_locked() {
+  const int64_t n = num_chunks(), params = model_.num_params();
+  in_slot_.assign(params, 0);
+  accum_landings_.assign(params, 0);
+  if (static_cast<int64_t>(accum_expected_.size()) != params) accum_expected_.assign(params, 0);
+  accum_remaining_.assign(n, 0);
+  accum_consumed_.assign(n, 0);
+  // With no previous backward every count is 0: no chunk is final early, backward_finished consumes all.
+  for (int64_t p = 0; p < params; ++p) accum_remaining_[model_.layout().slots()[p].chunk] += accum_expected_[p];
+  for (int64_t c = 0; c < n; ++c) {
+    if (accum_remaining_[c] == 0) accum_remaining_[c] = -1;  // never reaches 0 by counting down
+  }
+  if (static_cast<int64_t>(jobs_.size()) < n) jobs_.resize(n);
+  accum_armed_ = true;
+}
+
+void HybridAdam::consume_slot_grads_locked(int64_t c) {
+  accum_consumed_[c] = 1;
+  std::vector<Span> spans;
+  for (int64_t t : model_.layout().chunks()[c].tensors) {
+    const Slot& slot = model_.layout().slots()[t];
+    if (!in_slot_[t] || slot.numel == 0) continue;
+    spans.push_back({group_of_param_[t], slot.offset, slot.offset + slot.numel});
+    in_slot_[t] = 0;
+    model_.clear_grad_slot(t);  // its value is back before anything can read the slot again
+  }
+  if (spans.empty()) return;
+  trace::Span span("adam", trace::enabled() ? "accumulate chunk " + std::to_string(c) : std::string());
+  at::Tensor acc = state_->payload(kGradRole, c);  // allocated where the state lives (D46)
+  ChunkStore& params = model_.store();
+  const ChunkId pc = model_.param_chunk(c);
+  if (on_device_[c]) {  // queued on the compute stream: no host stall
+    if (params.location(pc) != Location::kDevice) params.move(pc, Location::kDevice);
+    const at::Tensor g = params.payload(pc);
+    for (const Span& sp : spans) acc.slice(0, sp.begin, sp.end).add_(g.slice(0, sp.begin, sp.end));
+    restore_values(g, state_->payload(kMasterRole, c), spans);
+    return;
+  }
+  launch_host_job_locked(
+      c, "accumulate chunk ",
+      [acc, spans = std::move(spans)](const at::Tensor& g, float*, float*, float*, const at::Tensor& master) {
+        // add_ widens the bf16/fp16 gradients into fp32, as the per-parameter add did.
+        for (const Span& sp : spans) acc.slice(0, sp.begin, sp.end).add_(g.slice(0, sp.begin, sp.end));
+        restore_values(g, master, spans);
+      },
+      /*with_state=*/false);
 }
 
 void HybridAdam::check_backward_step_start_locked() {
@@ -585,6 +663,20 @@ bool HybridAdam::update_unlaunched_locked(const ChunkNorms& norms, StepResult& r
 
 void HybridAdam::backward_finished(bool /*aborted*/) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (slot_accumulation() && accum_armed_) {
+    // Chunks not final during backward (the first backward: all) are consumed now, an aborted backward's
+    // too: what landed is accumulated, as the per-parameter add did.
+    for (int64_t c = 0; c < num_chunks(); ++c) {
+      if (!accum_consumed_[c]) consume_slot_grads_locked(c);
+    }
+    accum_expected_ = accum_landings_;
+    accum_armed_ = false;
+    // The accumulation jobs are the only ones in jobs_ in this mode: their errors surface here.
+    if (std::exception_ptr error = join_jobs_locked()) {
+      for (auto& update : pending_updates_) update.wait();
+      std::rethrow_exception(error);
+    }
+  }
   // The jobs read and write parameter chunks: done before the model ends the iteration.
   for (auto& job : jobs_) {
     if (job.valid()) job.wait();

@@ -48,6 +48,21 @@
 //  Without accumulate_grads, the parameter chunk of a host-state chunk moves to the host for the
 //  update and that of a device-state chunk to the device (each where its state is).
 //
+// Note [Accumulation per chunk]
+// With accumulate_grads on one process, a micro-batch's gradients land in the parameter slots as in
+// the default mode (Note [Gradient in the parameter slot]). When a layout chunk has had as many
+// landings as in the previous backward (the first backward: when it ends), its slots are emptied into
+// the chunk's fp32 accumulation chunk and get their values back, round(master) (the invariant between
+// steps): for device-state chunks with two ops on the compute stream; for host-state chunks by one
+// transfer of the whole chunk to the host on the copy stream and an add on CpuAdam's worker, while
+// backward goes on. The per-parameter add it replaces copied each gradient to the host synchronously
+// on autograd's thread. backward() waits for the last jobs before it returns, so the next forward reads
+// values; backward_step of the last micro-batch queues each host chunk's update right behind its add.
+// A landing a chunk did not have in the previous backward, after it was emptied, waits for its job
+// and the chunk is emptied again at the end (refused under backward_step once the update started). A
+// gradient that reached its parameter twice in one backward is summed in the slot in the compute
+// dtype, as in the default mode. At N > 1 accumulation keeps the per-parameter add.
+
 // Note [Pipelined step]
 // backward_step(loss) runs backward and the optimizer step as one pipeline over the layout chunks.
 // A chunk is final in backward when each of its parameters has had as many gradient landings as in the
@@ -310,7 +325,11 @@ class HybridAdam final : private GradSink, private LayoutListener {
     bool all_finite = true;
     int64_t syncs = 0;  // host syncs it took (reading device norms): 0 or 1
   };
-  bool grads_into_param_slots() const override { return !options_.accumulate_grads; }
+  // Slots in every mode on one process; with accumulate_grads they are emptied per chunk into the fp32
+  // accumulation chunks (Note [Accumulation per chunk]). At N > 1 accumulation keeps the per-parameter
+  // add: the values of a non-owned chunk cannot be given back without its owner's masters.
+  bool grads_into_param_slots() const override { return !options_.accumulate_grads || world_ == 1; }
+  bool slot_accumulation() const { return options_.accumulate_grads && world_ == 1; }
   void before_landing(int64_t param) override;
   void land_grad(int64_t param, const at::Tensor& grad) override;
   void after_landing(int64_t param) override;
@@ -332,7 +351,13 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // queues work(grads, master, exp_avg, exp_avg_sq pointers, master tensor) on CpuAdam's worker, run once
   // the copy has landed; the chunk is unlocked when the job ends, whatever happens. jobs_[c] holds it.
   using HostJob = std::function<void(const at::Tensor& grads, float* p, float* m, float* v, const at::Tensor& master)>;
-  void launch_host_job_locked(int64_t chunk, const char* what, HostJob work);
+  // `with_state` false: the moments are not touched (p, m, v are null; they stay unallocated, D46).
+  void launch_host_job_locked(int64_t chunk, const char* what, HostJob work, bool with_state = true);
+  // Note [Accumulation per chunk]: adds the slot gradients of chunk c into its accumulation chunk and
+  // gives the slots their values back (round(master)), on the device for device-state chunks, else on
+  // CpuAdam's worker after one transfer of the chunk to the host; clears the model's slot marks.
+  void consume_slot_grads_locked(int64_t chunk);
+  void arm_accumulation_locked();  // at the first landing of a backward
   // Waits for every job in jobs_ and clears it; the first error any of them threw (or null).
   std::exception_ptr join_jobs_locked();
   void check_backward_step_start_locked();  // the layout is followed, no gradients wait for step()
@@ -479,6 +504,14 @@ class HybridAdam final : private GradSink, private LayoutListener {
   std::vector<char> owner_job_;        // per layout chunk: its owner update runs as a pipeline job
   bool dist_pipelined_ = false;
   bool landings_agree_ = false;
+  // Note [Accumulation per chunk]: per parameter, a gradient sits in its slot (this backward) and the
+  // landings of this and of the previous backward; per layout chunk, landings still expected before
+  // its slots are consumed, and whether they were.
+  bool accum_armed_ = false;
+  std::vector<char> in_slot_;
+  std::vector<int64_t> accum_landings_, accum_expected_;
+  std::vector<int64_t> accum_remaining_;
+  std::vector<char> accum_consumed_;
 };
 
 }  // namespace ferry

@@ -311,8 +311,11 @@ void ChunkedModel::clear_grad_slots() {
 }
 
 void ChunkedModel::clear_grad_slot(int64_t index) {
-  TORCH_CHECK(phase_.load() == ModelPhase::kIdle || phase_.load() == ModelPhase::kForwardDone,
-              "ferry: clear_grad_slot() inside an iteration");
+  // Backward too: a gradient sink that gave the slot its value back (on autograd's thread, or in
+  // backward_finished) says so here.
+  const ModelPhase phase = phase_.load();
+  TORCH_CHECK(phase == ModelPhase::kIdle || phase == ModelPhase::kForwardDone || phase == ModelPhase::kBackward,
+              "ferry: clear_grad_slot() inside a forward");
   TORCH_CHECK(index >= 0 && index < num_params(), "ferry: parameter index ", index, " out of range [0, ", num_params(), ")");
   if (!grad_in_slot_[index]) return;
   grad_in_slot_[index] = 0;

@@ -69,7 +69,9 @@ struct ChunkedModelOptions {
 // parameter: a use of it (a forward before the optimizer step) fails with a clear error instead of
 // computing with a gradient, and state_dict() refuses. The optimizer writes the values back and calls
 // clear_grad_slots(). Gradient accumulation over micro-batches needs the values between backward
-// passes, so it keeps separate gradient memory (HybridAdamOptions::accumulate_grads).
+// passes, so it keeps separate fp32 gradient memory (HybridAdamOptions::accumulate_grads), into which
+// the optimizer empties the slots chunk by chunk during backward and gives the values back
+// (Note [Accumulation per chunk], cpu_adam/hybrid_adam.h).
 
 // Receives each parameter's gradient during backward (on autograd's thread), already multiplied by the
 // loss scale. The tensor is only valid during the call. For one landing the calls come in this order:
@@ -199,7 +201,8 @@ class ChunkedModel final : private UseListener {
   bool any_grad_in_slot() const { return grads_in_slots_ > 0; }
   // The optimizer has written every parameter's value back into its slot; between iterations.
   void clear_grad_slots();
-  // The same for one parameter.
+  // The same for one parameter; also during backward, by a gradient sink that gave the slot its value
+  // back (on autograd's thread, or in backward_finished). Not during a forward.
   void clear_grad_slot(int64_t index);
   // layout().chunks()[i] -> the ChunkId in store().
   ChunkId param_chunk(int64_t layout_chunk) const { return param_chunks_[layout_chunk]; }
