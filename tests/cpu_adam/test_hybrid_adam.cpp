@@ -403,18 +403,29 @@ TEST(HybridAdam, AccumulationEqualsTheBigBatch) {
 // each, started while backward goes on), with the values given back. The accumulated sums equal, bit
 // for bit, the hand-made fp32 sum of each micro-batch's gradients as the default mode lands them (same
 // order); evictions every iteration, state split between device and host.
-TEST(HybridAdam, AccumulationEmptiesTheSlotsPerChunkAndSumsExactly) {
+// Options with two state groups on the device; `accumulate`: with fp32 accumulation chunks.
+HybridAdamOptions split_state(bool accumulate) {
   HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
   options.device_state_chunks = 2;
-  HybridAdamOptions accumulate = options;
-  accumulate.accumulate_grads = true;
-  torch::manual_seed(59);
-  TinyLm a_net(kVocab, kDim);
-  torch::manual_seed(59);
-  TinyLm b_net(kVocab, kDim);
+  options.accumulate_grads = accumulate;
+  return options;
+}
+
+// Two TinyLms with the same initial values.
+std::pair<TinyLm, TinyLm> twins(uint64_t seed) {
+  torch::manual_seed(seed);
+  TinyLm a(kVocab, kDim);
+  torch::manual_seed(seed);
+  TinyLm b(kVocab, kDim);
+  return {a, b};
+}
+
+TEST(HybridAdam, AccumulationEmptiesTheSlotsPerChunkAndSumsExactly) {
+  const auto nets = twins(59);
+  TinyLm a_net = nets.first, b_net = nets.second;
   ChunkedModel a(a_net.ptr(), sim_config(budget_for(3, 2 * 2), Precision::kBf16));
   ChunkedModel b(b_net.ptr(), sim_config(budget_for(3, 2 * 2, 4), Precision::kBf16));
-  HybridAdam a_adam(a, options), b_adam(b, accumulate);
+  HybridAdam a_adam(a, split_state(false)), b_adam(b, split_state(true));
   const int64_t n = a.num_params();
   int64_t evictions = 0;
   // Steps 0-2 with one micro-batch each keep a and b bit-identical (the test below shows why) and
@@ -470,14 +481,9 @@ TEST(HybridAdam, AccumulationEmptiesTheSlotsPerChunkAndSumsExactly) {
 // (bf16 gradients widen to fp32 exactly): bf16 compute copy, evictions every iteration, state split
 // between device and host, no clipping. And the default mode holds no gradient memory.
 TEST(HybridAdam, GradsInParamChunksEqualAccumulationChunksBitForBit) {
-  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
-  options.device_state_chunks = 2;
-  HybridAdamOptions accumulate = options;
-  accumulate.accumulate_grads = true;
-  torch::manual_seed(31);
-  TinyLm a_net(kVocab, kDim);
-  torch::manual_seed(31);
-  TinyLm b_net(kVocab, kDim);
+  const HybridAdamOptions options = split_state(false), accumulate = split_state(true);
+  const auto nets = twins(31);
+  TinyLm a_net = nets.first, b_net = nets.second;
   // kChunk is 16 KiB of bf16, so a state group (fp32) is 2 x roles x kChunk.
   ChunkedModelOptions no_cache;
   no_cache.host_cache_bytes = 0;  // HybridAdam must raise it for the chunks that travel every step
