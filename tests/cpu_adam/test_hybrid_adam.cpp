@@ -21,6 +21,7 @@
 #include "chunk/deferred_copy_engine.h"
 #include "ferry/cpu_adam/hybrid_adam.h"
 #include "ferry/hooks/chunked_model.h"
+#include "same_state.h"
 
 namespace ferry {
 namespace {
@@ -865,13 +866,7 @@ void expect_pipeline_equals_step(Precision precision, double max_grad_norm) {
     applied += ra.applied;
     clipped += ra.clip_coef < 1.0;
     evictions += b.last_iteration().evictions;
-    for (int64_t p = 0; p < a.num_params(); ++p) {
-      const auto& name = a.param_name(p);
-      ASSERT_TRUE(torch::equal(a_adam.master(p), b_adam.master(p))) << "step " << step << ": master " << name;
-      ASSERT_TRUE(torch::equal(a_adam.exp_avg(p), b_adam.exp_avg(p))) << "step " << step << ": exp_avg " << name;
-      ASSERT_TRUE(torch::equal(a_adam.exp_avg_sq(p), b_adam.exp_avg_sq(p))) << "step " << step << ": exp_avg_sq " << name;
-      ASSERT_TRUE(torch::equal(a.param_values(p).cpu(), b.param_values(p).cpu())) << "step " << step << ": " << name;
-    }
+    ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, "step " + std::to_string(step)));
   }
   EXPECT_GT(applied, 2);
   if (max_grad_norm > 0) {

@@ -14,6 +14,7 @@
 #include "ferry/cpu_adam/hybrid_adam.h"
 #include "ferry/hooks/chunked_model.h"
 #include "test_util.h"
+#include "same_state.h"
 
 namespace ferry {
 namespace {
@@ -107,13 +108,7 @@ void expect_pipeline_equals_step(DeviceKind device, double max_grad_norm) {
     overlapped += rb.overlapped_chunks;
     host_chunks += rb.host_chunks;
     clipped += rb.clip_coef < 1.0;
-    for (int64_t p = 0; p < a.num_params(); ++p) {
-      const auto& name = a.param_name(p);
-      ASSERT_TRUE(torch::equal(a_adam.master(p), b_adam.master(p))) << "step " << step << ": master " << name;
-      ASSERT_TRUE(torch::equal(a_adam.exp_avg(p), b_adam.exp_avg(p))) << "step " << step << ": exp_avg " << name;
-      ASSERT_TRUE(torch::equal(a_adam.exp_avg_sq(p), b_adam.exp_avg_sq(p))) << "step " << step << ": exp_avg_sq " << name;
-      ASSERT_TRUE(torch::equal(a.param_values(p).cpu(), b.param_values(p).cpu())) << "step " << step << ": " << name;
-    }
+    ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, "step " + std::to_string(step)));
   }
   EXPECT_GT(evictions, 4) << "the budget must force evictions";
   EXPECT_GT(host_chunks, 4) << "some state must live on the host";
