@@ -431,6 +431,11 @@ void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale, const 
   at::Tensor v = state_->payload(kExpAvgSqRole, c);
   at::Tensor g = grad_payload_locked(c);
   const bool into_param = !options_.accumulate_grads;  // g is the parameter chunk: write the values there
+  // On CUDA the fused kernel would refuse a host gradient; the simulated device would not notice, so
+  // the invariant is checked here for both.
+  TORCH_CHECK(!into_param || model_.store().location(model_.param_chunk(c)) == Location::kDevice,
+              "ferry: HybridAdam: the device update of state chunk ", c, " found its parameter chunk (holding the "
+              "gradients) on the host; it must be staged on the device first (internal error)");
   for (const Span& s : landed_spans_locked(c)) {
     const AdamOptions& o = cpu_adam_.options(s.group);
     at::Tensor gs = g.slice(0, s.begin, s.end);
@@ -693,8 +698,10 @@ StepResult HybridAdam::finish_pipelined_locked() {
   for (char l : launched_) result.overlapped_chunks += l;
   for (char d : on_device_) (d ? result.device_chunks : result.host_chunks) += 1;
   // Chunks that did not become final during backward: staged now, as step() stages them; the norms of
-  // all, summed as step() sums them.
-  stage_param_chunks_locked(/*skip_launched=*/true);
+  // all, summed as step() sums them. Not eager (clipping, loss scaling): the launched chunks only had
+  // their norms taken and wait for their update, and the eviction policy may have sent a device-bound
+  // one to the host since; they are staged too (seen on a GPU: the fused kernel met a host gradient).
+  stage_param_chunks_locked(/*skip_launched=*/eager_);
   int64_t t0 = now_ns();
   const ChunkNorms norms = grad_norms_locked(/*pipelined=*/true);
   result.device_syncs = norms.syncs;
