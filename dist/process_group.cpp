@@ -9,19 +9,20 @@
 #include <string>
 #include <vector>
 
+#include "ferry/chunk/copy_engine.h"
 #include "ferry/common/cli.h"
 #include "ferry/common/event_trace.h"
 #include "ferry/common/logging.h"
+#include "ferry/dist/nccl.h"
 
-#ifdef FERRY_WITH_GLOO
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef FERRY_WITH_GLOO
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
 
 namespace ferry::dist {
 
-#ifdef FERRY_WITH_GLOO
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -32,31 +33,46 @@ std::string describe(const at::Tensor& t) {
   return os.str();
 }
 
-// The collectives over one c10d backend. Every call waits for its Work; a failure (a dead or silent
-// peer) is rethrown naming the operation, this rank and the timeout.
+// The collectives over one c10d backend, whose tensors live on `device` (Gloo: the CPU; NCCL: this
+// rank's GPU). Every call waits for its Work (on CUDA also for the current stream, so that "written"
+// means written for the host too); a failure (a dead or silent peer) is rethrown naming the operation,
+// this rank and the timeout. NCCL is handed CPU tensors too: they are staged through the GPU (the small
+// scalars of the norms, the checks and the saves; D49).
 class C10dCommunicator final : public Communicator {
  public:
   C10dCommunicator(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> backend, int rank,
-                   int world, std::chrono::milliseconds timeout, std::string name)
+                   int world, std::chrono::milliseconds timeout, std::string name, c10::Device device)
       : store_(std::move(store)),
         backend_(std::move(backend)),
         rank_(rank),
         world_(world),
         timeout_(timeout),
-        name_(std::move(name)) {}
+        name_(std::move(name)),
+        device_(device) {}
+
+  ~C10dCommunicator() override {
+    try {
+      backend_->shutdown();  // NCCL: its communicators and watchdog end here, not at exit
+    } catch (const std::exception& e) {
+      log::warn("ferry: shutting down the ", name_, " process group: ", cli::message_of(e));
+    }
+  }
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
   std::string backend() const override { return name_; }
-  bool device_ok(const c10::Device& device) const override { return device.is_cpu(); }
+  bool device_ok(const c10::Device& device) const override {
+    return device.is_cpu() || (device.type() == device_.type() && device.index() == device_.index());
+  }
 
   void all_reduce(at::Tensor& tensor, ReduceOp op) override {
     check(tensor, "all_reduce");
     c10d::AllreduceOptions o;
     o.reduceOp = op == ReduceOp::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
     o.timeout = timeout_;
-    std::vector<at::Tensor> ts{tensor};
+    std::vector<at::Tensor> ts{staged(tensor)};
     run("all_reduce", tensor, [&] { return backend_->allreduce(ts, o); });
+    if (!ts[0].is_same(tensor)) tensor.copy_(ts[0]);
     const int64_t bytes = tensor.nbytes();
     stats_.all_reduce_bytes += bytes;
     stats_.ring_bytes_sent += 2 * ring_share(bytes);
@@ -68,8 +84,9 @@ class C10dCommunicator final : public Communicator {
     c10d::BroadcastOptions o;
     o.rootRank = root;
     o.timeout = timeout_;
-    std::vector<at::Tensor> ts{tensor};
+    std::vector<at::Tensor> ts{staged(tensor)};
     run("broadcast", tensor, [&] { return backend_->broadcast(ts, o); });
+    if (!ts[0].is_same(tensor)) tensor.copy_(ts[0]);
     stats_.broadcast_bytes += tensor.nbytes();
     stats_.ring_bytes_sent += ring_share(tensor.nbytes());
   }
@@ -89,8 +106,8 @@ class C10dCommunicator final : public Communicator {
     c10d::ReduceScatterOptions o;
     o.reduceOp = c10d::ReduceOp::SUM;
     o.timeout = timeout_;
-    at::Tensor out = output, in = input;
-    auto pending = start("reduce_scatter", out, in, [&] { return backend_->_reduce_scatter_base(out, in, o); });
+    at::Tensor out = staged(output, /*copy=*/false), in = staged(input);
+    auto pending = start("reduce_scatter", output, out, in, [&] { return backend_->_reduce_scatter_base(out, in, o); });
     stats_.reduce_scatter_bytes += input.nbytes();
     stats_.ring_bytes_sent += ring_share(input.nbytes());
     return pending;
@@ -104,8 +121,8 @@ class C10dCommunicator final : public Communicator {
                 "dtype; got input ", describe(input), ", output ", describe(output));
     c10d::AllgatherOptions o;
     o.timeout = timeout_;
-    at::Tensor out = output, in = input;
-    auto pending = start("all_gather", out, in, [&] { return backend_->_allgather_base(out, in, o); });
+    at::Tensor out = staged(output, /*copy=*/false), in = staged(input);
+    auto pending = start("all_gather", output, out, in, [&] { return backend_->_allgather_base(out, in, o); });
     stats_.all_gather_bytes += output.nbytes();
     stats_.ring_bytes_sent += ring_share(output.nbytes());
     return pending;
@@ -123,16 +140,35 @@ class C10dCommunicator final : public Communicator {
 
   void check(const at::Tensor& t, const char* op) const {
     TORCH_CHECK(t.defined() && t.is_contiguous(), "ferry: ", op, " needs a defined contiguous tensor");
-    TORCH_CHECK(device_ok(t.device()), "ferry: ", op, " over ", name_, " needs CPU tensors; got ", describe(t));
+    TORCH_CHECK(device_ok(t.device()), "ferry: ", op, " over ", name_, " needs tensors on the CPU",
+                device_.is_cpu() ? std::string() : " or " + device_.str(), "; got ", describe(t));
   }
 
-  // A collective in flight over Gloo.
-  class GlooPending final : public Pending {
+  // `t` where the backend reads it: itself, or (NCCL, a CPU tensor) a copy on the device, its values
+  // copied too unless `copy` is false (an output).
+  at::Tensor staged(const at::Tensor& t, bool copy = true) const {
+    if (t.device() == device_) return t;
+    return copy ? t.to(device_) : at::empty_like(t, t.options().device(device_));
+  }
+
+  // After a Work's wait: on CUDA the current stream waits for the collective; the host waits too.
+  void settle() const {
+    if (device_.is_cuda()) detail::synchronize_current_stream(device_);
+  }
+
+  // A collective in flight. `out` is the caller's output; `staged_out` the one the backend writes (the
+  // same tensor, or its device copy, written back on wait).
+  class C10dPending final : public Pending {
    public:
-    GlooPending(C10dCommunicator* comm, const char* op, c10::intrusive_ptr<c10d::Work> work, at::Tensor out,
-                at::Tensor in)
-        : comm_(comm), op_(op), work_(std::move(work)), out_(std::move(out)), in_(std::move(in)) {}
-    ~GlooPending() override {
+    C10dPending(C10dCommunicator* comm, const char* op, c10::intrusive_ptr<c10d::Work> work, at::Tensor out,
+                at::Tensor staged_out, at::Tensor in)
+        : comm_(comm),
+          op_(op),
+          work_(std::move(work)),
+          out_(std::move(out)),
+          staged_out_(std::move(staged_out)),
+          in_(std::move(in)) {}
+    ~C10dPending() override {
       try {
         wait();
       } catch (const std::exception& e) {
@@ -146,6 +182,8 @@ class C10dCommunicator final : public Communicator {
       c10::intrusive_ptr<c10d::Work> work = std::move(work_);
       try {
         work->wait(comm_->timeout_);
+        comm_->settle();
+        if (!staged_out_.is_same(out_)) out_.copy_(staged_out_);
       } catch (const std::exception& e) {
         comm_->fail(op_, in_, e);
       }
@@ -156,12 +194,13 @@ class C10dCommunicator final : public Communicator {
     C10dCommunicator* comm_;
     const char* op_;
     c10::intrusive_ptr<c10d::Work> work_;
-    at::Tensor out_, in_;
+    at::Tensor out_, staged_out_, in_;
   };
 
   // Launches a collective; its Pending waits for it. Counts it.
   template <typename Launch>
-  std::unique_ptr<Pending> start(const char* op, const at::Tensor& out, const at::Tensor& in, Launch&& launch) {
+  std::unique_ptr<Pending> start(const char* op, const at::Tensor& out, const at::Tensor& staged_out,
+                                 const at::Tensor& in, Launch&& launch) {
     TORCH_CHECK(!broken_.load(), "ferry: rank ", rank_, " of ", world_, ": the process group failed earlier; it "
                 "cannot be used again");
     c10::intrusive_ptr<c10d::Work> work;
@@ -171,7 +210,7 @@ class C10dCommunicator final : public Communicator {
       fail(op, in, e);
     }
     ++stats_.collectives;
-    return std::make_unique<GlooPending>(this, op, std::move(work), out, in);
+    return std::make_unique<C10dPending>(this, op, std::move(work), out, staged_out, in);
   }
 
   [[noreturn]] void fail(const char* op, const at::Tensor& what, const std::exception& e) {
@@ -191,6 +230,7 @@ class C10dCommunicator final : public Communicator {
     try {
       c10::intrusive_ptr<c10d::Work> work = launch();
       work->wait(timeout_);
+      settle();
     } catch (const std::exception& e) {
       fail(op, what, e);
     }
@@ -203,6 +243,7 @@ class C10dCommunicator final : public Communicator {
   int rank_, world_;
   std::chrono::milliseconds timeout_;
   std::string name_;
+  c10::Device device_;
   std::atomic<bool> broken_{false};
 };
 
@@ -245,21 +286,61 @@ void check_launch(c10d::Store& store, const Config& config, std::chrono::millise
   }
 }
 
+#ifdef FERRY_WITH_GLOO
+c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store, const Config& config,
+                                                    std::chrono::milliseconds timeout) {
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  // Loopback when the whole job is on this host by its master address; otherwise the address this
+  // host's name resolves to (as torch.distributed does without GLOO_SOCKET_IFNAME).
+  options->devices.push_back(is_loopback(config.master_addr)
+                                 ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                 : c10d::ProcessGroupGloo::createDefaultDevice());
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, config.rank, config.world_size, options);
+}
+#else
+c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>&, const Config& config,
+                                                    std::chrono::milliseconds) {
+  TORCH_CHECK(false, "ferry was built without Gloo's headers (Debian: libgloo-dev; scripts/setup.sh installs "
+              "them), so it cannot run world size ", config.world_size, " over gloo; rebuild after installing them");
+}
+#endif
+
+// The backend a run uses: "auto" is NCCL where the chunks live on CUDA and ferry has NCCL, else Gloo.
+std::string choose_backend(const Config& config, bool cuda) {
+  if (config.dist_backend == "auto") return cuda && detail::have_nccl() ? "nccl" : "gloo";
+  if (config.dist_backend == "nccl") {
+    TORCH_CHECK(detail::have_nccl(), "ferry: dist-backend 'nccl' is not built into this ferry (it needs a CUDA "
+                "build of LibTorch and nccl.h at build time); use gloo");
+    TORCH_CHECK(cuda, "ferry: dist-backend 'nccl' needs the chunks on CUDA devices, but this run's device is ",
+                to_string(resolve_device_kind(config.device)), "; use gloo (or auto)");
+  }
+  return config.dist_backend;
+}
+
 }  // namespace
 
-bool have_gloo() { return true; }
+bool have_gloo() {
+#ifdef FERRY_WITH_GLOO
+  return true;
+#else
+  return false;
+#endif
+}
 
-std::shared_ptr<Communicator> connect(const Config& config) {
+bool have_nccl() { return detail::have_nccl(); }
+
+std::shared_ptr<Communicator> connect(const Config& config, bool even_alone) {
   config.validate();
-  if (config.world_size == 1) return nullptr;
-  std::string backend = config.dist_backend;
-  if (backend == "auto") backend = "gloo";  // NCCL is to come (D44)
-  TORCH_CHECK(backend == "gloo", "ferry: dist-backend '", backend, "' is not built into ferry yet; use gloo "
-              "(the chunks are staged on the host for it). NCCL: docs/ARCHITECTURE.md D44");
+  if (config.world_size == 1 && !even_alone) return nullptr;
+  const bool cuda = resolve_device_kind(config.device) == DeviceKind::kCuda;
+  const std::string backend = choose_backend(config, cuda);
+  // One rank per GPU: this process's device is its local rank's, before any chunk is placed.
+  const c10::Device device = cuda ? detail::bind_cuda_device(config.local_rank) : c10::Device(c10::kCPU);
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.dist_timeout_s * 1000.0));
   const bool serve = config.rank == 0 && !config.agent_store;
   log::info("ferry: rank ", config.rank, " of ", config.world_size, " joining ", config.master_addr, ":",
-            config.master_port, serve ? " (serving the store)" : "", " over ", backend);
+            config.master_port, serve ? " (serving the store)" : "", " over ", backend,
+            cuda ? " on " + device.str() : std::string());
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(config.master_port);
   store_options.isServer = serve;
@@ -275,37 +356,20 @@ std::shared_ptr<Communicator> connect(const Config& config) {
                 "MASTER_PORT right?", " (", cli::message_of(e), ")");
   }
   check_launch(*store, config, timeout);
-  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-  // Loopback when the whole job is on this host by its master address; otherwise the address this
-  // host's name resolves to (as torch.distributed does without GLOO_SOCKET_IFNAME).
-  options->devices.push_back(is_loopback(config.master_addr)
-                                 ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-                                 : c10d::ProcessGroupGloo::createDefaultDevice());
   c10::intrusive_ptr<c10d::Backend> pg;
+  const auto prefixed = c10::make_intrusive<c10d::PrefixStore>("ferry/" + backend, store);
   try {
-    pg = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("ferry/gloo", store),
-                                                     config.rank, config.world_size, options);
+    pg = backend == "nccl" ? detail::make_nccl_backend(prefixed, config.rank, config.world_size, timeout, device)
+                           : make_gloo_backend(prefixed, config, timeout);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "ferry: rank ", config.rank, " of ", config.world_size, " could not connect Gloo to the "
-                "other ranks within dist-timeout (", config.dist_timeout_s, " s): ", cli::message_of(e));
+    TORCH_CHECK(false, "ferry: rank ", config.rank, " of ", config.world_size, " could not connect ", backend,
+                " to the other ranks within dist-timeout (", config.dist_timeout_s, " s): ", cli::message_of(e));
   }
-  auto comm = std::make_shared<C10dCommunicator>(store, pg, config.rank, config.world_size, timeout, "gloo");
+  auto comm = std::make_shared<C10dCommunicator>(store, pg, config.rank, config.world_size, timeout, backend,
+                                                 backend == "nccl" ? device : c10::Device(c10::kCPU));
   comm->barrier();
-  log::info("ferry: rank ", config.rank, " of ", config.world_size, " connected (gloo)");
+  log::info("ferry: rank ", config.rank, " of ", config.world_size, " connected (", backend, ")");
   return comm;
 }
-
-#else  // !FERRY_WITH_GLOO
-
-bool have_gloo() { return false; }
-
-std::shared_ptr<Communicator> connect(const Config& config) {
-  config.validate();
-  if (config.world_size == 1) return nullptr;
-  TORCH_CHECK(false, "ferry was built without Gloo's headers (Debian: libgloo-dev; scripts/setup.sh installs "
-              "them), so it cannot run world size ", config.world_size, "; rebuild after installing them");
-}
-
-#endif
 
 }  // namespace ferry::dist

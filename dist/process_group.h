@@ -1,8 +1,13 @@
 #pragma once
 // The process group of a multi-process run, on PyTorch's distributed engine: a c10d TCPStore for the
-// rendezvous and c10d's ProcessGroupGloo for the collectives (CPU tensors: the CPU and the simulated
-// device; on CUDA the chunks are staged on the host for it). NCCL is the GPU backend to come
-// (docs/ARCHITECTURE.md D44); asking for it today fails with that reason.
+// rendezvous and a c10d backend for the collectives (docs/ARCHITECTURE.md D44, D49):
+//  - nccl (ProcessGroupNCCL): the default where the chunks live on CUDA. Each process binds the GPU of
+//    its local rank (LOCAL_RANK / SLURM_LOCALID / --local-rank) before anything is placed; chunks on
+//    that GPU are reduced and gathered in place, CPU tensors are staged through it.
+//  - gloo (ProcessGroupGloo): the CPU and the simulated device (CPU tensors); on CUDA it can be asked
+//    for, and the chunks are then staged on the host.
+// dist-backend=auto picks between them; asking for one this build or this device cannot serve fails
+// naming why.
 //
 //   ferry::Config config = ferry::Config::from_args(argc, argv);   // RANK, WORLD_SIZE, MASTER_ADDR, ...
 //   std::shared_ptr<ferry::dist::Communicator> comm = ferry::dist::connect(config);  // null when world size 1
@@ -26,11 +31,14 @@
 
 namespace ferry::dist {
 
-// The communicator of this process's rank (null when config.world_size == 1). Blocks until every rank
-// has joined.
-std::shared_ptr<Communicator> connect(const Config& config);
+// The communicator of this process's rank. Blocks until every rank has joined. Null when
+// config.world_size == 1, unless `even_alone`: then a group of one (a launch or backend smoke test;
+// HybridAdam runs unsharded over it).
+std::shared_ptr<Communicator> connect(const Config& config, bool even_alone = false);
 
 // Whether this build of ferry has Gloo (c10d's ProcessGroupGloo headers were found at build time).
 bool have_gloo();
+// Whether it has NCCL (a CUDA build of LibTorch and nccl.h were found at build time).
+bool have_nccl();
 
 }  // namespace ferry::dist

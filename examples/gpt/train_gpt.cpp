@@ -115,7 +115,10 @@ int train(int argc, char** argv) {
   }
   // A save that would fail must fail now, not after the whole run (rank 0 writes a multi-process save).
   if (!args.save.empty() && config.rank == 0) ferry::HybridAdam::check_save_target(args.save);
-  const std::shared_ptr<ferry::dist::Communicator> comm = ferry::dist::connect(config);  // null: one process
+  // Null for one process, unless a dist-backend was named: then a group of one (a launch smoke test,
+  // e.g. NCCL under torchrun --nproc-per-node=1).
+  const std::shared_ptr<ferry::dist::Communicator> comm =
+      ferry::dist::connect(config, /*even_alone=*/config.dist_backend != "auto");
   const bool report = config.rank == 0;  // progress lines from rank 0 only
   const int64_t n_params = gc.num_params();
   if (!given(argc, argv, {"precision"})) config.precision = cuda ? ferry::Precision::kBf16 : ferry::Precision::kFp32;
@@ -212,11 +215,19 @@ int train(int argc, char** argv) {
     losses.push_back(loss_sum);
     window_loss += loss_sum;
     ++window_steps;
-    if (window_steps == args.log_every || step + 1 == first_step + args.steps || g_stop.load()) {
+    const bool stopping = g_stop.load();
+    if (window_steps == args.log_every || step + 1 == first_step + args.steps || stopping) {
       const double secs = std::chrono::duration<double>(Clock::now() - t_window).count();
       const auto ms = model.store().stats();
       const auto ss = adam.state_store().stats();
-      const double mean = window_loss / window_steps;
+      double mean = window_loss / window_steps;
+      if (comm && !stopping) {
+        // The loss over every rank's batches: a collective, reached by every rank at the same steps
+        // (not when a signal stopped this one: the others may not have seen it).
+        at::Tensor all = at::full({1}, mean, at::kDouble);
+        comm->all_reduce(all, ferry::dist::ReduceOp::kSum);
+        mean = all.item<double>() / comm->world_size();
+      }
       if (first_window_loss < 0) first_window_loss = mean;
       last_window_loss = mean;
       if (report) std::printf(

@@ -23,24 +23,15 @@
 #include <thread>
 #include <vector>
 
+#include "free_port.h"
+
 extern char** environ;
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
+using ferry::test::free_port;
 
 std::string temp_dir() {
   std::string tmpl = (std::getenv("TMPDIR") ? std::string(std::getenv("TMPDIR")) : "/tmp") + "/ferry-dist-XXXXXX";
@@ -446,11 +437,12 @@ TEST(Dist, RanksWithDifferentChunkLayoutsFailClearlyBeforeAnyCollectiveOnChunks)
   }
 }
 
-TEST(Dist, AskingForABackendNotBuiltFailsClearly) {
+TEST(Dist, AskingForNcclWithoutCudaChunksFailsClearly) {
   const std::vector<Proc> ranks = run_world(2, {"--steps=1", "--dist-backend=nccl"}, 10);
   for (const Proc& p : ranks) {
     EXPECT_EQ(p.exit_code, 1) << describe(ranks);
-    EXPECT_NE(p.err.find("dist-backend 'nccl' is not built into ferry yet; use gloo"), std::string::npos)
+    EXPECT_NE(p.err.find("dist-backend 'nccl' needs the chunks on CUDA devices, but this run's device is simulated"),
+              std::string::npos)
         << describe(ranks);
   }
 }

@@ -1,0 +1,33 @@
+#pragma once
+// dist's CUDA side, kept in its own translation unit (ProcessGroupNCCL's headers pull in ATen and the
+// CUDA runtime): the NCCL backend of c10d and the device a rank runs on. Internal to dist/; the public
+// entry point is dist::connect (dist/process_group.h).
+//
+// Built when LibTorch is a CUDA build and nccl.h is found (the torch wheel's nvidia-nccl package ships
+// it); otherwise have_nccl() is false and the other functions fail naming why.
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+
+namespace ferry::dist::detail {
+
+// Whether this build of ferry has c10d's NCCL backend.
+bool have_nccl();
+
+// Makes CUDA device `local_rank` this process's current device (the launcher's LOCAL_RANK /
+// SLURM_LOCALID: one rank per GPU) and returns it. Fails naming the devices there are when it does not
+// exist.
+c10::Device bind_cuda_device(int local_rank);
+
+// c10d's ProcessGroupNCCL over `store`, bound to `device` (its communicator is created now, so a bad
+// launch fails here and not in the first collective). Collectives that outlive `timeout` make NCCL's
+// watchdog abort the communicator; a wait with that timeout then throws.
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                    int world_size, std::chrono::milliseconds timeout,
+                                                    const c10::Device& device);
+
+// Blocks the calling thread until the work queued so far on `device`'s current stream is done.
+void synchronize_current_stream(const c10::Device& device);
+
+}  // namespace ferry::dist::detail
