@@ -27,6 +27,7 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 #include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #ifdef FERRY_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
@@ -46,7 +47,7 @@ using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 struct Args {
-  std::string preset = "small", commit = "unknown", trace;
+  std::string preset = "small", commit = "unknown", trace, profile;
   int64_t batch = 8, seq = 256, steps = 5, warmup_steps = 2;
   bool checkpoint = false, baseline = true, find_max = false, init_scope = false, unpipelined = false;
   bool replicate_params = false, keep_gathered = false;  // world size > 1: Note [Sharded parameters] off / no reshard
@@ -341,31 +342,55 @@ StepTimes run_baseline(const Args& a, const gpt::GptConfig& gc, bool cuda, doubl
   };
   std::mt19937_64 rng(7);
   StepTimes t;
+  namespace kineto = torch::autograd::profiler;
+  namespace prof = torch::profiler::impl;
+  const prof::ProfilerConfig profiler_config(prof::ProfilerState::KINETO);
+  std::set<prof::ActivityType> activities{prof::ActivityType::CPU};
+  if (cuda) activities.insert(prof::ActivityType::CUDA);
   for (int64_t s = 0; s < a.warmup_steps + a.steps; ++s) {
     auto [x, y] = batch_of(a, gc.vocab, rng, device);
+    const bool profiled = !a.profile.empty() && s + 1 == a.warmup_steps + a.steps;
+    if (profiled) {
+      kineto::prepareProfiler(profiler_config, activities);
+      kineto::enableProfiler(profiler_config, activities);
+    }
     sync(cuda);
     auto t0 = Clock::now();
     at::Tensor loss;
-    if (cuda) {
-      at::autocast::set_autocast_enabled(at::kCUDA, true);
-      at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    // Each phase in a user scope that ends after its sync: the profile attributes kernels by time.
+    {
+      RECORD_USER_SCOPE("phase.forward");
+      if (cuda) {
+        at::autocast::set_autocast_enabled(at::kCUDA, true);
+        at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+      }
+      loss = gpt::GptImpl::loss(net->forward(x), y);
+      if (cuda) {
+        at::autocast::set_autocast_enabled(at::kCUDA, false);
+        at::autocast::clear_cache();
+      }
+      sync(cuda);
     }
-    loss = gpt::GptImpl::loss(net->forward(x), y);
-    if (cuda) {
-      at::autocast::set_autocast_enabled(at::kCUDA, false);
-      at::autocast::clear_cache();
-    }
-    sync(cuda);
     const double f = since(t0);
     auto t1 = Clock::now();
-    loss.backward();
-    sync(cuda);
+    {
+      RECORD_USER_SCOPE("phase.backward");
+      loss.backward();
+      sync(cuda);
+    }
     const double b = since(t1);
     auto t2 = Clock::now();
-    optimizer_step();
-    opt.zero_grad();
-    sync(cuda);
+    {
+      RECORD_USER_SCOPE("phase.optimizer");
+      optimizer_step();
+      opt.zero_grad();
+      sync(cuda);
+    }
     const double o = since(t2);
+    if (profiled) {
+      kineto::disableProfiler()->save(a.profile);
+      std::cerr << "bench_gpt: wrote the profile of baseline step " << s << " to " << a.profile << "\n";
+    }
     *loss_out = loss.item<double>();
     std::cerr << "bench_gpt: baseline step " << s << ": fwd " << f << " s, bwd " << b << " s, opt " << o << " s\n";
     if (s < a.warmup_steps) continue;
@@ -484,7 +509,9 @@ int run(int argc, char** argv) {
       .add("reshard-gap", &a.reshard_gap, "world size > 1: give a group up after forward if its next use is at "
            "least this many trace positions later (default 16)", 0)
       .add("commit", &a.commit, "commit id recorded in the JSON")
-      .add("trace", &a.trace, "Chrome trace of the last measured step into FILE.json (FILE-rankR.json per rank)");
+      .add("trace", &a.trace, "Chrome trace of the last measured step into FILE.json (FILE-rankR.json per rank)")
+      .add("profile", &a.profile, "torch profiler (Kineto: operators and CUDA kernels) over the baseline's last "
+           "measured step into FILE.json (benchmarks/profile_compare.py compares it with the Python peer's)");
   options.parse(rest);
   if (config.world_size > 1 && !a.trace.empty()) {  // one file per rank
     const auto dot = a.trace.rfind('.');

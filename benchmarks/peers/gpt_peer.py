@@ -101,6 +101,8 @@ def main():
     ap.add_argument("--checkpoint-activations", action="store_true")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--profile", default="", help="torch profiler over the last measured step into FILE.json "
+                    "(benchmarks/profile_compare.py compares it with bench_gpt --profile)")
     a = ap.parse_args()
     hidden, layers, heads, seq = PRESETS[a.preset]
     if a.seq > seq:
@@ -150,20 +152,33 @@ def main():
         x = torch.randint(VOCAB, (a.batch, a.seq), generator=g)
         y = torch.roll(x, -1, 1)
         x, y = x.to(dev), y.to(dev)
+        profiled = a.profile and s + 1 == a.warmup_steps + a.steps
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] +
+                                      ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])) if profiled else None
+        if prof:
+            prof.__enter__()
         sync()
         t0 = time.time()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
-        sync()
+        # Each phase in a scope that ends after its sync, as in bench_gpt: the profile attributes kernels by time.
+        with torch.profiler.record_function("phase.forward"):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                logits = model(x)
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
+            sync()
         t1 = time.time()
-        loss.backward()
-        sync()
+        with torch.profiler.record_function("phase.backward"):
+            loss.backward()
+            sync()
         t2 = time.time()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync()
+        with torch.profiler.record_function("phase.optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync()
         t3 = time.time()
+        if prof:
+            prof.__exit__(None, None, None)
+            prof.export_chrome_trace(a.profile)
+            print(f"gpt_peer: wrote the profile of step {s} to {a.profile}", file=sys.stderr)
         if startup_s is None:
             startup_s = t3 - T_START
         lv = loss.item()

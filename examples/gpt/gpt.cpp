@@ -6,6 +6,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/gelu.h>
+#include <ATen/ops/linear.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/silu.h>
@@ -144,15 +145,27 @@ BlockImpl::BlockImpl(const GptConfig& c) : heads(c.heads), swiglu(c.swiglu) {
   out = register_module("out", torch::nn::Linear(m, h));
 }
 
+namespace {
+
+// Note [Linear on 3-d inputs]: LibTorch's nn::Linear::forward (torch::nn::functional::linear) runs a
+// 3-d input as matmul followed by a separate in-place bias add, where Python's F.linear calls
+// aten::linear, which folds the batch into one addmm with the bias fused (and its backward needs no
+// separate pass for the bias add). Measured with bench_gpt --profile against the Python peer
+// (benchmarks/profile_compare.py): that difference made the C++ baseline's forward slower than
+// Python's. The blocks call aten::linear on the modules' own parameters.
+torch::Tensor linear(const torch::nn::Linear& l, const torch::Tensor& x) { return at::linear(x, l->weight, l->bias); }
+
+}  // namespace
+
 torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), hd = C / heads;
-  auto qkv_out = qkv(ln1(x)).view({B, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});  // [3, B, H, T, hd]
+  auto qkv_out = linear(qkv, ln1(x)).view({B, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});  // [3, B, H, T, hd]
   auto y = at::scaled_dot_product_attention(qkv_out[0], qkv_out[1], qkv_out[2], /*attn_mask=*/{},
                                             /*dropout_p=*/0.0, /*is_causal=*/true);
-  auto h = x + proj(y.transpose(1, 2).reshape({B, T, C}));
+  auto h = x + linear(proj, y.transpose(1, 2).reshape({B, T, C}));
   auto n = ln2(h);
-  auto m = swiglu ? at::silu(gate(n)) * fc(n) : at::gelu(fc(n), "tanh");
-  return h + out(m);
+  auto m = swiglu ? at::silu(linear(gate, n)) * linear(fc, n) : at::gelu(linear(fc, n), "tanh");
+  return h + linear(out, m);
 }
 
 GptImpl::GptImpl(const GptConfig& c) : config(c) {
