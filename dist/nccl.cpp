@@ -14,8 +14,9 @@ namespace ferry::dist::detail {
 
 #ifdef FERRY_WITH_CUDA
 
-c10::Device bind_cuda_device(int local_rank) {
+c10::Device bind_cuda_device(int local_rank, bool may_share) {
   const int count = static_cast<int>(c10::cuda::device_count());
+  if (may_share && count > 0 && local_rank >= count) local_rank %= count;
   TORCH_CHECK(local_rank >= 0 && local_rank < count, "ferry: local rank ", local_rank, " needs CUDA device ",
               local_rank, ", but this host has ", count, " (one rank per GPU: launch at most ", count,
               " processes per node, e.g. torchrun --nproc-per-node=", count, ")");
@@ -29,7 +30,7 @@ void synchronize_current_stream(const c10::Device& device) {
 
 #else
 
-c10::Device bind_cuda_device(int local_rank) {
+c10::Device bind_cuda_device(int local_rank, bool) {
   TORCH_CHECK(false, "ferry: local rank ", local_rank, " asks for a CUDA device, but ferry was built without CUDA");
 }
 

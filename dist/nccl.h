@@ -16,9 +16,9 @@ namespace ferry::dist::detail {
 bool have_nccl();
 
 // Makes CUDA device `local_rank` this process's current device (the launcher's LOCAL_RANK /
-// SLURM_LOCALID: one rank per GPU) and returns it. Fails naming the devices there are when it does not
-// exist.
-c10::Device bind_cuda_device(int local_rank);
+// SLURM_LOCALID: one rank per GPU) and returns it. When it does not exist: fails naming the devices
+// there are, or with `may_share` (Gloo, which does not mind) takes local_rank modulo their number.
+c10::Device bind_cuda_device(int local_rank, bool may_share);
 
 // c10d's ProcessGroupNCCL over `store`, bound to `device` (its communicator is created now, so a bad
 // launch fails here and not in the first collective). Collectives that outlive `timeout` make NCCL's

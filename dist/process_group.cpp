@@ -335,7 +335,9 @@ std::shared_ptr<Communicator> connect(const Config& config, bool even_alone) {
   const bool cuda = resolve_device_kind(config.device) == DeviceKind::kCuda;
   const std::string backend = choose_backend(config, cuda);
   // One rank per GPU: this process's device is its local rank's, before any chunk is placed.
-  const c10::Device device = cuda ? detail::bind_cuda_device(config.local_rank) : c10::Device(c10::kCPU);
+  // (NCCL refuses two ranks on one GPU; Gloo does not mind, so several ranks may share one there.)
+  const c10::Device device =
+      cuda ? detail::bind_cuda_device(config.local_rank, /*may_share=*/backend == "gloo") : c10::Device(c10::kCPU);
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.dist_timeout_s * 1000.0));
   const bool serve = config.rank == 0 && !config.agent_store;
   log::info("ferry: rank ", config.rank, " of ", config.world_size, " joining ", config.master_addr, ":",
