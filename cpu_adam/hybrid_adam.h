@@ -30,7 +30,7 @@
 // Placement: until the model's warm-up has finished, all state is on the host. At the first step()
 // after it, HybridAdam takes the margin = device budget - peak non-model bytes - all parameter chunk
 // bytes (0 when parameters do not all fit) and moves as many state chunk groups to the device as fit
-// there (the last layout chunks first: their grads land first in backward). The scheduler first
+// there, the first layout chunks first (Note [Which state goes to the device]). The scheduler first
 // evicts parameter chunks to admit those bytes (Scheduler::admit_device_bytes), and the state store
 // charges the model's DeviceAccountant, so parameters + state stay within the one device budget. Device budget 0 means no
 // limit (everything on the device). `device_state_chunks` overrides the count.
@@ -274,6 +274,8 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // Placement: whether it was decided (after warm-up), and how many layout chunks are on the device.
   bool placed() const { return placed_; }
   int64_t device_state_chunks() const;
+  // Whether layout chunk `layout_chunk`'s state is on the device (false before placement).
+  bool state_on_device(int64_t layout_chunk) const;
   int64_t state_bytes_per_chunk(int64_t layout_chunk) const;
   // fp32 state chunks per layout chunk: 3 (master, exp_avg, exp_avg_sq), 4 with accumulate_grads.
   int num_state_roles() const { return num_roles_; }

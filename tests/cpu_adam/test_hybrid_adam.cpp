@@ -235,6 +235,9 @@ TEST(HybridAdam, TwentyStepsEqualTorchAdamWWithEvictionsAndSplitState) {
   }
   EXPECT_TRUE(adam.placed());
   EXPECT_EQ(adam.device_state_chunks(), 2);
+  // Note [Which state goes to the device]: the first layout chunks' state; the host keeps the state
+  // of the chunks backward finalizes first.
+  for (int64_t c = 0; c < model.layout().num_chunks(); ++c) EXPECT_EQ(adam.state_on_device(c), c < 2) << c;
   // One device accountant for both stores: the state's device bytes are the "other" bytes the
   // parameter chunks' budget leaves room for, every role is named, and the total never passed the budget.
   EXPECT_EQ(model.scheduler().other_device_bytes(), 2 * 3 * kChunk);
@@ -872,7 +875,7 @@ void expect_pipeline_equals_step(Precision precision, double max_grad_norm) {
   if (max_grad_norm > 0) {
     EXPECT_GT(clipped, 2) << "the clipping path must be exercised";
   }
-  EXPECT_GT(evictions, 5);
+  EXPECT_GE(evictions, 5) << "evictions in every pipelined step";
   EXPECT_EQ(a_adam.step_count(0), b_adam.step_count(0));
 }
 
