@@ -298,23 +298,25 @@ c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, config.rank, config.world_size, options);
 }
 #else
-c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>&, const Config& config,
+c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>&, const Config&,
                                                     std::chrono::milliseconds) {
-  TORCH_CHECK(false, "ferry was built without Gloo's headers (Debian: libgloo-dev; scripts/setup.sh installs "
-              "them), so it cannot run world size ", config.world_size, " over gloo; rebuild after installing them");
+  TORCH_INTERNAL_ASSERT(false, "choose_backend() refuses gloo in a build without it");
 }
 #endif
 
 // The backend a run uses: "auto" is NCCL where the chunks live on CUDA and ferry has NCCL, else Gloo.
 std::string choose_backend(const Config& config, bool cuda) {
-  if (config.dist_backend == "auto") return cuda && detail::have_nccl() ? "nccl" : "gloo";
+  if (config.dist_backend == "auto" && cuda && detail::have_nccl()) return "nccl";
   if (config.dist_backend == "nccl") {
     TORCH_CHECK(detail::have_nccl(), "ferry: dist-backend 'nccl' is not built into this ferry (it needs a CUDA "
                 "build of LibTorch and nccl.h at build time); use gloo");
     TORCH_CHECK(cuda, "ferry: dist-backend 'nccl' needs the chunks on CUDA devices, but this run's device is ",
                 to_string(resolve_device_kind(config.device)), "; use gloo (or auto)");
+    return "nccl";
   }
-  return config.dist_backend;
+  TORCH_CHECK(have_gloo(), "ferry was built without Gloo's headers (Debian: libgloo-dev; scripts/setup.sh installs "
+              "them), so it cannot run world size ", config.world_size, " over gloo; rebuild after installing them");
+  return "gloo";
 }
 
 }  // namespace
