@@ -244,29 +244,16 @@ void HybridAdam::land_grad(int64_t param, const at::Tensor& grad) {
   sync_layout_locked();
   TORCH_CHECK(grad.layout() == at::kStrided, "ferry: HybridAdam needs dense gradients; parameter ",
               model_.param_name(param), " got a ", grad.layout(), " one");
+  // The model wrote it into the parameter's slot (grads_into_param_slots).
   if (slot_accumulation()) {
-    // The model wrote it into the parameter's slot; after_landing() consumes the chunk when it is final
-    // for this backward (Note [Accumulation per chunk]).
+    // after_landing() consumes the chunk when it is final for this backward (Note [Accumulation per chunk]).
     if (!accum_armed_) arm_accumulation_locked();
     in_slot_[param] = 1;
     ++accum_landings_[param];
-  } else if (options_.accumulate_grads) {
-    at::Tensor slot = state_->view(kGradRole, param);
-    // add_ widens a bf16/fp16 grad itself; only a grad on another device needs a copy first.
-    slot.add_(grad.device() == slot.device() ? grad : grad.to(slot.device()));
-  }  // else: the model wrote it into the parameter's slot
+  }
   landed_[param] = 1;
   grads_landed_ = true;
   ++landings_[param];
-  if (!overlap_active_ || !options_.accumulate_grads || slot_accumulation()) return;  // after_landing()
-  const int64_t c = model_.layout().slots()[param].chunk;
-  TORCH_CHECK(!launched_[c], "ferry: HybridAdam::backward_step: parameter ", model_.param_name(param),
-              " got more gradient contributions (", landings_[param], ") than in the previous backward_step (",
-              expected_landings_[param], ") after its chunk's update had started; that chunk's update missed "
-              "them. Use backward() + step() for models whose backward changes between steps.");
-  if (landings_[param] <= expected_landings_[param] && --remaining_[c] == 0 && !on_device_[c]) {
-    launch_overlapped_locked(c);
-  }
 }
 
 std::vector<HybridAdam::Span> HybridAdam::landed_spans_locked(int64_t c) const {
@@ -556,8 +543,10 @@ void HybridAdam::launch_host_job_locked(int64_t c, const char* what, HostJob wor
   if (params.location(pc) != Location::kHost) params.move_async(pc, Location::kHost);  // one transfer
   params.lock_on_host(pc);
   try {
-    at::Tensor master = state_->payload(kMasterRole, c);
-    float* p = master.data_ptr<float>();
+    // A chunk another rank owns has no master here (accumulation at N > 1): p is null, master undefined.
+    at::Tensor master = owned(c) ? state_->payload(kMasterRole, c) : at::Tensor();
+    TORCH_INTERNAL_ASSERT(master.defined() || !with_state, "host Adam job for chunk ", c, ", not owned here");
+    float* p = master.defined() ? master.data_ptr<float>() : nullptr;
     float* m = with_state ? state_->payload(kExpAvgRole, c).data_ptr<float>() : nullptr;
     float* v = with_state ? state_->payload(kExpAvgSqRole, c).data_ptr<float>() : nullptr;
     if (static_cast<int64_t>(jobs_.size()) < num_chunks()) jobs_.resize(num_chunks());
@@ -617,6 +606,17 @@ void HybridAdam::consume_slot_grads_locked(int64_t c) {
   at::Tensor acc = state_->payload(kGradRole, c);  // allocated where the state lives (D46)
   ChunkStore& params = model_.store();
   const ChunkId pc = model_.param_chunk(c);
+  if (!owned(c)) {
+    // No master here: the slots keep the gradients until values_from_owners_locked (N > 1).
+    TORCH_INTERNAL_ASSERT(!on_device_[c], "device state for chunk ", c, ", which rank ", rank_, " does not own");
+    launch_host_job_locked(
+        c, "accumulate chunk ",
+        [acc, spans = std::move(spans)](const at::Tensor& g, float*, float*, float*, const at::Tensor&) {
+          for (const Span& sp : spans) acc.slice(0, sp.begin, sp.end).add_(g.slice(0, sp.begin, sp.end));
+        },
+        /*with_state=*/false);
+    return;
+  }
   if (on_device_[c]) {  // queued on the compute stream: no host stall
     if (params.location(pc) != Location::kDevice) params.move(pc, Location::kDevice);
     const at::Tensor g = params.payload(pc);
@@ -685,8 +685,9 @@ bool HybridAdam::update_unlaunched_locked(const ChunkNorms& norms, StepResult& r
   return all_finite;
 }
 
-void HybridAdam::backward_finished(bool /*aborted*/) {
+void HybridAdam::backward_finished(bool aborted) {
   std::lock_guard<std::mutex> lock(mutex_);
+  std::exception_ptr error;
   if (slot_accumulation() && accum_armed_) {
     // Chunks not final during backward (the first backward: all) are consumed now, an aborted backward's
     // too: what landed is accumulated, as the per-parameter add did.
@@ -696,10 +697,17 @@ void HybridAdam::backward_finished(bool /*aborted*/) {
     accum_expected_ = accum_landings_;
     accum_armed_ = false;
     // The accumulation jobs are the only ones in jobs_ in this mode: their errors surface here.
-    if (std::exception_ptr error = join_jobs_locked()) {
-      for (auto& update : pending_updates_) update.wait();
-      std::rethrow_exception(error);
-    }
+    error = join_jobs_locked();
+  }
+  // Every rank, armed or not (a rank may have landed nothing), whatever its jobs did: the collectives
+  // must pair up. An aborted backward too: the other ranks' backwards end here as well (no collective
+  // runs inside an accumulating backward), and the next forward needs the values.
+  if (slot_accumulation() && sharded_ && world_ > 1 && (aborted || !step_follows_backward_)) {
+    values_from_owners_locked();
+  }
+  if (error) {
+    for (auto& update : pending_updates_) update.wait();
+    std::rethrow_exception(error);
   }
   // The jobs read and write parameter chunks: done before the model ends the iteration.
   for (auto& job : jobs_) {

@@ -61,7 +61,16 @@
 // A landing a chunk did not have in the previous backward, after it was emptied, waits for its job
 // and the chunk is emptied again at the end (refused under backward_step once the update started). A
 // gradient that reached its parameter twice in one backward is summed in the slot in the compute
-// dtype, as in the default mode. At N > 1 accumulation keeps the per-parameter add.
+// dtype, as in the default mode.
+// At N > 1 the same, with one difference: a chunk another rank owns has no master here, so its slots
+// cannot get their values back. They are emptied into this rank's accumulation chunk (which every rank
+// keeps for every chunk: its own micro-batches) and left holding gradients, and when backward ends the
+// values come back from their owners, the same way on every rank whatever it landed (collectives pair
+// up): sharded parameters (ParamShards) give every gathered group up, so the next use gathers it again;
+// replicated ones are all-gathered at once. (backward_step skips that: its step writes new values.)
+// Cost per micro-batch against the per-parameter add it replaces (one synchronous device->host copy per
+// gradient on autograd's thread): (N-1)/N x the parameter bytes of the groups that were kept through
+// backward, gathered again (sharded), or of all of them (replicated).
 
 // Note [Pipelined step]
 // backward_step(loss) runs backward and the optimizer step as one pipeline over the layout chunks.
@@ -254,6 +263,12 @@ class HybridAdam final : private GradSink, private LayoutListener {
   StepResult backward_step(const at::Tensor& loss);
   // Host Adam jobs of the pipeline that have started running, since construction (tests, reports).
   int64_t pipelined_jobs_started() const { return jobs_started_.load(); }
+  // At N > 1 with accumulate_grads: how many backwards ended by bringing back the values of the chunks
+  // other ranks own (Note [Accumulation per chunk]).
+  int64_t values_from_owners() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return values_from_owners_;
+  }
   // Data parallelism with sharded parameters (Note [Sharded parameters]): their gathers and releases;
   // null when not sharded (one rank, shard_params off, or before the first step).
   std::shared_ptr<const dist::ParamShards> param_shards() const { return param_shards_; }
@@ -327,11 +342,10 @@ class HybridAdam final : private GradSink, private LayoutListener {
     bool all_finite = true;
     int64_t syncs = 0;  // host syncs it took (reading device norms): 0 or 1
   };
-  // Slots in every mode on one process; with accumulate_grads they are emptied per chunk into the fp32
-  // accumulation chunks (Note [Accumulation per chunk]). At N > 1 accumulation keeps the per-parameter
-  // add: the values of a non-owned chunk cannot be given back without its owner's masters.
-  bool grads_into_param_slots() const override { return !options_.accumulate_grads || world_ == 1; }
-  bool slot_accumulation() const { return options_.accumulate_grads && world_ == 1; }
+  // Slots in every mode; with accumulate_grads they are emptied per chunk into the fp32 accumulation
+  // chunks (Note [Accumulation per chunk]).
+  bool grads_into_param_slots() const override { return true; }
+  bool slot_accumulation() const { return options_.accumulate_grads; }
   void before_landing(int64_t param) override;
   void land_grad(int64_t param, const at::Tensor& grad) override;
   void after_landing(int64_t param) override;
@@ -357,8 +371,12 @@ class HybridAdam final : private GradSink, private LayoutListener {
   void launch_host_job_locked(int64_t chunk, const char* what, HostJob work, bool with_state = true);
   // Note [Accumulation per chunk]: adds the slot gradients of chunk c into its accumulation chunk and
   // gives the slots their values back (round(master)), on the device for device-state chunks, else on
-  // CpuAdam's worker after one transfer of the chunk to the host; clears the model's slot marks.
+  // CpuAdam's worker after one transfer of the chunk to the host; clears the model's slot marks. A chunk
+  // another rank owns keeps the gradients in its slots (values_from_owners_ set).
   void consume_slot_grads_locked(int64_t chunk);
+  // At N > 1 after an accumulating backward: the values of the chunks this rank does not own, from
+  // their owners (sharded: every gathered group given up; replicated: one all-gather). A collective.
+  void values_from_owners_locked();
   void arm_accumulation_locked();  // at the first landing of a backward
   // Waits for every job in jobs_ and clears it; the first error any of them threw (or null).
   std::exception_ptr join_jobs_locked();
@@ -514,6 +532,10 @@ class HybridAdam final : private GradSink, private LayoutListener {
   std::vector<int64_t> accum_landings_, accum_expected_;
   std::vector<int64_t> accum_remaining_;
   std::vector<char> accum_consumed_;
+  // At N > 1: the step follows this backward at once (backward_step), so values_from_owners_locked is
+  // not needed; and how many times the values came back from their owners (tests, reports).
+  bool step_follows_backward_ = false;
+  int64_t values_from_owners_ = 0;
 };
 
 }  // namespace ferry

@@ -266,6 +266,17 @@ void HybridAdam::gather_params_locked() {
       });
 }
 
+// Note [Accumulation per chunk], at N > 1.
+void HybridAdam::values_from_owners_locked() {
+  trace::Span span("adam", "adam.values_from_owners");
+  if (param_shards_) {
+    param_shards_->release_all();  // local: the next use of each group gathers it (a collective then)
+  } else {
+    gather_params_locked();
+  }
+  ++values_from_owners_;
+}
+
 StepResult HybridAdam::dist_step_locked() {
   trace::Span step_span("adam", "adam.dist_step");
   shard_locked();
@@ -507,11 +518,13 @@ StepResult HybridAdam::dist_backward_step(const at::Tensor& loss) {
     }
     dist_pipelined_ = pipelined;
     overlap_active_ = pipelined;
+    step_follows_backward_ = true;
   }
   try {
     model_.backward(loss);
   } catch (...) {
     std::lock_guard<std::mutex> lock(mutex_);
+    step_follows_backward_ = false;
     if (pipelined) {
       if (join_jobs_locked()) log::error("ferry: backward_step: an owner update failed too");
       flights_.clear();  // waits for the collectives in flight
@@ -525,6 +538,7 @@ StepResult HybridAdam::dist_backward_step(const at::Tensor& loss) {
   std::lock_guard<std::mutex> lock(mutex_);
   overlap_active_ = false;
   dist_pipelined_ = false;
+  step_follows_backward_ = false;
   expected_landings_ = landings_;
   StepResult result = pipelined ? finish_dist_pipelined_locked() : step_locked();
   check_landings_agree_locked();  // for the next call

@@ -231,7 +231,9 @@ int run(int argc, char** argv) {
             << " state_bytes=" << ss.host.current_bytes + ss.device.current_bytes
             << " state_device_bytes=" << ss.device.current_bytes << " construct_state_bytes=" << construct_state_bytes << " evictions=" << evictions
             << " ring_bytes=" << cs.ring_bytes_sent
-            << " last_step_ring_bytes=" << cs.ring_bytes_sent - ring_before_last << " overlapped=" << overlapped << " steps=" << steps << " grad_norm=" << grad_norm
+            << " last_step_ring_bytes=" << cs.ring_bytes_sent - ring_before_last << " overlapped=" << overlapped
+            << " accumulation_jobs=" << (micro > 1 ? adam.pipelined_jobs_started() : 0)
+            << " values_from_owners=" << adam.values_from_owners() << " steps=" << steps << " grad_norm=" << grad_norm
             << " loss=" << loss_sum << " eval_loss=" << eval_loss << std::endl;
   return 0;
 }

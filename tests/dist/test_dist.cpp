@@ -208,6 +208,13 @@ void expect_equals_one_process(int world, const std::vector<std::string>& extra,
     }
     auto res = result_of(ranks[r]);
     EXPECT_GT(res["evictions"], 0) << "the budget must force evictions";
+    if (accumulate) {
+      // Note [Accumulation per chunk] at N > 1: the slots are emptied per chunk (host-state chunks by
+      // jobs on CpuAdam's worker, not one add per parameter), and after every backward once sharded (all
+      // but the first step's, two micro-batches each) the other ranks' values come back from them.
+      EXPECT_GT(res["accumulation_jobs"], 0) << "rank " << r;
+      EXPECT_EQ(res["values_from_owners"], 2 * (res["steps"] - 1)) << "rank " << r;
+    }
     EXPECT_GT(res["ring_bytes"], 0);
     held += res["state_bytes"];
     params_held += res["param_held_bytes"];
@@ -350,6 +357,12 @@ TEST(Dist, RanksUsingParametersInDifferentOrdersFailClearly) {
 
 TEST(Dist, FourRanksWithGradientAccumulationEqualOneProcess) {
   expect_equals_one_process(4, {"--micro=2", "--batch=16"});
+}
+
+// Replicated parameters with accumulation: the other ranks' values come back by an all-gather after
+// each backward (sharded ones by the next use's gather, above).
+TEST(Dist, TwoRanksWithGradientAccumulationAndReplicatedParametersEqualOneProcess) {
+  expect_equals_one_process(2, {"--micro=2", "--batch=16", "--shard-params=0"});
 }
 
 // save() at world size 2 writes one checkpoint; resumed at 2 the run continues bit for bit as if
