@@ -382,7 +382,7 @@ void ChunkStore::ready_for_use(Chunk& chunk) {
   }
 }
 
-void ChunkStore::fill_zero(Chunk& chunk, Location at, const at::Tensor& bytes) {
+bool ChunkStore::fill_zero(Chunk& chunk, Location at, const at::Tensor& bytes, bool must) {
   TORCH_INTERNAL_ASSERT(chunk.location() == Location::kNone);
   auto fill = [&](const at::Tensor& flat) {
     if (bytes.defined()) {
@@ -393,17 +393,18 @@ void ChunkStore::fill_zero(Chunk& chunk, Location at, const at::Tensor& bytes) {
   };
   switch (at) {
     case Location::kDevice:
-      give_device_memory(chunk, /*must=*/true);
+      if (!give_device_memory(chunk, must)) return false;
       fill(chunk.device_flat());
       break;
     case Location::kHost:
-      give_host_buffer(chunk, /*must=*/true);
+      if (!give_host_buffer(chunk, must)) return false;
       fill(chunk.host_flat());
       break;
     case Location::kNone: TORCH_CHECK(false, "ferry: a payload goes to the device or the host, not none");
   }
   chunk.set_location(at);
   alias_if_possible(chunk);
+  return true;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -672,13 +673,23 @@ void ChunkStore::retire(ChunkId id) {
 void ChunkStore::allocate_payload(ChunkId id, Location at, const at::Tensor& bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   reap_completed();
-  Chunk& chunk = chunk_at(id);
+  check_new_payload(chunk_at(id), bytes);
+  fill_zero(chunk_at(id), at, bytes);
+}
+
+bool ChunkStore::try_allocate_payload_on_device(ChunkId id, const at::Tensor& bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reap_completed();
+  check_new_payload(chunk_at(id), bytes);
+  return fill_zero(chunk_at(id), Location::kDevice, bytes, /*must=*/false);
+}
+
+void ChunkStore::check_new_payload(const Chunk& chunk, const at::Tensor& bytes) const {
   TORCH_CHECK(chunk.location() == Location::kNone, "ferry: ", describe(chunk), " already has a payload on the ",
               to_string(chunk.location()));
   TORCH_CHECK(!bytes.defined() || (bytes.scalar_type() == at::kByte && bytes.numel() == chunk.nbytes()),
-              "ferry: allocate_payload of ", describe(chunk), " needs ", chunk.nbytes(), " uint8 values, got ",
+              "ferry: a new payload of ", describe(chunk), " needs ", chunk.nbytes(), " uint8 values, got ",
               bytes.defined() ? bytes.toString() : "none");
-  fill_zero(chunk, at, bytes);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -204,9 +204,12 @@ class ChunkStore {
   // may be in COMPUTE) and frees its payload.
   void retire(ChunkId id);
   // Gives a RELEASED chunk a payload at `at` (kDevice or kHost): zero-filled, or a copy of `bytes` (a
-  // uint8 tensor of exactly the chunk's bytes, written in the same pass: no zero-fill first). Its
-  // tensors stay FREE.
+  // uint8 tensor of exactly the chunk's bytes, on any device, written in the same pass: no zero-fill
+  // first). Its tensors stay FREE.
   void allocate_payload(ChunkId id, Location at, const at::Tensor& bytes = {});
+  // The same on the device if room can be made there as a prefetch makes it (evicting by policy, never
+  // throwing OutOfMemoryError); returns false, the chunk still RELEASED, if not.
+  bool try_allocate_payload_on_device(ChunkId id, const at::Tensor& bytes = {});
 
   // Released host buffers kept for reuse, at most (ChunkStoreOptions::host_cache_bytes); trims now if
   // lower. HybridAdam raises it to the parameter chunks that travel to the host every step, so that
@@ -281,7 +284,9 @@ class ChunkStore {
   // A chunk on the host with a complete payload: its device storage aliases the host buffer.
   void alias_if_possible(Chunk& chunk);
   void ready_for_use(Chunk& chunk);  // host: wait; device: order the caller's stream
-  void fill_zero(Chunk& chunk, Location at, const at::Tensor& bytes = {});  // or with `bytes`
+  // Or with `bytes`. must = false: returns false, the chunk still without payload, if no room can be made.
+  bool fill_zero(Chunk& chunk, Location at, const at::Tensor& bytes = {}, bool must = true);
+  void check_new_payload(const Chunk& chunk, const at::Tensor& bytes) const;  // allocate_payload's input
   // Make room, allocate, charge the tier; false (or OutOfMemoryError when `must`) without room.
   bool give_device_memory(Chunk& chunk, bool must);
   bool give_host_buffer(Chunk& chunk, bool must);

@@ -377,6 +377,8 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // At N > 1 after an accumulating backward: the values of the chunks this rank does not own, from
   // their owners (sharded: every gathered group given up; replicated: one all-gather). A collective.
   void values_from_owners_locked();
+  // Where the reduce-scatter buffers of the gradients live (hybrid_adam_dist.cpp).
+  c10::Device comm_buffer_device() const;
   void arm_accumulation_locked();  // at the first landing of a backward
   // Waits for every job in jobs_ and clears it; the first error any of them threw (or null).
   std::exception_ptr join_jobs_locked();

@@ -121,7 +121,7 @@ HybridAdam::OwnedSpans HybridAdam::owned_spans(int64_t c, const at::Tensor& coun
   // counts[i]: how many ranks landed a gradient for the chunk's i-th tensor (the reduce-scatter's sum of
   // each rank's 0/1 flags). Landed somewhere: updated, in runs of one param group, as landed_spans_locked.
   const ChunkLayout& layout = model_.layout();
-  const at::Tensor n = counts.to(at::kFloat);
+  const at::Tensor n = counts.to(at::kCPU, at::kFloat);  // the flags, read here (on the device: one small copy)
   const float* k = n.data_ptr<float>();
   OwnedSpans out;
   const std::vector<int64_t>& tensors = layout.chunks()[c].tensors;
@@ -175,7 +175,7 @@ HybridAdam::GroupBuffer HybridAdam::pack_group_locked(int64_t group) {
   }
   b.seg = b.cap + flags;
   const at::ScalarType dtype = accumulate ? at::kFloat : model_.compute_dtype();
-  b.flat = at::zeros({world_ * b.seg}, at::TensorOptions().dtype(dtype));
+  b.flat = at::zeros({world_ * b.seg}, at::TensorOptions().dtype(dtype).device(comm_buffer_device()));
   for (int64_t c = first; c < last; ++c) {
     at::Tensor member = b.flat.slice(0, (c - first) * b.seg, (c - first + 1) * b.seg);
     if (!accumulate && model_.store().location(model_.param_chunk(c)) == Location::kNone) {
@@ -213,7 +213,7 @@ void HybridAdam::take_union_locked(int64_t c, const at::Tensor& counts) {
   // counts[i] sums 0/1 flags in the compute dtype: exact up to 256 ranks in bf16 (2048 in fp16), and
   // never 0 once a rank sent 1, which is all that is read.
   const std::vector<int64_t>& tensors = model_.layout().chunks()[c].tensors;
-  const at::Tensor n = counts.to(at::kFloat);
+  const at::Tensor n = counts.to(at::kCPU, at::kFloat);  // the flags, read here (on the device: one small copy)
   for (size_t i = 0; i < tensors.size(); ++i) landed_[tensors[i]] = n.data_ptr<float>()[i] != 0.0f;
 }
 
@@ -223,8 +223,8 @@ void HybridAdam::receive_owned_locked(int64_t c, const at::Tensor& out, int64_t 
   const OwnedSpans spans = owned_spans(c, out.slice(0, cap, cap + tensors));
   take_union_locked(c, out.slice(0, cap, cap + tensors));
   const int64_t numel = model_.layout().chunks()[c].numel;
-  if (options_.accumulate_grads) {
-    reduced_grads_[c] = out.slice(0, 0, numel);
+  if (options_.accumulate_grads) {  // read where the chunk's state is (the host Adam reads host memory)
+    reduced_grads_[c] = out.slice(0, 0, numel).to(state_->payload(kGradRole, c).device());
     return;
   }
   // Summed gradients in the slots that received one on any rank; the others get their values back.
@@ -264,6 +264,14 @@ void HybridAdam::gather_params_locked() {
         if (owned(c)) return;  // the owner has them
         params.payload(model_.param_chunk(c)).copy_(values);
       });
+}
+
+c10::Device HybridAdam::comm_buffer_device() const {
+  // The chunks' device where the backend serves it (NCCL on CUDA, Gloo on the simulated device): the
+  // gradients are packed and reduced there, and only an owner's host-state chunk crosses to the host.
+  // Else (Gloo on CUDA) the host.
+  const c10::Device device = model_.store().device();
+  return comm_->device_ok(device) ? device : c10::Device(c10::kCPU);
 }
 
 // Note [Accumulation per chunk], at N > 1.

@@ -4,7 +4,6 @@
 
 #ifdef FERRY_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAStream.h>
 #endif
 #ifdef FERRY_WITH_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -24,17 +23,11 @@ c10::Device bind_cuda_device(int local_rank, bool may_share) {
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
 }
 
-void synchronize_current_stream(const c10::Device& device) {
-  c10::cuda::getCurrentCUDAStream(device.index()).synchronize();
-}
-
 #else
 
 c10::Device bind_cuda_device(int local_rank, bool) {
   TORCH_CHECK(false, "ferry: local rank ", local_rank, " asks for a CUDA device, but ferry was built without CUDA");
 }
-
-void synchronize_current_stream(const c10::Device&) {}
 
 #endif
 

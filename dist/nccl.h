@@ -27,7 +27,4 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
                                                     int world_size, std::chrono::milliseconds timeout,
                                                     const c10::Device& device);
 
-// Blocks the calling thread until the work queued so far on `device`'s current stream is done.
-void synchronize_current_stream(const c10::Device& device);
-
 }  // namespace ferry::dist::detail

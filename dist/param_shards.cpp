@@ -43,6 +43,10 @@ ParamShards::ParamShards(ChunkStore& store, std::vector<ChunkId> chunks, std::sh
   // One size for every group (the largest chunk): ranks that disagree on the group still exchange equal
   // sizes, so the group index check can name the problem.
   for (ChunkId c : chunks_) segment_bytes_ = std::max(segment_bytes_, store_.chunk_info(c).nbytes + kHeaderBytes);
+  // Where the gathers run: on the chunks' device when the backend serves it (NCCL on CUDA; Gloo on the
+  // simulated device, whose memory is the host's), else on the host (Gloo on CUDA).
+  land_on_device_ = comm_->device_ok(store_.device());
+  buffer_device_ = land_on_device_ ? store_.device() : c10::Device(c10::kCPU);
   present_.assign(num_groups(), 1);
   flights_.resize(num_groups());
 }
@@ -76,17 +80,18 @@ void ParamShards::start_locked(int64_t group, bool prefetch) {
   TORCH_INTERNAL_ASSERT(!flight.pending && !present_[group], "gather of group ", group, " started twice");
   trace::Span span("dist", trace::enabled() ? "all_gather params group " + std::to_string(group) : std::string());
   const int64_t seg = segment_bytes_;
-  at::Tensor mine = at::zeros({seg}, at::kByte);
+  const at::TensorOptions bytes_on = at::TensorOptions().dtype(at::kByte).device(buffer_device_);
+  at::Tensor mine = at::zeros({seg}, bytes_on);
   const int64_t own = group * world_ + rank_;
   if (own < static_cast<int64_t>(chunks_.size())) {
     // The owned chunk's current values, wherever the scheduler keeps it (a copy: it may be in use).
-    at::Tensor values = store_.payload(chunks_[own]);
-    if (!comm_->device_ok(values.device())) values = values.to(at::kCPU);
-    const at::Tensor bytes = values.contiguous().view(at::kByte);
+    const at::Tensor bytes = store_.payload(chunks_[own]).view(at::kByte);
     mine.slice(0, 0, bytes.numel()).copy_(bytes);
   }
-  std::memcpy(mine.data_ptr<uint8_t>() + seg - kHeaderBytes, &group, sizeof(group));
-  flight.out = at::empty({world_ * seg}, at::kByte);
+  at::Tensor index = at::empty({1}, at::kLong);
+  index.data_ptr<int64_t>()[0] = group;
+  mine.slice(0, seg - kHeaderBytes, seg).copy_(index.view(at::kByte));
+  flight.out = at::empty({world_ * seg}, bytes_on);
   flight.pending = comm_->all_gather_async(flight.out, mine);
   ++stats_.gathers;
   if (prefetch) ++stats_.prefetched;
@@ -94,10 +99,12 @@ void ParamShards::start_locked(int64_t group, bool prefetch) {
 
 void ParamShards::install_locked(int64_t group, const at::Tensor& out) {
   const int64_t seg = segment_bytes_;
-  const uint8_t* base = out.data_ptr<uint8_t>();
+  // Every rank's group index (on the device: one small copy to the host).
+  const at::Tensor heads = out.view({world_, seg}).slice(1, seg - kHeaderBytes, seg).to(at::kCPU).contiguous();
+  const uint8_t* head = heads.data_ptr<uint8_t>();
   for (int k = 0; k < world_; ++k) {
     int64_t theirs = -1;
-    std::memcpy(&theirs, base + k * seg + seg - kHeaderBytes, sizeof(theirs));
+    std::memcpy(&theirs, head + k * kHeaderBytes, sizeof(theirs));
     TORCH_CHECK(theirs == group, "ferry: rank ", rank_, " gathered the parameter chunks of group ", group,
                 " while rank ", k, " gathered group ", theirs, ": the ranks use the parameters in different "
                 "orders (data-dependent control flow, different shapes?). Sharded parameters need the same order "
@@ -110,10 +117,15 @@ void ParamShards::install_locked(int64_t group, const at::Tensor& out) {
     const int64_t nbytes = store_.chunk_info(c).nbytes;
     const at::Tensor src = out.slice(0, (i - first) * seg, (i - first) * seg + nbytes);
     if (store_.location(c) == Location::kNone) {
-      store_.allocate_payload(c, Location::kHost, src);  // written once, no zero-fill first
+      // Written once, no zero-fill first: gathered on the device, the chunk stays there if the device has
+      // room (it is about to be used), else it goes to the host as a chunk evicted before its use would.
+      if (land_on_device_ && store_.try_allocate_payload_on_device(c, src)) {
+        ++stats_.landed_on_device;
+      } else {
+        store_.allocate_payload(c, Location::kHost, src);
+      }
     } else {  // kept by a release while in use (release_group_locked): rewritten where it is
-      at::Tensor dst = store_.payload(c);
-      dst.view(at::kByte).copy_(dst.device().is_cpu() ? src : src.to(dst.device()));
+      store_.payload(c).view(at::kByte).copy_(src);
     }
     for (TensorId t : store_.chunk_info(c).tensors) {
       if (store_.tensor_info(t).state == TensorState::kFree) store_.set_state(t, TensorState::kHold);

@@ -9,9 +9,13 @@
 //    owner's optimizer writes its updated values there.
 //  - A chunk owned by another rank is remote between iterations: no payload, its tensors FREE. Its
 //    group is fetched by one all-gather (every rank sends the chunk it owns) before its first use, or
-//    earlier when the scheduler prefetches it from the trace; the gather runs asynchronously on the
-//    backend's threads (Gloo's) and lands in host payloads, from where the scheduler moves the chunks
-//    to the device like any other.
+//    earlier when the scheduler prefetches it from the trace; the gather runs asynchronously (Gloo: on
+//    its threads; NCCL: on its stream). Where the backend serves the chunks' device (NCCL on CUDA; Gloo
+//    on the simulated device), the gather runs there and each received chunk is installed straight into
+//    a device payload when the device has room (as a prefetch would make it), else into a host payload;
+//    Gloo on CUDA gathers into host payloads. From there the scheduler moves chunks like any other.
+//    The gather buffers (N x the largest chunk per group in flight, on the gathering device) are
+//    transient and outside the store's budgets.
 //  - A group is given up (release()) when the scheduler sees its forward uses are over and its next use
 //    is far (SchedulerOptions::reshard_after_forward; fetched again for backward), and once its
 //    gradients have been reduce-scattered to their owners: during backward by HybridAdam's pipelined
@@ -43,6 +47,7 @@ struct ParamShardStats {
   int64_t wait_ns = 0;           // time blocked on gathers in fetch()
   int64_t gathered_bytes = 0;    // payload bytes received from other ranks
   int64_t released_chunks = 0;   // payloads given up (count)
+  int64_t landed_on_device = 0;  // gathered chunks installed straight into device payloads (count)
 };
 
 class ParamShards final : public RemoteChunks {
@@ -87,6 +92,8 @@ class ParamShards final : public RemoteChunks {
   std::shared_ptr<Communicator> comm_;
   int rank_ = 0, world_ = 1;
   int64_t segment_bytes_ = 0;  // of each rank's contribution: the largest chunk + the 8-byte group index
+  bool land_on_device_ = false;              // the backend gathers on the chunks' device
+  c10::Device buffer_device_{c10::kCPU};     // where the gather buffers live
   std::vector<char> present_;      // per group: every member has its payload here
   std::vector<Flight> flights_;    // per group
   ParamShardStats stats_;

@@ -34,10 +34,16 @@ std::string describe(const at::Tensor& t) {
 }
 
 // The collectives over one c10d backend, whose tensors live on `device` (Gloo: the CPU; NCCL: this
-// rank's GPU). Every call waits for its Work (on CUDA also for the current stream, so that "written"
-// means written for the host too); a failure (a dead or silent peer) is rethrown naming the operation,
-// this rank and the timeout. NCCL is handed CPU tensors too: they are staged through the GPU (the small
-// scalars of the norms, the checks and the saves; D49).
+// rank's GPU). Every wait is Work::wait(dist-timeout); a failure (a dead or silent peer) is rethrown
+// naming the operation, this rank and the timeout. NCCL is handed CPU tensors too: they are staged
+// through the GPU (the small scalars of the norms, the checks and the saves; D49).
+// Note [Waiting for NCCL]: ProcessGroupNCCL's wait with a timeout makes the calling thread's current
+// stream wait for the collective (an event, no host stall) and then blocks the host until the
+// collective itself has completed on the GPU. So when it returns the outputs are written for the host
+// and for every stream, while the compute queued on the current stream before the collective keeps
+// running: the host is not made to drain it (until 2026-11-23 every wait also synchronized the current
+// stream, which emptied the GPU's queue at each gather). A staged CPU output is copied back after the
+// wait, a copy that the host waits for.
 class C10dCommunicator final : public Communicator {
  public:
   C10dCommunicator(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> backend, int rank,
@@ -151,11 +157,6 @@ class C10dCommunicator final : public Communicator {
     return copy ? t.to(device_) : at::empty_like(t, t.options().device(device_));
   }
 
-  // After a Work's wait: on CUDA the current stream waits for the collective; the host waits too.
-  void settle() const {
-    if (device_.is_cuda()) detail::synchronize_current_stream(device_);
-  }
-
   // A collective in flight. `out` is the caller's output; `staged_out` the one the backend writes (the
   // same tensor, or its device copy, written back on wait).
   class C10dPending final : public Pending {
@@ -181,8 +182,7 @@ class C10dCommunicator final : public Communicator {
       const auto t0 = Clock::now();
       c10::intrusive_ptr<c10d::Work> work = std::move(work_);
       try {
-        work->wait(comm_->timeout_);
-        comm_->settle();
+        work->wait(comm_->timeout_);  // Note [Waiting for NCCL]
         if (!staged_out_.is_same(out_)) out_.copy_(staged_out_);
       } catch (const std::exception& e) {
         comm_->fail(op_, in_, e);
@@ -229,8 +229,7 @@ class C10dCommunicator final : public Communicator {
     const auto t0 = Clock::now();
     try {
       c10::intrusive_ptr<c10d::Work> work = launch();
-      work->wait(timeout_);
-      settle();
+      work->wait(timeout_);  // Note [Waiting for NCCL]
     } catch (const std::exception& e) {
       fail(op, what, e);
     }

@@ -228,6 +228,32 @@ TEST(ChunkStore, ComputeChunksNeverMoveAndOomNamesTheNumbers) {
   EXPECT_EQ(store.chunk_info(b).location, Location::kHost);
 }
 
+// A gathered chunk lands on the device only if room can be made there as a prefetch makes it: never
+// by moving a chunk in COMPUTE, never with an OutOfMemoryError; the caller puts it on the host then.
+TEST(ChunkStore, TryAllocatePayloadOnDeviceMakesRoomLikeAPrefetchOrDeclines) {
+  ChunkStore store(simulated(/*device=*/2 * kMiB));
+  const ChunkId a = store.add_chunk(ChunkRole::kParam, at::kFloat, kMiB / 4, Location::kDevice);
+  const ChunkId b = store.add_chunk(ChunkRole::kParam, at::kFloat, kMiB / 4, Location::kDevice);
+  const ChunkId c = store.add_chunk(ChunkRole::kParam, at::kFloat, kMiB / 4, Location::kNone);
+  const TensorId ta = store.add_tensor(a, 0, {16});
+  const TensorId tb = store.add_tensor(b, 0, {16});
+  store.add_tensor(c, 0, {16});
+  const torch::Tensor values = torch::arange(kMiB / 4, torch::kFloat);
+  store.access(ta);
+  store.access(tb);
+  EXPECT_FALSE(store.try_allocate_payload_on_device(c, values.view(torch::kUInt8))) << "a and b are in COMPUTE";
+  EXPECT_EQ(store.chunk_info(c).location, Location::kNone);
+  EXPECT_EQ(store.stats().device.current_bytes, 2 * kMiB);
+  EXPECT_ERROR_HAS(store.try_allocate_payload_on_device(c, torch::zeros({7}, torch::kUInt8)), "uint8 values");
+  store.release(ta, TensorState::kHoldAfterFwd);
+  EXPECT_TRUE(store.try_allocate_payload_on_device(c, values.view(torch::kUInt8)));
+  EXPECT_EQ(store.chunk_info(c).location, Location::kDevice);
+  EXPECT_EQ(store.chunk_info(a).location, Location::kHost) << "a, no longer in use, made the room";
+  EXPECT_TRUE(torch::equal(store.payload(c), values));
+  EXPECT_EQ(store.chunk_info(c).state, ChunkState::kFree) << "its tensors stay FREE until the caller says";
+  EXPECT_ERROR_HAS(store.try_allocate_payload_on_device(c), "already has a payload");
+}
+
 TEST(ChunkStore, HostBudgetOutOfMemory) {
   ChunkStore store(simulated(/*device=*/0, /*host=*/4096));
   const ChunkId a = store.add_chunk(ChunkRole::kMaster, at::kFloat, 1024, Location::kHost);

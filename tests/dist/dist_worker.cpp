@@ -227,7 +227,7 @@ int run(int argc, char** argv) {
   std::cout << "FERRY_DIST_RESULT rank=" << config.rank << " world=" << config.world_size
             << " chunks=" << model.layout().num_chunks() << " param_chunk_bytes=" << param_chunk_bytes << " param_held_bytes=" << param_held_bytes << " remote_view_refused=" << remote_view_refused
             << " forward_end_bytes=" << forward_end_bytes << " gathers=" << ps.gathers << " prefetched=" << ps.prefetched
-            << " released=" << ps.released_chunks << " groups=" << (shards ? shards->num_groups() : 0)
+            << " released=" << ps.released_chunks << " landed_on_device=" << ps.landed_on_device << " groups=" << (shards ? shards->num_groups() : 0)
             << " state_bytes=" << ss.host.current_bytes + ss.device.current_bytes
             << " state_device_bytes=" << ss.device.current_bytes << " construct_state_bytes=" << construct_state_bytes << " evictions=" << evictions
             << " ring_bytes=" << cs.ring_bytes_sent

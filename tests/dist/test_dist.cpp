@@ -330,6 +330,10 @@ TEST(Dist, ShardedParametersAreGatheredAheadAndGivenUpAfterUse) {
     EXPECT_EQ(a["gathers"], 2 * groups * gathered_steps) << "rank " << r << ": once for forward, once for backward";
     EXPECT_EQ(k["gathers"], groups * gathered_steps) << "rank " << r;
     EXPECT_GT(a["prefetched"], 0) << "no gather was started ahead of its use";
+    // Gloo serves the simulated device's memory, so gathers run there and chunks land in device
+    // payloads where the budget has room (NCCL on CUDA takes the same path).
+    EXPECT_GT(a["landed_on_device"], 0) << "rank " << r;
+    EXPECT_GT(k["landed_on_device"], 0) << "rank " << r;
     EXPECT_GT(k["prefetched"], 0);
     // At the end of forward, reshard keeps the rank's own chunks and at most the other members of the
     // last group used (given up as backward begins); kept, every chunk.
