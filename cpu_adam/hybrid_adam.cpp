@@ -182,8 +182,12 @@ bool HybridAdam::state_on_device(int64_t layout_chunk) const {
 // Until 2026-11-23 the choice was the opposite, a rule from the unpipelined step, where the order did
 // not matter for the updates.
 void HybridAdam::place_locked() {
-  // Decided once, after the warm-up of a training iteration (a forward-only trace lacks backward's memory).
+  // Decided once, after the warm-up of a training iteration (a forward-only trace lacks backward's memory),
+  // between iterations: the device room it reserves may need evictions. A backward_step whose forward
+  // came after the warm-up but before any step (micro-batches, or a discarded first step) is inside
+  // one: its step places.
   if (placed_ || !model_.scheduler().trace() || model_.scheduler().trace_is_forward_only()) return;
+  if (model_.phase() != ModelPhase::kIdle) return;
   const int64_t n = num_chunks();
   // Candidates, first layout chunks first (Note [Which state goes to the device]): with sharded
   // state, the chunks whose state this rank holds.

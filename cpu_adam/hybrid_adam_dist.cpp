@@ -506,7 +506,11 @@ StepResult HybridAdam::dist_backward_step(const at::Tensor& loss) {
   bool pipelined = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    check_backward_step_start_locked();
+    if (options_.accumulate_grads) {
+      sync_layout_locked();  // the earlier micro-batches' gradients are what this call completes
+    } else {
+      check_backward_step_start_locked();
+    }
     // Pipelined once sharded and placed, without clipping, loss scaling or accumulation (eager), when
     // every rank expects the same landings (so groups complete in the same order everywhere).
     pipelined = sharded_ && placed_ && landings_agree_ && !options_.accumulate_grads &&

@@ -929,6 +929,36 @@ StepCounts steady_step_counts(bool pipelined) {
   return counts;
 }
 
+// A backward_step whose forward comes after the warm-up but before any step (here the warm-up's
+// gradients were discarded; with micro-batches it is the last one's) places the state at its step, not
+// inside the iteration (it used to fail: "admit_device_bytes() inside an iteration"), and trains as
+// backward() + step().
+TEST(HybridAdam, BackwardStepBeforeAnyStepPlacesAtItsStep) {
+  HybridAdamOptions options(adamw());
+  options.device_state_chunks = 2;
+  torch::manual_seed(43);
+  TinyLm a_net(kVocab, kDim);
+  torch::manual_seed(43);
+  TinyLm b_net(kVocab, kDim);
+  ChunkedModel a(a_net.ptr(), sim_config(budget_for(3, 2 * 2), Precision::kBf16));
+  ChunkedModel b(b_net.ptr(), sim_config(budget_for(3, 2 * 2), Precision::kBf16));
+  HybridAdam a_adam(a, options), b_adam(b, options);
+  const Batch w = batch(0);
+  a.backward(a.forward([&] { return lm_loss(a_net, w.idx, w.target); }));
+  a_adam.zero_grad();
+  b.backward(b.forward([&] { return lm_loss(b_net, w.idx, w.target); }));
+  b_adam.zero_grad();
+  EXPECT_EQ(b_adam.device_state_chunks(), 0) << "nothing placed by the warm-up alone";
+  for (int step = 1; step < 4; ++step) {
+    const Batch x = batch(step);
+    a.backward(a.forward([&] { return lm_loss(a_net, x.idx, x.target); }));
+    ASSERT_TRUE(a_adam.step().applied);
+    ASSERT_TRUE(b_adam.backward_step(b.forward([&] { return lm_loss(b_net, x.idx, x.target); })).applied);
+    EXPECT_EQ(b_adam.device_state_chunks(), 2) << "step " << step;
+    ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, "step " + std::to_string(step)));
+  }
+}
+
 TEST(HybridAdam, PipelinedStepSyncsOnceAndMovesWholeChunks) {
   const StepCounts plain = steady_step_counts(false);
   const StepCounts piped = steady_step_counts(true);

@@ -165,7 +165,7 @@ int run(int argc, char** argv) {
         model.backward(loss);
         adam.zero_grad();  // the parameters keep their values on every rank
         r.applied = true;
-      } else if (api == "backward_step" && micro == 1) {
+      } else if (api == "backward_step") {  // with micro-batches: the last one's backward and the step
         r = adam.backward_step(loss);
       } else {
         model.backward(loss);

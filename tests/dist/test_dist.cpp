@@ -211,9 +211,11 @@ void expect_equals_one_process(int world, const std::vector<std::string>& extra,
     if (accumulate) {
       // Note [Accumulation per chunk] at N > 1: the slots are emptied per chunk (host-state chunks by
       // jobs on CpuAdam's worker, not one add per parameter), and after every backward once sharded (all
-      // but the first step's, two micro-batches each) the other ranks' values come back from them.
+      // but the first step's, two micro-batches each; under backward_step not the last one's, whose
+      // step writes new values) the other ranks' values come back from them.
+      const bool fused = std::find(extra.begin(), extra.end(), std::string("--api=backward_step")) != extra.end();
       EXPECT_GT(res["accumulation_jobs"], 0) << "rank " << r;
-      EXPECT_EQ(res["values_from_owners"], 2 * (res["steps"] - 1)) << "rank " << r;
+      EXPECT_EQ(res["values_from_owners"], (fused ? 1 : 2) * (res["steps"] - 1)) << "rank " << r;
     }
     EXPECT_GT(res["ring_bytes"], 0);
     held += res["state_bytes"];
@@ -367,6 +369,13 @@ TEST(Dist, FourRanksWithGradientAccumulationEqualOneProcess) {
 // each backward (sharded ones by the next use's gather, above).
 TEST(Dist, TwoRanksWithGradientAccumulationAndReplicatedParametersEqualOneProcess) {
   expect_equals_one_process(2, {"--micro=2", "--batch=16", "--shard-params=0"});
+}
+
+// backward_step for the last micro-batch: its backward leaves the other ranks' chunks holding gradients
+// for the step to overwrite with the new values (replicated: the step's all-gather).
+TEST(Dist, TwoRanksAccumulatingIntoBackwardStepEqualOneProcess) {
+  expect_equals_one_process(2, {"--micro=2", "--batch=16", "--shard-params=0", "--api=backward_step"});
+  expect_equals_one_process(2, {"--micro=2", "--batch=16", "--api=backward_step"});
 }
 
 // save() at world size 2 writes one checkpoint; resumed at 2 the run continues bit for bit as if
