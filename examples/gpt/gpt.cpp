@@ -113,7 +113,9 @@ namespace {
 // N(mean, std) into `t` on every core: fixed blocks of 2^20 elements, each drawn by its own generator
 // seeded from (seed, block), so the values do not depend on the thread count; drawn in fp32 (the
 // vectorized kernel) and rounded to t's dtype. torch's own normal_ runs on one thread, and in bf16
-// (an InitScope build) about 6x slower than in fp32: minutes for a 12B model.
+// (an InitScope build) about 6x slower than in fp32: minutes for a 12B model. (ferry's
+// ParallelInitScope does the same for any module, but this model stands for a user's existing one and
+// knows nothing of ferry, gpt.h; it keeps its own.)
 void parallel_normal_(const at::Tensor& t, double mean, double std, uint64_t seed) {
   TORCH_CHECK(t.is_contiguous(), "gpt: parallel_normal_ needs a contiguous tensor");
   const at::Tensor flat = t.detach().view({-1});  // the workers' grad mode is their own
