@@ -68,9 +68,10 @@
 // values come back from their owners, the same way on every rank whatever it landed (collectives pair
 // up): sharded parameters (ParamShards) give every gathered group up, so the next use gathers it again;
 // replicated ones are all-gathered at once. (backward_step skips that: its step writes new values.)
-// Cost per micro-batch against the per-parameter add it replaces (one synchronous device->host copy per
-// gradient on autograd's thread): (N-1)/N x the parameter bytes of the groups that were kept through
-// backward, gathered again (sharded), or of all of them (replicated).
+// Cost against the per-parameter add it replaces (one synchronous device->host copy per gradient on
+// autograd's thread): every micro-batch but the one the step follows gathers the parameters once more,
+// (N-1)/N x the parameter bytes per rank, in either mode (sharded: the next forward gathers every
+// group, where before a group kept from backward was still there).
 
 // Note [Pipelined step]
 // backward_step(loss) runs backward and the optimizer step as one pipeline over the layout chunks.
