@@ -373,7 +373,7 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // Note [Accumulation per chunk]: adds the slot gradients of chunk c into its accumulation chunk and
   // gives the slots their values back (round(master)), on the device for device-state chunks, else on
   // CpuAdam's worker after one transfer of the chunk to the host; clears the model's slot marks. A chunk
-  // another rank owns keeps the gradients in its slots (values_from_owners_ set).
+  // another rank owns keeps the gradients in its slots (values_from_owners_locked, when backward ends).
   void consume_slot_grads_locked(int64_t chunk);
   // At N > 1 after an accumulating backward: the values of the chunks this rank does not own, from
   // their owners (sharded: every gathered group given up; replicated: one all-gather). A collective.
