@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""Checks bench_gpt's floors (D52) against the counts in the same JSON document.
+
+    bench_gpt --preset=tiny ... --device-budget=1MiB --no-baseline | check_bench_floors.py
+
+The budget must leave optimizer state on the host, so every floor has something to count. Each floor is
+recomputed from the rates and the per-step counts bench_gpt printed beside it; a formula changed in one
+place and not the other, a floor that forgets the copies, or a measured / floor ratio of the wrong step
+fails here. Exits non-zero with the first difference.
+"""
+import json
+import sys
+
+
+def close(name, got, want, rel=2e-4):
+    # bench_gpt prints 6 significant digits.
+    if abs(got - want) > rel * max(abs(want), 1e-12):
+        sys.exit(f"check_bench_floors: {name} is {got}, expected {want}")
+
+
+def main():
+    doc = json.load(sys.stdin)
+    f, fl = doc["ferry"], doc["floor"]
+    r = fl["rates"]
+    host_params = f["host_state_params"]
+    if host_params <= 0:
+        sys.exit("check_bench_floors: no optimizer state on the host; run with a device budget that offloads")
+    close("host_adam_s", fl["host_adam_s"], 28.0 * host_params / r["host_adam_bytes_per_s"])
+    copies = f["h2d_bytes_per_step"] + f["d2h_bytes_per_step"]
+    if copies <= 0:
+        sys.exit("check_bench_floors: no chunk moved in a step; the floors of the transfers count nothing")
+    per_copy = 1.0 if doc["device"] == "cuda" else 2.0  # the simulated device's copies read and write host memory
+    host_memory = (28.0 * host_params + per_copy * copies) / r["host_adam_bytes_per_s"]
+    close("host_memory_s", fl["host_memory_s"], host_memory)
+    transfers = max(f["h2d_bytes_per_step"] / r["h2d_bytes_per_s"], f["d2h_bytes_per_step"] / r["d2h_bytes_per_s"])
+    close("transfers_s", fl["transfers_s"], transfers)
+    floor = max(fl["compute_s"], transfers, host_memory)
+    close("floor_s", fl["floor_s"], floor)
+    forward = fl["compute_s"] * 2.0 / (8.0 if doc["config"]["checkpoint_activations"] else 6.0)
+    schedule = max(forward + max(fl["compute_s"] - forward, host_memory), transfers)
+    close("schedule_floor_s", fl["schedule_floor_s"], schedule)
+    if schedule < floor * (1 - 2e-4):
+        sys.exit(f"check_bench_floors: the schedule floor {schedule} is below the resource floor {floor}")
+    step = f["time"]["step_s"]
+    close("measured_over_floor", fl["measured_over_floor"], step / floor)
+    close("measured_over_schedule_floor", fl["measured_over_schedule_floor"], step / schedule)
+    print(f"check_bench_floors: ok (host Adam {fl['host_adam_s']:.4g} s, host memory {host_memory:.4g} s, "
+          f"floor {floor:.4g} s, schedule floor {schedule:.4g} s, step {step:.4g} s)")
+
+
+if __name__ == "__main__":
+    main()
