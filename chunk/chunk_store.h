@@ -216,6 +216,10 @@ class ChunkStore {
   // their pinned buffers are reused instead of allocated and freed (cudaFreeHost synchronizes).
   void set_host_cache_bytes(int64_t bytes) { host_pool_.set_max_cached_bytes(bytes); }
   int64_t host_cache_bytes() const { return host_pool_.max_cached_bytes(); }
+  // Moves the released host buffers this store keeps into `to`'s cache (kept there up to its limit),
+  // where both pin alike; returns the bytes moved. A repack's old store hands its freed chunks to the
+  // new one, whose chunks then reuse that memory instead of faulting in fresh pages (fill_layout).
+  int64_t give_cached_host_buffers(ChunkStore& to) { return host_pool_.give_cached_to(to.host_pool_); }
 
   // Changes the device budget (0: no limit), evicting by policy down to it; on OutOfMemoryError the
   // old budget stays. The scheduler uses it for the per-moment budget.

@@ -91,6 +91,33 @@ void HostBufferPool::trim_to(int64_t limit) {
   }
 }
 
+int64_t HostBufferPool::give_cached_to(HostBufferPool& other) {
+  if (&other == this || other.pinned_ != pinned_) return 0;
+  std::map<int64_t, std::vector<at::Tensor>> taken;
+  std::vector<int64_t> order;
+  int64_t bytes = 0;
+  {  // one lock at a time: no order between two pools' mutexes to get wrong
+    std::lock_guard<std::mutex> lock(mutex_);
+    taken.swap(cache_);
+    order.swap(cache_order_);
+    bytes = stats_.cached_bytes;
+    stats_.cached_bytes = 0;
+  }
+  if (order.empty()) return 0;
+  std::lock_guard<std::mutex> lock(other.mutex_);
+  for (int64_t size : order) {
+    auto& list = taken[size];
+    other.cache_[size].push_back(std::move(list.back()));
+    list.pop_back();
+    other.cache_order_.push_back(size);
+  }
+  other.stats_.cached_bytes += bytes;
+  other.stats_.peak_reserved_bytes =
+      std::max(other.stats_.peak_reserved_bytes, other.stats_.in_use_bytes + other.stats_.cached_bytes);
+  other.trim_to(other.max_cached_bytes_);
+  return bytes;
+}
+
 void HostBufferPool::set_max_cached_bytes(int64_t bytes) {
   TORCH_CHECK(bytes >= 0, "ferry: max_cached_bytes must be >= 0, got ", bytes);
   std::lock_guard<std::mutex> lock(mutex_);

@@ -44,6 +44,9 @@ class HostBufferPool {
   void release(at::Tensor& buffer);
   // Frees every cached buffer.
   void trim();
+  // Moves every cached buffer into `other`'s cache (then trimmed to its limit), if both pin alike;
+  // returns the bytes moved. A repack hands the old store's freed chunks to the new one (fill_layout).
+  int64_t give_cached_to(HostBufferPool& other);
   // Changes how many released bytes are kept for reuse (trimming down to it at once).
   void set_max_cached_bytes(int64_t bytes);
   int64_t max_cached_bytes() const;

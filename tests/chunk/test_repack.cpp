@@ -32,12 +32,12 @@ struct Built {
   int64_t peak = 0;
 };
 
-Built build(const std::vector<int64_t>& order, Built* from) {
+Built build(const std::vector<int64_t>& order, Built* from, const ChunkStoreOptions& options = simulated()) {
   Built b;
   PackOptions pack;
   pack.chunk_numel = 256;
   b.layout = ChunkLayout::pack(kNumels, order, pack);
-  b.store = std::make_unique<ChunkStore>(simulated());
+  b.store = std::make_unique<ChunkStore>(options);
   std::vector<std::vector<int64_t>> shapes;
   for (int64_t n : kNumels) shapes.push_back({n});
   std::vector<std::vector<TensorId>> from_tensors;
@@ -75,6 +75,40 @@ TEST(Repack, FillsMigratesAndRetiresChunkByChunk) {
   const int64_t chunk_bytes = 256 * 4;
   EXPECT_LE(b.peak, a_bytes + kRoles * 2 * chunk_bytes) << "a repack holds about a chunk per role extra";
   EXPECT_LT(b.peak, 2 * a_bytes);
+}
+
+TEST(Repack, NewChunksReuseTheOldChunksHostMemory) {
+  // Note [Repack reuses memory]: each retired old chunk's host buffer goes to the new store, and the next
+  // new chunk of its size takes it instead of fresh memory; the caches are set back afterwards, even
+  // where the new store keeps nothing (host_cache_bytes 0).
+  std::vector<int64_t> order(kNumels.size());
+  std::iota(order.begin(), order.end(), 0);
+  Built a = build(order, nullptr);
+  const int64_t a_cache = a.store->host_cache_bytes();
+  ChunkStoreOptions no_cache = simulated();
+  no_cache.host_cache_bytes = 0;
+  // The same order: old chunk i is emptied into new chunk i, so only the first new chunk of each role
+  // needs fresh memory.
+  Built b = build(order, &a, no_cache);
+  const int64_t chunks = b.layout.num_chunks() * kRoles;
+  const HostBufferStats same = b.store->stats().host_buffers;
+  EXPECT_EQ(same.allocations, kRoles) << "fresh buffers";
+  EXPECT_EQ(same.reuses, chunks - kRoles);
+  EXPECT_EQ(same.cached_bytes, 0) << "the new store keeps nothing once the repack is over";
+  EXPECT_EQ(b.store->host_cache_bytes(), 0);
+  EXPECT_EQ(a.store->host_cache_bytes(), a_cache);
+  // The reversed order frees old chunks late; some new chunks still reuse, and every value arrives.
+  std::reverse(order.begin(), order.end());
+  Built c = build(order, &b);
+  const HostBufferStats reversed = c.store->stats().host_buffers;
+  EXPECT_GT(reversed.reuses, 0);
+  EXPECT_EQ(reversed.allocations + reversed.reuses, chunks);
+  for (int r = 0; r < kRoles; ++r) {
+    for (int64_t j = 0; j < static_cast<int64_t>(kNumels.size()); ++j) {
+      EXPECT_TRUE(torch::equal(c.store->view(c.roles[r].tensors[j]), value_of(r, j))) << "role " << r << " tensor " << j;
+    }
+  }
+  EXPECT_EQ(b.store->host_cache_bytes(), 0);
 }
 
 TEST(Repack, BadInputIsRefused) {
