@@ -23,7 +23,8 @@
 namespace ferry {
 
 // Returns the peak of the payload bytes of both stores together (host of `to`, host and device of
-// `from`, and the host buffers both keep for reuse beyond those `from` kept before) while filling: what the repack costs beyond the old store (0 on a first build).
+// `from`, and the host buffers both keep for reuse beyond those `from` kept before) while filling:
+// what the repack costs beyond the old store (0 on a first build).
 int64_t fill_layout(ChunkStore& to, const ChunkLayout& layout, const std::vector<ChunkStore::RoleChunks>& roles,
                     ChunkStore* from, const std::vector<std::vector<TensorId>>& from_tensors,
                     const std::function<void(int role, int64_t tensor, TensorId slot)>& fill);

@@ -648,8 +648,8 @@ int run(int argc, char** argv) {
     const double host_memory_s = (28.0 * f.host_state_params + copy_host_bytes) / rates.adam_bytes_per_s;
     const double floor_s = std::max({compute_s, pcie_s, host_memory_s});
     // The schedule's floor (D52): the host Adam overlaps backward only, so forward's compute adds to the
-    // larger of backward's compute and the host memory traffic (and the link can be busy throughout). Forward is 2N flops per token of the 6N
-    // (8N with recompute).
+    // larger of backward's compute and the host memory traffic (and the link can be busy throughout).
+    // Forward is 2N flops per token of the 6N (8N with recompute).
     const double forward_s = compute_s * 2.0 / (a.checkpoint ? 8.0 : 6.0);
     const double schedule_s = std::max(forward_s + std::max(compute_s - forward_s, host_memory_s), pcie_s);
     std::cerr << "bench_gpt: floors: compute " << compute_s << " s, transfers " << pcie_s << " s, host Adam " << adam_s
