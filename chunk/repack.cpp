@@ -9,7 +9,8 @@ namespace ferry {
 
 int64_t fill_layout(ChunkStore& to, const ChunkLayout& layout, const std::vector<ChunkStore::RoleChunks>& roles,
                     ChunkStore* from, const std::vector<std::vector<TensorId>>& from_tensors,
-                    const std::function<void(int role, int64_t tensor, TensorId slot)>& fill) {
+                    const std::function<void(int role, int64_t tensor, TensorId slot)>& fill,
+                    const FillPlacement& placement) {
   const int num_roles = static_cast<int>(roles.size());
   TORCH_CHECK(!from || static_cast<int>(from_tensors.size()) == num_roles, "fill_layout: ", num_roles,
               " roles to fill but ", from_tensors.size(), " to migrate from");
@@ -48,9 +49,38 @@ int64_t fill_layout(ChunkStore& to, const ChunkLayout& layout, const std::vector
   // is held either way: the peak counts what the repack adds to it. It goes to the new store first.
   const int64_t cached_before = from ? from->stats().host_buffers.cached_bytes : 0;
   if (from) from->give_cached_host_buffers(to);
+  // Note [Repack stays on the device]: a new chunk whose values all sit in old chunks on the device is
+  // built there when the device has room for it beside everything else on it. After a warm-up in which
+  // the model fitted, the repack is then device copies only; built on the host instead, the whole model
+  // crossed twice (down into freshly pinned buffers, tensor by tensor, and up again in the next
+  // forward), and the pinned buffers were allocated for that one trip. Room is never made by evicting:
+  // where it is short the chunk goes to the host, as before.
+  auto on_device = [&](int r, int64_t i) {
+    if (!from || !placement.keep_on_device) return false;
+    for (int64_t j : layout.chunks()[i].tensors) {
+      if (from->location(from->tensor_info(from_tensors[r][j]).chunk) != Location::kDevice) return false;
+    }
+    const int64_t bytes = to.chunk_info(roles[r].chunks[i]).nbytes;
+    const TierStats own = to.stats().device;
+    const int64_t all_stores = to.device_bytes_elsewhere() + own.current_bytes;
+    return (placement.device_room_bytes == 0 || all_stores + bytes <= placement.device_room_bytes) &&
+           (own.budget_bytes == 0 || own.current_bytes + bytes <= own.budget_bytes);
+  };
   int64_t peak = 0;
   for (int64_t i = 0; i < layout.num_chunks(); ++i) {
-    for (int r = 0; r < num_roles; ++r) to.allocate_payload(roles[r].chunks[i], Location::kHost);
+    for (int r = 0; r < num_roles; ++r) {
+      const ChunkId c = roles[r].chunks[i];
+      bool placed = false;
+      if (on_device(r, i)) {
+        try {
+          placed = to.try_allocate_payload_on_device(c);
+        } catch (const c10::OutOfMemoryError&) {
+          // The device's own allocator had less than the budgets say (another process, fragmentation):
+          // the host takes the chunk, as it would without this choice.
+        }
+      }
+      if (!placed) to.allocate_payload(c, Location::kHost);
+    }
     for (int64_t j : layout.chunks()[i].tensors) {
       for (int r = 0; r < num_roles; ++r) {
         fill(r, j, roles[r].tensors[j]);
@@ -59,8 +89,9 @@ int64_t fill_layout(ChunkStore& to, const ChunkLayout& layout, const std::vector
         const ChunkStoreStats new_stats = to.stats();
         // Buffers kept for reuse are memory too.
         peak = std::max(peak, new_stats.host.current_bytes + new_stats.host_buffers.cached_bytes +
-                                  old_stats.host.current_bytes + old_stats.host_buffers.cached_bytes +
-                                  old_stats.device.current_bytes - cached_before);
+                                  new_stats.device.current_bytes + old_stats.host.current_bytes +
+                                  old_stats.host_buffers.cached_bytes + old_stats.device.current_bytes -
+                                  cached_before);
         const ChunkId old = from->tensor_info(from_tensors[r][j]).chunk;
         if (--remaining[old] == 0) {
           from->retire(old);

@@ -147,6 +147,13 @@ void ChunkedModel::build(const std::vector<int64_t>& order) {
   // value), so construction holds about one chunk beyond the module, not a second copy of it.
   const auto role = store->add_layout(ChunkRole::kParam, dtype_, layout, shapes_, Location::kNone);
   const bool first = store_ == nullptr;
+  // A repack builds a chunk on the device where its parameters are (Note [Repack stays on the device]),
+  // within the room the trace leaves chunks at its worst moment.
+  FillPlacement placement;
+  if (!first) {
+    placement.keep_on_device = true;
+    placement.device_room_bytes = scheduler_->device_room_bytes();
+  }
   const int64_t peak = fill_layout(*store, layout, {role}, store_.get(), {tensor_of_param_},
                                    [&](int, int64_t p, TensorId slot) {
     // First build: the values are the parameter's own; a repack reads them from the old store.
@@ -159,7 +166,7 @@ void ChunkedModel::build(const std::vector<int64_t>& order) {
     }
     store->set_state(slot, TensorState::kHold);
     store->bind(slot, params_[p], values);
-  });
+  }, placement);
   if (!first) repack_peak_bytes_ = peak;
   std::vector<TensorId> tensor_of_param = role.tensors;
   std::vector<ChunkId> chunk_of_param(params_.size());

@@ -1,12 +1,15 @@
 // fill_layout (chunk/repack.h): a first build and a repack of two roles into a layout in another
 // order keep every value, retire every old chunk, and hold at most a few chunks beyond the old store
-// (not a second copy); bad input is refused.
+// (not a second copy); a new chunk whose values are all on the device is built there while the device
+// has room, never by evicting; bad input is refused.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <numeric>
+#include <set>
 
 #include "ferry/chunk/chunk_store.h"
+#include "ferry/chunk/device_accountant.h"
 #include "ferry/chunk/repack.h"
 
 namespace ferry {
@@ -32,7 +35,8 @@ struct Built {
   int64_t peak = 0;
 };
 
-Built build(const std::vector<int64_t>& order, Built* from, const ChunkStoreOptions& options = simulated()) {
+Built build(const std::vector<int64_t>& order, Built* from, const ChunkStoreOptions& options = simulated(),
+            const FillPlacement& placement = {}) {
   Built b;
   PackOptions pack;
   pack.chunk_numel = 256;
@@ -51,7 +55,7 @@ Built build(const std::vector<int64_t>& order, Built* from, const ChunkStoreOpti
                        [&](int r, int64_t j, TensorId slot) {
                          to.set_state(slot, TensorState::kHold);
                          to.view(slot).copy_(from ? from->store->view(from->roles[r].tensors[j]) : value_of(r, j));
-                       });
+                       }, placement);
   return b;
 }
 
@@ -109,6 +113,103 @@ TEST(Repack, NewChunksReuseTheOldChunksHostMemory) {
     }
   }
   EXPECT_EQ(b.store->host_cache_bytes(), 0);
+}
+
+void expect_values(const Built& b) {
+  for (int r = 0; r < kRoles; ++r) {
+    for (int64_t j = 0; j < static_cast<int64_t>(kNumels.size()); ++j) {
+      EXPECT_TRUE(torch::equal(b.store->view(b.roles[r].tensors[j]), value_of(r, j))) << "role " << r << " tensor " << j;
+    }
+  }
+}
+
+TEST(Repack, NewChunksStayOnTheDeviceWhereTheirValuesAreAndThereIsRoom) {
+  // Note [Repack stays on the device]. Old chunks 0 and 1 of each role are on the (simulated) device,
+  // the rest on the host; the new order mixes them, so some new chunks draw only on device chunks,
+  // some only on host chunks and some on both.
+  auto accountant = std::make_shared<DeviceAccountant>();
+  ChunkStoreOptions options = simulated();
+  options.accountant = accountant;
+  std::vector<int64_t> order(kNumels.size());
+  std::iota(order.begin(), order.end(), 0);
+  const std::vector<int64_t> mixed = {0, 4, 1, 2, 3, 5, 6, 7};
+  auto old_store = [&] {
+    Built a = build(order, nullptr, options);
+    for (int r = 0; r < kRoles; ++r) {
+      for (int64_t i : {0, 1}) a.store->move(a.roles[r].chunks[i], Location::kDevice);
+    }
+    return a;
+  };
+  // Where each new chunk's values are: all on the device (1), none (0) or some (-1).
+  auto sources = [&](const Built& a, const Built& b, int r, int64_t i) {
+    int on = 0, off = 0;
+    for (int64_t j : b.layout.chunks()[i].tensors) {
+      (a.store->location(a.store->tensor_info(a.roles[r].tensors[j]).chunk) == Location::kDevice ? on : off) += 1;
+    }
+    return off == 0 ? 1 : on == 0 ? 0 : -1;
+  };
+
+  {  // Unlimited room: exactly the chunks whose values are all on the device are built there.
+    Built a = old_store();
+    const int64_t old_device = accountant->current_bytes();
+    std::vector<std::vector<int>> where(kRoles);
+    PackOptions pack;
+    pack.chunk_numel = 256;
+    const ChunkLayout next = ChunkLayout::pack(kNumels, mixed, pack);
+    Built probe;  // the new layout's chunks, to classify them against the old store before it is drained
+    probe.layout = next;
+    for (int r = 0; r < kRoles; ++r) {
+      for (int64_t i = 0; i < next.num_chunks(); ++i) where[r].push_back(sources(a, probe, r, i));
+    }
+    std::set<int> kinds(where[0].begin(), where[0].end());
+    ASSERT_EQ(kinds, (std::set<int>{-1, 0, 1})) << "the test needs all three kinds of new chunk";
+    accountant->reset_peak();
+    FillPlacement keep;
+    keep.keep_on_device = true;
+    Built b = build(mixed, &a, options, keep);
+    expect_values(b);
+    for (int r = 0; r < kRoles; ++r) {
+      for (int64_t i = 0; i < b.layout.num_chunks(); ++i) {
+        EXPECT_EQ(b.store->location(b.roles[r].chunks[i]), where[r][i] == 1 ? Location::kDevice : Location::kHost)
+            << "role " << r << " chunk " << i << " (sources " << where[r][i] << ")";
+      }
+    }
+    EXPECT_EQ(a.store->stats().device.current_bytes, 0) << "every old chunk retired";
+    EXPECT_EQ(b.store->stats().moves.h2d_count + b.store->stats().moves.d2h_count, 0) << "built in place, no moves";
+    EXPECT_GT(accountant->peak_bytes(), old_device) << "device chunks were built beside the old ones";
+  }
+  {  // The default places every new chunk on the host, as a first build does.
+    Built a = old_store();
+    Built b = build(mixed, &a, options);
+    expect_values(b);
+    EXPECT_EQ(b.store->stats().device.current_bytes, 0);
+  }
+  {  // Room for one chunk beyond the old device chunks: the device never holds more, nothing is evicted
+    // for it, and the chunks that do not fit go to the host.
+    Built a = old_store();
+    const int64_t room = accountant->current_bytes() + 256 * 4;
+    accountant->reset_peak();
+    FillPlacement tight;
+    tight.keep_on_device = true;
+    tight.device_room_bytes = room;
+    Built b = build(mixed, &a, options, tight);
+    expect_values(b);
+    EXPECT_LE(accountant->peak_bytes(), room);
+    EXPECT_GT(b.store->stats().device.current_bytes, 0) << "some chunk still fitted";
+    EXPECT_EQ(b.store->stats().moves.evictions, 0);
+    EXPECT_EQ(a.store->stats().moves.evictions, 0);
+  }
+  {  // The new store's own budget holds too: a chunk it cannot take without evicting goes to the host.
+    Built a = old_store();
+    ChunkStoreOptions budgeted = options;
+    budgeted.device_budget_bytes = 256 * 4;
+    FillPlacement keep;
+    keep.keep_on_device = true;
+    Built b = build(mixed, &a, budgeted, keep);
+    expect_values(b);
+    EXPECT_LE(b.store->stats().device.peak_bytes, 256 * 4);
+    EXPECT_EQ(b.store->stats().moves.evictions, 0);
+  }
 }
 
 TEST(Repack, BadInputIsRefused) {

@@ -167,6 +167,17 @@ int64_t largest_chunk_bytes(torch::nn::Module& m, int64_t chunk_bytes) {
   return largest;
 }
 
+// The next-token loss of a TinyGpt on one fixed batch (seed 42): the same inputs for the reference and
+// the wrapped model.
+auto tiny_gpt_loss(int64_t V, int64_t T) {
+  return [V, T](TinyGpt& m) {
+    torch::manual_seed(42);
+    auto idx = torch::randint(0, V, {2, T}, torch::kLong);
+    auto logits = m->forward(idx);
+    return torch::nn::functional::cross_entropy(logits.view({-1, V}), idx.view({-1}));
+  };
+}
+
 // ---- tests
 
 TEST(ChunkedModel, TinyGptMatchesUnwrappedUnderEvictions) {
@@ -182,12 +193,7 @@ TEST(ChunkedModel, TinyGptMatchesUnwrappedUnderEvictions) {
     ChunkedModel model(net.ptr(), tiny_config(chunk, budget));
     EXPECT_EQ(model.num_params(), static_cast<int64_t>(ref->parameters().size()) - 0);
     EXPECT_GT(model.layout().num_chunks(), 6);
-    auto loss_of = [&](TinyGpt& m) {
-      torch::manual_seed(42);
-      auto idx = torch::randint(0, V, {2, T}, torch::kLong);
-      auto logits = m->forward(idx);
-      return torch::nn::functional::cross_entropy(logits.view({-1, V}), idx.view({-1}));
-    };
+    auto loss_of = tiny_gpt_loss(V, T);
     for (int it = 0; it < 4; ++it) {
       compare_iteration(ref, net, model, loss_of, "iteration " + std::to_string(it));
       const auto s = model.last_iteration();
@@ -209,6 +215,31 @@ TEST(ChunkedModel, TinyGptMatchesUnwrappedUnderEvictions) {
   // The destructor materialized the parameters: the module is plain again and unchanged.
   expect_same_parameters(ref, net);
   EXPECT_EQ(net->wte->weight.unsafeGetTensorImpl(), wte_impl);
+}
+
+TEST(ChunkedModel, RepackKeepsAFittingModelOnTheDevice) {
+  // Note [Repack stays on the device]: the warm-up ran with every chunk on the device, so the repack
+  // builds the new chunks there (device copies); the next iteration moves nothing and still matches.
+  const int64_t V = 64, D = 32, L = 2, T = 8;
+  torch::manual_seed(1);
+  TinyGpt ref(V, D, L, T);
+  torch::manual_seed(1);
+  TinyGpt net(V, D, L, T);
+  const int64_t chunk = 8 << 10;
+  ChunkedModel model(net.ptr(), tiny_config(chunk, /*device_budget=*/0));
+  auto loss_of = tiny_gpt_loss(V, T);
+  compare_iteration(ref, net, model, loss_of, "warm-up");
+  const int64_t version = model.layout_version();
+  ASSERT_GT(model.layout().num_chunks(), 3);
+  const ChunkStoreStats repacked = model.store().stats();
+  EXPECT_EQ(repacked.host.current_bytes, 0) << "no chunk was built on the host";
+  EXPECT_EQ(repacked.host_buffers.allocations, 0) << "no host buffer was taken for a chunk on the device";
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    EXPECT_EQ(model.store().location(model.param_chunk(model.layout().slots()[p].chunk)), Location::kDevice) << p;
+  }
+  compare_iteration(ref, net, model, loss_of, "after the repack");
+  EXPECT_EQ(model.layout_version(), version) << "one repack";
+  EXPECT_EQ(model.last_iteration().h2d_bytes, 0) << "the repacked chunks were already on the device";
 }
 
 TEST(ChunkedModel, ConvNetWithBatchNormMatches) {
