@@ -101,6 +101,11 @@ def gpt_table(doc, path):
                   f"{gib(mem['host_rss_peak_after_construction_bytes'])} | {gib(mem['host_rss_peak_bytes'])} | "
                   f"{gib(mem['fp32_model_bytes'])} | {'yes' if mem['init_scope'] else 'no'} | "
                   f"{f['construction_s']:.1f} | {f['startup_s']:.1f} |"]
+        if "startup_breakdown" in f:
+            sb = f["startup_breakdown"]
+            lines += ["", f"Start-up {f['startup_s']:.1f} s: module {sb['module_s']:.1f} s, ChunkedModel "
+                          f"{sb['wrap_s']:.1f} s, HybridAdam {sb['optimizer_construction_s']:.1f} s, first step "
+                          f"{sb['first_step_s']:.1f} s (its repack {sb['repack_s']:.2f} s)."]
     if "syncs_per_step" in f:
         lines += ["", f"Step: {c.get('step', 'unpipelined')}; per step {f['syncs_per_step']:.1f} host syncs of the "
                       f"training thread (+{f['background_syncs_per_step']:.1f} on the optimizer's worker), "

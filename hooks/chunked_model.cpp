@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <unordered_map>
 #include <unordered_set>
@@ -439,9 +440,12 @@ void ChunkedModel::finish_iteration(bool aborted, bool forward_only) {
       for (size_t p = 0; p < params_.size(); ++p) {
         if (!used[p]) order.push_back(static_cast<int64_t>(p));  // never used: at the end
       }
+      const auto start = std::chrono::steady_clock::now();
       build(order);
+      repack_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       log::info("ferry: repacked ", params_.size(), " parameters in call order into ", layout_.num_chunks(),
-                " chunks (waste ", static_cast<int>(layout_.waste() * 1000) / 10.0, "%)");
+                " chunks (waste ", static_cast<int>(layout_.waste() * 1000) / 10.0, "%) in ",
+                static_cast<int64_t>(repack_seconds_ * 1000), " ms");
     }
     scheduler_->relayout(*store_, tensor_of_param_, chunk_of_param_);
     if (options_.repack_after_warmup && layout_listener_) layout_listener_->layout_changed();

@@ -221,6 +221,9 @@ class ChunkedModel final : private UseListener {
   }
   // Peak payload bytes of the old and new stores together during the last repack (tests, reports).
   int64_t last_repack_peak_bytes() const { return repack_peak_bytes_; }
+  // Wall time of the last repack: the parameter chunks and every attached state store's migration
+  // (reports; 0 before the first).
+  double last_repack_seconds() const { return repack_seconds_; }
   IterationStats last_iteration() const { return scheduler_->last_iteration(); }
   ModelPhase phase() const { return phase_.load(); }
 
@@ -251,6 +254,7 @@ class ChunkedModel final : private UseListener {
   std::vector<ChunkId> param_chunks_;
   int64_t layout_version_ = 0;
   int64_t repack_peak_bytes_ = 0;
+  double repack_seconds_ = 0;
   double loss_scale_ = 1.0;
   GradSink* grad_sink_ = nullptr;
   LayoutListener* layout_listener_ = nullptr;

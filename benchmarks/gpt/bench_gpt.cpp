@@ -112,6 +112,9 @@ struct FerryResult {
   double rss_peak = 0;                // process RSS peak at the end of the run
   double startup_s = 0;               // model construction to the end of the first step
   double construction_s = 0;          // model + ChunkedModel + HybridAdam
+  // Where start-up goes: the module's constructor, ChunkedModel's (packing into chunks), HybridAdam's
+  // (the fp32 masters), the first step, and the repack inside it (ChunkedModel::last_repack_seconds).
+  double module_s = 0, wrap_s = 0, optimizer_construction_s = 0, first_step_s = 0, repack_s = 0;
   // Per measured step (means): host synchronizations of the training thread (chunk stores + the
   // optimizer's), those of the optimizer's worker, chunk transfers, and bytes each way.
   double syncs = 0, background_syncs = 0, transfers = 0, h2d_bytes = 0, d2h_bytes = 0;
@@ -161,8 +164,9 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   } else {
     net = std::make_shared<gpt::GptImpl>(gc);
   }
+  const double module_s = since(t_start);
   if (config.rank == 0) {
-    std::cerr << "bench_gpt: module built in " << since(t_start) << " s; wrapping it in ChunkedModel\n";
+    std::cerr << "bench_gpt: module built in " << module_s << " s; wrapping it in ChunkedModel\n";
   }
   if (a.checkpoint) {
     net->run_block = [](gpt::Block& b, const torch::Tensor& x) {
@@ -173,6 +177,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   model_options.scheduler.reshard_after_forward = !a.keep_gathered;
   model_options.scheduler.reshard_min_gap = a.reshard_gap;
   ferry::ChunkedModel model(net, config, std::move(model_options));
+  const double wrapped_s = since(t_start);
   ferry::AdamOptions o;
   o.lr = 1e-4;
   o.weight_decay = 0.1;
@@ -184,6 +189,9 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   std::mt19937_64 rng(7 + config.rank);  // each rank its own batches
   FerryResult r;
   r.construction_s = since(t_start);
+  r.module_s = module_s;
+  r.wrap_s = wrapped_s - module_s;
+  r.optimizer_construction_s = r.construction_s - wrapped_s;
   r.rss_after_construction = static_cast<double>(rss_peak_bytes());
   r.waste = model.layout().waste();
   r.chunk_size_bytes = static_cast<double>(model.chunk_size_bytes());
@@ -236,7 +244,11 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
       b = total - o_s;
     }
     const ferry::MoveStats moves = sum_moves(model.store().stats().moves, adam.state_store().stats().moves);
-    if (s == 0) r.startup_s = since(t_start);
+    if (s == 0) {
+      r.startup_s = since(t_start);
+      r.first_step_s = r.startup_s - r.construction_s;
+      r.repack_s = model.last_repack_seconds();  // the warm-up's (0 with repack_after_warmup off)
+    }
     if (tracing) {
       ferry::trace::stop();
       ferry::trace::write_chrome_json(a.trace);
@@ -594,6 +606,9 @@ int run(int argc, char** argv) {
       << ", \"activation_bytes\": " << f.activation_bytes << ", \"evictions\": " << f.evictions << ", \"chunks\": " << f.chunks << ", \"device_state_chunks\": "
       << f.device_state_chunks << ", \"loss_first\": " << f.loss_first << ", \"loss_last\": " << f.loss_last
       << ",\n    \"startup_s\": " << f.startup_s << ", \"construction_s\": " << f.construction_s
+      << ", \"startup_breakdown\": {\"module_s\": " << f.module_s << ", \"wrap_s\": " << f.wrap_s
+      << ", \"optimizer_construction_s\": " << f.optimizer_construction_s << ", \"first_step_s\": " << f.first_step_s
+      << ", \"repack_s\": " << f.repack_s << "}"
       << ",\n    \"memory\": {\"host_bytes_per_param\": " << f.host_bytes_per_param
       << ", \"device_bytes_per_param\": " << f.device_bytes_per_param
       << ", \"total_bytes_per_param\": " << f.host_bytes_per_param + f.device_bytes_per_param

@@ -6,16 +6,31 @@
 The budget must leave optimizer state on the host, so every floor has something to count. Each floor is
 recomputed from the rates and the per-step counts bench_gpt printed beside it; a formula changed in one
 place and not the other, a floor that forgets the copies, or a measured / floor ratio of the wrong step
-fails here. Exits non-zero with the first difference.
+fails here. The start-up breakdown is checked the same way: its parts add up to the construction and
+start-up times printed beside it, and the warm-up's repack lies inside the first step. Exits non-zero
+with the first difference.
 """
 import json
 import sys
 
 
-def close(name, got, want, rel=2e-4):
+def close(name, got, want, rel=2e-4, abs_tol=0.0):
     # bench_gpt prints 6 significant digits.
-    if abs(got - want) > rel * max(abs(want), 1e-12):
+    if abs(got - want) > max(rel * max(abs(want), 1e-12), abs_tol):
         sys.exit(f"check_bench_floors: {name} is {got}, expected {want}")
+
+
+def check_startup(f):
+    sb = f["startup_breakdown"]
+    parts = sb["module_s"] + sb["wrap_s"] + sb["optimizer_construction_s"]
+    # Each of the three is rounded to 6 digits on its own: allow a few units in the last place of the largest.
+    close("module_s + wrap_s + optimizer_construction_s", parts, f["construction_s"], abs_tol=3e-5 * f["construction_s"])
+    close("first_step_s", sb["first_step_s"], f["startup_s"] - f["construction_s"], abs_tol=3e-5 * f["startup_s"])
+    if min(sb["module_s"], sb["wrap_s"], sb["optimizer_construction_s"]) < 0:
+        sys.exit(f"check_bench_floors: a negative start-up part: {sb}")
+    if not 0 < sb["repack_s"] < sb["first_step_s"]:
+        sys.exit(f"check_bench_floors: the warm-up's repack ({sb['repack_s']} s) must lie inside the first step "
+                 f"({sb['first_step_s']} s)")
 
 
 def main():
@@ -41,6 +56,7 @@ def main():
     close("schedule_floor_s", fl["schedule_floor_s"], schedule)
     if schedule < floor * (1 - 2e-4):
         sys.exit(f"check_bench_floors: the schedule floor {schedule} is below the resource floor {floor}")
+    check_startup(f)
     step = f["time"]["step_s"]
     close("measured_over_floor", fl["measured_over_floor"], step / floor)
     close("measured_over_schedule_floor", fl["measured_over_schedule_floor"], step / schedule)
