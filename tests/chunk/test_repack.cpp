@@ -141,9 +141,9 @@ TEST(Repack, NewChunksStayOnTheDeviceWhereTheirValuesAreAndThereIsRoom) {
     return a;
   };
   // Where each new chunk's values are: all on the device (1), none (0) or some (-1).
-  auto sources = [&](const Built& a, const Built& b, int r, int64_t i) {
+  auto sources = [&](const Built& a, const ChunkLayout& next, int r, int64_t i) {
     int on = 0, off = 0;
-    for (int64_t j : b.layout.chunks()[i].tensors) {
+    for (int64_t j : next.chunks()[i].tensors) {
       (a.store->location(a.store->tensor_info(a.roles[r].tensors[j]).chunk) == Location::kDevice ? on : off) += 1;
     }
     return off == 0 ? 1 : on == 0 ? 0 : -1;
@@ -156,10 +156,9 @@ TEST(Repack, NewChunksStayOnTheDeviceWhereTheirValuesAreAndThereIsRoom) {
     PackOptions pack;
     pack.chunk_numel = 256;
     const ChunkLayout next = ChunkLayout::pack(kNumels, mixed, pack);
-    Built probe;  // the new layout's chunks, to classify them against the old store before it is drained
-    probe.layout = next;
+    // The new layout's chunks, classified against the old store before the repack drains it.
     for (int r = 0; r < kRoles; ++r) {
-      for (int64_t i = 0; i < next.num_chunks(); ++i) where[r].push_back(sources(a, probe, r, i));
+      for (int64_t i = 0; i < next.num_chunks(); ++i) where[r].push_back(sources(a, next, r, i));
     }
     std::set<int> kinds(where[0].begin(), where[0].end());
     ASSERT_EQ(kinds, (std::set<int>{-1, 0, 1})) << "the test needs all three kinds of new chunk";
