@@ -12,6 +12,7 @@
 #include "ferry/common/version.h"
 #include "ferry/cpu_adam/adam_options.h"
 #include "ferry/cpu_adam/cpu_adam.h"
+#include "ferry/cpu_adam/device_adam.h"
 #include "ferry/cpu_adam/hybrid_adam.h"
 #include "ferry/cpu_adam/loss_scaler.h"
 #include "ferry/chunk/chunk_store.h"

@@ -235,11 +235,9 @@ GradNorm CpuAdam::grad_norm_sq(const at::Tensor& grad, double grad_scale) const 
   return grad_norm_sq(grad.data_ptr(), grad.scalar_type(), grad.numel(), grad_scale);
 }
 
-UpdateResult CpuAdam::run_update(const AdamOptions& o, int64_t step, const AdamSpan& s,
-                                 const UpdateOptions& u) const {
-  if (!u.grads_checked && s.numel > 0) {
-    if (grad_norm_sq(s.grad, s.grad_dtype, s.numel, u.grad_scale).nonfinite) return {false, true};
-  }
+namespace {
+
+cpu_adam::AdamKernelArgs make_kernel_args(const AdamOptions& o, int64_t step, const AdamSpan& s, double grad_scale) {
   cpu_adam::AdamKernelArgs a;
   a.param = s.param;
   a.grad = s.grad;
@@ -249,7 +247,7 @@ UpdateResult CpuAdam::run_update(const AdamOptions& o, int64_t step, const AdamS
   a.grad_type = grad_type_of(s.grad_dtype);
   a.lowp_type = lowp_type_of(s.lowp_dtype);
   a.decoupled_decay = o.mode == AdamMode::kAdamW;
-  a.grad_scale = static_cast<float>(u.grad_scale);
+  a.grad_scale = static_cast<float>(grad_scale);
   a.beta1 = static_cast<float>(o.beta1);
   a.one_minus_beta1 = static_cast<float>(1.0 - o.beta1);
   a.beta2 = static_cast<float>(o.beta2);
@@ -261,6 +259,25 @@ UpdateResult CpuAdam::run_update(const AdamOptions& o, int64_t step, const AdamS
   const double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(step));
   a.step_size = static_cast<float>(o.lr / bc1);
   a.inv_bias_correction2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+  return a;
+}
+
+}  // namespace
+
+cpu_adam::AdamKernelArgs CpuAdam::kernel_args(int group, const AdamSpan& span, double grad_scale) const {
+  const Group& g = group_at(group);
+  TORCH_CHECK(g.step >= 1, "CpuAdam: kernel_args() of group ", group, " before advance_step() (step count is 0)");
+  check_span(span);
+  check_grad_scale(grad_scale);
+  return make_kernel_args(g.options, g.step, span, grad_scale);
+}
+
+UpdateResult CpuAdam::run_update(const AdamOptions& o, int64_t step, const AdamSpan& s,
+                                 const UpdateOptions& u) const {
+  if (!u.grads_checked && s.numel > 0) {
+    if (grad_norm_sq(s.grad, s.grad_dtype, s.numel, u.grad_scale).nonfinite) return {false, true};
+  }
+  const cpu_adam::AdamKernelArgs a = make_kernel_args(o, step, s, u.grad_scale);
   const cpu_adam::AdamFn fn = kernels_->adam;
   parallel_ranges(s.numel, threads_, [&](int64_t b, int64_t e, int) { fn(a, b, e); });
   return {true, false};

@@ -34,6 +34,7 @@
 namespace ferry {
 namespace cpu_adam {
 struct KernelTable;
+struct AdamKernelArgs;
 }
 
 // One contiguous range of a chunk's optimizer state. All arrays have `numel` elements.
@@ -107,6 +108,10 @@ class CpuAdam {
   // One optimizer step of `group` over all its spans, all or nothing: if any grad is non-finite,
   // nothing is written and the step count is unchanged; otherwise advance_step + update each span.
   UpdateResult step(int group, const std::vector<AdamSpan>& spans, double grad_scale = 1.0);
+
+  // The arguments update(group, span, {grad_scale}) hands its kernel, checked as update() checks them:
+  // what a kernel running elsewhere needs to give the same bits (the device update, D53).
+  cpu_adam::AdamKernelArgs kernel_args(int group, const AdamSpan& span, double grad_scale) const;
 
   GradNorm grad_norm_sq(const void* grad, at::ScalarType dtype, int64_t numel, double grad_scale = 1.0) const;
   GradNorm grad_norm_sq(const at::Tensor& grad, double grad_scale = 1.0) const;

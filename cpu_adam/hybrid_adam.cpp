@@ -1,7 +1,5 @@
 #include "ferry/cpu_adam/hybrid_adam.h"
 
-#include <ATen/ops/_fused_adam.h>
-#include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/all.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/isfinite.h>
@@ -23,6 +21,7 @@
 #include "ferry/chunk/copy_engine.h"
 #include "ferry/common/event_trace.h"
 #include "ferry/common/logging.h"
+#include "ferry/cpu_adam/device_adam.h"
 
 namespace ferry {
 namespace {
@@ -436,34 +435,23 @@ void HybridAdam::host_update_chunk_locked(int64_t c, const UpdateOptions& update
 
 void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale, const at::Tensor& found_inf) {
   trace::Span span("adam", trace::enabled() ? "device adam chunk " + std::to_string(c) : std::string());
-  at::Tensor p = state_->payload(kMasterRole, c);
-  at::Tensor m = state_->payload(kExpAvgRole, c);
-  at::Tensor v = state_->payload(kExpAvgSqRole, c);
-  at::Tensor g = grad_payload_locked(c);
-  const bool into_param = !options_.accumulate_grads;  // g is the parameter chunk: write the values there
-  // On CUDA the fused kernel would refuse a host gradient; the simulated device would not notice, so
-  // the invariant is checked here for both.
-  TORCH_CHECK(!into_param || model_.store().location(model_.param_chunk(c)) == Location::kDevice,
+  const at::Tensor p = state_->payload(kMasterRole, c);
+  const at::Tensor g = grad_payload_locked(c);
+  // On CUDA the kernel would fault on a host gradient; the simulated device would not notice, so the
+  // invariant is checked here for both.
+  TORCH_CHECK(options_.accumulate_grads || model_.store().location(model_.param_chunk(c)) == Location::kDevice,
               "ferry: HybridAdam: the device update of state chunk ", c, " found its parameter chunk (holding the "
               "gradients) on the host; it must be staged on the device first (internal error)");
-  for (const Span& s : landed_spans_locked(c)) {
-    const AdamOptions& o = cpu_adam_.options(s.group);
-    at::Tensor gs = g.slice(0, s.begin, s.end);
-    // A temporary (fp32, scaled): the landed gradients stay as they are until the values replace them.
-    if (gs.scalar_type() != at::kFloat) gs = gs.to(at::kFloat);
-    if (grad_scale != 1.0) gs = gs * grad_scale;
-    at::Tensor steps = at::full({}, static_cast<double>(cpu_adam_.step_count(s.group)), p.options());
-    std::vector<at::Tensor> ps{p.slice(0, s.begin, s.end)}, ms{m.slice(0, s.begin, s.end)},
-        vs{v.slice(0, s.begin, s.end)};
-    const std::optional<at::Tensor> skip = found_inf.defined() ? std::optional<at::Tensor>(found_inf) : std::nullopt;
-    if (o.mode == AdamMode::kAdamW) {
-      at::_fused_adamw_(ps, {gs}, ms, vs, {}, {steps}, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps,
-                        /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, skip);
-    } else {
-      at::_fused_adam_(ps, {gs}, ms, vs, {}, {steps}, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps,
-                       /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, skip);
+  // The spans the host update would get (adam_spans): in the default mode the new bf16/fp16 value is
+  // written over the gradient in the same pass; an fp32 compute copy is the master, copied after.
+  for (const auto& [group, s] : adam_spans(landed_spans_locked(c), p.data_ptr<float>(),
+                                           state_->payload(kExpAvgRole, c).data_ptr<float>(),
+                                           state_->payload(kExpAvgSqRole, c).data_ptr<float>(), g)) {
+    device_adam_update(cpu_adam_, group, s, grad_scale, p.device(), found_inf);
+    if (!options_.accumulate_grads && !s.param_lowp) {
+      const int64_t begin = s.param - p.data_ptr<float>();
+      g.slice(0, begin, begin + s.numel).copy_(p.slice(0, begin, begin + s.numel));
     }
-    if (into_param) g.slice(0, s.begin, s.end).copy_(ps[0]);
   }
 }
 

@@ -17,7 +17,9 @@
 //   lowp = round_to_nearest_even(p)         when a low-precision copy is requested
 //
 // Included inside an anonymous namespace of each kernel file (internal linkage, see kernel_abi.h); uses
-// compiler builtins instead of std:: inline functions for the same reason.
+// compiler builtins instead of std:: inline functions for the same reason. The CUDA kernel
+// (adam_cuda.cu) runs the same `AdamLoop::one` per element with IEEE round-to-nearest intrinsics, so a
+// chunk updated on the GPU gets the bits the CPU kernels give it (D53).
 
 template <ferry::cpu_adam::GradType G>
 struct GradElem {
@@ -29,7 +31,7 @@ struct GradElem<ferry::cpu_adam::GradType::kF32> {
 };
 
 template <class Ops, ferry::cpu_adam::GradType G>
-inline typename Ops::F load_grad(const void* base, int64_t i) {
+FERRY_HD inline typename Ops::F load_grad(const void* base, int64_t i) {
   using ferry::cpu_adam::GradType;
   if constexpr (G == GradType::kF32) {
     return Ops::load(static_cast<const float*>(base) + i);
@@ -41,7 +43,7 @@ inline typename Ops::F load_grad(const void* base, int64_t i) {
 }
 
 template <class Ops, ferry::cpu_adam::LowpType L>
-inline void store_lowp(void* base, int64_t i, typename Ops::F p) {
+FERRY_HD inline void store_lowp(void* base, int64_t i, typename Ops::F p) {
   using ferry::cpu_adam::LowpType;
   if constexpr (L == LowpType::kBf16) {
     Ops::store_bf16(static_cast<uint16_t*>(base) + i, p);
@@ -60,8 +62,8 @@ struct AdamLoop {
         neg_step_size, inv_bc2_sqrt;
   };
 
-  static inline void one(const Consts& c, float* p_ptr, const void* g_base, int64_t gi, float* m_ptr, float* v_ptr,
-                         void* lp_base, int64_t li) {
+  FERRY_HD static inline void one(const Consts& c, float* p_ptr, const void* g_base, int64_t gi, float* m_ptr,
+                                  float* v_ptr, void* lp_base, int64_t li) {
     F g = Ops::mul(load_grad<Ops, G>(g_base, gi), c.grad_scale);
     F p = Ops::load(p_ptr);
     if constexpr (kDecay && !kDecoupled) g = Ops::fma(c.weight_decay, p, g);
@@ -76,11 +78,15 @@ struct AdamLoop {
     store_lowp<Ops, L>(lp_base, li, p);
   }
 
+  static Consts consts(const ferry::cpu_adam::AdamKernelArgs& a) {
+    return Consts{Ops::set1(a.grad_scale),   Ops::set1(a.beta1),        Ops::set1(a.one_minus_beta1),
+                  Ops::set1(a.beta2),        Ops::set1(a.one_minus_beta2), Ops::set1(a.eps),
+                  Ops::set1(a.weight_decay), Ops::set1(a.decay_factor), Ops::set1(-a.step_size),
+                  Ops::set1(a.inv_bias_correction2_sqrt)};
+  }
+
   static void run(const ferry::cpu_adam::AdamKernelArgs& a, int64_t begin, int64_t end) {
-    const Consts c{Ops::set1(a.grad_scale),   Ops::set1(a.beta1),        Ops::set1(a.one_minus_beta1),
-                   Ops::set1(a.beta2),        Ops::set1(a.one_minus_beta2), Ops::set1(a.eps),
-                   Ops::set1(a.weight_decay), Ops::set1(a.decay_factor), Ops::set1(-a.step_size),
-                   Ops::set1(a.inv_bias_correction2_sqrt)};
+    const Consts c = consts(a);
     int64_t i = begin;
     for (; i + W <= end; i += W) {
       one(c, a.param + i, a.grad, i, a.exp_avg + i, a.exp_avg_sq + i, a.param_lowp, i);

@@ -1,33 +1,44 @@
 #pragma once
 // Scalar fp32 <-> bf16 / fp16 conversions, bit-exact with the SIMD paths of the kernels:
-// round-to-nearest-even, subnormals kept, NaN stays a quiet NaN of the same sign.
+// round-to-nearest-even, subnormals kept, NaN stays a quiet NaN of the same sign. Also compiled for
+// the GPU (FERRY_HD), where they give the same bits.
 // Internal linkage on purpose (see kernel_abi.h).
 #include <cstdint>
 #include <cstring>
 
+#include "ferry/cpu_adam/kernels/host_device.h"
+
 namespace ferry::cpu_adam {
 namespace {
 
-inline uint32_t f32_bits(float f) {
+FERRY_HD inline uint32_t f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
   uint32_t x;
   std::memcpy(&x, &f, 4);
   return x;
+#endif
 }
-inline float bits_f32(uint32_t x) {
+FERRY_HD inline float bits_f32(uint32_t x) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(x);
+#else
   float f;
   std::memcpy(&f, &x, 4);
   return f;
+#endif
 }
 
-inline float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
+FERRY_HD inline float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
 
-inline uint16_t f32_to_bf16(float f) {
+FERRY_HD inline uint16_t f32_to_bf16(float f) {
   const uint32_t x = f32_bits(f);
   if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // NaN -> quiet
   return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
-inline float f16_to_f32(uint16_t h) {
+FERRY_HD inline float f16_to_f32(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   const uint32_t mant = h & 0x3ffu;
@@ -39,7 +50,7 @@ inline float f16_to_f32(uint16_t h) {
   return bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
 }
 
-inline uint16_t f32_to_f16(float f) {
+FERRY_HD inline uint16_t f32_to_f16(float f) {
   uint32_t x = f32_bits(f);
   const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
   x &= 0x7fffffffu;

@@ -6,7 +6,8 @@
 // the host Adam on the worker, the updated chunks coming back, fused Adam on the device-resident state.
 //  - backward_step(loss) (the per-chunk pipeline) leaves masters, moments and parameters bit-identical
 //    to model.backward(loss) + step(), also with global-norm clipping (the two-phase path);
-//  - ten fp32 steps follow the unwrapped model trained by torch::optim::AdamW on the same GPU.
+//  - ten fp32 steps follow the unwrapped model trained by torch::optim::AdamW on the same GPU;
+//  - state on the device and state on the host get the same bits (D53).
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -163,6 +164,33 @@ TEST_P(HybridAdamOnDevice, TenFp32StepsFollowTorchAdamWOnTheSameDevice) {
   std::cout << "[ measured ] largest relative difference ferry vs torch AdamW after 10 steps: " << worst << " ("
             << worst_name << ")\n";
   EXPECT_LT(worst, 1e-4) << worst_name;
+}
+
+// D53: the update of a chunk is the same function wherever its state lives, so the placement (a memory
+// decision) changes no bit. All state on the device against all on the host, no clipping (with
+// clipping the two norms are reduced by different code, so their last bits may differ); on CUDA this
+// is the GPU kernel against the CPU kernel.
+TEST_P(HybridAdamOnDevice, StateOnTheDeviceAndOnTheHostGiveTheSameBits) {
+  const DeviceKind device = GetParam();
+  torch::manual_seed(13);
+  Lm a_net(kVocab, kDim, kLayers);
+  torch::manual_seed(13);
+  Lm b_net(kVocab, kDim, kLayers);
+  Config config = device_config(device, Precision::kBf16);
+  config.device_budget_bytes = 0;  // no limit: the placement below is the only difference
+  ChunkedModel a(a_net.ptr(), config), b(b_net.ptr(), config);
+  const int64_t chunks = a.layout().num_chunks();
+  HybridAdam a_adam(a, options(0.0).with_device_state_chunks(chunks));
+  HybridAdam b_adam(b, options(0.0).with_device_state_chunks(0));
+  for (int step = 0; step < 4; ++step) {
+    const Batch x = batch(step, device);
+    const StepResult ra = a_adam.backward_step(a.forward([&] { return a_net->loss(x.idx, x.target); }));
+    const StepResult rb = b_adam.backward_step(b.forward([&] { return b_net->loss(x.idx, x.target); }));
+    ASSERT_TRUE(ra.applied && rb.applied) << "step " << step;
+    EXPECT_EQ(ra.device_chunks, chunks) << "step " << step;
+    EXPECT_EQ(rb.host_chunks, chunks) << "step " << step;
+    ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, "step " + std::to_string(step)));
+  }
 }
 
 #ifdef FERRY_TEST_ON_CUDA

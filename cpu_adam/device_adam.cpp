@@ -1,0 +1,40 @@
+#include "ferry/cpu_adam/device_adam.h"
+
+#include <c10/util/Exception.h>
+
+#include "ferry/cpu_adam/kernels/kernel_abi.h"
+
+#ifdef FERRY_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "ferry/cpu_adam/kernels/adam_cuda.h"
+#endif
+
+namespace ferry {
+
+void device_adam_update(CpuAdam& adam, int group, const AdamSpan& span, double grad_scale, c10::Device device,
+                        const at::Tensor& found_inf) {
+  TORCH_CHECK(!found_inf.defined() || (found_inf.numel() == 1 && found_inf.scalar_type() == at::kFloat &&
+                                       found_inf.device() == device),
+              "ferry: device Adam: expected found_inf as one Float on ", device, ", got ", found_inf.toString(),
+              " with ", found_inf.numel(), " elements on ", found_inf.device());
+  if (device.is_cuda()) {
+#ifdef FERRY_WITH_CUDA
+    const cpu_adam::AdamKernelArgs args = adam.kernel_args(group, span, grad_scale);
+    const c10::cuda::CUDAGuard guard(device);  // the launch goes to the current device
+    const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
+    const char* error = cpu_adam::launch_adam_cuda(args, span.numel, found_inf.defined() ? found_inf.data_ptr<float>()
+                                                                                         : nullptr,
+                                                   static_cast<void*>(stream.stream()));
+    TORCH_CHECK(error == nullptr, "ferry: device Adam: the CUDA launch failed: ", error ? error : "");
+    return;
+#else
+    TORCH_CHECK(false, "ferry: device Adam: state on ", device, " but ferry was built without CUDA");
+#endif
+  }
+  if (found_inf.defined() && found_inf.item<float>() != 0.0f) return;
+  adam.update(group, span, UpdateOptions{grad_scale, /*grads_checked=*/true});
+}
+
+}  // namespace ferry

@@ -1,0 +1,28 @@
+#pragma once
+// The Adam/AdamW update of optimizer state that lives on the device (D53).
+//
+// It runs the per-element function of CpuAdam's kernels (kernels/adam_body.h): on CUDA compiled by nvcc
+// (kernels/adam_cuda.cu) with round-to-nearest intrinsics, on the simulated device as CpuAdam's own
+// kernel. So a chunk's update gives the same bits whether its state is on the host or on the device,
+// and it is one pass of 28 B per parameter with bf16 gradients: the gradient scaled in the pass, the
+// bf16 value written over the gradient it replaces (`span.param_lowp`), no temporaries.
+//
+// Contract
+//  - `span` is as for CpuAdam::update, with every array on `device`, and its gradients finite (the
+//    caller checked them, or `found_inf` does).
+//  - CUDA: one kernel on the current stream of the current device (which must be `device`); nothing
+//    waits. `found_inf`: undefined, or a one-element float tensor on the device; nonzero there means the
+//    kernel writes nothing, and the host never reads it.
+//  - Simulated device (CPU tensors): CpuAdam's kernel on the calling thread; `found_inf` read here.
+//  - Uses the group's options and step count (advance_step first), as CpuAdam::update does.
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include "ferry/cpu_adam/cpu_adam.h"
+
+namespace ferry {
+
+void device_adam_update(CpuAdam& adam, int group, const AdamSpan& span, double grad_scale, c10::Device device,
+                        const at::Tensor& found_inf = {});
+
+}  // namespace ferry

@@ -1,0 +1,17 @@
+#pragma once
+// The CUDA launch of the Adam/AdamW update (adam_cuda.cu): AdamLoop::one of adam_body.h per element,
+// with IEEE round-to-nearest intrinsics and no contraction, so its results are bit-identical to the
+// CPU kernels' (D53). No torch or CUDA headers here: the caller passes its stream as a pointer.
+#include <cstdint>
+
+#include "ferry/cpu_adam/kernels/kernel_abi.h"
+
+namespace ferry::cpu_adam {
+
+// Queues the update of elements [0, n) of `args` (device pointers) on `stream` (a cudaStream_t of the
+// current device) and returns without waiting. `found_inf`: null, or a device float; when it holds a
+// nonzero value the kernel writes nothing (the host never reads it). Returns null, or the text of the
+// CUDA error the launch raised.
+const char* launch_adam_cuda(const AdamKernelArgs& args, int64_t n, const float* found_inf, void* stream);
+
+}  // namespace ferry::cpu_adam
