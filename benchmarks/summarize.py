@@ -31,6 +31,25 @@ def cpu_adam_table(doc, path):
     return "\n".join(lines)
 
 
+def device_adam_table(doc, path):
+    env = doc["env"]
+    lines = [
+        f"`{path}` — commit `{doc['commit']}`, device {doc['device']} ({env['gpu_name'] or 'no GPU'}), "
+        f"torch {env['torch']}, {doc['declared_bytes_per_param']:g} B/param declared",
+        "",
+        "| N | roof GB/s | floor ms | ferry ms | ferry GB/s | ferry/floor | torch fused ms | torch/floor | "
+        "ferry speed-up |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["results"]:
+        f, t = r["ferry"], r["torch_fused"]
+        lines.append(
+            f"| {r['n'] / (1 << 20):g}M | {r['roof_gb_per_s']:.0f} | {r['floor_s'] * 1e3:.2f} | "
+            f"{f['median_s'] * 1e3:.2f} | {f['gb_per_s']:.0f} | {f['over_floor']:.2f} | {t['median_s'] * 1e3:.2f} | "
+            f"{t['over_floor']:.2f} | {r['ferry_vs_torch_fused']:.2f}x |")
+    return "\n".join(lines)
+
+
 def chunk_move_table(doc, path):
     env = doc["env"]
     lines = [
@@ -297,7 +316,7 @@ def scaling_plot(docs, out):
     return out
 
 
-TABLES = {"cpu_adam": cpu_adam_table, "chunk_move": chunk_move_table, "gpt": gpt_table, "gpt_peer": peer_table}
+TABLES = {"cpu_adam": cpu_adam_table, "device_adam": device_adam_table, "chunk_move": chunk_move_table, "gpt": gpt_table, "gpt_peer": peer_table}
 PLOTS = {"gpt": gpt_plots}
 
 
