@@ -1,6 +1,7 @@
 #pragma once
 // HybridAdam: Adam/AdamW over a ChunkedModel's parameters with the optimizer state in chunks, each
-// chunk updated where it lives — on the device (torch's fused Adam) or on the host (CpuAdam).
+// chunk updated where it lives — on the device (device_adam_update) or on the host (CpuAdam), by the
+// same per-element function, so with the same bits (D53).
 //
 //   ferry::ChunkedModel model(net, config);
 //   ferry::HybridAdam adam(model);   // as torch::optim::AdamW(params): lr 1e-3, weight decay 1e-2 on all
@@ -84,7 +85,7 @@
 //    gradient first, runs the host Adam, writing the new compute-dtype values over the gradients. The
 //    chunk stays on the host until the next forward brings it back (prefetched from the trace).
 //  - device state: its parameter chunk is brought to the device if evicted (no host stall), its
-//    norm is reduced on the device (no host sync) and the fused Adam runs on the compute stream, told
+//    norm is reduced on the device (no host sync) and the device Adam runs on the compute stream, told
 //    to skip by a device flag if the chunk's gradients are not finite.
 // The jobs are awaited when backward ends (before the model may repack). Then one host sync reads every
 // device norm, chunks that did not become final run as step() runs them, and the result is reported.
@@ -479,7 +480,7 @@ class HybridAdam final : private GradSink, private LayoutListener {
   ChunkNorms grad_norms_locked(bool pipelined = false);
   std::vector<std::pair<int, AdamSpan>> host_spans_locked(int64_t chunk);  // (group, span) per span
   void host_update_chunk_locked(int64_t chunk, const UpdateOptions& options);
-  // `found_inf` (a device flag, optional): the fused kernel skips the update when it is 1.
+  // `found_inf` (a device flag, optional): the device Adam writes nothing when it is nonzero.
   void device_update_chunk_locked(int64_t chunk, double grad_scale, const at::Tensor& found_inf = {});
   void launch_overlapped_locked(int64_t chunk);  // queues chunk's host spans on CpuAdam's async queue
 

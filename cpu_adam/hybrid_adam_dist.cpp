@@ -438,7 +438,7 @@ StepResult HybridAdam::finish_dist_pipelined_locked() {
     flights_.clear();
     std::rethrow_exception(error);
   }
-  // Device-state owned chunks: their sums, then the fused Adam (skipped by a device flag if not finite).
+  // Device-state owned chunks: their sums, then the device Adam (skipped by a device flag if not finite).
   ChunkNorms norms;
   norms.sum_sq.assign(n, 0.0);
   norms.finite.assign(n, 1);
