@@ -16,7 +16,10 @@
 //  - Step counts are per parameter group: advance_step(g) once per optimizer step, before that step's
 //    update()s of group g; the bias corrections use the count at the time update() is called.
 //  - Not thread-safe: call from one thread. update_async() runs updates one at a time, in submission
-//    order, on a oneTBB arena owned by this object; the destructor waits for them.
+//    order, on a oneTBB arena owned by this object; the destructor waits for them. The exception:
+//    update(), kernel_args() and grad_norm_sq() only read the object (options, step counts), so they may
+//    run on several threads at once (HybridAdam: the worker's host jobs beside autograd's thread's
+//    device updates on the simulated device) while nothing changes those.
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
