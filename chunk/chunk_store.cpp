@@ -779,6 +779,7 @@ void ChunkStore::reset_peak_stats() {
 
 const char* ChunkStore::engine_name() const { return engine_->name(); }
 c10::Device ChunkStore::device() const { return engine_->device(); }
+std::unique_ptr<StreamMark> ChunkStore::make_mark() const { return engine_->make_mark(); }
 const char* ChunkStore::policy_name() const { return policy_->name(); }
 
 }  // namespace ferry

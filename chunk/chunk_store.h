@@ -248,6 +248,8 @@ class ChunkStore {
   void reset_peak_stats();
   const char* engine_name() const;
   c10::Device device() const;
+  // A mark on the engine's device clock (CopyEngine::make_mark).
+  std::unique_ptr<StreamMark> make_mark() const;
   const char* policy_name() const;
   // Whether host payloads are page-locked: requested by ChunkStoreOptions::pin_host_memory, and done
   // only where the engine's device is CUDA (the simulated device pins nothing).

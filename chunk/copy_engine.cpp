@@ -3,6 +3,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
+#include "ferry/common/event_trace.h"
 #include "ferry/common/gpu_info.h"
 
 namespace ferry {
@@ -13,6 +14,22 @@ class DoneTicket final : public CopyTicket {
   bool done() override { return true; }
   void wait() override {}
   void order_before_compute() override {}
+};
+
+// The host clock: the device's where work is done when the call that queued it returns.
+class HostClockMark final : public StreamMark {
+ public:
+  void record() override { ns_ = trace::now_ns(); }
+  bool recorded() const override { return ns_ >= 0; }
+  double seconds_since(const StreamMark& earlier) const override {
+    const auto* e = dynamic_cast<const HostClockMark*>(&earlier);
+    TORCH_CHECK(e != nullptr, "ferry: StreamMark::seconds_since: the earlier mark is of another device's kind");
+    TORCH_CHECK(recorded() && e->recorded(), "ferry: StreamMark::seconds_since: both marks must be recorded first");
+    return static_cast<double>(ns_ - e->ns_) * 1e-9;
+  }
+
+ private:
+  int64_t ns_ = -1;
 };
 
 class SimulatedCopyEngine final : public CopyEngine {
@@ -29,6 +46,8 @@ class SimulatedCopyEngine final : public CopyEngine {
 };
 
 }  // namespace
+
+std::unique_ptr<StreamMark> CopyEngine::make_mark() const { return std::make_unique<HostClockMark>(); }
 
 std::unique_ptr<CopyEngine> make_simulated_copy_engine() { return std::make_unique<SimulatedCopyEngine>(); }
 

@@ -44,6 +44,24 @@ class CopyTicket {
   std::string trace_name;
 };
 
+// A point in the work queued on the caller's current stream, timed by the device's own clock, so that
+// a phase is timed where it runs rather than where the host queued it (a CUDA call returns long before
+// its kernels finish: a host clock gives the GPU's backward to whatever the host waits on next).
+//  - CUDA: an event with timing, recorded on the current stream; its time is when the GPU reaches it.
+//  - Default (the simulated and test engines): the host clock at record(), which is the device's, as
+//    their work is done when the call that queued it returns.
+// Marks are independent of the engine that made them (they may outlive it); not thread-safe.
+class StreamMark {
+ public:
+  virtual ~StreamMark() = default;
+  // (Re)records the point: after the work queued so far on the caller's current stream.
+  virtual void record() = 0;
+  virtual bool recorded() const = 0;
+  // Seconds on the device's clock from `earlier`'s point to this one. Both recorded, made by engines of
+  // the same kind (and device). Blocks the calling host thread until the work before both points has run.
+  virtual double seconds_since(const StreamMark& earlier) const = 0;
+};
+
 class CopyEngine {
  public:
   virtual ~CopyEngine() = default;
@@ -57,6 +75,8 @@ class CopyEngine {
   // Copies src into dst (same dtype and numel, one on each tier, both contiguous); see the file comment
   // for the ordering guarantees.
   virtual std::unique_ptr<CopyTicket> copy(const at::Tensor& dst, const at::Tensor& src) = 0;
+  // An unrecorded mark on this engine's device (see StreamMark); the default reads the host clock.
+  virtual std::unique_ptr<StreamMark> make_mark() const;
 };
 
 // kSimulated -> the simulated engine; kCuda -> the CUDA engine on the current CUDA device (fails

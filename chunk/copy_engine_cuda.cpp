@@ -28,6 +28,32 @@ class CudaTicket final : public CopyTicket {
   c10::DeviceIndex device_;
 };
 
+// A timing event on the current stream (StreamMark); cudaEventElapsedTime resolves about 0.5 us.
+class CudaMark final : public StreamMark {
+ public:
+  explicit CudaMark(c10::DeviceIndex device) : device_(device), event_(cudaEventDefault) {}
+  void record() override {
+    event_.record(c10::cuda::getCurrentCUDAStream(device_));
+    recorded_ = true;
+  }
+  bool recorded() const override { return recorded_; }
+  double seconds_since(const StreamMark& earlier) const override {
+    const auto* e = dynamic_cast<const CudaMark*>(&earlier);
+    TORCH_CHECK(e != nullptr, "ferry: StreamMark::seconds_since: the earlier mark is of another device's kind");
+    TORCH_CHECK(recorded_ && e->recorded_, "ferry: StreamMark::seconds_since: both marks must be recorded first");
+    TORCH_CHECK(e->device_ == device_, "ferry: StreamMark::seconds_since: marks on cuda:", int(e->device_),
+                " and cuda:", int(device_));
+    e->event_.synchronize();
+    event_.synchronize();
+    return static_cast<double>(e->event_.elapsed_time(event_)) * 1e-3;
+  }
+
+ private:
+  c10::DeviceIndex device_;
+  at::cuda::CUDAEvent event_;  // with timing (the default CUDAEvent has none)
+  bool recorded_ = false;
+};
+
 // CUDA's lazy initialisation (the caching allocator's per-device state among it) runs on the first
 // CUDA tensor op; a ChunkStore may allocate device memory through the caching allocator before any op
 // ran ("Allocator not initialized for device", an internal assert, seen on an H100). So the engine,
@@ -67,6 +93,8 @@ class CudaCopyEngine final : public CopyEngine {
     ticket->event().record(copy_stream_);
     return ticket;
   }
+
+  std::unique_ptr<StreamMark> make_mark() const override { return std::make_unique<CudaMark>(device_); }
 
  private:
   c10::DeviceIndex device_;

@@ -93,6 +93,7 @@ ChunkedModel::ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Conf
   grad_in_slot_.assign(params_.size(), 0);
   policy_ = std::make_shared<OptEvictionPolicy>();
   build({});
+  for (auto& mark : marks_) mark = store_->make_mark();  // the device never changes (a repack keeps it)
   const c10::Device device = store_->device();
   for (auto& b : module_->buffers(/*recurse=*/true)) {
     if (b.defined() && b.device() != device) b.set_data(b.to(device));
@@ -369,9 +370,24 @@ void ChunkedModel::begin_forward() {
   transition(ModelPhase::kForward);
   scheduler_->begin_iteration();
   in_iteration_ = true;
+  forward_marked_ = backward_marked_ = false;
+  marks_[kForwardBegin]->record();
 }
 
-void ChunkedModel::end_forward() { transition(ModelPhase::kForwardDone); }
+void ChunkedModel::end_forward() {
+  transition(ModelPhase::kForwardDone);
+  marks_[kForwardEnd]->record();
+  forward_marked_ = true;
+}
+
+PhaseSeconds ChunkedModel::last_phase_seconds() const {
+  TORCH_CHECK(phase_.load() == ModelPhase::kIdle, "ferry: last_phase_seconds() between iterations only, not in ",
+              to_string(phase_.load()), " (after an evaluation forward, call end_iteration() first)");
+  PhaseSeconds s;
+  if (forward_marked_) s.forward = marks_[kForwardEnd]->seconds_since(*marks_[kForwardBegin]);
+  if (backward_marked_) s.backward = marks_[kBackwardEnd]->seconds_since(*marks_[kBackwardBegin]);
+  return s;
+}
 
 void ChunkedModel::backward(const at::Tensor& loss) {
   TORCH_CHECK(loss.defined() && loss.numel() == 1, "ferry: backward() needs a defined scalar loss, got ",
@@ -379,6 +395,7 @@ void ChunkedModel::backward(const at::Tensor& loss) {
   transition(ModelPhase::kBackward);
   scheduler_->begin_backward();
   trace::Span span("model", "backward");
+  marks_[kBackwardBegin]->record();
   try {
     InterceptionScope scope;
     if (loss_scale_ == 1.0) {
@@ -386,6 +403,8 @@ void ChunkedModel::backward(const at::Tensor& loss) {
     } else {
       loss.backward(at::full_like(loss, loss_scale_));
     }
+    // Autograd has queued its last kernel (and synchronised its streams with this one).
+    marks_[kBackwardEnd]->record();
   } catch (...) {
     if (grad_sink_) {
       try {
@@ -405,6 +424,7 @@ void ChunkedModel::backward(const at::Tensor& loss) {
       throw;
     }
   }
+  backward_marked_ = true;
   transition(ModelPhase::kIdle);
   finish_iteration(false);
 }

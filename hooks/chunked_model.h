@@ -27,6 +27,7 @@
 //  - Not for concurrent forward() calls on one ChunkedModel.
 #include <torch/nn/module.h>
 
+#include <array>
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -100,6 +101,13 @@ class LayoutListener {
  public:
   virtual ~LayoutListener() = default;
   virtual void layout_changed() = 0;
+};
+
+// The last iteration's phases on the device's own clock (ChunkedModel::last_phase_seconds); -1: the
+// phase did not run to its end.
+struct PhaseSeconds {
+  double forward = -1;
+  double backward = -1;
 };
 
 // Where a ChunkedModel is in its iteration; changed only by ChunkedModel::transition().
@@ -225,6 +233,13 @@ class ChunkedModel final : private UseListener {
   // (reports; 0 before the first).
   double last_repack_seconds() const { return repack_seconds_; }
   IterationStats last_iteration() const { return scheduler_->last_iteration(); }
+  // The last finished iteration's forward() and backward() as the device ran them (CopyEngine's
+  // StreamMark): each from when the device reached the phase's first work to when it finished the
+  // last work the phase queued on the caller's stream; backward's includes what the gradient sink
+  // queued there during it (HybridAdam's per-chunk device updates), not its host work after it. On a
+  // GPU the host's clock cannot split a step this way: backward() returns while its kernels still run.
+  // Between iterations; blocks until that work has run (cheap after a synchronisation).
+  PhaseSeconds last_phase_seconds() const;
   ModelPhase phase() const { return phase_.load(); }
 
  private:
@@ -274,6 +289,10 @@ class ChunkedModel final : private UseListener {
   std::vector<ChunkId> chunk_of_param_;
   std::vector<const c10::StorageImpl*> registered_;
   std::atomic<ModelPhase> phase_{ModelPhase::kIdle};
+  // last_phase_seconds(): forward begin/end, backward begin/end, and which pairs this iteration closed.
+  enum PhaseMark { kForwardBegin, kForwardEnd, kBackwardBegin, kBackwardEnd, kPhaseMarks };
+  std::array<std::unique_ptr<StreamMark>, kPhaseMarks> marks_;
+  bool forward_marked_ = false, backward_marked_ = false;
   bool in_iteration_ = false;
   bool materialized_ = false;
 };

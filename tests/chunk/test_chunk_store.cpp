@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <string>
+#include <thread>
 
 #include "deferred_copy_engine.h"
 #include "test_util.h"
@@ -513,6 +515,25 @@ TEST(ChunkStore, AccessWaitsForInFlightCopiesBeforeGivingUp) {
   for (int i = 0; i < 3; ++i) {
     EXPECT_TRUE(torch::equal(store.view(t[i]), torch::full({256}, static_cast<float>(i + 1)))) << i;
   }
+}
+
+TEST(StreamMark, TheSimulatedDeviceClockIsTheHostClock) {
+  ChunkStore store(simulated());
+  auto begin = store.make_mark();
+  auto end = store.make_mark();
+  EXPECT_FALSE(begin->recorded());
+  EXPECT_ERROR_HAS(end->seconds_since(*begin), "both marks must be recorded first");
+  const auto t0 = std::chrono::steady_clock::now();
+  begin->record();
+  std::this_thread::sleep_for(std::chrono::milliseconds(15));
+  end->record();
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_TRUE(begin->recorded());
+  EXPECT_GE(end->seconds_since(*begin), 0.015);
+  EXPECT_LE(end->seconds_since(*begin), wall);
+  EXPECT_LE(begin->seconds_since(*end), -0.015) << "signed: from the argument's point to this one";
+  begin->record();  // re-recorded: the new point counts
+  EXPECT_GE(begin->seconds_since(*end), 0.0);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cmath>
 #include <iostream>
 
@@ -12,6 +13,7 @@
 
 #ifdef FERRY_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/Sleep.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -129,6 +131,30 @@ TEST(ChunkStoreGpu, CopyOverlapsComputeKernel) {
   EXPECT_GT(compute_ms, 0.5f * copy_ms) << "the kernel sequence must be about as long as the copy";
   // Overlapped, both take about max(copy, compute) ~ (copy + compute) / 2; serialised, their sum.
   EXPECT_LT(both_ms, 0.85f * (copy_ms + compute_ms)) << "the copy did not overlap the kernels";
+}
+// A mark is timed when the GPU reaches it, not when the host queued it: a kernel that spins ~50 ms
+// is queued in microseconds, and the marks around it are ~50 ms apart.
+TEST(ChunkStoreGpu, StreamMarksTimeTheDeviceNotTheHost) {
+  FERRY_REQUIRE_GPU();
+  ChunkStore store(cuda_options());
+  auto begin = store.make_mark();
+  auto end = store.make_mark();
+  torch::cuda::synchronize();
+  const auto t0 = std::chrono::steady_clock::now();
+  begin->record();
+  at::cuda::sleep(int64_t{100} * 1000 * 1000);  // 1e8 cycles: 50 ms at 2 GHz, more at lower clocks
+  end->record();
+  const double queued = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double device = end->seconds_since(*begin);  // waits for the kernel
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  RecordProperty("queued_ms", std::to_string(queued * 1e3));
+  RecordProperty("device_ms", std::to_string(device * 1e3));
+  EXPECT_GE(device, 0.025) << "1e8 cycles take at least 25 ms below 4 GHz";
+  EXPECT_LE(device, wall);
+  EXPECT_LT(queued, 0.5 * device) << "queueing the kernel took as long as running it: is the launch blocking?";
+  const auto host_mark = make_simulated_copy_engine()->make_mark();
+  host_mark->record();
+  EXPECT_THROW(end->seconds_since(*host_mark), c10::Error) << "marks of two kinds of device";
 }
 #else
 TEST(ChunkStoreGpu, NeedsACudaBuild) { GTEST_SKIP() << "ferry was built without CUDA"; }

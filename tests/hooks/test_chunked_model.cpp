@@ -11,7 +11,9 @@
 #include <fstream>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <functional>
+#include <thread>
 
 #include "ferry/chunk/out_of_memory.h"
 #include "ferry/hooks/chunked_model.h"
@@ -630,6 +632,61 @@ TEST(ChunkedModel, SimulatedDeviceCountsActivationsWhenAsked) {
       EXPECT_LE(peak, 256 << 20);
     }
   }
+}
+
+// Identity whose backward takes at least 60 ms, or throws.
+struct SlowBackward : torch::autograd::Function<SlowBackward> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, bool fail) {
+    ctx->saved_data["fail"] = fail;
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    if (ctx->saved_data["fail"].toBool()) throw std::runtime_error("injected backward failure");
+    std::this_thread::sleep_for(std::chrono::milliseconds(60));
+    return {grads[0], torch::Tensor()};
+  }
+};
+
+TEST(ChunkedModel, PhaseSecondsTimeEachPhaseWithinItsCall) {
+  using Clock = std::chrono::steady_clock;
+  const auto since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+  torch::manual_seed(4);
+  TwoLayer net;
+  ChunkedModel model(net.ptr(), tiny_config(64 << 10, 0));
+  EXPECT_EQ(model.last_phase_seconds().forward, -1) << "no iteration yet";
+  const auto x = torch::randn({16, 128});
+  auto forward = [&](bool fail) {
+    return model.forward([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      return SlowBackward::apply(net->forward(x), fail);
+    });
+  };
+  for (int it = 0; it < 2; ++it) {  // the first iteration traces and repacks; the second follows the trace
+    auto t0 = Clock::now();
+    at::Tensor loss = forward(false);
+    const double forward_wall = since(t0);
+    t0 = Clock::now();
+    model.backward(loss);
+    const double backward_wall = since(t0);
+    const PhaseSeconds s = model.last_phase_seconds();
+    EXPECT_GE(s.forward, 0.020) << "iteration " << it;
+    EXPECT_LE(s.forward, forward_wall) << "iteration " << it;
+    EXPECT_GE(s.backward, 0.060) << "iteration " << it;
+    EXPECT_LE(s.backward, backward_wall) << "iteration " << it;
+  }
+  // Evaluation: no backward; asked inside the iteration, refused.
+  forward(false);
+  EXPECT_THROW(model.last_phase_seconds(), c10::Error);
+  model.end_iteration();
+  PhaseSeconds s = model.last_phase_seconds();
+  EXPECT_GE(s.forward, 0.020);
+  EXPECT_EQ(s.backward, -1) << "an evaluation forward has no backward";
+  // A backward that throws did not run to its end.
+  EXPECT_ANY_THROW(model.backward(forward(true)));
+  s = model.last_phase_seconds();
+  EXPECT_GE(s.forward, 0.020);
+  EXPECT_EQ(s.backward, -1) << "an aborted backward";
 }
 
 }  // namespace
