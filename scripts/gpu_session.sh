@@ -2,7 +2,7 @@
 # Everything one device call does, inside the call's time limit (the device tool's `run`):
 #   scripts/gpu_session.sh STAGES_FILE
 # 1. scripts/gpu_check.sh (build into build-gpu/, the `gpu`-labelled tests; the whole suite too unless
-#    FERRY_GPU_TESTS_ONLY=1; FERRY_SKIP_BUILD=1 skips this step on a warm machine);
+#    FERRY_GPU_TESTS_ONLY=1; FERRY_SKIP_BUILD=1 skips this step: a warm machine, or Python-only stages);
 # 2. each line of STAGES_FILE, "NAME SECONDS COMMAND...", run by bash under `timeout SECONDS` (cut to
 #    what is left of the call's deadline, FERRY_DEADLINE seconds, default 570), stdout to NAME.out and
 #    stderr to NAME.log; blank lines and lines starting with '#' are skipped;
