@@ -236,8 +236,14 @@ def trace_breakdown(path):
     def overlap(iv, windows):
         return sum(max(0.0, min(b, wb) - max(a, wa)) for a, b in iv for wa, wb in windows) / 1000.0
     backward = spans(lambda e: e["cat"] == "model" and e["name"] == "backward")
-    rows = [("forward", total(spans(lambda e: e["cat"] == "model" and e["name"] == "forward")), ""),
-            ("backward", total(backward), "")]
+    rows = [("forward", total(spans(lambda e: e["cat"] == "model" and e["name"] == "forward")), "host"),
+            ("backward", total(backward), "host: the backward() call")]
+    for name in ("forward", "backward"):  # ChunkedModel::trace_last_phases: as the device ran them
+        iv = spans(lambda e, n=name: e["cat"] == "device" and e["name"] == n)
+        if iv:
+            late = max(b for _, b in iv) - max(b for _, b in backward) if name == "backward" and backward else 0.0
+            rows.append((f"{name} on the device", total(iv),
+                         f"ends {late / 1000.0:+.3f} ms from the end of the host's call" if name == "backward" else ""))
     for name in ("adam.finish_pipelined_step", "adam.finish_dist_pipelined_step", "adam.step", "adam.dist_step",
                  "adam.stage_param_chunks", "adam.grad_norm", "adam.reduce_scatter_grads", "adam.device_update",
                  "adam.host_update", "adam.writeback", "adam.all_gather_params"):

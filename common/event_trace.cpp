@@ -18,7 +18,7 @@ namespace ferry::trace {
 namespace {
 
 struct Event {
-  char phase;  // 'X' complete, 'i' instant, 'C' counter
+  char phase;  // 'X' complete, 'i' instant, 'C' counter, 'M' a track's name
   const char* cat;
   std::string name;
   int64_t ts_ns, dur_ns;
@@ -31,6 +31,8 @@ std::mutex g_mutex;
 std::vector<Event> g_events;
 int64_t g_max = 0;
 int64_t g_origin = 0;
+std::vector<std::string> g_tracks;  // named tracks of this recording; track i has tid kTrackTid + i
+constexpr uint64_t kTrackTid = 100000;  // thread ids are below it
 
 uint64_t thread_id() { return std::hash<std::thread::id>{}(std::this_thread::get_id()) % 100000; }
 
@@ -67,6 +69,7 @@ void start(int64_t max_events) {
   TORCH_CHECK(max_events > 0, "ferry: trace::start needs max_events > 0, got ", max_events);
   std::lock_guard<std::mutex> lock(g_mutex);
   g_events.clear();
+  g_tracks.clear();
   g_max = max_events;
   g_origin = now_ns();
   g_on.store(true);
@@ -77,6 +80,25 @@ void stop() { g_on.store(false); }
 void complete(const char* cat, const std::string& name, int64_t begin_ns, int64_t end_ns, const std::string& args) {
   if (!enabled()) return;
   push({'X', cat, name, begin_ns, end_ns - begin_ns, thread_id(), args});
+}
+
+void complete_on(const std::string& track, const char* cat, const std::string& name, int64_t begin_ns, int64_t end_ns,
+                 const std::string& args) {
+  if (!enabled()) return;
+  uint64_t tid = 0;
+  bool named = true;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    size_t i = 0;
+    while (i < g_tracks.size() && g_tracks[i] != track) ++i;
+    if (i == g_tracks.size()) {
+      g_tracks.push_back(track);
+      named = false;
+    }
+    tid = kTrackTid + i;
+  }
+  if (!named) push({'M', "__metadata", "thread_name", 0, 0, tid, "\"name\": \"" + escape(track) + "\""});
+  push({'X', cat, name, begin_ns, end_ns - begin_ns, tid, args});
 }
 
 void instant(const char* cat, const std::string& name, const std::string& args) {
@@ -104,7 +126,7 @@ std::string chrome_json() {
     const Event& e = g_events[i];
     os << (i ? ",\n" : "\n") << "{\"ph\": \"" << e.phase << "\", \"cat\": \"" << e.cat << "\", \"name\": \""
        << escape(e.name) << "\", \"pid\": " << pid << ", \"tid\": " << e.tid
-       << ", \"ts\": " << (e.ts_ns - g_origin) / 1000.0;
+       << ", \"ts\": " << (e.phase == 'M' ? 0.0 : (e.ts_ns - g_origin) / 1000.0);
     if (e.phase == 'X') os << ", \"dur\": " << e.dur_ns / 1000.0;
     if (e.phase == 'i') os << ", \"s\": \"t\"";
     os << ", \"args\": {" << e.args << "}}";

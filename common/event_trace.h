@@ -22,6 +22,10 @@ void stop();
 int64_t now_ns();  // steady clock
 // A complete event [begin_ns, end_ns) in category `cat`; args: a JSON object's members ("\"k\": 1").
 void complete(const char* cat, const std::string& name, int64_t begin_ns, int64_t end_ns, const std::string& args = {});
+// The same on a track of its own (a named row in the viewer) instead of the recording thread's: for
+// intervals that ran elsewhere, e.g. on the GPU (track "device").
+void complete_on(const std::string& track, const char* cat, const std::string& name, int64_t begin_ns, int64_t end_ns,
+                 const std::string& args = {});
 void instant(const char* cat, const std::string& name, const std::string& args = {});
 // A counter sample (Chrome "C" event): value of series `name` from now on.
 void counter(const std::string& name, int64_t value);

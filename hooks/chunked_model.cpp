@@ -389,6 +389,23 @@ PhaseSeconds ChunkedModel::last_phase_seconds() const {
   return s;
 }
 
+void ChunkedModel::trace_last_phases() const {
+  if (!trace::enabled()) return;
+  TORCH_CHECK(phase_.load() == ModelPhase::kIdle, "ferry: trace_last_phases() between iterations only, not in ",
+              to_string(phase_.load()));
+  // A mark the device reaches after everything queued so far, waited for: the host's clock when the
+  // wait returns is (to the wait's wake-up latency) the device's at that mark.
+  const std::unique_ptr<StreamMark> now = store_->make_mark();
+  now->record();
+  (void)now->seconds_since(*now);  // waits for it
+  const int64_t anchor = trace::now_ns();
+  auto host_ns = [&](PhaseMark m) { return anchor - static_cast<int64_t>(now->seconds_since(*marks_[m]) * 1e9); };
+  if (forward_marked_) trace::complete_on("device", "device", "forward", host_ns(kForwardBegin), host_ns(kForwardEnd));
+  if (backward_marked_) {
+    trace::complete_on("device", "device", "backward", host_ns(kBackwardBegin), host_ns(kBackwardEnd));
+  }
+}
+
 void ChunkedModel::backward(const at::Tensor& loss) {
   TORCH_CHECK(loss.defined() && loss.numel() == 1, "ferry: backward() needs a defined scalar loss, got ",
               loss.defined() ? loss.sizes().vec() : std::vector<int64_t>{});

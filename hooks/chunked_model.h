@@ -125,8 +125,8 @@ class ChunkedModel final : private UseListener {
   // Runs fn() with parameter interception on; returns what it returns.
   template <class F>
   auto forward(F&& fn) -> decltype(fn()) {
+    trace::Span span("model", "forward");  // spans the device marks begin_forward/end_forward record
     begin_forward();
-    trace::Span span("model", "forward");
     try {
       InterceptionScope scope;
       auto out = fn();
@@ -240,6 +240,10 @@ class ChunkedModel final : private UseListener {
   // GPU the host's clock cannot split a step this way: backward() returns while its kernels still run.
   // Between iterations; blocks until that work has run (cheap after a synchronisation).
   PhaseSeconds last_phase_seconds() const;
+  // While the event trace records: adds those phases to it, as the device ran them, on a track of their
+  // own ("device") beside the host's "model" spans, placed on the host's clock through a mark recorded
+  // now and waited for. Between iterations; blocks until the work has run. A no-op when not recording.
+  void trace_last_phases() const;
   ModelPhase phase() const { return phase_.load(); }
 
  private:

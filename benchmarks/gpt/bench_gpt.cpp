@@ -251,6 +251,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
       r.repack_s = model.last_repack_seconds();  // the warm-up's (0 with repack_after_warmup off)
     }
     if (tracing) {
+      model.trace_last_phases();  // forward and backward as the GPU ran them, on a "device" track
       ferry::trace::stop();
       ferry::trace::write_chrome_json(a.trace);
     }

@@ -207,6 +207,7 @@ int train(int argc, char** argv) {
     if (!stepped) r = adam.step();
     adam.zero_grad();
     if (tracing) {
+      model.trace_last_phases();  // the last micro-batch's forward and backward as the device ran them
       ferry::trace::stop();
       ferry::trace::write_chrome_json(args.trace);
     }

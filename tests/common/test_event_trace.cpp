@@ -66,6 +66,35 @@ TEST(EventTrace, RecordsCopiesInFlightUntilTheyComplete) {
   EXPECT_NE(json.find("\"cat\": \"copy\""), std::string::npos) << json;
 }
 
+// Intervals that ran off the host's threads go on a named track: one name record per track, then
+// the spans under its id, which no thread id takes.
+TEST(EventTrace, NamedTracksGetTheirOwnRow) {
+  trace::start();
+  trace::complete_on("device", "device", "forward", trace::now_ns(), trace::now_ns() + 1000);
+  trace::complete_on("device", "device", "backward", trace::now_ns(), trace::now_ns() + 2000);
+  trace::complete_on("link", "copy", "h2d", trace::now_ns(), trace::now_ns() + 500);
+  trace::complete("model", "forward", trace::now_ns(), trace::now_ns() + 1000);
+  trace::stop();
+  trace::complete_on("device", "device", "late", 0, 1);  // not recorded
+  EXPECT_EQ(trace::size(), 6) << "two track names and four spans";
+  const std::string path = "/tmp/ferry_test_tracks_" + std::to_string(::getpid()) + ".json";
+  trace::write_chrome_json(path);
+  const std::string check =
+      "import json,sys\n"
+      "ev=json.load(open('" + path + "'))['traceEvents']\n"
+      "names={e['tid']:e['args']['name'] for e in ev if e['ph']=='M'}\n"
+      "assert sorted(names.values())==['device','link'], names\n"
+      "dev=[e['name'] for e in ev if e['ph']=='X' and names.get(e['tid'])=='device']\n"
+      "assert dev==['forward','backward'], dev\n"
+      "host=[e for e in ev if e['ph']=='X' and e['cat']=='model']\n"
+      "assert len(host)==1 and host[0]['tid'] not in names, host\n";
+  const std::string script = path + ".py";
+  std::ofstream(script) << check;
+  EXPECT_EQ(std::system(("python3 " + script).c_str()), 0) << check;
+  std::remove(path.c_str());
+  std::remove(script.c_str());
+}
+
 TEST(EventTrace, StopsWhenFull) {
   trace::start(3);
   for (int i = 0; i < 10; ++i) trace::instant("test", "e" + std::to_string(i));

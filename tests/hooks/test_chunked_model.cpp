@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "ferry/chunk/out_of_memory.h"
+#include "ferry/common/event_trace.h"
 #include "ferry/hooks/chunked_model.h"
 #include "test_util.h"
 
@@ -687,6 +688,37 @@ TEST(ChunkedModel, PhaseSecondsTimeEachPhaseWithinItsCall) {
   s = model.last_phase_seconds();
   EXPECT_GE(s.forward, 0.020);
   EXPECT_EQ(s.backward, -1) << "an aborted backward";
+
+  // In the event trace, on a "device" track: as long as the phases, in order, each starting inside the
+  // host's span of its call, and placed before the call that placed them returned.
+  model.trace_last_phases();  // not recording: nothing
+  trace::start();
+  model.backward(forward(false));
+  s = model.last_phase_seconds();
+  model.trace_last_phases();
+  trace::instant("test", "placed");
+  trace::stop();
+  const std::string path = "/tmp/ferry_test_phases_" + std::to_string(::getpid()) + ".json";
+  trace::write_chrome_json(path);
+  std::ostringstream check;
+  check.precision(9);
+  check << "import json\n"
+        << "ev=json.load(open('" << path << "'))['traceEvents']\n"
+        << "dev={e['tid'] for e in ev if e['ph']=='M' and e['args']['name']=='device'}\n"
+        << "d={e['name']:e for e in ev if e['ph']=='X' and e['tid'] in dev}\n"
+        << "h={e['name']:e for e in ev if e['ph']=='X' and e['cat']=='model'}\n"
+        << "end=lambda e: e['ts']+e['dur']\n"
+        << "assert abs(d['forward']['dur']*1e-6-" << s.forward << ")<1e-5, d\n"
+        << "assert abs(d['backward']['dur']*1e-6-" << s.backward << ")<1e-5, d\n"
+        << "assert end(d['forward'])<=d['backward']['ts'], d\n"
+        << "for n in ('forward','backward'): assert h[n]['ts']<=d[n]['ts']<=end(h[n]), (n, d[n], h[n])\n"
+        << "placed=[e['ts'] for e in ev if e['name']=='placed'][0]\n"
+        << "assert end(d['backward'])<=placed, (d, placed)\n";
+  const std::string script = path + ".py";
+  std::ofstream(script) << check.str();
+  EXPECT_EQ(std::system(("python3 " + script).c_str()), 0) << check.str();
+  std::remove(path.c_str());
+  std::remove(script.c_str());
 }
 
 }  // namespace
