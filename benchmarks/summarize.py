@@ -108,6 +108,11 @@ def gpt_table(doc, path):
         lines.append("")
         lines.append(f"ferry/baseline: step time {doc['ferry_over_baseline_step_time']:.3f}x, forward+backward "
                      f"{doc['ferry_over_baseline_fwd_bwd']:.3f}x")
+    if doc.get("device") == "cuda" and doc["config"].get("step") == "pipelined":
+        lines.append("")
+        lines.append(f"ferry's split: {f['phase_clock']}." if "phase_clock" in f else
+                     "ferry's split is the host's clock (a run before D54): the GPU's backward tail counts as "
+                     "optimizer; the step time is right.")
     if mem:
         gib = lambda x: f"{x / (1 << 30):.2f}"
         lines += ["", "| host B/param | device B/param | total B/param | waste | pinned peak GiB | pinnable peak GiB | "
