@@ -32,15 +32,12 @@ class CudaTicket final : public CopyTicket {
 class CudaMark final : public StreamMark {
  public:
   explicit CudaMark(c10::DeviceIndex device) : device_(device), event_(cudaEventDefault) {}
-  void record() override {
-    event_.record(c10::cuda::getCurrentCUDAStream(device_));
-    recorded_ = true;
-  }
-  bool recorded() const override { return recorded_; }
+  void record() override { event_.record(c10::cuda::getCurrentCUDAStream(device_)); }
+  bool recorded() const override { return event_.isCreated(); }  // created by its first record
   double seconds_since(const StreamMark& earlier) const override {
     const auto* e = dynamic_cast<const CudaMark*>(&earlier);
     TORCH_CHECK(e != nullptr, "ferry: StreamMark::seconds_since: the earlier mark is of another device's kind");
-    TORCH_CHECK(recorded_ && e->recorded_, "ferry: StreamMark::seconds_since: both marks must be recorded first");
+    TORCH_CHECK(recorded() && e->recorded(), "ferry: StreamMark::seconds_since: both marks must be recorded first");
     TORCH_CHECK(e->device_ == device_, "ferry: StreamMark::seconds_since: marks on cuda:", int(e->device_),
                 " and cuda:", int(device_));
     e->event_.synchronize();
@@ -51,7 +48,6 @@ class CudaMark final : public StreamMark {
  private:
   c10::DeviceIndex device_;
   at::cuda::CUDAEvent event_;  // with timing (the default CUDAEvent has none)
-  bool recorded_ = false;
 };
 
 // CUDA's lazy initialisation (the caching allocator's per-device state among it) runs on the first
