@@ -231,7 +231,8 @@ def gpt_plots(doc, path):
 def trace_breakdown(path):
     """The step breakdown of a Chrome trace written by --trace: time in forward, backward and the
     optimizer's phases; the pipelined host Adam (on CpuAdam's worker) and how much of it ran while
-    backward went on; copies in flight per direction; the host's waits for copies."""
+    backward went on; the copies as the copy stream ran them (or, untimed, in flight) per direction;
+    the host's waits for copies."""
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     def spans(pred):
@@ -268,7 +269,26 @@ def trace_breakdown(path):
     if iv:
         rows.append((f"group reduce-scatters started ({len(iv)})", total(iv),
                      f"{overlap(iv, backward):.3f} ms of it during backward"))
+    # Copies as the copy stream ran them (ChunkStore::trace_copies; category "link"): the link's busy
+    # time per direction, the rate while busy, and how much of it the device's backward hid.
+    device_backward = spans(lambda e: e["cat"] == "device" and e["name"] == "backward")
+    link = [e for e in events if e["cat"] == "link"]
     for d in ("h2d", "d2h"):
+        ev = [e for e in link if e["name"].startswith(d)]
+        if ev:
+            iv = [(e["ts"], e["ts"] + e["dur"]) for e in ev]
+            gb = sum(e.get("args", {}).get("bytes", 0) for e in ev) / 1e9
+            busy = total(iv)
+            rows.append((f"{d} on the copy stream ({len(ev)})", busy,
+                         f"{gb:.2f} GB at {gb / (busy / 1e3) if busy else 0:.1f} GB/s while copying; "
+                         f"{overlap(iv, device_backward):.3f} ms during the device's backward"))
+    if link:
+        first = min(e["ts"] for e in events if e["cat"] in ("model", "device"))
+        last = max(e["ts"] + e["dur"] for e in events)
+        busy = total([(e["ts"], e["ts"] + e["dur"]) for e in link])  # one FIFO stream: no overlaps
+        rows.append(("copy stream busy", busy, f"{100 * busy / ((last - first) / 1e3):.0f}% of the step's "
+                     f"{(last - first) / 1e3:.1f} ms (first forward to last event)"))
+    for d in ("h2d", "d2h"):  # engines that cannot time copies: issue to the host's seeing them done
         iv = spans(lambda e, d=d: e["cat"] == "copy" and e["name"].startswith(d))
         if iv:
             rows.append((f"{d} copies in flight ({len(iv)})", total(iv),

@@ -277,12 +277,24 @@ bool ChunkStore::start_move(Chunk& chunk, Location to, bool must) {
     return false;
   }
   const int64_t n = chunk.nbytes();
-  trace::Span span("move", std::string(to == Location::kDevice ? "h2d" : "d2h") + " chunk " + std::to_string(chunk.id()));
-  if (trace::enabled()) span.set_args("\"bytes\": " + std::to_string(n) + ", \"role\": \"" + to_string(chunk.role()) + "\"");
+  const bool tracing = trace::enabled();
+  const std::string what = tracing ? std::string(to == Location::kDevice ? "h2d" : "d2h") + " chunk " + std::to_string(chunk.id()) : std::string();
+  trace::Span span("move", what);
+  if (tracing) span.set_args(copy_args(chunk));
+  // Timed on the device's clock while tracing (two events per copy on CUDA), up to a bound; copies an
+  // earlier recording kept (trace_copies not called for it) make room first.
+  if (tracing && !timed_copies_.empty() && timed_copies_.front().recording != trace::recording()) {
+    const int64_t now = trace::recording();
+    timed_copies_.erase(std::remove_if(timed_copies_.begin(), timed_copies_.end(),
+                                       [now](const TimedCopy& t) { return t.recording != now; }),
+                        timed_copies_.end());
+  }
+  const CopyTiming timing = tracing && timed_copies_.size() + pending_.size() < kMaxTimedCopies ? CopyTiming::kTimed
+                                                                                                : CopyTiming::kUntimed;
   if (to == Location::kDevice) {
     if (!give_device_memory(chunk, must)) return false;
     // Runs after any pending device->host copy into the host buffer (same copy stream).
-    chunk.pending() = engine_->copy(chunk.device_flat(), chunk.host_flat());
+    chunk.pending() = engine_->copy(chunk.device_flat(), chunk.host_flat(), timing);
     chunk.set_location(Location::kDevice);
     ++moves_.h2d_count;
     moves_.h2d_bytes += n;
@@ -290,17 +302,17 @@ bool ChunkStore::start_move(Chunk& chunk, Location to, bool must) {
     if (!chunk.has_host_buffer() && !give_host_buffer(chunk, must)) return false;
     // A host buffer still attached is the source of a pending host->device copy: this copy runs after
     // it on the copy stream, so it may overwrite it.
-    chunk.pending() = engine_->copy(chunk.host_flat(), chunk.device_flat());
+    chunk.pending() = engine_->copy(chunk.host_flat(), chunk.device_flat(), timing);
     chunk.free_device_memory();
     discharge(Tier::kDevice, chunk);
     chunk.set_location(Location::kHost);
     ++moves_.d2h_count;
     moves_.d2h_bytes += n;
   }
-  if (trace::enabled()) {
+  if (tracing) {
     chunk.pending()->issued_ns = trace::now_ns();
-    chunk.pending()->trace_name = std::string(to == Location::kDevice ? "h2d" : "d2h") + " chunk " +
-                                  std::to_string(chunk.id()) + " in flight";
+    chunk.pending()->trace_recording = trace::recording();
+    chunk.pending()->trace_name = what;
   }
   if (std::find(pending_.begin(), pending_.end(), chunk.id()) == pending_.end()) {
     pending_.push_back(chunk.id());
@@ -338,10 +350,7 @@ void ChunkStore::finish_pending(Chunk& chunk, bool block, Count count) {
             .count();
     ++moves_.wait_count;
   }
-  if (ticket->issued_ns && trace::enabled()) {
-    trace::complete("copy", ticket->trace_name, ticket->issued_ns, trace::now_ns(),
-                    "\"bytes\": " + std::to_string(chunk.nbytes()));
-  }
+  keep_for_trace(chunk, *ticket);
   ticket.reset();
   pending_.erase(std::remove(pending_.begin(), pending_.end(), chunk.id()), pending_.end());
   if (chunk.location() == Location::kDevice && chunk.has_host_buffer()) {
@@ -350,6 +359,35 @@ void ChunkStore::finish_pending(Chunk& chunk, bool block, Count count) {
     discharge(Tier::kHost, chunk);
   }
   alias_if_possible(chunk);
+}
+
+std::string ChunkStore::copy_args(const Chunk& chunk) const {
+  return "\"bytes\": " + std::to_string(chunk.nbytes()) + ", \"role\": \"" + to_string(chunk.role()) + "\"";
+}
+
+void ChunkStore::keep_for_trace(const Chunk& chunk, CopyTicket& ticket) {
+  if (!ticket.issued_ns || !trace::enabled() || ticket.trace_recording != trace::recording()) return;
+  if (ticket.finished) {  // written by trace_copies, which places the device's clock on the host's
+    timed_copies_.push_back(TimedCopy{ticket.trace_name, copy_args(chunk), ticket.trace_recording,
+                                      std::move(ticket.started), std::move(ticket.finished)});
+  } else {
+    trace::complete("copy", ticket.trace_name + " in flight", ticket.issued_ns, trace::now_ns(), copy_args(chunk));
+  }
+  ticket.issued_ns = 0;  // kept once
+}
+
+void ChunkStore::trace_copies(const ClockAnchor& anchor) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (ChunkId c : pending_) {  // still in flight: their marks are reached when they are done
+    Chunk& chunk = chunk_at(c);
+    if (chunk.pending() && chunk.pending()->finished) keep_for_trace(chunk, *chunk.pending());
+  }
+  for (const TimedCopy& copy : timed_copies_) {
+    if (!trace::enabled() || copy.recording != trace::recording()) continue;  // another recording's
+    trace::complete_on("copy stream", "link", copy.name, anchor.host_ns(*copy.started),
+                       anchor.host_ns(*copy.finished), copy.args);
+  }
+  timed_copies_.clear();
 }
 
 void ChunkStore::alias_if_possible(Chunk& chunk) {

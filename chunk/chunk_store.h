@@ -250,6 +250,12 @@ class ChunkStore {
   c10::Device device() const;
   // A mark on the engine's device clock (CopyEngine::make_mark).
   std::unique_ptr<StreamMark> make_mark() const;
+  // Writes the copies issued while this event-trace recording was on into it, as the copy stream ran
+  // them (CopyTicket::started/finished, placed on the host's clock by `anchor`): track "copy stream",
+  // category "link", one span per copy, args bytes and role. Copies still in flight are waited for.
+  // Engines that cannot time copies leave their in-flight intervals instead (category "copy"), written
+  // as each completes. Call once the recording's copies were issued, before trace::stop().
+  void trace_copies(const ClockAnchor& anchor);
   const char* policy_name() const;
   // Whether host payloads are page-locked: requested by ChunkStoreOptions::pin_host_memory, and done
   // only where the engine's device is CUDA (the simulated device pins nothing).
@@ -287,6 +293,10 @@ class ChunkStore {
   enum class Count { kCaller, kBackground, kNone };
   void finish_pending(Chunk& chunk, bool block, Count count = Count::kCaller);
   void reap_completed();
+  // Trace bookkeeping of a copy that completed (or, from trace_copies, one still in flight): a timed
+  // one is kept for trace_copies, an untimed one's in-flight interval is written now. Once per copy.
+  void keep_for_trace(const Chunk& chunk, CopyTicket& ticket);
+  std::string copy_args(const Chunk& chunk) const;  // a copy's trace args: bytes and role
   // A chunk on the host with a complete payload: its device storage aliases the host buffer.
   void alias_if_possible(Chunk& chunk);
   void ready_for_use(Chunk& chunk);  // host: wait; device: order the caller's stream
@@ -310,6 +320,15 @@ class ChunkStore {
   std::vector<std::unique_ptr<Chunk>> chunks_;
   std::vector<Slot> slots_;
   std::vector<ChunkId> pending_;  // chunks whose copy may still be running
+  // Completed copies timed on the device's clock, kept for trace_copies (only while tracing, at most
+  // kMaxTimedCopies: beyond it copies go untimed).
+  struct TimedCopy {
+    std::string name, args;
+    int64_t recording = 0;  // trace::recording() when issued
+    std::unique_ptr<StreamMark> started, finished;
+  };
+  static constexpr size_t kMaxTimedCopies = size_t{1} << 16;
+  std::vector<TimedCopy> timed_copies_;
   uint64_t tick_ = 0;
   TierStats device_;
   TierStats host_;

@@ -38,16 +38,34 @@ class SimulatedCopyEngine final : public CopyEngine {
   c10::Device device() const override { return c10::Device(c10::kCPU); }
   c10::Allocator* device_allocator() const override { return c10::GetCPUAllocator(); }
   bool pinned_host() const override { return false; }
-  std::unique_ptr<CopyTicket> copy(const at::Tensor& dst, const at::Tensor& src) override {
+  std::unique_ptr<CopyTicket> copy(const at::Tensor& dst, const at::Tensor& src, CopyTiming timing) override {
     TORCH_INTERNAL_ASSERT(dst.numel() == src.numel() && dst.scalar_type() == src.scalar_type());
+    auto ticket = std::make_unique<DoneTicket>();
+    if (timing == CopyTiming::kTimed) {  // the copy runs within the call: the host's clock is its clock
+      ticket->started = make_mark();
+      ticket->finished = make_mark();
+      ticket->started->record();
+    }
     dst.copy_(src);
-    return std::make_unique<DoneTicket>();
+    if (ticket->finished) ticket->finished->record();
+    return ticket;
   }
 };
 
 }  // namespace
 
 std::unique_ptr<StreamMark> CopyEngine::make_mark() const { return std::make_unique<HostClockMark>(); }
+
+ClockAnchor::ClockAnchor(std::unique_ptr<StreamMark> unrecorded) : mark_(std::move(unrecorded)) {
+  TORCH_CHECK(mark_ != nullptr, "ferry: ClockAnchor needs a mark, got none");
+  mark_->record();
+  (void)mark_->seconds_since(*mark_);  // waits for the device to reach it
+  host_ns_ = trace::now_ns();
+}
+
+int64_t ClockAnchor::host_ns(const StreamMark& mark) const {
+  return host_ns_ - static_cast<int64_t>(mark_->seconds_since(mark) * 1e9);
+}
 
 std::unique_ptr<CopyEngine> make_simulated_copy_engine() { return std::make_unique<SimulatedCopyEngine>(); }
 

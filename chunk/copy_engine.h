@@ -25,25 +25,6 @@
 
 namespace ferry {
 
-// A started copy.
-class CopyTicket {
- public:
-  virtual ~CopyTicket() = default;
-  // Whether the copy has completed (never blocks).
-  virtual bool done() = 0;
-  // Blocks the calling host thread until the copy has completed.
-  virtual void wait() = 0;
-  // Makes work queued after this call on the caller's current stream wait for the copy (on the GPU;
-  // the host does not block). A no-op once done.
-  virtual void order_before_compute() = 0;
-
-  // Set by the ChunkStore while the event trace is on: when the copy was issued and its trace name.
-  // The store records the copy's in-flight interval (issued -> completion as the host observed it: an
-  // upper bound on CUDA, where completion is seen at the next poll or wait) when it completes.
-  int64_t issued_ns = 0;
-  std::string trace_name;
-};
-
 // A point in the work queued on the caller's current stream, timed by the device's own clock, so that
 // a phase is timed where it runs rather than where the host queued it (a CUDA call returns long before
 // its kernels finish: a host clock gives the GPU's backward to whatever the host waits on next).
@@ -62,6 +43,36 @@ class StreamMark {
   virtual double seconds_since(const StreamMark& earlier) const = 0;
 };
 
+// A started copy.
+class CopyTicket {
+ public:
+  virtual ~CopyTicket() = default;
+  // Whether the copy has completed (never blocks).
+  virtual bool done() = 0;
+  // Blocks the calling host thread until the copy has completed.
+  virtual void wait() = 0;
+  // Makes work queued after this call on the caller's current stream wait for the copy (on the GPU;
+  // the host does not block). A no-op once done.
+  virtual void order_before_compute() = 0;
+
+  // The copy's interval on the device's clock, for a copy asked for with CopyTiming::kTimed by an
+  // engine that can time it (both null otherwise): marks where the copy stream starts the copy (after
+  // the copies before it and the compute work it waits for) and where it is done. They are the link's
+  // own account of the copy; an engine that cannot time leaves them null.
+  std::unique_ptr<StreamMark> started, finished;
+
+  // Set by the ChunkStore while the event trace is on: when the copy was issued and its trace name.
+  // For an untimed copy, the store records its in-flight interval (issued -> completion as the host
+  // observed it: an upper bound on CUDA, where completion is seen at the next poll or wait).
+  int64_t issued_ns = 0;
+  int64_t trace_recording = 0;  // trace::recording() then
+  std::string trace_name;
+};
+
+// Whether copy() also records the copy's interval on the device's clock (CopyTicket::started/finished):
+// two timing events per copy on CUDA, so only while someone reads them (the event trace).
+enum class CopyTiming { kUntimed, kTimed };
+
 class CopyEngine {
  public:
   virtual ~CopyEngine() = default;
@@ -74,9 +85,24 @@ class CopyEngine {
   virtual bool pinned_host() const = 0;
   // Copies src into dst (same dtype and numel, one on each tier, both contiguous); see the file comment
   // for the ordering guarantees.
-  virtual std::unique_ptr<CopyTicket> copy(const at::Tensor& dst, const at::Tensor& src) = 0;
+  virtual std::unique_ptr<CopyTicket> copy(const at::Tensor& dst, const at::Tensor& src, CopyTiming timing) = 0;
   // An unrecorded mark on this engine's device (see StreamMark); the default reads the host clock.
   virtual std::unique_ptr<StreamMark> make_mark() const;
+};
+
+// The device's clock pinned to the host's (trace::now_ns): a mark recorded after the work queued so far
+// on the caller's current stream, waited for at construction; the host's clock when the wait returns is
+// the device's at that mark, to the wait's wake-up latency (microseconds). host_ns() then places any
+// mark of the same device on the host's clock, before or after the anchor (it blocks until that mark's
+// work has run). For writing device intervals into the event trace, next to the host's own spans.
+class ClockAnchor {
+ public:
+  explicit ClockAnchor(std::unique_ptr<StreamMark> unrecorded);
+  int64_t host_ns(const StreamMark& mark) const;
+
+ private:
+  std::unique_ptr<StreamMark> mark_;
+  int64_t host_ns_ = 0;
 };
 
 // kSimulated -> the simulated engine; kCuda -> the CUDA engine on the current CUDA device (fails

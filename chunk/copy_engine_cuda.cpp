@@ -70,7 +70,7 @@ class CudaCopyEngine final : public CopyEngine {
   c10::Allocator* device_allocator() const override { return c10::cuda::CUDACachingAllocator::get(); }
   bool pinned_host() const override { return true; }
 
-  std::unique_ptr<CopyTicket> copy(const at::Tensor& dst, const at::Tensor& src) override {
+  std::unique_ptr<CopyTicket> copy(const at::Tensor& dst, const at::Tensor& src, CopyTiming timing) override {
     TORCH_INTERNAL_ASSERT(dst.numel() == src.numel() && dst.scalar_type() == src.scalar_type());
     c10::cuda::CUDAGuard device_guard(device_);
     const c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream(device_);
@@ -80,8 +80,14 @@ class CudaCopyEngine final : public CopyEngine {
     ready.block(copy_stream_);
     auto ticket = std::make_unique<CudaTicket>(dst, src, device_);
     {
-      c10::cuda::CUDAStreamGuard stream_guard(copy_stream_);
+      c10::cuda::CUDAStreamGuard stream_guard(copy_stream_);  // marks record on the current stream: this one
+      if (timing == CopyTiming::kTimed) {
+        ticket->started = make_mark();
+        ticket->finished = make_mark();
+        ticket->started->record();  // reached once the copies before and the compute it waits for are done
+      }
       dst.copy_(src, /*non_blocking=*/true);
+      if (ticket->finished) ticket->finished->record();
     }
     // Device memory now has a use on the copy stream: keep the allocator from reusing it early.
     if (dst.is_cuda()) dst.record_stream(copy_stream_);

@@ -27,6 +27,7 @@ struct Event {
 };
 
 std::atomic<bool> g_on{false};
+std::atomic<int64_t> g_recording{0};
 std::mutex g_mutex;
 std::vector<Event> g_events;
 int64_t g_max = 0;
@@ -72,8 +73,11 @@ void start(int64_t max_events) {
   g_tracks.clear();
   g_max = max_events;
   g_origin = now_ns();
+  g_recording.fetch_add(1);
   g_on.store(true);
 }
+
+int64_t recording() { return g_recording.load(); }
 
 void stop() { g_on.store(false); }
 

@@ -20,6 +20,8 @@ bool enabled();
 void start(int64_t max_events = 1'000'000);
 void stop();
 int64_t now_ns();  // steady clock
+// Which recording this is: start() counts up, so data kept for one recording is not written into the next.
+int64_t recording();
 // A complete event [begin_ns, end_ns) in category `cat`; args: a JSON object's members ("\"k\": 1").
 void complete(const char* cat, const std::string& name, int64_t begin_ns, int64_t end_ns, const std::string& args = {});
 // The same on a track of its own (a named row in the viewer) instead of the recording thread's: for

@@ -393,16 +393,15 @@ void ChunkedModel::trace_last_phases() const {
   if (!trace::enabled()) return;
   TORCH_CHECK(phase_.load() == ModelPhase::kIdle, "ferry: trace_last_phases() between iterations only, not in ",
               to_string(phase_.load()));
-  // A mark the device reaches after everything queued so far, waited for: the host's clock when the
-  // wait returns is (to the wait's wake-up latency) the device's at that mark.
-  const std::unique_ptr<StreamMark> now = store_->make_mark();
-  now->record();
-  (void)now->seconds_since(*now);  // waits for it
-  const int64_t anchor = trace::now_ns();
-  auto host_ns = [&](PhaseMark m) { return anchor - static_cast<int64_t>(now->seconds_since(*marks_[m]) * 1e9); };
+  const ClockAnchor anchor(store_->make_mark());
+  auto host_ns = [&](PhaseMark m) { return anchor.host_ns(*marks_[m]); };
   if (forward_marked_) trace::complete_on("device", "device", "forward", host_ns(kForwardBegin), host_ns(kForwardEnd));
   if (backward_marked_) {
     trace::complete_on("device", "device", "backward", host_ns(kBackwardBegin), host_ns(kBackwardEnd));
+  }
+  store_->trace_copies(anchor);
+  for (const auto& weak : states_) {
+    if (const auto state = weak.lock()) state->store().trace_copies(anchor);
   }
 }
 

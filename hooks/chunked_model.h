@@ -242,7 +242,9 @@ class ChunkedModel final : private UseListener {
   PhaseSeconds last_phase_seconds() const;
   // While the event trace records: adds those phases to it, as the device ran them, on a track of their
   // own ("device") beside the host's "model" spans, placed on the host's clock through a mark recorded
-  // now and waited for. Between iterations; blocks until the work has run. A no-op when not recording.
+  // now and waited for (ClockAnchor); and the recording's chunk copies, of the parameters' store and
+  // of every attached state's, as the copy stream ran them (ChunkStore::trace_copies, track "copy
+  // stream"). Between iterations; blocks until the work has run. A no-op when not recording.
   void trace_last_phases() const;
   ModelPhase phase() const { return phase_.load(); }
 

@@ -48,7 +48,9 @@ class DeferredCopyEngine final : public CopyEngine {
   c10::Allocator* device_allocator() const override { return const_cast<DeferredAllocator*>(&allocator_); }
   bool pinned_host() const override { return false; }
 
-  std::unique_ptr<CopyTicket> copy(const at::Tensor& dst, const at::Tensor& src) override;
+  // Untimed whatever `timing` asks (CopyTicket::started/finished stay null), as an engine that cannot
+  // time its copies does.
+  std::unique_ptr<CopyTicket> copy(const at::Tensor& dst, const at::Tensor& src, CopyTiming timing) override;
 
   // Runs queued copies until the one numbered `seq` has run.
   void run_until(uint64_t seq) {
@@ -144,7 +146,8 @@ inline DeferredCopyEngine::~DeferredCopyEngine() {
   if (deferred_engine_instance() == this) deferred_engine_instance() = nullptr;
 }
 
-inline std::unique_ptr<CopyTicket> DeferredCopyEngine::copy(const at::Tensor& dst, const at::Tensor& src) {
+inline std::unique_ptr<CopyTicket> DeferredCopyEngine::copy(const at::Tensor& dst, const at::Tensor& src,
+                                                             CopyTiming /*timing*/) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   const uint64_t seq = ++next_seq_;
   TORCH_INTERNAL_ASSERT(dst.nbytes() == src.nbytes());

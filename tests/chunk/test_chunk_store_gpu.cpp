@@ -157,6 +157,37 @@ TEST(ChunkStoreGpu, StreamMarksTimeTheDeviceNotTheHost) {
   host_mark->record();
   EXPECT_THROW(end->seconds_since(*host_mark), c10::Error) << "marks of two kinds of device";
 }
+// A timed copy's marks are the copy stream's: it starts once the compute work queued before it is done
+// (a 1e8-cycle kernel: at least 25 ms), lasts at least its bytes at 100 GB/s (above any PCIe 5 x16
+// link), and the next copy starts after it ends (one FIFO stream). An untimed copy carries no marks.
+TEST(ChunkStoreGpu, TimedCopiesCarryTheCopyStreamsInterval) {
+  FERRY_REQUIRE_GPU();
+  const auto engine = make_cuda_copy_engine();
+  const int64_t bytes = int64_t{256} << 20;
+  const auto pinned = at::TensorOptions().dtype(at::kByte).pinned_memory(true);
+  const at::Tensor host_a = at::ones({bytes}, pinned), host_b = at::ones({bytes}, pinned);
+  const at::Tensor dev_a = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(engine->device()));
+  const at::Tensor dev_b = at::empty_like(dev_a);
+  EXPECT_EQ(engine->copy(dev_a, host_a, CopyTiming::kUntimed)->started, nullptr);
+  at::cuda::sleep(1000);  // loads the kernel (lazy module loading)
+  torch::cuda::synchronize();
+  auto compute_begin = engine->make_mark();
+  compute_begin->record();
+  at::cuda::sleep(int64_t{100} * 1000 * 1000);
+  auto first = engine->copy(dev_a, host_a, CopyTiming::kTimed);
+  auto second = engine->copy(dev_b, host_b, CopyTiming::kTimed);
+  ASSERT_TRUE(first->started && first->finished && second->started && second->finished);
+  second->wait();
+  const double waited = first->started->seconds_since(*compute_begin);
+  const double took = first->finished->seconds_since(*first->started);
+  const double gap = second->started->seconds_since(*first->finished);
+  RecordProperty("copy_gbps", std::to_string(bytes / took * 1e-9));
+  EXPECT_GE(waited, 0.025) << "the copy waits for the compute work queued before it";
+  EXPECT_GE(took, bytes / 100e9);
+  EXPECT_LE(took, 1.0);
+  EXPECT_GE(gap, 0.0) << "copies on the one copy stream run one after the other";
+  EXPECT_TRUE(torch::equal(dev_b.cpu(), host_b));
+}
 #else
 TEST(ChunkStoreGpu, NeedsACudaBuild) { GTEST_SKIP() << "ferry was built without CUDA"; }
 #endif

@@ -2,13 +2,13 @@
 // byte counters show up in a Chrome trace that Python's json module can read back.
 #include <gtest/gtest.h>
 
-#include <cstdio>
-#include <fstream>
-#include <sstream>
+#include <chrono>
+#include <thread>
 
 #include "chunk/deferred_copy_engine.h"
 #include "ferry/chunk/chunk_store.h"
 #include "ferry/common/event_trace.h"
+#include "trace_check.h"
 
 namespace ferry {
 namespace {
@@ -39,12 +39,7 @@ TEST(EventTrace, RecordsMovesEvictionsAndCountersOnlyWhenOn) {
   EXPECT_GE(events, 4);
 
   // The file parses as JSON with one traceEvents entry per event.
-  const std::string path = "/tmp/ferry_test_trace_" + std::to_string(::getpid()) + ".json";
-  trace::write_chrome_json(path);
-  const std::string cmd = "python3 -c \"import json,sys; d=json.load(open('" + path +
-                          "')); sys.exit(0 if len(d['traceEvents'])==" + std::to_string(events) + " else 1)\"";
-  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  std::remove(path.c_str());
+  EXPECT_EQ(test::check_trace("assert len(ev) == " + std::to_string(events) + ", len(ev)\n"), 0);
   EXPECT_THROW(trace::start(0), c10::Error);
 }
 
@@ -64,6 +59,72 @@ TEST(EventTrace, RecordsCopiesInFlightUntilTheyComplete) {
   const std::string json = trace::chrome_json();
   EXPECT_NE(json.find("\"h2d chunk 0 in flight\""), std::string::npos) << json;
   EXPECT_NE(json.find("\"cat\": \"copy\""), std::string::npos) << json;
+  // An engine that cannot time its copies leaves nothing for the copy stream's track.
+  trace::start();
+  store.move_async(a, Location::kHost);
+  store.trace_copies(ClockAnchor(store.make_mark()));
+  store.synchronize();
+  trace::stop();
+  EXPECT_EQ(trace::chrome_json().find("copy stream"), std::string::npos) << trace::chrome_json();
+  EXPECT_NE(trace::chrome_json().find("\"d2h chunk 0 in flight\""), std::string::npos) << trace::chrome_json();
+}
+
+// An engine that times its copies (the simulated one, on the host's clock, which is its device's) gives
+// each copy of the recording one span on the "copy stream" track when trace_copies is called: where the
+// copy ran, inside the host's call that queued it (a synchronous engine copies within the call), with
+// its bytes and role; none of another recording, none twice, no "in flight" guess.
+TEST(EventTrace, TimedCopiesGoOnTheCopyStreamTrack) {
+  ChunkStoreOptions o;
+  o.device = DeviceKind::kSimulated;
+  o.device_budget_bytes = 1 << 20;
+  ChunkStore store(o);
+  const ChunkId a = store.add_chunk(ChunkRole::kParam, at::kFloat, 1 << 18, Location::kHost);
+  const ChunkId b = store.add_chunk(ChunkRole::kParam, at::kFloat, 1 << 18, Location::kHost);
+  trace::start();
+  store.move(a, Location::kDevice);  // kept for this recording, which ends without trace_copies
+  trace::stop();
+  trace::start();
+  store.move(b, Location::kDevice);  // evicts a: the budget holds one chunk
+  store.move(b, Location::kHost);
+  EXPECT_EQ(trace::chrome_json().find("copy stream"), std::string::npos) << "written by trace_copies only";
+  store.trace_copies(ClockAnchor(store.make_mark()));
+  store.trace_copies(ClockAnchor(store.make_mark()));  // nothing left to write
+  trace::stop();
+  EXPECT_EQ(trace::chrome_json().find("in flight"), std::string::npos) << trace::chrome_json();
+  const std::string check =
+      "link = track('copy stream')\n"
+      "assert [e['name'] for e in link] == ['d2h chunk 0', 'h2d chunk 1', 'd2h chunk 1'], link\n"
+      "assert all(e['cat'] == 'link' and e['args'] == {'bytes': 1 << 20, 'role': 'param'} for e in link), link\n"
+      "moves = [e for e in ev if e['ph'] == 'X' and e['cat'] == 'move']\n"
+      "for l in link:\n"
+      "    assert l['dur'] > 0, l\n"
+      "    assert any(m['name'] == l['name'] and m['ts'] <= l['ts'] and end(l) <= end(m) + 1e-3 for m in moves), (l, moves)\n";
+  EXPECT_EQ(test::check_trace(check), 0) << check;
+}
+
+// A mark is placed where it was recorded, late by at most the anchor's own latency (its record to the
+// host's reading after the wait: microseconds here), on either side of the anchor.
+TEST(ClockAnchor, PlacesMarksOnTheHostClock) {
+  const auto engine = make_simulated_copy_engine();
+  const auto pause = [] { std::this_thread::sleep_for(std::chrono::milliseconds(5)); };
+  auto before = engine->make_mark();
+  const int64_t before_lo = trace::now_ns();
+  before->record();
+  const int64_t before_hi = trace::now_ns();
+  pause();
+  EXPECT_THROW(ClockAnchor(nullptr), c10::Error);
+  const ClockAnchor anchor(engine->make_mark());
+  pause();
+  auto after = engine->make_mark();
+  const int64_t after_lo = trace::now_ns();
+  after->record();
+  const int64_t after_hi = trace::now_ns();
+  const int64_t latency = 1'000'000;  // 1 ms: far above the anchor's, far below the 5 ms pauses
+  const int64_t b = anchor.host_ns(*before), a = anchor.host_ns(*after);
+  EXPECT_GE(b, before_lo);
+  EXPECT_LE(b, before_hi + latency);
+  EXPECT_GE(a, after_lo);
+  EXPECT_LE(a, after_hi + latency);
 }
 
 // Intervals that ran off the host's threads go on a named track: one name record per track, then
@@ -77,22 +138,13 @@ TEST(EventTrace, NamedTracksGetTheirOwnRow) {
   trace::stop();
   trace::complete_on("device", "device", "late", 0, 1);  // not recorded
   EXPECT_EQ(trace::size(), 6) << "two track names and four spans";
-  const std::string path = "/tmp/ferry_test_tracks_" + std::to_string(::getpid()) + ".json";
-  trace::write_chrome_json(path);
   const std::string check =
-      "import json,sys\n"
-      "ev=json.load(open('" + path + "'))['traceEvents']\n"
-      "names={e['tid']:e['args']['name'] for e in ev if e['ph']=='M'}\n"
-      "assert sorted(names.values())==['device','link'], names\n"
-      "dev=[e['name'] for e in ev if e['ph']=='X' and names.get(e['tid'])=='device']\n"
-      "assert dev==['forward','backward'], dev\n"
-      "host=[e for e in ev if e['ph']=='X' and e['cat']=='model']\n"
-      "assert len(host)==1 and host[0]['tid'] not in names, host\n";
-  const std::string script = path + ".py";
-  std::ofstream(script) << check;
-  EXPECT_EQ(std::system(("python3 " + script).c_str()), 0) << check;
-  std::remove(path.c_str());
-  std::remove(script.c_str());
+      "names = {e['tid']: e['args']['name'] for e in ev if e['ph'] == 'M'}\n"
+      "assert sorted(names.values()) == ['device', 'link'], names\n"
+      "assert [e['name'] for e in track('device')] == ['forward', 'backward'], ev\n"
+      "host = [e for e in ev if e['ph'] == 'X' and e['cat'] == 'model']\n"
+      "assert len(host) == 1 and host[0]['tid'] not in names, host\n";
+  EXPECT_EQ(test::check_trace(check), 0) << check;
 }
 
 TEST(EventTrace, StopsWhenFull) {

@@ -19,6 +19,7 @@
 #include "ferry/common/event_trace.h"
 #include "ferry/hooks/chunked_model.h"
 #include "test_util.h"
+#include "trace_check.h"
 
 namespace ferry {
 namespace {
@@ -654,7 +655,7 @@ TEST(ChunkedModel, PhaseSecondsTimeEachPhaseWithinItsCall) {
   const auto since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
   torch::manual_seed(4);
   TwoLayer net;
-  ChunkedModel model(net.ptr(), tiny_config(64 << 10, 0));
+  ChunkedModel model(net.ptr(), tiny_config(64 << 10, 192 << 10));  // 3 of its 4 chunks: copies every iteration
   EXPECT_EQ(model.last_phase_seconds().forward, -1) << "no iteration yet";
   const auto x = torch::randn({16, 128});
   auto forward = [&](bool fail) {
@@ -690,35 +691,62 @@ TEST(ChunkedModel, PhaseSecondsTimeEachPhaseWithinItsCall) {
   EXPECT_EQ(s.backward, -1) << "an aborted backward";
 
   // In the event trace, on a "device" track: as long as the phases, in order, each starting inside the
-  // host's span of its call, and placed before the call that placed them returned.
+  // host's span of its call, and placed before the call that placed them returned. On the "copy stream"
+  // track: the iteration's copies, all of their bytes, each inside the host's move that ran it.
   model.trace_last_phases();  // not recording: nothing
   trace::start();
   model.backward(forward(false));
   s = model.last_phase_seconds();
+  const IterationStats moved = model.last_iteration();
+  ASSERT_GT(moved.h2d_bytes, 0) << "the budget forces copies";
   model.trace_last_phases();
   trace::instant("test", "placed");
   trace::stop();
-  const std::string path = "/tmp/ferry_test_phases_" + std::to_string(::getpid()) + ".json";
-  trace::write_chrome_json(path);
   std::ostringstream check;
   check.precision(9);
-  check << "import json\n"
-        << "ev=json.load(open('" << path << "'))['traceEvents']\n"
-        << "dev={e['tid'] for e in ev if e['ph']=='M' and e['args']['name']=='device'}\n"
-        << "d={e['name']:e for e in ev if e['ph']=='X' and e['tid'] in dev}\n"
-        << "h={e['name']:e for e in ev if e['ph']=='X' and e['cat']=='model'}\n"
-        << "end=lambda e: e['ts']+e['dur']\n"
-        << "assert abs(d['forward']['dur']*1e-6-" << s.forward << ")<1e-5, d\n"
-        << "assert abs(d['backward']['dur']*1e-6-" << s.backward << ")<1e-5, d\n"
-        << "assert end(d['forward'])<=d['backward']['ts'], d\n"
-        << "for n in ('forward','backward'): assert h[n]['ts']<=d[n]['ts']<=end(h[n]), (n, d[n], h[n])\n"
-        << "placed=[e['ts'] for e in ev if e['name']=='placed'][0]\n"
-        << "assert end(d['backward'])<=placed, (d, placed)\n";
-  const std::string script = path + ".py";
-  std::ofstream(script) << check.str();
-  EXPECT_EQ(std::system(("python3 " + script).c_str()), 0) << check.str();
-  std::remove(path.c_str());
-  std::remove(script.c_str());
+  check << "d = {e['name']: e for e in track('device')}\n"
+        << "h = {e['name']: e for e in ev if e['ph'] == 'X' and e['cat'] == 'model'}\n"
+        << "assert abs(d['forward']['dur'] * 1e-6 - " << s.forward << ") < 1e-5, d\n"
+        << "assert abs(d['backward']['dur'] * 1e-6 - " << s.backward << ") < 1e-5, d\n"
+        << "assert end(d['forward']) <= d['backward']['ts'], d\n"
+        << "for n in ('forward', 'backward'): assert h[n]['ts'] <= d[n]['ts'] <= end(h[n]), (n, d[n], h[n])\n"
+        << "placed = [e['ts'] for e in ev if e['name'] == 'placed'][0]\n"
+        << "assert end(d['backward']) <= placed, (d, placed)\n"
+        << "copies = track('copy stream')\n"
+        << "moves = [e for e in ev if e['ph'] == 'X' and e['cat'] == 'move']\n"
+        << "total = lambda d: sum(e['args']['bytes'] for e in copies if e['name'].startswith(d))\n"
+        << "assert total('h2d') == " << moved.h2d_bytes << " and total('d2h') == " << moved.d2h_bytes << ", copies\n"
+        << "for c in copies: assert any(m['name'] == c['name'] and m['ts'] <= c['ts'] and end(c) <= end(m) + 1e-3 "
+        << "for m in moves), (c, moves)\n";
+  EXPECT_EQ(test::check_trace(check.str()), 0) << check.str();
+}
+
+// trace_last_phases writes the copies of every attached state's store too (a placement moving the
+// optimizer's state to the device), and only while the state is held.
+TEST(ChunkedModel, TraceLastPhasesWritesTheStateStoresCopies) {
+  torch::manual_seed(4);
+  TwoLayer net;
+  ChunkedModel model(net.ptr(), tiny_config(64 << 10, 0));
+  auto state = model.attach_state({ChunkRole::kMaster}, [](int, int64_t, const at::Tensor& slot) { slot.fill_(1); });
+  const auto x = torch::randn({16, 128});
+  auto traced_roles = [&] {
+    trace::start();
+    model.backward(model.forward([&] { return net->forward(x); }));
+    if (state) state->move_group(0, state->store().location(state->chunk(0, 0)) == Location::kDevice
+                                        ? Location::kHost : Location::kDevice);
+    model.trace_last_phases();
+    trace::stop();
+    std::vector<std::string> roles;
+    const std::string json = trace::chrome_json();
+    for (size_t at = json.find("\"cat\": \"link\""); at != std::string::npos; at = json.find("\"cat\": \"link\"", at + 1)) {
+      const size_t r = json.find("\"role\": \"", at) + 9;
+      roles.push_back(json.substr(r, json.find('"', r) - r));
+    }
+    return roles;
+  };
+  EXPECT_EQ(traced_roles(), std::vector<std::string>{"master"});
+  state.reset();  // dropped: no longer the model's to trace
+  EXPECT_TRUE(traced_roles().empty());
 }
 
 }  // namespace
