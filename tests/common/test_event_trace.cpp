@@ -102,6 +102,30 @@ TEST(EventTrace, TimedCopiesGoOnTheCopyStreamTrack) {
   EXPECT_EQ(test::check_trace(check), 0) << check;
 }
 
+// A recording that never writes its copies keeps at most a bounded number of them timed (their marks
+// are kept until trace_copies); beyond the bound copies go untimed and leave their in-flight span.
+TEST(EventTrace, TimedCopiesAreBounded) {
+  ChunkStoreOptions o;
+  o.device = DeviceKind::kSimulated;
+  ChunkStore store(o);
+  const ChunkId a = store.add_chunk(ChunkRole::kParam, at::kFloat, 16, Location::kHost);
+  const int copies = 70000;  // above the store's bound (65,536)
+  trace::start(8 * copies);
+  for (int i = 0; i < copies; ++i) store.move(a, i % 2 == 0 ? Location::kDevice : Location::kHost);
+  store.trace_copies(ClockAnchor(store.make_mark()));
+  trace::stop();
+  const std::string json = trace::chrome_json();
+  auto count = [&](const std::string& what) {
+    int64_t n = 0;
+    for (size_t at = json.find(what); at != std::string::npos; at = json.find(what, at + 1)) ++n;
+    return n;
+  };
+  const int64_t timed = count("\"cat\": \"link\""), untimed = count(" in flight\"");
+  EXPECT_EQ(timed + untimed, copies);
+  EXPECT_GE(timed, 60000);
+  EXPECT_GT(untimed, 0);
+}
+
 // A mark is placed where it was recorded, late by at most the anchor's own latency (its record to the
 // host's reading after the wait: microseconds here), on either side of the anchor.
 TEST(ClockAnchor, PlacesMarksOnTheHostClock) {
