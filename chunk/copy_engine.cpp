@@ -3,6 +3,8 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
+
 #include "ferry/common/event_trace.h"
 #include "ferry/common/gpu_info.h"
 
@@ -27,6 +29,7 @@ class HostClockMark final : public StreamMark {
     TORCH_CHECK(recorded() && e->recorded(), "ferry: StreamMark::seconds_since: both marks must be recorded first");
     return static_cast<double>(ns_ - e->ns_) * 1e-9;
   }
+  int64_t host_clock_ns() const override { return ns_; }
 
  private:
   int64_t ns_ = -1;
@@ -59,12 +62,15 @@ std::unique_ptr<StreamMark> CopyEngine::make_mark() const { return std::make_uni
 ClockAnchor::ClockAnchor(std::unique_ptr<StreamMark> unrecorded) : mark_(std::move(unrecorded)) {
   TORCH_CHECK(mark_ != nullptr, "ferry: ClockAnchor needs a mark, got none");
   mark_->record();
-  (void)mark_->seconds_since(*mark_);  // waits for the device to reach it
-  host_ns_ = trace::now_ns();
+  host_ns_ = mark_->host_clock_ns();
+  if (host_ns_ < 0) {
+    (void)mark_->seconds_since(*mark_);  // waits for the device to reach it
+    host_ns_ = trace::now_ns();
+  }
 }
 
 int64_t ClockAnchor::host_ns(const StreamMark& mark) const {
-  return host_ns_ - static_cast<int64_t>(mark_->seconds_since(mark) * 1e9);
+  return host_ns_ - std::llround(mark_->seconds_since(mark) * 1e9);
 }
 
 std::unique_ptr<CopyEngine> make_simulated_copy_engine() { return std::make_unique<SimulatedCopyEngine>(); }

@@ -41,6 +41,9 @@ class StreamMark {
   // Seconds on the device's clock from `earlier`'s point to this one. Both recorded, made by engines of
   // the same kind (and device). Blocks the calling host thread until the work before both points has run.
   virtual double seconds_since(const StreamMark& earlier) const = 0;
+  // The host's clock (trace::now_ns) at this point where the device's clock is the host's (the default
+  // marks: exact); -1 where it is not (CUDA: placed through a ClockAnchor's wait instead).
+  virtual int64_t host_clock_ns() const { return -1; }
 };
 
 // A started copy.
@@ -92,9 +95,10 @@ class CopyEngine {
 
 // The device's clock pinned to the host's (trace::now_ns): a mark recorded after the work queued so far
 // on the caller's current stream, waited for at construction; the host's clock when the wait returns is
-// the device's at that mark, to the wait's wake-up latency (microseconds). host_ns() then places any
-// mark of the same device on the host's clock, before or after the anchor (it blocks until that mark's
-// work has run). For writing device intervals into the event trace, next to the host's own spans.
+// the device's at that mark, to the wait's wake-up latency (microseconds; exact where the device's
+// clock is the host's, StreamMark::host_clock_ns). host_ns() then places any mark of the same device on
+// the host's clock, before or after the anchor (it blocks until that mark's work has run). For writing
+// device intervals into the event trace, next to the host's own spans.
 class ClockAnchor {
  public:
   explicit ClockAnchor(std::unique_ptr<StreamMark> unrecorded);

@@ -126,8 +126,8 @@ TEST(EventTrace, TimedCopiesAreBounded) {
   EXPECT_GT(untimed, 0);
 }
 
-// A mark is placed where it was recorded, late by at most the anchor's own latency (its record to the
-// host's reading after the wait: microseconds here), on either side of the anchor.
+// Where the device's clock is the host's (the simulated engine), a mark is placed exactly where it was
+// recorded, on either side of the anchor.
 TEST(ClockAnchor, PlacesMarksOnTheHostClock) {
   const auto engine = make_simulated_copy_engine();
   const auto pause = [] { std::this_thread::sleep_for(std::chrono::milliseconds(5)); };
@@ -143,12 +143,11 @@ TEST(ClockAnchor, PlacesMarksOnTheHostClock) {
   const int64_t after_lo = trace::now_ns();
   after->record();
   const int64_t after_hi = trace::now_ns();
-  const int64_t latency = 1'000'000;  // 1 ms: far above the anchor's, far below the 5 ms pauses
   const int64_t b = anchor.host_ns(*before), a = anchor.host_ns(*after);
   EXPECT_GE(b, before_lo);
-  EXPECT_LE(b, before_hi + latency);
+  EXPECT_LE(b, before_hi);
   EXPECT_GE(a, after_lo);
-  EXPECT_LE(a, after_hi + latency);
+  EXPECT_LE(a, after_hi);
 }
 
 // Intervals that ran off the host's threads go on a named track: one name record per track, then
