@@ -729,24 +729,20 @@ TEST(ChunkedModel, TraceLastPhasesWritesTheStateStoresCopies) {
   ChunkedModel model(net.ptr(), tiny_config(64 << 10, 0));
   auto state = model.attach_state({ChunkRole::kMaster}, [](int, int64_t, const at::Tensor& slot) { slot.fill_(1); });
   const auto x = torch::randn({16, 128});
-  auto traced_roles = [&] {
+  auto traced_step = [&] {
     trace::start();
     model.backward(model.forward([&] { return net->forward(x); }));
     if (state) state->move_group(0, state->store().location(state->chunk(0, 0)) == Location::kDevice
                                         ? Location::kHost : Location::kDevice);
     model.trace_last_phases();
     trace::stop();
-    std::vector<std::string> roles;
-    const std::string json = trace::chrome_json();
-    for (size_t at = json.find("\"cat\": \"link\""); at != std::string::npos; at = json.find("\"cat\": \"link\"", at + 1)) {
-      const size_t r = json.find("\"role\": \"", at) + 9;
-      roles.push_back(json.substr(r, json.find('"', r) - r));
-    }
-    return roles;
   };
-  EXPECT_EQ(traced_roles(), std::vector<std::string>{"master"});
+  const std::string roles = "roles = [e['args']['role'] for e in track('copy stream')]\n";
+  traced_step();
+  EXPECT_EQ(test::check_trace(roles + "assert roles == ['master'], roles\n"), 0);
   state.reset();  // dropped: no longer the model's to trace
-  EXPECT_TRUE(traced_roles().empty());
+  traced_step();
+  EXPECT_EQ(test::check_trace(roles + "assert roles == [], roles\n"), 0);
 }
 
 }  // namespace
