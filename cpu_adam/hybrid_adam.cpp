@@ -461,15 +461,20 @@ void HybridAdam::before_landing(int64_t param) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (slot_accumulation()) {
     const int64_t c = model_.layout().slots()[param].chunk;
-    TORCH_CHECK(!overlap_active_ || !launched_[c], "ferry: HybridAdam::backward_step: parameter ",
+    TORCH_CHECK(!overlap_active_ || !eager_ || !launched_[c], "ferry: HybridAdam::backward_step: parameter ",
                 model_.param_name(param), " got gradient contribution ", landings_[param] + 1, " after its chunk's "
                 "update had started (the previous backward saw ", accum_expected_[param], "; Note [Pipelined step]). "
                 "Use backward() + step() for models whose backward changes between steps.");
     if (accum_armed_ && accum_consumed_[c]) {
       // A landing this backward did not have last time, on a chunk already consumed: its job (which
-      // holds the chunk on the host) ends first; the chunk is consumed again when backward ends.
+      // holds the chunk on the host) ends first; the chunk is consumed again when backward ends. In the
+      // two-phase step only the chunk's norm was taken: the step takes it again.
       if (static_cast<int64_t>(jobs_.size()) > c && jobs_[c].valid()) jobs_[c].wait();
       accum_consumed_[c] = 0;
+      if (overlap_active_ && !eager_ && launched_[c]) {
+        launched_[c] = 0;
+        chunk_device_norms_[c].clear();
+      }
     }
     return;
   }
@@ -486,9 +491,10 @@ void HybridAdam::after_landing(int64_t param) {
   if (slot_accumulation()) {
     const int64_t c = model_.layout().slots()[param].chunk;
     if (accum_landings_[param] > accum_expected_[param] || --accum_remaining_[c] != 0) return;
-    consume_slot_grads_locked(c);
-    // backward_step of the last micro-batch: the chunk's update follows its accumulation on the worker.
-    if (overlap_active_ && !on_device_[c] && !launched_[c]) launch_overlapped_locked(c);
+    // backward_step of the last micro-batch: with clipping or loss scaling the chunk's norm follows its
+    // accumulation (two-phase); otherwise its host update does, on the worker.
+    consume_slot_grads_locked(c, /*take_norm=*/overlap_active_ && !eager_);
+    if (overlap_active_ && eager_ && !on_device_[c] && !launched_[c]) launch_overlapped_locked(c);
     return;
   }
   if (!overlap_active_ || options_.accumulate_grads) return;
@@ -583,7 +589,7 @@ void HybridAdam::arm_accumulation_locked() {
   accum_armed_ = true;
 }
 
-void HybridAdam::consume_slot_grads_locked(int64_t c) {
+void HybridAdam::consume_slot_grads_locked(int64_t c, bool take_norm) {
   accum_consumed_[c] = 1;
   std::vector<Span> spans;
   for (int64_t t : model_.layout().chunks()[c].tensors) {
@@ -609,19 +615,29 @@ void HybridAdam::consume_slot_grads_locked(int64_t c) {
         /*with_state=*/false);
     return;
   }
+  // The norm step() would take of this chunk (the same spans of the same accumulated gradients): the
+  // chunk's landings in this backward are complete, and a later one is refused (before_landing).
+  std::vector<Span> norm_spans;
+  if (take_norm) {
+    norm_spans = landed_spans_locked(c);
+    launched_[c] = 1;
+  }
   if (on_device_[c]) {  // queued on the compute stream: no host stall
     if (params.location(pc) != Location::kDevice) params.move(pc, Location::kDevice);
     const at::Tensor g = params.payload(pc);
     for (const Span& sp : spans) acc.slice(0, sp.begin, sp.end).add_(g.slice(0, sp.begin, sp.end));
     restore_values(g, state_->payload(kMasterRole, c), spans);
+    if (take_norm) chunk_device_norms_[c] = device_norms(acc, norm_spans);
     return;
   }
   launch_host_job_locked(
-      c, "accumulate chunk ",
-      [acc, spans = std::move(spans)](const at::Tensor& g, float*, float*, float*, const at::Tensor& master) {
+      c, take_norm ? "accumulate chunk + norm " : "accumulate chunk ",
+      [this, c, acc, spans = std::move(spans), norm_spans = std::move(norm_spans), take_norm](
+          const at::Tensor& g, float*, float*, float*, const at::Tensor& master) {
         // add_ widens the bf16/fp16 gradients into fp32, as the per-parameter add did.
         for (const Span& sp : spans) acc.slice(0, sp.begin, sp.end).add_(g.slice(0, sp.begin, sp.end));
         restore_values(g, master, spans);
+        if (take_norm) outcomes_[c] = host_norm(acc, norm_spans);
       },
       /*with_state=*/false);
 }
@@ -810,8 +826,6 @@ StepResult HybridAdam::backward_step(const at::Tensor& loss) {
 }
 
 StepResult HybridAdam::backward_step_accumulated(const at::Tensor& loss) {
-  TORCH_CHECK(options_.max_grad_norm == 0 && !scaling_, "ferry: HybridAdam::backward_step needs max_grad_norm == 0 "
-              "and no fp16 loss scaling (both need every gradient before any update); use backward() + step()");
   check_idle("backward_step()");
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -820,7 +834,13 @@ StepResult HybridAdam::backward_step_accumulated(const at::Tensor& loss) {
     const bool overlap = static_cast<int64_t>(expected_landings_.size()) == model_.num_params();
     arm_landing_count_locked(overlap);
     if (overlap) {
-      for (int g = 0; g < num_param_groups(); ++g) cpu_adam_.advance_step(g);  // updates start during backward
+      // Clipping and loss scaling need every gradient first: two-phase (Note [Pipelined step]).
+      eager_ = options_.max_grad_norm == 0 && !scaling_;
+      outcomes_.assign(num_chunks(), ChunkOutcome{});
+      chunk_device_norms_.assign(num_chunks(), {});
+      if (eager_) {
+        for (int g = 0; g < num_param_groups(); ++g) cpu_adam_.advance_step(g);  // updates start during backward
+      }
     }
     overlap_active_ = overlap;
   }
@@ -828,12 +848,13 @@ StepResult HybridAdam::backward_step_accumulated(const at::Tensor& loss) {
     model_.backward(loss);
   } catch (...) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (overlap_active_) {
+    if (overlap_active_ && eager_) {
       int64_t started = 0;
       for (char l : launched_) started += l;
       log::error("ferry: backward_step: backward threw; ", started, " chunk(s) whose update had started are updated, ",
                  "the others are not, and the step count has advanced");
     }
+    chunk_device_norms_.clear();
     overlap_active_ = false;
     for (auto& f : pending_updates_) f.wait();
     pending_updates_.clear();
@@ -844,6 +865,20 @@ StepResult HybridAdam::backward_step_accumulated(const at::Tensor& loss) {
   overlap_active_ = false;
   expected_landings_ = landings_;
   if (!overlapped) return step_locked();  // the first call: nothing to compare against yet
+  if (!eager_) {
+    // Two-phase: the accumulations and the norms of the chunks final in backward ran during it; the
+    // rest and every update now, as step() runs them.
+    trace::Span step_span("adam", "adam.finish_pipelined_step");
+    StepResult result;
+    result.loss_scale = loss_scale();
+    for (char l : launched_) result.overlapped_chunks += l;
+    for (char d : on_device_) (d ? result.device_chunks : result.host_chunks) += 1;
+    const int64_t t0 = now_ns();
+    const ChunkNorms norms = grad_norms_locked(/*pipelined=*/true);
+    result.device_syncs = norms.syncs;
+    result.norm_ns = now_ns() - t0;
+    return apply_locked(norms, result);
+  }
   StepResult result;
   bool nonfinite = false;
   for (auto& f : pending_updates_) nonfinite = !f.get().applied || nonfinite;
@@ -853,6 +888,7 @@ StepResult HybridAdam::backward_step_accumulated(const at::Tensor& loss) {
   // What backward did not finish: host chunks not final during backward, and the device chunks. One
   // norm pass over all grads (one host sync) gives their finiteness and the reported norm.
   const ChunkNorms norms = grad_norms_locked();
+  result.device_syncs = norms.syncs;
   result.norm_ns = now_ns() - t0;
   nonfinite = !update_unlaunched_locked(norms, result) || nonfinite;
   for (char d : on_device_) (d ? result.device_chunks : result.host_chunks) += 1;

@@ -58,9 +58,11 @@
 // transfer of the whole chunk to the host on the copy stream and an add on CpuAdam's worker, while
 // backward goes on. The per-parameter add it replaces copied each gradient to the host synchronously
 // on autograd's thread. backward() waits for the last jobs before it returns, so the next forward reads
-// values; backward_step of the last micro-batch queues each host chunk's update right behind its add.
+// values; backward_step of the last micro-batch queues each host chunk's update right behind its add
+// (with clipping or loss scaling: its norm, the update waiting for the global norm).
 // A landing a chunk did not have in the previous backward, after it was emptied, waits for its job
-// and the chunk is emptied again at the end (refused under backward_step once the update started). A
+// and the chunk is emptied again at the end (refused under backward_step once the update started; a
+// norm taken already is taken again by the step). A
 // gradient that reached its parameter twice in one backward is summed in the slot in the compute
 // dtype, as in the default mode.
 // At N > 1 the same, with one difference: a chunk another rank owns has no master here, so its slots
@@ -258,8 +260,10 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // model.backward(loss) and step() in one call, pipelined per chunk (Note [Pipelined step]); the result
   // is bit-identical to backward() + step() where the note says so.
   // With accumulate_grads: backward of the last micro-batch and the step, with the host Adam of each
-  // chunk started on the accumulated fp32 gradients as soon as they are final; needs max_grad_norm == 0
-  // and no fp16 loss scaling. A non-finite gradient skips that chunk's update only.
+  // chunk started on the accumulated fp32 gradients as soon as they are final (a non-finite gradient
+  // skips that chunk's update only); with clipping or fp16 loss scaling two-phase, as without
+  // accumulation: each chunk's norm follows its accumulation during backward, the updates follow the
+  // global norm, bit-identical to backward() + step().
   // If backward throws, chunks whose update had started stay updated (logged as an error), the others
   // keep their gradients (zero_grad() discards them), and the step count has advanced.
   StepResult backward_step(const at::Tensor& loss);
@@ -375,7 +379,9 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // gives the slots their values back (round(master)), on the device for device-state chunks, else on
   // CpuAdam's worker after one transfer of the chunk to the host; clears the model's slot marks. A chunk
   // another rank owns keeps the gradients in its slots (values_from_owners_locked, when backward ends).
-  void consume_slot_grads_locked(int64_t chunk);
+  // take_norm (backward_step's two-phase path): the chunk's gradient norm follows its accumulation, into
+  // outcomes_ (host) or chunk_device_norms_ (device), and the chunk counts as launched.
+  void consume_slot_grads_locked(int64_t chunk, bool take_norm = false);
   // At N > 1 after an accumulating backward: the values of the chunks this rank does not own, from
   // their owners (sharded: every gathered group given up; replicated: one all-gather). A collective.
   void values_from_owners_locked();

@@ -824,35 +824,48 @@ TEST(HybridAdam, BackwardStepOverlapsAndIsBitIdentical) {
     EXPECT_TRUE(torch::equal(overlap_adam.exp_avg_sq(q), plain_adam.exp_avg_sq(q))) << name;
     EXPECT_TRUE(torch::equal(overlap.param_values(q), plain.param_values(q))) << name;
   }
-  HybridAdamOptions clipped = options;
-  clipped.max_grad_norm = 1.0;
-  HybridAdam clipping_adam(plain, clipped);
-  const Batch b = batch(0);
-  auto loss = plain.forward([&] { return lm_loss(plain_net, b.idx, b.target); });
-  EXPECT_THROW(clipping_adam.backward_step(loss), c10::Error) << "clipping needs every gradient first";
-  plain.end_iteration();
 }
 
 // Note [Pipelined step]: backward_step(loss) (pipelined from its second call) leaves masters, moments
 // and parameters bit-identical to backward() + step(), under forced evictions with the state split
-// between device and host; eager without clipping, two-phase with clipping or fp16 loss scaling.
-void expect_pipeline_equals_step(Precision precision, double max_grad_norm) {
+// between device and host; eager without clipping, two-phase with clipping or fp16 loss scaling; with
+// micro-batches (accumulate_grads), backward_step is the last micro-batch's backward + step().
+struct PipelineCase {
+  Precision precision = Precision::kBf16;
+  double max_grad_norm = 0.0;
+  int micro_batches = 1;               // > 1: accumulate_grads
+  double initial_scale = 65536.0;      // fp16 loss scaling
+  int64_t min_overflows = 0;           // skipped steps the case must see
+};
+void expect_pipeline_equals_step(const PipelineCase& pc) {
   HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
   options.device_state_chunks = 2;
-  options.max_grad_norm = max_grad_norm;
+  options.max_grad_norm = pc.max_grad_norm;
+  options.accumulate_grads = pc.micro_batches > 1;
+  options.loss_scaler.initial_scale = pc.initial_scale;
+  options.loss_scaler.hysteresis = 1;
+  const int64_t roles = options.accumulate_grads ? 4 : 3;
   torch::manual_seed(41);
   TinyLm a_net(kVocab, kDim);
   torch::manual_seed(41);
   TinyLm b_net(kVocab, kDim);
-  ChunkedModel a(a_net.ptr(), sim_config(budget_for(3, 2 * 2), precision));
-  ChunkedModel b(b_net.ptr(), sim_config(budget_for(3, 2 * 2), precision));
+  ChunkedModel a(a_net.ptr(), sim_config(budget_for(3, 2 * 2, roles), pc.precision));
+  ChunkedModel b(b_net.ptr(), sim_config(budget_for(3, 2 * 2, roles), pc.precision));
   HybridAdam a_adam(a, options), b_adam(b, options);
-  int64_t evictions = 0, applied = 0, clipped = 0;
-  for (int step = 0; step < 6; ++step) {
-    const Batch x = batch(step);
-    a.backward(a.forward([&] { return lm_loss(a_net, x.idx, x.target); }));
+  int64_t evictions = 0, applied = 0, clipped = 0, overflows = 0;
+  for (int step = 0; step < 8; ++step) {
+    for (int k = 0; k + 1 < pc.micro_batches; ++k) {
+      const Batch x = batch(100 * step + k);
+      a.backward(a.forward([&] { return lm_loss(a_net, x.idx, x.target) / pc.micro_batches; }));
+      b.backward(b.forward([&] { return lm_loss(b_net, x.idx, x.target) / pc.micro_batches; }));
+    }
+    const Batch x = batch(100 * step + pc.micro_batches - 1);
+    a.backward(a.forward([&] { return lm_loss(a_net, x.idx, x.target) / pc.micro_batches; }));
     const StepResult ra = a_adam.step();
-    const StepResult rb = b_adam.backward_step(b.forward([&] { return lm_loss(b_net, x.idx, x.target); }));
+    const StepResult rb =
+        b_adam.backward_step(b.forward([&] { return lm_loss(b_net, x.idx, x.target) / pc.micro_batches; }));
+    a_adam.zero_grad();
+    b_adam.zero_grad();
     ASSERT_EQ(ra.applied, rb.applied) << "step " << step;
     EXPECT_EQ(ra.overflow, rb.overflow) << "step " << step;
     EXPECT_EQ(ra.grad_norm, rb.grad_norm) << "step " << step << ": the same norms summed in the same order";
@@ -867,26 +880,89 @@ void expect_pipeline_equals_step(Precision precision, double max_grad_norm) {
     }
     EXPECT_FALSE(b.any_grad_in_slot()) << "step " << step;
     applied += ra.applied;
+    overflows += ra.overflow;
     clipped += ra.clip_coef < 1.0;
     evictions += b.last_iteration().evictions;
     ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, "step " + std::to_string(step)));
   }
   EXPECT_GT(applied, 2);
-  if (max_grad_norm > 0) {
+  EXPECT_GE(overflows, pc.min_overflows) << "the overflow path must be exercised";
+  if (pc.max_grad_norm > 0) {
     EXPECT_GT(clipped, 2) << "the clipping path must be exercised";
   }
   EXPECT_GE(evictions, 5) << "evictions in every pipelined step";
   EXPECT_EQ(a_adam.step_count(0), b_adam.step_count(0));
 }
 
-TEST(HybridAdam, PipelinedStepEqualsBackwardThenStepBitForBit) { expect_pipeline_equals_step(Precision::kBf16, 0.0); }
+TEST(HybridAdam, PipelinedStepEqualsBackwardThenStepBitForBit) { expect_pipeline_equals_step({}); }
 
 TEST(HybridAdam, PipelinedStepWithClippingEqualsBackwardThenStep) {
-  expect_pipeline_equals_step(Precision::kBf16, 0.05);
+  expect_pipeline_equals_step({Precision::kBf16, 0.05});
 }
 
 TEST(HybridAdam, PipelinedStepWithFp16LossScalingEqualsBackwardThenStep) {
-  expect_pipeline_equals_step(Precision::kFp16, 0.0);
+  expect_pipeline_equals_step({Precision::kFp16, 0.0, 1, 262144.0, /*min_overflows=*/1});
+}
+
+TEST(HybridAdam, AccumulatedPipelinedStepEqualsBackwardThenStepBitForBit) {
+  expect_pipeline_equals_step({Precision::kBf16, 0.0, 3});
+}
+
+TEST(HybridAdam, AccumulatedPipelinedStepWithClippingEqualsBackwardThenStep) {
+  expect_pipeline_equals_step({Precision::kBf16, 0.05, 3});
+}
+
+TEST(HybridAdam, AccumulatedPipelinedStepWithFp16LossScalingEqualsBackwardThenStep) {
+  expect_pipeline_equals_step({Precision::kFp16, 1.0, 3, 262144.0, /*min_overflows=*/1});
+}
+
+// The two-phase step with micro-batches takes a gradient its chunk did not have in the previous
+// backward, after that chunk's norm was taken (nothing irreversible had happened: the step takes the
+// norm again), and stays bit-identical to backward() + step(). The eager one refuses it
+// (PipelinedStepRefusesALateGradient).
+TEST(HybridAdam, AccumulatedTwoPhaseStepTakesALateGradient) {
+  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+  options.device_state_chunks = 2;
+  options.max_grad_norm = 0.05;
+  options.accumulate_grads = true;
+  bool use_extra = false;
+  auto make = [&](uint64_t seed) {
+    torch::manual_seed(seed);
+    TinyLm net(kVocab, kDim);
+    torch::Tensor extra = net->register_parameter("extra", torch::zeros({kDim}));
+    net->after_embedding = [&use_extra, extra](const torch::Tensor& x) { return use_extra ? x + extra : x; };
+    return net;
+  };
+  TinyLm a_net = make(57), b_net = make(57);
+  ChunkedModel a(a_net.ptr(), sim_config(budget_for(3, 2 * 2, 4), Precision::kBf16));
+  ChunkedModel b(b_net.ptr(), sim_config(budget_for(3, 2 * 2, 4), Precision::kBf16));
+  HybridAdam a_adam(a, options), b_adam(b, options);
+  int64_t overlapped_before = 0;
+  for (int step = 0; step < 5; ++step) {
+    for (int k = 0; k < 2; ++k) {
+      use_extra = step == 4 && k == 1;  // the last micro-batch of the last step only
+      const Batch x = batch(10 * step + k);
+      auto loss = [&](TinyLm& net) { return lm_loss(net, x.idx, x.target) / 2; };
+      a.backward(a.forward([&] { return loss(a_net); }));
+      if (k == 0) {
+        b.backward(b.forward([&] { return loss(b_net); }));
+        continue;
+      }
+      const StepResult ra = a_adam.step();
+      const StepResult rb = b_adam.backward_step(b.forward([&] { return loss(b_net); }));
+      a_adam.zero_grad();
+      b_adam.zero_grad();
+      ASSERT_TRUE(ra.applied && rb.applied) << "step " << step;
+      EXPECT_EQ(ra.grad_norm, rb.grad_norm) << "step " << step;
+      EXPECT_LT(ra.clip_coef, 1.0) << "step " << step << ": the clipping path";
+      if (step == 3) overlapped_before = rb.overlapped_chunks;
+      if (step == 4) {
+        EXPECT_LT(rb.overlapped_chunks, overlapped_before) << "the late gradient's chunk had its norm taken again";
+      }
+      ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, "step " + std::to_string(step)));
+    }
+  }
+  EXPECT_GT(overlapped_before, 0);
 }
 
 // Host synchronizations and transfers per step, counted on a copy engine whose copies stay pending

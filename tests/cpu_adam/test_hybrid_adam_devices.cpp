@@ -5,7 +5,8 @@
 // of a step runs on CUDA streams: gradients leaving per chunk on the copy stream into pinned staging,
 // the host Adam on the worker, the updated chunks coming back, fused Adam on the device-resident state.
 //  - backward_step(loss) (the per-chunk pipeline) leaves masters, moments and parameters bit-identical
-//    to model.backward(loss) + step(), also with global-norm clipping (the two-phase path);
+//    to model.backward(loss) + step(), also with global-norm clipping (the two-phase path), also as the
+//    last of two accumulated micro-batches;
 //  - ten fp32 steps follow the unwrapped model trained by torch::optim::AdamW on the same GPU;
 //  - state on the device and state on the host get the same bits (D53).
 #include <gtest/gtest.h>
@@ -57,12 +58,13 @@ Batch batch(int64_t step, DeviceKind device) {
   return {idx.to(dev), ((idx * 7 + 3) % kVocab).to(dev)};
 }
 
-Config device_config(DeviceKind device, Precision precision) {
+Config device_config(DeviceKind device, Precision precision, int64_t state_roles = 3) {
   Config c;
   c.device = device;
   c.chunk_size_bytes = kChunk;
-  // 3 parameter chunks + 2 state groups of 3 fp32 chunks (each twice a bf16 chunk's bytes in bf16).
-  c.device_budget_bytes = (3 + 3 * 2 * (precision == Precision::kFp32 ? 1 : 2)) * kChunk;
+  // 3 parameter chunks + 2 state groups of 3 (4 with accumulation) fp32 chunks (each twice a bf16
+  // chunk's bytes in bf16).
+  c.device_budget_bytes = (3 + state_roles * 2 * (precision == Precision::kFp32 ? 1 : 2)) * kChunk;
   c.precision = precision;
   return c;
 }
@@ -87,20 +89,32 @@ class HybridAdamOnDevice : public ::testing::TestWithParam<DeviceKind> {
 // Also pins down the staging order of the step (Note in stage_param_chunks_locked): with device-bound
 // chunks staged first, the eviction policy evicted one staged a moment before, and on CUDA the device
 // norms met a gradient on the host.
-void expect_pipeline_equals_step(DeviceKind device, double max_grad_norm) {
+// With micro_batches > 1 (accumulate_grads), backward_step is the last micro-batch's backward + step().
+void expect_pipeline_equals_step(DeviceKind device, double max_grad_norm, int micro_batches = 1) {
+  HybridAdamOptions o = options(max_grad_norm);
+  o.accumulate_grads = micro_batches > 1;
+  const int64_t roles = o.accumulate_grads ? 4 : 3;
   torch::manual_seed(11);
   Lm a_net(kVocab, kDim, kLayers);
   torch::manual_seed(11);
   Lm b_net(kVocab, kDim, kLayers);
-  ChunkedModel a(a_net.ptr(), device_config(device, Precision::kBf16));
-  ChunkedModel b(b_net.ptr(), device_config(device, Precision::kBf16));
-  HybridAdam a_adam(a, options(max_grad_norm)), b_adam(b, options(max_grad_norm));
+  ChunkedModel a(a_net.ptr(), device_config(device, Precision::kBf16, roles));
+  ChunkedModel b(b_net.ptr(), device_config(device, Precision::kBf16, roles));
+  HybridAdam a_adam(a, o), b_adam(b, o);
   int64_t evictions = 0, overlapped = 0, host_chunks = 0, clipped = 0;
   for (int step = 0; step < 5; ++step) {
-    const Batch x = batch(step, device);
-    a.backward(a.forward([&] { return a_net->loss(x.idx, x.target); }));
+    for (int k = 0; k + 1 < micro_batches; ++k) {
+      const Batch x = batch(100 * step + k, device);
+      a.backward(a.forward([&] { return a_net->loss(x.idx, x.target) / micro_batches; }));
+      b.backward(b.forward([&] { return b_net->loss(x.idx, x.target) / micro_batches; }));
+    }
+    const Batch x = batch(100 * step + micro_batches - 1, device);
+    a.backward(a.forward([&] { return a_net->loss(x.idx, x.target) / micro_batches; }));
     const StepResult ra = a_adam.step();
-    const StepResult rb = b_adam.backward_step(b.forward([&] { return b_net->loss(x.idx, x.target); }));
+    const StepResult rb =
+        b_adam.backward_step(b.forward([&] { return b_net->loss(x.idx, x.target) / micro_batches; }));
+    a_adam.zero_grad();
+    b_adam.zero_grad();
     ASSERT_TRUE(ra.applied && rb.applied) << "step " << step;
     EXPECT_EQ(ra.grad_norm, rb.grad_norm) << "step " << step;
     EXPECT_EQ(ra.clip_coef, rb.clip_coef) << "step " << step;
@@ -123,6 +137,10 @@ TEST_P(HybridAdamOnDevice, PipelinedStepEqualsBackwardThenStepBitForBit) { expec
 
 TEST_P(HybridAdamOnDevice, PipelinedStepWithClippingEqualsBackwardThenStep) {
   expect_pipeline_equals_step(GetParam(), 0.05);
+}
+
+TEST_P(HybridAdamOnDevice, AccumulatedPipelinedStepWithClippingEqualsBackwardThenStep) {
+  expect_pipeline_equals_step(GetParam(), 0.05, /*micro_batches=*/2);
 }
 
 TEST_P(HybridAdamOnDevice, TenFp32StepsFollowTorchAdamWOnTheSameDevice) {
