@@ -184,28 +184,25 @@ int train(int argc, char** argv) {
     adam.set_lr(lr);
     const bool tracing = !args.trace.empty() && step == first_step + std::min<int64_t>(2, args.steps - 1);
     if (tracing) ferry::trace::start();
-    double loss_sum = 0;
+    at::Tensor step_loss;  // summed on the device: one host read per step, not one per micro-batch
     ferry::StepResult r;
-    bool stepped = false;
     for (int64_t k = 0; k < args.micro_batches; ++k) {
       auto [x, y] = corpus.sample(micro, args.seq, rng);
       x = x.to(device);
       y = y.to(device);
       auto loss = model.forward([&] { return gpt::GptImpl::loss(net->forward(x), y) / args.micro_batches; });
-      // The last backward and the step as one pipeline (Note [Pipelined step]); accumulated gradients
-      // can be pipelined only without clipping and loss scaling.
-      if (k + 1 == args.micro_batches && (!options.accumulate_grads || (options.max_grad_norm == 0 && !adam.uses_loss_scaling()))) {
+      // The last backward and the step as one pipeline (Note [Pipelined step]).
+      if (k + 1 == args.micro_batches) {
         r = adam.backward_step(loss);
-        stepped = true;
       } else {
         model.backward(loss);
       }
-      loss_sum += loss.item<double>();
+      step_loss = step_loss.defined() ? step_loss + loss.detach() : loss.detach();
       const ferry::IterationStats it = model.last_iteration();
       moved_window += it.h2d_bytes + it.d2h_bytes;
     }
-    if (!stepped) r = adam.step();
     adam.zero_grad();
+    const double loss_sum = step_loss.item<double>();
     if (tracing) {
       model.trace_last_phases();  // the last micro-batch's forward and backward as the device ran them
       ferry::trace::stop();
