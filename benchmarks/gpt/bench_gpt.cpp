@@ -17,6 +17,8 @@
 // bandwidth, its host Adam at the measured CpuAdam roof, its host memory traffic (host Adam + copies) at
 // the same roof; measured / floor says how far from the limit; the schedule floor (forward's compute
 // plus the larger of backward's and the host memory's, D52) says how far from what this design can do.
+// --max-grad-norm=X clips in ferry and the baseline: ferry's step is then two-phase (Note [Pipelined
+// step]) and its schedule floor puts the host Adam after backward.
 // It also measures the interception overhead in ns per op (an op on a managed parameter inside
 // ChunkedModel's scope against the same op on a plain tensor).
 // --find-max: the largest preset (in parameter count) that trains 3 steps within the given budgets.
@@ -54,6 +56,7 @@ struct Args {
   bool checkpoint = false, baseline = true, find_max = false, init_scope = false, unpipelined = false;
   bool replicate_params = false, keep_gathered = false;  // world size > 1: Note [Sharded parameters] off / no reshard
   int64_t reshard_gap = 16;
+  double max_grad_norm = 0;  // global-norm clipping (ferry and the baseline); 0: none
 };
 
 // Peak resident set of this process so far (getrusage; Linux reports KiB).
@@ -182,6 +185,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   o.lr = 1e-4;
   o.weight_decay = 0.1;
   ferry::HybridAdamOptions adam_options = ferry::HybridAdamOptions::no_decay_for_bias_and_norm(o);
+  adam_options.max_grad_norm = a.max_grad_norm;
   adam_options.communicator = comm;  // null: one process
   adam_options.shard_params = !a.replicate_params;
   ferry::HybridAdam adam(model, adam_options);
@@ -348,6 +352,7 @@ StepTimes run_baseline(const Args& a, const gpt::GptConfig& gc, bool cuda, doubl
     }
   }
   auto optimizer_step = [&] {
+    if (a.max_grad_norm > 0) torch::nn::utils::clip_grad_norm_(params, a.max_grad_norm);
     if (!cuda) return opt.step();
     std::vector<at::Tensor> grads;
     for (auto& p : params) grads.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
@@ -519,6 +524,8 @@ int run(int argc, char** argv) {
       .add_flag("init-scope", &a.init_scope, "build the model inside ferry::InitScope (compute dtype, no fp32 copy)")
       .add_flag("no-baseline", &no_baseline, "skip the unwrapped baseline")
       .add_flag("unpipelined", &a.unpipelined, "model.backward() + adam.step() instead of adam.backward_step()")
+      .add("max-grad-norm", &a.max_grad_norm, "global gradient clipping in ferry and the baseline, 0 = none "
+           "(default 0; with clipping ferry's host Adam follows backward: Note [Pipelined step])", 0.0)
       .add_flag("find-max", &a.find_max, "find the largest preset that trains")
       .add_flag("replicate-params", &a.replicate_params, "world size > 1: every rank keeps every parameter chunk")
       .add_flag("keep-gathered", &a.keep_gathered, "world size > 1: keep gathered groups from forward to the step")
@@ -547,7 +554,8 @@ int run(int argc, char** argv) {
       << config.chunk_size_bytes << ", \"device_budget_bytes\": " << config.device_budget_bytes
       << ", \"host_budget_bytes\": " << config.host_budget_bytes << ", \"batch\": " << a.batch << ", \"seq\": " << a.seq
       << ", \"steps\": " << a.steps << ", \"checkpoint_activations\": " << (a.checkpoint ? "true" : "false")
-      << ", \"trace\": \"" << a.trace << "\", \"step\": \"" << (a.unpipelined ? "unpipelined" : "pipelined") << "\"},\n";
+      << ", \"trace\": \"" << a.trace << "\", \"step\": \"" << (a.unpipelined ? "unpipelined" : "pipelined")
+      << "\", \"max_grad_norm\": " << a.max_grad_norm << "},\n";
 
   if (a.find_max) {
     std::vector<gpt::GptConfig> presets;
@@ -670,9 +678,15 @@ int run(int argc, char** argv) {
     const double floor_s = std::max({compute_s, pcie_s, host_memory_s});
     // The schedule's floor (D52): the host Adam overlaps backward only, so forward's compute adds to the
     // larger of backward's compute and the host memory traffic (and the link can be busy throughout).
-    // Forward is 2N flops per token of the 6N (8N with recompute).
+    // Forward is 2N flops per token of the 6N (8N with recompute). With clipping or fp16 loss scaling
+    // (two-phase, Note [Pipelined step]) the host Adam waits for the global norm: only the copies
+    // overlap backward, and the host Adam follows it; unpipelined, the same bound.
     const double forward_s = compute_s * 2.0 / (a.checkpoint ? 8.0 : 6.0);
-    const double schedule_s = std::max(forward_s + std::max(compute_s - forward_s, host_memory_s), pcie_s);
+    const bool eager = !a.unpipelined && a.max_grad_norm == 0 && config.precision != ferry::Precision::kFp16;
+    const double backward_host_s = (eager ? host_memory_s : copy_host_bytes / rates.adam_bytes_per_s);
+    const double after_backward_s = eager ? 0.0 : adam_s;
+    const double schedule_s =
+        std::max(forward_s + std::max(compute_s - forward_s, backward_host_s) + after_backward_s, pcie_s);
     std::cerr << "bench_gpt: floors: compute " << compute_s << " s, transfers " << pcie_s << " s, host Adam " << adam_s
               << " s, host memory " << host_memory_s << " s; measured / floor " << f.mean.total / floor_s
               << ", measured / schedule floor " << f.mean.total / schedule_s << "\n";
@@ -682,7 +696,8 @@ int run(int argc, char** argv) {
         << (from_baseline ? "baseline step (6N)" : (cuda ? "bf16 GEMM probe" : "fp32 GEMM probe"))
         << "\"}, \"compute_s\": " << compute_s << ", \"transfers_s\": " << pcie_s << ", \"host_adam_s\": " << adam_s
         << ", \"host_memory_s\": " << host_memory_s << ", \"floor_s\": " << floor_s
-        << ", \"measured_over_floor\": " << f.mean.total / floor_s << ", \"schedule_floor_s\": " << schedule_s
+        << ", \"measured_over_floor\": " << f.mean.total / floor_s << ", \"schedule\": \""
+        << (eager ? "host Adam inside backward" : "host Adam after backward") << "\", \"schedule_floor_s\": " << schedule_s
         << ", \"measured_over_schedule_floor\": " << f.mean.total / schedule_s
         << ", \"measured_over_compute\": " << f.mean.total / compute_s << "}";
   }

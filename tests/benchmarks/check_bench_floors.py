@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Checks bench_gpt's floors (D52) against the counts in the same JSON document.
 
-    bench_gpt --preset=tiny ... --device-budget=1MiB --no-baseline | check_bench_floors.py
+    bench_gpt --preset=tiny ... --device-budget=1MiB --no-baseline [--max-grad-norm=1] | check_bench_floors.py
 
 The budget must leave optimizer state on the host, so every floor has something to count. Each floor is
 recomputed from the rates and the per-step counts bench_gpt printed beside it; a formula changed in one
@@ -51,8 +51,16 @@ def main():
     close("transfers_s", fl["transfers_s"], transfers)
     floor = max(fl["compute_s"], transfers, host_memory)
     close("floor_s", fl["floor_s"], floor)
-    forward = fl["compute_s"] * 2.0 / (8.0 if doc["config"]["checkpoint_activations"] else 6.0)
-    schedule = max(forward + max(fl["compute_s"] - forward, host_memory), transfers)
+    cfg = doc["config"]
+    forward = fl["compute_s"] * 2.0 / (8.0 if cfg["checkpoint_activations"] else 6.0)
+    # Eager (pipelined, no clipping, no fp16 loss scaling): the host Adam overlaps backward; otherwise
+    # only the copies do, and the host Adam follows backward (Note [Pipelined step]).
+    eager = cfg["step"] == "pipelined" and cfg["max_grad_norm"] == 0 and cfg["precision"] != "fp16"
+    if fl["schedule"] != ("host Adam inside backward" if eager else "host Adam after backward"):
+        sys.exit(f"check_bench_floors: schedule '{fl['schedule']}' for config {cfg}")
+    during_backward = host_memory if eager else per_copy * copies / r["host_adam_bytes_per_s"]
+    after_backward = 0.0 if eager else fl["host_adam_s"]
+    schedule = max(forward + max(fl["compute_s"] - forward, during_backward) + after_backward, transfers)
     close("schedule_floor_s", fl["schedule_floor_s"], schedule)
     if schedule < floor * (1 - 2e-4):
         sys.exit(f"check_bench_floors: the schedule floor {schedule} is below the resource floor {floor}")
