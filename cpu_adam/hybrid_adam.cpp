@@ -338,13 +338,19 @@ void HybridAdam::restore_values(const at::Tensor& param, const at::Tensor& maste
 }
 
 std::vector<std::pair<int, AdamSpan>> HybridAdam::adam_spans(const std::vector<Span>& landed, float* p, float* m,
-                                                             float* v, const at::Tensor& grads) const {
+                                                             float* v, const at::Tensor& grads,
+                                                             const at::Tensor& lowp) const {
   const at::ScalarType grad_dtype = grads.scalar_type();
   const int64_t grad_elem = static_cast<int64_t>(c10::elementSize(grad_dtype));
   char* g = static_cast<char*>(grads.data_ptr());
   // Default mode: the grads are in the parameter chunk (on the host now); the kernel writes the new
   // bf16/fp16 value over each grad it has read, in the same pass (fp32: copied after the update).
+  // Accumulation mode: into `lowp` (the parameter chunk, where lowp_target_locked found it), if given.
   const bool in_place_lowp = !options_.accumulate_grads && grad_dtype != at::kFloat;
+  TORCH_INTERNAL_ASSERT(!lowp.defined() || (options_.accumulate_grads && lowp.scalar_type() != at::kFloat));
+  char* lowp_base = in_place_lowp ? g : (lowp.defined() ? static_cast<char*>(lowp.data_ptr()) : nullptr);
+  const at::ScalarType lowp_dtype = in_place_lowp ? grad_dtype : (lowp.defined() ? lowp.scalar_type() : at::kFloat);
+  const int64_t lowp_elem = static_cast<int64_t>(c10::elementSize(lowp_dtype));
   std::vector<std::pair<int, AdamSpan>> spans;
   for (const Span& s : landed) {
     AdamSpan span;
@@ -354,19 +360,31 @@ std::vector<std::pair<int, AdamSpan>> HybridAdam::adam_spans(const std::vector<S
     span.exp_avg = m + s.begin;
     span.exp_avg_sq = v + s.begin;
     span.numel = s.end - s.begin;
-    if (in_place_lowp) {
-      span.param_lowp = g + s.begin * grad_elem;
-      span.lowp_dtype = grad_dtype;
+    if (lowp_base != nullptr) {
+      span.param_lowp = lowp_base + s.begin * lowp_elem;
+      span.lowp_dtype = lowp_dtype;
     }
     spans.emplace_back(s.group, span);
   }
   return spans;
 }
 
+at::Tensor HybridAdam::lowp_target_locked(int64_t c) {
+  if (!options_.accumulate_grads || world_ > 1) return {};
+  ChunkStore& params = model_.store();
+  const ChunkId pc = model_.param_chunk(c);
+  if (params.location(pc) != (on_device_[c] ? Location::kDevice : Location::kHost)) return {};
+  at::Tensor payload = params.payload(pc);  // waits for a copy into the host; orders the stream after one into the device
+  if (payload.scalar_type() == at::kFloat) return {};
+  lowp_written_[c] = 1;
+  return payload;
+}
+
 std::vector<std::pair<int, AdamSpan>> HybridAdam::host_spans_locked(int64_t c) {
   return adam_spans(landed_spans_locked(c), state_->payload(kMasterRole, c).data_ptr<float>(),
                     state_->payload(kExpAvgRole, c).data_ptr<float>(),
-                    state_->payload(kExpAvgSqRole, c).data_ptr<float>(), grad_payload_locked(c));
+                    state_->payload(kExpAvgSqRole, c).data_ptr<float>(), grad_payload_locked(c),
+                    lowp_target_locked(c));
 }
 
 void HybridAdam::run_host_update(const std::vector<std::pair<int, AdamSpan>>& spans, const UpdateOptions& options) {
@@ -421,13 +439,6 @@ void HybridAdam::finish_norms(const std::vector<at::Tensor>& device_norms, const
   norms.syncs = syncs;
 }
 
-void HybridAdam::launch_overlapped_locked(int64_t c) {
-  launched_[c] = 1;
-  for (const auto& [group, span] : host_spans_locked(c)) {
-    pending_updates_.push_back(cpu_adam_.update_async(group, span));  // checks its grads first
-  }
-}
-
 void HybridAdam::host_update_chunk_locked(int64_t c, const UpdateOptions& update_options) {
   trace::Span span("adam", trace::enabled() ? "host adam chunk " + std::to_string(c) : std::string());
   run_host_update(host_spans_locked(c), update_options);
@@ -446,7 +457,8 @@ void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale, const 
   // written over the gradient in the same pass; an fp32 compute copy is the master, copied after.
   for (const auto& [group, s] : adam_spans(landed_spans_locked(c), p.data_ptr<float>(),
                                            state_->payload(kExpAvgRole, c).data_ptr<float>(),
-                                           state_->payload(kExpAvgSqRole, c).data_ptr<float>(), g)) {
+                                           state_->payload(kExpAvgSqRole, c).data_ptr<float>(), g,
+                                           lowp_target_locked(c))) {
     device_adam_update(cpu_adam_, group, s, grad_scale, p.device(), found_inf);
     if (!options_.accumulate_grads && !s.param_lowp) {
       const int64_t begin = s.param - p.data_ptr<float>();
@@ -471,7 +483,7 @@ void HybridAdam::before_landing(int64_t param) {
       // two-phase step only the chunk's norm was taken: the step takes it again.
       if (static_cast<int64_t>(jobs_.size()) > c && jobs_[c].valid()) jobs_[c].wait();
       accum_consumed_[c] = 0;
-      if (overlap_active_ && !eager_ && launched_[c]) {
+      if (overlap_active_ && launched_[c]) {
         launched_[c] = 0;
         chunk_device_norms_[c].clear();
       }
@@ -491,10 +503,11 @@ void HybridAdam::after_landing(int64_t param) {
   if (slot_accumulation()) {
     const int64_t c = model_.layout().slots()[param].chunk;
     if (accum_landings_[param] > accum_expected_[param] || --accum_remaining_[c] != 0) return;
-    // backward_step of the last micro-batch: with clipping or loss scaling the chunk's norm follows its
-    // accumulation (two-phase); otherwise its host update does, on the worker.
-    consume_slot_grads_locked(c, /*take_norm=*/overlap_active_ && !eager_);
-    if (overlap_active_ && eager_ && !on_device_[c] && !launched_[c]) launch_overlapped_locked(c);
+    // backward_step of the last micro-batch: the chunk's norm follows its accumulation, and its host
+    // update too unless clipping or loss scaling make the step two-phase.
+    consume_slot_grads_locked(c, !overlap_active_ ? AfterAccumulation::kNothing
+                                 : eager_        ? AfterAccumulation::kNormAndUpdate
+                                                 : AfterAccumulation::kNorm);
     return;
   }
   if (!overlap_active_ || options_.accumulate_grads) return;
@@ -589,7 +602,7 @@ void HybridAdam::arm_accumulation_locked() {
   accum_armed_ = true;
 }
 
-void HybridAdam::consume_slot_grads_locked(int64_t c, bool take_norm) {
+void HybridAdam::consume_slot_grads_locked(int64_t c, AfterAccumulation then) {
   accum_consumed_[c] = 1;
   std::vector<Span> spans;
   for (int64_t t : model_.layout().chunks()[c].tensors) {
@@ -615,31 +628,46 @@ void HybridAdam::consume_slot_grads_locked(int64_t c, bool take_norm) {
         /*with_state=*/false);
     return;
   }
-  // The norm step() would take of this chunk (the same spans of the same accumulated gradients): the
-  // chunk's landings in this backward are complete, and a later one is refused (before_landing).
-  std::vector<Span> norm_spans;
-  if (take_norm) {
-    norm_spans = landed_spans_locked(c);
-    launched_[c] = 1;
-  }
   if (on_device_[c]) {  // queued on the compute stream: no host stall
     if (params.location(pc) != Location::kDevice) params.move(pc, Location::kDevice);
     const at::Tensor g = params.payload(pc);
     for (const Span& sp : spans) acc.slice(0, sp.begin, sp.end).add_(g.slice(0, sp.begin, sp.end));
     restore_values(g, state_->payload(kMasterRole, c), spans);
-    if (take_norm) chunk_device_norms_[c] = device_norms(acc, norm_spans);
+    if (then == AfterAccumulation::kNorm) {  // the eager step updates device chunks after backward
+      chunk_device_norms_[c] = device_norms(acc, landed_spans_locked(c));
+      launched_[c] = 1;
+    }
     return;
   }
+  // The norm step() would take of this chunk (the same spans of the same accumulated gradients): the
+  // chunk's landings in this backward are complete, and a later one is refused or, before any update
+  // started, makes the step take it again (before_landing).
+  std::vector<Span> landed;
+  if (then != AfterAccumulation::kNothing) {
+    landed = landed_spans_locked(c);
+    launched_[c] = 1;
+  }
+  const bool update = then == AfterAccumulation::kNormAndUpdate;
   launch_host_job_locked(
-      c, take_norm ? "accumulate chunk + norm " : "accumulate chunk ",
-      [this, c, acc, spans = std::move(spans), norm_spans = std::move(norm_spans), take_norm](
-          const at::Tensor& g, float*, float*, float*, const at::Tensor& master) {
+      c, update ? "accumulate + host adam chunk " : "accumulate chunk ",
+      [this, c, acc, spans = std::move(spans), landed = std::move(landed), then, update](
+          const at::Tensor& g, float* p, float* m, float* v, const at::Tensor& master) {
         // add_ widens the bf16/fp16 gradients into fp32, as the per-parameter add did.
         for (const Span& sp : spans) acc.slice(0, sp.begin, sp.end).add_(g.slice(0, sp.begin, sp.end));
-        restore_values(g, master, spans);
-        if (take_norm) outcomes_[c] = host_norm(acc, norm_spans);
+        if (then != AfterAccumulation::kNothing) outcomes_[c] = host_norm(acc, landed);
+        if (!update || !outcomes_[c].finite) {
+          restore_values(g, master, spans);  // the slots get their values back (round(master))
+          return;
+        }
+        // The update writes the new values into the slots in its own pass (fp32: copied after): the
+        // chunk is locked on the host for this job, so no write-back pass is needed for it.
+        const bool lowp = g.scalar_type() != at::kFloat;
+        run_host_update(adam_spans(landed, p, m, v, acc, lowp ? g : at::Tensor()),
+                        UpdateOptions{1.0, /*grads_checked=*/true});
+        if (!lowp) restore_values(g, master, landed);
+        lowp_written_[c] = 1;
       },
-      /*with_state=*/false);
+      /*with_state=*/update);
 }
 
 void HybridAdam::check_backward_step_start_locked() {
@@ -713,15 +741,11 @@ void HybridAdam::backward_finished(bool aborted) {
   if (slot_accumulation() && sharded_ && world_ > 1 && (aborted || !step_follows_backward_)) {
     values_from_owners_locked();
   }
-  if (error) {
-    for (auto& update : pending_updates_) update.wait();
-    std::rethrow_exception(error);
-  }
+  if (error) std::rethrow_exception(error);
   // The jobs read and write parameter chunks: done before the model ends the iteration.
   for (auto& job : jobs_) {
     if (job.valid()) job.wait();
   }
-  for (auto& update : pending_updates_) update.wait();
 }
 
 StepResult HybridAdam::finish_pipelined_locked() {
@@ -838,6 +862,7 @@ StepResult HybridAdam::backward_step_accumulated(const at::Tensor& loss) {
       eager_ = options_.max_grad_norm == 0 && !scaling_;
       outcomes_.assign(num_chunks(), ChunkOutcome{});
       chunk_device_norms_.assign(num_chunks(), {});
+      lowp_written_.assign(num_chunks(), 0);
       if (eager_) {
         for (int g = 0; g < num_param_groups(); ++g) cpu_adam_.advance_step(g);  // updates start during backward
       }
@@ -855,9 +880,8 @@ StepResult HybridAdam::backward_step_accumulated(const at::Tensor& loss) {
                  "the others are not, and the step count has advanced");
     }
     chunk_device_norms_.clear();
+    lowp_written_.clear();  // the launched chunks' jobs wrote their new values into the slots
     overlap_active_ = false;
-    for (auto& f : pending_updates_) f.wait();
-    pending_updates_.clear();
     throw;
   }
   std::lock_guard<std::mutex> lock(mutex_);
@@ -865,40 +889,27 @@ StepResult HybridAdam::backward_step_accumulated(const at::Tensor& loss) {
   overlap_active_ = false;
   expected_landings_ = landings_;
   if (!overlapped) return step_locked();  // the first call: nothing to compare against yet
-  if (!eager_) {
-    // Two-phase: the accumulations and the norms of the chunks final in backward ran during it; the
-    // rest and every update now, as step() runs them.
-    trace::Span step_span("adam", "adam.finish_pipelined_step");
-    StepResult result;
-    result.loss_scale = loss_scale();
-    for (char l : launched_) result.overlapped_chunks += l;
-    for (char d : on_device_) (d ? result.device_chunks : result.host_chunks) += 1;
-    const int64_t t0 = now_ns();
-    const ChunkNorms norms = grad_norms_locked(/*pipelined=*/true);
-    result.device_syncs = norms.syncs;
-    result.norm_ns = now_ns() - t0;
-    return apply_locked(norms, result);
-  }
+  // The accumulations and norms of the chunks final in backward ran during it (eager: their host
+  // updates too, writing the new values into the slots); what remains runs now, as step() runs it.
+  trace::Span step_span("adam", "adam.finish_pipelined_step");
   StepResult result;
-  bool nonfinite = false;
-  for (auto& f : pending_updates_) nonfinite = !f.get().applied || nonfinite;
-  pending_updates_.clear();
+  result.loss_scale = loss_scale();
   for (char l : launched_) result.overlapped_chunks += l;
+  for (char d : on_device_) (d ? result.device_chunks : result.host_chunks) += 1;
   int64_t t0 = now_ns();
-  // What backward did not finish: host chunks not final during backward, and the device chunks. One
-  // norm pass over all grads (one host sync) gives their finiteness and the reported norm.
-  const ChunkNorms norms = grad_norms_locked();
+  const ChunkNorms norms = grad_norms_locked(/*pipelined=*/true);  // one host sync for the device chunks
   result.device_syncs = norms.syncs;
   result.norm_ns = now_ns() - t0;
-  nonfinite = !update_unlaunched_locked(norms, result) || nonfinite;
-  for (char d : on_device_) (d ? result.device_chunks : result.host_chunks) += 1;
+  if (!eager_) return apply_locked(norms, result);  // clipping / loss scaling: every update now
+  // Eager: a chunk with a non-finite gradient skipped its update only.
+  update_unlaunched_locked(norms, result);
   t0 = now_ns();
-  write_back_locked();
+  result.written_back_chunks = write_back_locked(/*after_update=*/true);
   result.writeback_ns = now_ns() - t0;
   result.grad_norm = std::sqrt(norms.total_sq);
-  result.overflow = nonfinite;
-  result.applied = !nonfinite;
-  if (nonfinite) log::warn("ferry: backward_step: non-finite gradients; those chunks were not updated");
+  result.overflow = !norms.all_finite;
+  result.applied = norms.all_finite;
+  if (result.overflow) log::warn("ferry: backward_step: non-finite gradients; those chunks were not updated");
   return result;
 }
 
@@ -973,6 +984,7 @@ StepResult HybridAdam::step_locked() {
 
 StepResult HybridAdam::apply_locked(const ChunkNorms& norms, StepResult result) {
   const int64_t n = num_chunks();
+  lowp_written_.assign(n, 0);
   int64_t t0 = now_ns();
   if (!norms.all_finite) {
     result.overflow = true;
@@ -1019,7 +1031,7 @@ StepResult HybridAdam::apply_locked(const ChunkNorms& norms, StepResult result) 
   // 3. The parameters in compute dtype (default mode: the updates wrote them already).
   t0 = now_ns();
   if (options_.accumulate_grads) {
-    write_back_locked();
+    result.written_back_chunks = write_back_locked(/*after_update=*/true);
   } else {
     model_.clear_grad_slots();
     std::fill(landed_.begin(), landed_.end(), 0);
@@ -1035,11 +1047,17 @@ StepResult HybridAdam::apply_locked(const ChunkNorms& norms, StepResult result) 
   return result;
 }
 
-void HybridAdam::write_back_locked() {
+int64_t HybridAdam::write_back_locked(bool after_update) {
+  int64_t copied = 0;
   for (int64_t c = 0; c < num_chunks(); ++c) {
     if (!owned(c)) continue;  // sharded: gather_params_locked brings the owner's values
+    // The update wrote the new compute-dtype values in its own pass (lowp_target_locked).
+    if (after_update && static_cast<int64_t>(lowp_written_.size()) > c && lowp_written_[c]) continue;
     model_.store().payload(model_.param_chunk(c)).copy_(state_->payload(kMasterRole, c));
+    ++copied;
   }
+  lowp_written_.clear();
+  return copied;
 }
 
 void HybridAdam::zero_grad() {

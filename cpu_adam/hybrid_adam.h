@@ -44,8 +44,9 @@
 //  3. Each group's step count advances; every parameter that received a gradient since the last
 //     step is updated with it scaled by coef (one that received none is left alone, as torch's
 //     optimizers skip a parameter whose .grad is undefined).
-//  4. The updated fp32 masters are written into the parameter chunks in the compute dtype (the host
-//     kernel writes them in its own pass).
+//  4. The updated fp32 masters are written into the parameter chunks in the compute dtype, by the
+//     update in its own pass (host or device kernel; with accumulate_grads where the parameter chunk is
+//     where the state is, else by a copy after it).
 //  Without accumulate_grads, the parameter chunk of a host-state chunk moves to the host for the
 //  update and that of a device-state chunk to the device (each where its state is).
 //
@@ -243,6 +244,9 @@ struct StepResult {
   int64_t device_chunks = 0;  // layout chunks updated on the device
   int64_t host_chunks = 0;    // ... on the host
   int64_t norm_ns = 0, device_update_ns = 0, host_update_ns = 0, writeback_ns = 0;
+  // accumulate_grads: layout chunks whose new values were copied from the masters after the update
+  // (a parameter chunk away from its state, or fp32 compute); the update wrote the others' itself.
+  int64_t written_back_chunks = 0;
   int64_t overlapped_chunks = 0;  // backward_step: chunks whose update (or norm) started during backward
   // Host synchronizations by the optimizer on the calling thread (reading device norms): at most 1.
   int64_t device_syncs = 0;
@@ -379,9 +383,12 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // gives the slots their values back (round(master)), on the device for device-state chunks, else on
   // CpuAdam's worker after one transfer of the chunk to the host; clears the model's slot marks. A chunk
   // another rank owns keeps the gradients in its slots (values_from_owners_locked, when backward ends).
-  // take_norm (backward_step's two-phase path): the chunk's gradient norm follows its accumulation, into
-  // outcomes_ (host) or chunk_device_norms_ (device), and the chunk counts as launched.
-  void consume_slot_grads_locked(int64_t chunk, bool take_norm = false);
+  // What follows the accumulation under backward_step (the chunk then counts as launched): its norm,
+  // into outcomes_ (host) or chunk_device_norms_ (device; two-phase only), and in the eager step (no
+  // clipping, no loss scaling) a host chunk's update, in the same job, writing the new values into the
+  // slots; a chunk with a non-finite gradient is not updated.
+  enum class AfterAccumulation { kNothing, kNorm, kNormAndUpdate };
+  void consume_slot_grads_locked(int64_t chunk, AfterAccumulation then = AfterAccumulation::kNothing);
   // At N > 1 after an accumulating backward: the values of the chunks this rank does not own, from
   // their owners (sharded: every gathered group given up; replicated: one all-gather). A collective.
   void values_from_owners_locked();
@@ -395,9 +402,14 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // The chunk's landed spans: the host norm (as grad_norms_locked computes it), and device norms.
   ChunkOutcome host_norm(const at::Tensor& grads, const std::vector<Span>& spans) const;
   std::vector<at::Tensor> device_norms(const at::Tensor& grads, const std::vector<Span>& spans) const;
-  // CpuAdam spans over state (p, m, v) and `grads` (default mode: the new value is written over each grad).
+  // CpuAdam spans over state (p, m, v) and `grads` (default mode: the new value is written over each grad;
+  // accumulation mode: into `lowp`, a 16-bit parameter chunk payload, when given).
   std::vector<std::pair<int, AdamSpan>> adam_spans(const std::vector<Span>& spans, float* p, float* m, float* v,
-                                                   const at::Tensor& grads) const;
+                                                   const at::Tensor& grads, const at::Tensor& lowp = {}) const;
+  // Accumulation mode at N = 1: layout chunk c's parameter chunk payload when it is where c's state is
+  // (host or device) and 16-bit, so that the update writes the new values in its own pass and
+  // write_back_locked skips the chunk (marked in lowp_written_); else undefined.
+  at::Tensor lowp_target_locked(int64_t chunk);
   void run_host_update(const std::vector<std::pair<int, AdamSpan>>& spans, const UpdateOptions& options);
   // Writes the masters of `spans` into the parameter chunk payload `param` (gives landed slots their values back).
   static void restore_values(const at::Tensor& param, const at::Tensor& master, const std::vector<Span>& spans);
@@ -479,7 +491,9 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // Whether every rank expects the same landings next backward_step (a collective).
   void check_landings_agree_locked();
   at::Tensor state_view(Role role, int64_t param);
-  void write_back_locked();
+  // The masters into the parameter chunks in the compute dtype; `after_update`: except the chunks the
+  // update wrote already (lowp_written_). Returns the chunks copied.
+  int64_t write_back_locked(bool after_update = false);
   StepResult step_locked();
   // Every grad chunk's squared norm and finiteness; one host sync for all device chunks. `pipelined`:
   // the chunks launched during backward contribute what was computed then.
@@ -488,7 +502,6 @@ class HybridAdam final : private GradSink, private LayoutListener {
   void host_update_chunk_locked(int64_t chunk, const UpdateOptions& options);
   // `found_inf` (a device flag, optional): the device Adam writes nothing when it is nonzero.
   void device_update_chunk_locked(int64_t chunk, double grad_scale, const at::Tensor& found_inf = {});
-  void launch_overlapped_locked(int64_t chunk);  // queues chunk's host spans on CpuAdam's async queue
 
   ChunkedModel& model_;
   HybridAdamOptions options_;
@@ -510,8 +523,10 @@ class HybridAdam final : private GradSink, private LayoutListener {
   std::vector<int64_t> landings_, expected_landings_;
   bool overlap_active_ = false;
   std::vector<int64_t> remaining_;  // per layout chunk: landings still expected before it is final
-  std::vector<char> launched_;      // per layout chunk: its host update is queued
-  std::vector<std::future<UpdateResult>> pending_updates_;
+  std::vector<char> launched_;      // per layout chunk: its host update (or norm) is queued
+  // Accumulation mode, per layout chunk: the update wrote the new compute-dtype values into the
+  // parameter chunk (write_back_locked skips it, then clears this).
+  std::vector<char> lowp_written_;
   // The default-mode pipeline: whether updates run during backward (no clipping, no loss scaling), the
   // host jobs (per layout chunk; awaited when backward ends) and what they found, the device norms.
   bool eager_ = false;
