@@ -57,6 +57,7 @@ struct Args {
   bool replicate_params = false, keep_gathered = false;  // world size > 1: Note [Sharded parameters] off / no reshard
   int64_t reshard_gap = 16;
   double max_grad_norm = 0;  // global-norm clipping (ferry and the baseline); 0: none
+  int64_t micro_batches = 1;  // gradient accumulation: backward passes per step, batch / micro_batches rows each
 };
 
 // Peak resident set of this process so far (getrusage; Linux reports KiB).
@@ -94,9 +95,10 @@ int64_t allocated_bytes(bool cuda) {
   return ferry::host_heap_in_use_bytes();
 }
 
+// One micro-batch: batch / micro_batches sequences.
 std::pair<at::Tensor, at::Tensor> batch_of(const Args& a, int64_t vocab, std::mt19937_64& rng, c10::Device d) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(rng());
-  auto x = at::randint(vocab, {a.batch, a.seq}, gen, at::kLong);
+  auto x = at::randint(vocab, {a.batch / a.micro_batches, a.seq}, gen, at::kLong);
   return {x.to(d), at::roll(x, -1, 1).to(d)};
 }
 
@@ -122,6 +124,7 @@ struct FerryResult {
   // optimizer's), those of the optimizer's worker, chunk transfers, and bytes each way.
   double syncs = 0, background_syncs = 0, transfers = 0, h2d_bytes = 0, d2h_bytes = 0;
   double overlapped_chunks = 0;
+  double written_back_chunks = 0;  // accumulation: chunks whose new values a copy wrote after the update
   double host_state_params = 0;  // parameters whose optimizer state is on the host (host Adam)
   // Data parallelism (world size > 1), per measured step: bytes this rank sent as the ring algorithm
   // sends them (dist::CommStats), collectives, time in them; the parameter chunks' bytes.
@@ -186,6 +189,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   o.weight_decay = 0.1;
   ferry::HybridAdamOptions adam_options = ferry::HybridAdamOptions::no_decay_for_bias_and_norm(o);
   adam_options.max_grad_norm = a.max_grad_norm;
+  adam_options.accumulate_grads = a.micro_batches > 1;
   adam_options.communicator = comm;  // null: one process
   adam_options.shard_params = !a.replicate_params;
   ferry::HybridAdam adam(model, adam_options);
@@ -211,29 +215,47 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
       if (cuda) c10::cuda::CUDACachingAllocator::resetPeakStats(c10::cuda::current_device());
 #endif
     }
-    auto [x, y] = batch_of(a, gc.vocab, rng, device);
     const bool tracing = !a.trace.empty() && s == a.warmup_steps + a.steps - 1;  // the last measured step
     if (tracing) ferry::trace::start();
     sync(cuda);
-    const int64_t before_forward = allocated_bytes(cuda);
     const ferry::MoveStats moves_before = sum_moves(model.store().stats().moves, adam.state_store().stats().moves);
     const ferry::dist::CommStats comm_before = comm ? comm->stats() : ferry::dist::CommStats{};
     const auto shards_before = adam.param_shards() ? adam.param_shards()->stats() : ferry::dist::ParamShardStats{};
-    auto t0 = Clock::now();
-    auto loss = model.forward([&] { return gpt::GptImpl::loss(net->forward(x), y); });
-    sync(cuda);
-    const double f = since(t0);
-    const double present_after_forward = present_param_bytes(model);
-    const int64_t activations = allocated_bytes(cuda) - before_forward;
+    // Micro-batches before the last: forward + backward (accumulating), each phase summed; the last one's
+    // backward is the step's (pipelined or not).
+    double f = 0, b = 0, o_s = 0, moved = 0, wait_s = 0;
+    int64_t evictions = 0;
+    double present_after_forward = 0, present_after_backward = 0;
+    int64_t activations = 0;
+    at::Tensor loss, loss_sum;
+    for (int64_t k = 0; k < a.micro_batches; ++k) {
+      auto [x, y] = batch_of(a, gc.vocab, rng, device);
+      const int64_t before_forward = allocated_bytes(cuda);
+      auto t0 = Clock::now();
+      loss = model.forward([&] { return gpt::GptImpl::loss(net->forward(x), y) / a.micro_batches; });
+      sync(cuda);
+      f += since(t0);
+      present_after_forward = std::max(present_after_forward, present_param_bytes(model));
+      activations = std::max(activations, allocated_bytes(cuda) - before_forward);
+      loss_sum = loss_sum.defined() ? loss_sum + loss.detach() : loss.detach();
+      if (k + 1 == a.micro_batches) break;
+      auto t1 = Clock::now();
+      model.backward(loss);
+      sync(cuda);
+      b += since(t1);
+      const ferry::IterationStats it = model.last_iteration();
+      moved += static_cast<double>(it.h2d_bytes + it.d2h_bytes);
+      wait_s += static_cast<double>(it.wait_ns) * 1e-9;
+      evictions += it.evictions;
+      present_after_backward = std::max(present_after_backward, present_param_bytes(model));
+    }
     auto t1 = Clock::now();
     ferry::StepResult step;
-    double b = 0, o_s = 0;
-    double present_after_backward = 0;
     if (a.unpipelined) {
       model.backward(loss);
       sync(cuda);
-      b = since(t1);
-      present_after_backward = present_param_bytes(model);
+      b += since(t1);
+      present_after_backward = std::max(present_after_backward, present_param_bytes(model));
       auto t2 = Clock::now();
       step = adam.step();
       adam.zero_grad();
@@ -245,8 +267,9 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
       const double total = since(t1);
       // Backward as the device ran it (the host's backward() returns while its kernels still run, and
       // the step's first wait would be charged to the optimizer); the optimizer is the rest of the step.
-      b = std::min(total, model.last_phase_seconds().backward);
-      o_s = total - b;
+      const double last_backward = std::min(total, model.last_phase_seconds().backward);
+      b += last_backward;
+      o_s = total - last_backward;
     }
     const ferry::MoveStats moves = sum_moves(model.store().stats().moves, adam.state_store().stats().moves);
     if (s == 0) {
@@ -260,9 +283,12 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
       ferry::trace::write_chrome_json(a.trace);
     }
     const ferry::IterationStats it = model.last_iteration();
-    const double l = loss.item<double>();
+    moved += static_cast<double>(it.h2d_bytes + it.d2h_bytes);
+    wait_s += static_cast<double>(it.wait_ns) * 1e-9;
+    evictions += it.evictions;
+    const double l = loss_sum.item<double>();
     std::cerr << "bench_gpt: ferry step " << s << (measured ? "" : " (warm-up)") << ": fwd " << f << " s, bwd " << b
-              << " s, opt " << o_s << " s, loss " << l << ", moved " << ferry::format_bytes(it.h2d_bytes + it.d2h_bytes)
+              << " s, opt " << o_s << " s, loss " << l << ", moved " << ferry::format_bytes(static_cast<int64_t>(moved))
               << "\n";
     if (!measured) continue;
     r.param_bytes_peak = std::max({r.param_bytes_peak, present_after_forward, present_after_backward});
@@ -275,17 +301,18 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     r.mean.forward += f / a.steps;
     r.mean.backward += b / a.steps;
     r.mean.optimizer += o_s / a.steps;
-    r.mean.wait += it.wait_ns * 1e-9 / a.steps;
+    r.mean.wait += wait_s / a.steps;
     r.mean.total += (f + b + o_s) / a.steps;
-    r.moved_bytes += static_cast<double>(it.h2d_bytes + it.d2h_bytes) / a.steps;
+    r.moved_bytes += moved / a.steps;
     r.moved_over_optimal = it.moved_over_optimal();
-    r.evictions += it.evictions;
+    r.evictions += evictions;
     r.syncs += static_cast<double>(moves.sync_count - moves_before.sync_count + step.device_syncs) / a.steps;
     r.background_syncs += static_cast<double>(moves.background_sync_count - moves_before.background_sync_count) / a.steps;
     r.transfers += static_cast<double>(moves.h2d_count - moves_before.h2d_count + moves.d2h_count - moves_before.d2h_count) / a.steps;
     r.h2d_bytes += static_cast<double>(moves.h2d_bytes - moves_before.h2d_bytes) / a.steps;
     r.d2h_bytes += static_cast<double>(moves.d2h_bytes - moves_before.d2h_bytes) / a.steps;
     r.overlapped_chunks += static_cast<double>(step.overlapped_chunks) / a.steps;
+    r.written_back_chunks += static_cast<double>(step.written_back_chunks) / a.steps;
     if (comm) {
       const ferry::dist::CommStats cs = comm->stats();
       r.ring_bytes += static_cast<double>(cs.ring_bytes_sent - comm_before.ring_bytes_sent) / a.steps;
@@ -369,37 +396,41 @@ StepTimes run_baseline(const Args& a, const gpt::GptConfig& gc, bool cuda, doubl
   std::set<prof::ActivityType> activities{prof::ActivityType::CPU};
   if (cuda) activities.insert(prof::ActivityType::CUDA);
   for (int64_t s = 0; s < a.warmup_steps + a.steps; ++s) {
-    auto [x, y] = batch_of(a, gc.vocab, rng, device);
     const bool profiled = !a.profile.empty() && s + 1 == a.warmup_steps + a.steps;
     if (profiled) {
       kineto::prepareProfiler(profiler_config, activities);
       kineto::enableProfiler(profiler_config, activities);
     }
     sync(cuda);
-    auto t0 = Clock::now();
-    at::Tensor loss;
-    // Each phase in a user scope that ends after its sync: the profile attributes kernels by time.
-    {
-      RECORD_USER_SCOPE("phase.forward");
-      if (cuda) {
-        at::autocast::set_autocast_enabled(at::kCUDA, true);
-        at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    double f = 0, b = 0, loss_sum = 0;
+    for (int64_t k = 0; k < a.micro_batches; ++k) {  // gradients accumulate in .grad
+      auto [x, y] = batch_of(a, gc.vocab, rng, device);
+      auto t0 = Clock::now();
+      at::Tensor loss;
+      // Each phase in a user scope that ends after its sync: the profile attributes kernels by time.
+      {
+        RECORD_USER_SCOPE("phase.forward");
+        if (cuda) {
+          at::autocast::set_autocast_enabled(at::kCUDA, true);
+          at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+        }
+        loss = gpt::GptImpl::loss(net->forward(x), y) / a.micro_batches;
+        if (cuda) {
+          at::autocast::set_autocast_enabled(at::kCUDA, false);
+          at::autocast::clear_cache();
+        }
+        sync(cuda);
       }
-      loss = gpt::GptImpl::loss(net->forward(x), y);
-      if (cuda) {
-        at::autocast::set_autocast_enabled(at::kCUDA, false);
-        at::autocast::clear_cache();
+      f += since(t0);
+      auto t1 = Clock::now();
+      {
+        RECORD_USER_SCOPE("phase.backward");
+        loss.backward();
+        sync(cuda);
       }
-      sync(cuda);
+      b += since(t1);
+      loss_sum += loss.item<double>();
     }
-    const double f = since(t0);
-    auto t1 = Clock::now();
-    {
-      RECORD_USER_SCOPE("phase.backward");
-      loss.backward();
-      sync(cuda);
-    }
-    const double b = since(t1);
     auto t2 = Clock::now();
     {
       RECORD_USER_SCOPE("phase.optimizer");
@@ -412,7 +443,7 @@ StepTimes run_baseline(const Args& a, const gpt::GptConfig& gc, bool cuda, doubl
       kineto::disableProfiler()->save(a.profile);
       std::cerr << "bench_gpt: wrote the profile of baseline step " << s << " to " << a.profile << "\n";
     }
-    *loss_out = loss.item<double>();
+    *loss_out = loss_sum;
     std::cerr << "bench_gpt: baseline step " << s << ": fwd " << f << " s, bwd " << b << " s, opt " << o << " s\n";
     if (s < a.warmup_steps) continue;
     t.forward += f / a.steps;
@@ -524,6 +555,8 @@ int run(int argc, char** argv) {
       .add_flag("init-scope", &a.init_scope, "build the model inside ferry::InitScope (compute dtype, no fp32 copy)")
       .add_flag("no-baseline", &no_baseline, "skip the unwrapped baseline")
       .add_flag("unpipelined", &a.unpipelined, "model.backward() + adam.step() instead of adam.backward_step()")
+      .add("micro-batches", &a.micro_batches, "gradient accumulation: backward passes per step, each over "
+           "batch / N sequences (default 1)", 1)
       .add("max-grad-norm", &a.max_grad_norm, "global gradient clipping in ferry and the baseline, 0 = none "
            "(default 0; with clipping ferry's host Adam follows backward: Note [Pipelined step])", 0.0)
       .add_flag("find-max", &a.find_max, "find the largest preset that trains")
@@ -536,6 +569,10 @@ int run(int argc, char** argv) {
       .add("profile", &a.profile, "torch profiler (Kineto: operators and CUDA kernels) over the baseline's last "
            "measured step into FILE.json (benchmarks/profile_compare.py compares it with the Python peer's)");
   options.parse(rest);
+  if (a.batch % a.micro_batches != 0) {
+    throw ferry::cli::UsageError("--batch (" + std::to_string(a.batch) + ") must be a multiple of --micro-batches (" +
+                                 std::to_string(a.micro_batches) + ")");
+  }
   if (config.world_size > 1 && !a.trace.empty()) {  // one file per rank
     const auto dot = a.trace.rfind('.');
     const std::string suffix = "-rank" + std::to_string(config.rank);
@@ -555,7 +592,7 @@ int run(int argc, char** argv) {
       << ", \"host_budget_bytes\": " << config.host_budget_bytes << ", \"batch\": " << a.batch << ", \"seq\": " << a.seq
       << ", \"steps\": " << a.steps << ", \"checkpoint_activations\": " << (a.checkpoint ? "true" : "false")
       << ", \"trace\": \"" << a.trace << "\", \"step\": \"" << (a.unpipelined ? "unpipelined" : "pipelined")
-      << "\", \"max_grad_norm\": " << a.max_grad_norm << "},\n";
+      << "\", \"max_grad_norm\": " << a.max_grad_norm << ", \"micro_batches\": " << a.micro_batches << "},\n";
 
   if (a.find_max) {
     std::vector<gpt::GptConfig> presets;
@@ -635,6 +672,7 @@ int run(int argc, char** argv) {
       << "},\n    \"syncs_per_step\": " << f.syncs << ", \"background_syncs_per_step\": " << f.background_syncs
       << ", \"transfers_per_step\": " << f.transfers << ", \"h2d_bytes_per_step\": " << f.h2d_bytes
       << ", \"d2h_bytes_per_step\": " << f.d2h_bytes << ", \"overlapped_chunks_per_step\": " << f.overlapped_chunks
+      << ", \"written_back_chunks_per_step\": " << f.written_back_chunks
       << ", \"host_state_params\": " << f.host_state_params << "}";
   if (comm) {
     // The floor of data parallelism: each parameter byte all-gathered and reduce-scattered once per step.
@@ -673,17 +711,25 @@ int run(int argc, char** argv) {
     const double adam_s = 28.0 * f.host_state_params / rates.adam_bytes_per_s;
     // Host memory: the host Adam's 28 B/param and every chunk transfer cross the host's DRAM, which the
     // roof measures (a DMA copy crosses it once; on the CPU's simulated device a copy reads and writes it).
+    // With micro-batches, each one's accumulation on the host too (Note [Accumulation per chunk]): 16 B
+    // per host-state parameter (the 16-bit slot and the fp32 sum read, the sum written, the slot's value
+    // restored from the fp32 master).
     const double copy_host_bytes = (cuda ? 1.0 : 2.0) * (f.h2d_bytes + f.d2h_bytes);
-    const double host_memory_s = (28.0 * f.host_state_params + copy_host_bytes) / rates.adam_bytes_per_s;
+    const double accumulation_bytes = a.micro_batches > 1 ? 16.0 * a.micro_batches * f.host_state_params : 0.0;
+    const double host_memory_s =
+        (28.0 * f.host_state_params + accumulation_bytes + copy_host_bytes) / rates.adam_bytes_per_s;
     const double floor_s = std::max({compute_s, pcie_s, host_memory_s});
     // The schedule's floor (D52): the host Adam overlaps backward only, so forward's compute adds to the
     // larger of backward's compute and the host memory traffic (and the link can be busy throughout).
     // Forward is 2N flops per token of the 6N (8N with recompute). With clipping or fp16 loss scaling
     // (two-phase, Note [Pipelined step]) the host Adam waits for the global norm: only the copies
-    // overlap backward, and the host Adam follows it; unpipelined, the same bound.
+    // overlap backward, and the host Adam follows it; unpipelined, the same bound. With micro-batches
+    // every backward counts as one window (optimistic: the host Adam overlaps only the last one's), so
+    // the floor stays a lower bound.
     const double forward_s = compute_s * 2.0 / (a.checkpoint ? 8.0 : 6.0);
     const bool eager = !a.unpipelined && a.max_grad_norm == 0 && config.precision != ferry::Precision::kFp16;
-    const double backward_host_s = (eager ? host_memory_s : copy_host_bytes / rates.adam_bytes_per_s);
+    const double backward_host_s =
+        eager ? host_memory_s : (accumulation_bytes + copy_host_bytes) / rates.adam_bytes_per_s;
     const double after_backward_s = eager ? 0.0 : adam_s;
     const double schedule_s =
         std::max(forward_s + std::max(compute_s - forward_s, backward_host_s) + after_backward_s, pcie_s);

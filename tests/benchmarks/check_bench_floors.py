@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Checks bench_gpt's floors (D52) against the counts in the same JSON document.
 
-    bench_gpt --preset=tiny ... --device-budget=1MiB --no-baseline [--max-grad-norm=1] | check_bench_floors.py
+    bench_gpt --preset=tiny ... --device-budget=1MiB --no-baseline [--max-grad-norm=1] [--micro-batches=2] |
+        check_bench_floors.py
 
 The budget must leave optimizer state on the host, so every floor has something to count. Each floor is
 recomputed from the rates and the per-step counts bench_gpt printed beside it; a formula changed in one
@@ -45,7 +46,9 @@ def main():
     if copies <= 0:
         sys.exit("check_bench_floors: no chunk moved in a step; the floors of the transfers count nothing")
     per_copy = 1.0 if doc["device"] == "cuda" else 2.0  # the simulated device's copies read and write host memory
-    host_memory = (28.0 * host_params + per_copy * copies) / r["host_adam_bytes_per_s"]
+    micro = doc["config"]["micro_batches"]
+    accumulation = 16.0 * micro * host_params if micro > 1 else 0.0  # each micro-batch's add and restore
+    host_memory = (28.0 * host_params + accumulation + per_copy * copies) / r["host_adam_bytes_per_s"]
     close("host_memory_s", fl["host_memory_s"], host_memory)
     transfers = max(f["h2d_bytes_per_step"] / r["h2d_bytes_per_s"], f["d2h_bytes_per_step"] / r["d2h_bytes_per_s"])
     close("transfers_s", fl["transfers_s"], transfers)
@@ -58,7 +61,7 @@ def main():
     eager = cfg["step"] == "pipelined" and cfg["max_grad_norm"] == 0 and cfg["precision"] != "fp16"
     if fl["schedule"] != ("host Adam inside backward" if eager else "host Adam after backward"):
         sys.exit(f"check_bench_floors: schedule '{fl['schedule']}' for config {cfg}")
-    during_backward = host_memory if eager else per_copy * copies / r["host_adam_bytes_per_s"]
+    during_backward = host_memory if eager else (accumulation + per_copy * copies) / r["host_adam_bytes_per_s"]
     after_backward = 0.0 if eager else fl["host_adam_s"]
     schedule = max(forward + max(fl["compute_s"] - forward, during_backward) + after_backward, transfers)
     close("schedule_floor_s", fl["schedule_floor_s"], schedule)
