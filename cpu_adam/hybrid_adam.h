@@ -59,8 +59,9 @@
 // transfer of the whole chunk to the host on the copy stream and an add on CpuAdam's worker, while
 // backward goes on. The per-parameter add it replaces copied each gradient to the host synchronously
 // on autograd's thread. backward() waits for the last jobs before it returns, so the next forward reads
-// values; backward_step of the last micro-batch queues each host chunk's update right behind its add
-// (with clipping or loss scaling: its norm, the update waiting for the global norm).
+// values; backward_step of the last micro-batch runs each host chunk's norm and update in the job of
+// its add, the update writing the new values into the slots (with clipping or loss scaling: the norm
+// only, the update waiting for the global norm).
 // A landing a chunk did not have in the previous backward, after it was emptied, waits for its job
 // and the chunk is emptied again at the end (refused under backward_step once the update started; a
 // norm taken already is taken again by the step). A
@@ -268,8 +269,9 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // skips that chunk's update only); with clipping or fp16 loss scaling two-phase, as without
   // accumulation: each chunk's norm follows its accumulation during backward, the updates follow the
   // global norm, bit-identical to backward() + step().
-  // If backward throws, chunks whose update had started stay updated (logged as an error), the others
-  // keep their gradients (zero_grad() discards them), and the step count has advanced.
+  // If backward throws in the eager step, chunks whose update had started stay updated (logged as an
+  // error), the others keep their gradients (zero_grad() discards them), and the step count has
+  // advanced; in the two-phase step nothing was updated.
   StepResult backward_step(const at::Tensor& loss);
   // Host Adam jobs of the pipeline that have started running, since construction (tests, reports).
   int64_t pipelined_jobs_started() const { return jobs_started_.load(); }
