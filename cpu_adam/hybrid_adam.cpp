@@ -376,6 +376,7 @@ at::Tensor HybridAdam::lowp_target_locked(int64_t c) {
   if (params.location(pc) != (on_device_[c] ? Location::kDevice : Location::kHost)) return {};
   at::Tensor payload = params.payload(pc);  // waits for a copy into the host; orders the stream after one into the device
   if (payload.scalar_type() == at::kFloat) return {};
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(lowp_written_.size()) == num_chunks(), "lowp_written_ not armed");
   lowp_written_[c] = 1;
   return payload;
 }
@@ -769,9 +770,7 @@ StepResult HybridAdam::finish_pipelined_locked() {
 
   // Eager: the launched chunks are updated (or restored) already; the others now, the same way.
   update_unlaunched_locked(norms, result);
-  model_.clear_grad_slots();
-  std::fill(landed_.begin(), landed_.end(), 0);
-  grads_landed_ = false;
+  finish_values_locked(result);
   result.grad_norm = std::sqrt(norms.total_sq);
   result.overflow = !norms.all_finite;
   result.applied = norms.all_finite;
@@ -891,26 +890,7 @@ StepResult HybridAdam::backward_step_accumulated(const at::Tensor& loss) {
   if (!overlapped) return step_locked();  // the first call: nothing to compare against yet
   // The accumulations and norms of the chunks final in backward ran during it (eager: their host
   // updates too, writing the new values into the slots); what remains runs now, as step() runs it.
-  trace::Span step_span("adam", "adam.finish_pipelined_step");
-  StepResult result;
-  result.loss_scale = loss_scale();
-  for (char l : launched_) result.overlapped_chunks += l;
-  for (char d : on_device_) (d ? result.device_chunks : result.host_chunks) += 1;
-  int64_t t0 = now_ns();
-  const ChunkNorms norms = grad_norms_locked(/*pipelined=*/true);  // one host sync for the device chunks
-  result.device_syncs = norms.syncs;
-  result.norm_ns = now_ns() - t0;
-  if (!eager_) return apply_locked(norms, result);  // clipping / loss scaling: every update now
-  // Eager: a chunk with a non-finite gradient skipped its update only.
-  update_unlaunched_locked(norms, result);
-  t0 = now_ns();
-  result.written_back_chunks = write_back_locked(/*after_update=*/true);
-  result.writeback_ns = now_ns() - t0;
-  result.grad_norm = std::sqrt(norms.total_sq);
-  result.overflow = !norms.all_finite;
-  result.applied = norms.all_finite;
-  if (result.overflow) log::warn("ferry: backward_step: non-finite gradients; those chunks were not updated");
-  return result;
+  return finish_pipelined_locked();
 }
 
 double HybridAdam::loss_scale() const { return scaling_ ? scaler_.scale() : 1.0; }
@@ -1028,8 +1008,19 @@ StepResult HybridAdam::apply_locked(const ChunkNorms& norms, StepResult result) 
   trace::complete("adam", "adam.host_update", t0, t0 + result.host_update_ns,
                   "\"chunks\": " + std::to_string(result.host_chunks));
 
-  // 3. The parameters in compute dtype (default mode: the updates wrote them already).
-  t0 = now_ns();
+  finish_values_locked(result);
+  if (scaling_) {
+    scaler_.update(false);
+    model_.set_loss_scale(scaler_.scale());
+  }
+  result.applied = true;
+  return result;
+}
+
+void HybridAdam::finish_values_locked(StepResult& result) {
+  // The parameters in the compute dtype: the default mode's updates wrote them over the gradients; with
+  // accumulate_grads, where the parameter chunk was beside the state (the others are copied now).
+  const int64_t t0 = now_ns();
   if (options_.accumulate_grads) {
     result.written_back_chunks = write_back_locked(/*after_update=*/true);
   } else {
@@ -1039,12 +1030,6 @@ StepResult HybridAdam::apply_locked(const ChunkNorms& norms, StepResult result) 
   }
   result.writeback_ns = now_ns() - t0;
   trace::complete("adam", "adam.writeback", t0, t0 + result.writeback_ns);
-  if (scaling_) {
-    scaler_.update(false);
-    model_.set_loss_scale(scaler_.scale());
-  }
-  result.applied = true;
-  return result;
 }
 
 int64_t HybridAdam::write_back_locked(bool after_update) {

@@ -400,6 +400,8 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // Waits for every job in jobs_ and clears it; the first error any of them threw (or null).
   std::exception_ptr join_jobs_locked();
   void check_backward_step_start_locked();  // the layout is followed, no gradients wait for step()
+  // After a pipelined backward (default or accumulation mode): the norms, then every update left (eager)
+  // or every update (two-phase), and the values back in the parameter chunks.
   StepResult finish_pipelined_locked();
   // The chunk's landed spans: the host norm (as grad_norms_locked computes it), and device norms.
   ChunkOutcome host_norm(const at::Tensor& grads, const std::vector<Span>& spans) const;
@@ -493,6 +495,9 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // Whether every rank expects the same landings next backward_step (a collective).
   void check_landings_agree_locked();
   at::Tensor state_view(Role role, int64_t param);
+  // After the updates: the parameter chunks hold values again (slots cleared, or the masters written
+  // back where the update did not write them); sets writeback_ns and written_back_chunks.
+  void finish_values_locked(StepResult& result);
   // The masters into the parameter chunks in the compute dtype; `after_update`: except the chunks the
   // update wrote already (lowp_written_). Returns the chunks copied.
   int64_t write_back_locked(bool after_update = false);
