@@ -231,7 +231,7 @@ def gpt_plots(doc, path):
 def trace_breakdown(path):
     """The step breakdown of a Chrome trace written by --trace: time in forward, backward and the
     optimizer's phases; the pipelined host Adam (on CpuAdam's worker) and how much of it ran while
-    backward went on; the copies as the copy stream ran them (or, untimed, in flight) per direction;
+    backward went on; the host Adam left running behind the step and how much of it forward covered; the copies as the copy stream ran them (or, untimed, in flight) per direction;
     the host's waits for copies."""
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
@@ -261,6 +261,16 @@ def trace_breakdown(path):
         if iv:
             rows.append((f"pipelined {kind} Adam ({len(iv)} chunks)", total(iv),
                          f"{overlap(iv, backward):.3f} ms of it during backward"))
+    # Note [Update behind the next forward]: host updates left running by the previous step, how much of
+    # them the forward (on the host) covered, and the forward's waits for them.
+    forward = spans(lambda e: e["cat"] == "model" and e["name"] == "forward")
+    iv = spans(lambda e: e["cat"] == "adam" and e["name"].startswith("deferred host adam chunk"))
+    if iv:
+        rows.append((f"host Adam behind the step ({len(iv)} chunks)", total(iv),
+                     f"{overlap(iv, forward):.3f} ms of it during forward"))
+    iv = spans(lambda e: e["cat"] == "adam" and e["name"].startswith("wait for host adam chunk"))
+    if iv:
+        rows.append((f"forward's waits for them ({len(iv)})", total(iv), ""))
     for op in ("reduce_scatter", "all_gather", "all_reduce", "wait reduce_scatter"):  # collectives (dist)
         iv = spans(lambda e, o=op: e["cat"] == "dist" and e["name"] == o)
         if iv:

@@ -273,7 +273,8 @@ bool ChunkStore::start_move(Chunk& chunk, Location to, bool must) {
   if (to == Location::kDevice && chunk.host_locks > 0) {
     TORCH_CHECK(!must, "ferry: ", describe(chunk), " is locked on the host (the optimizer is updating it there, "
                 "Note [Pipelined step] in cpu_adam/hybrid_adam.h) and cannot move to the device now: a parameter "
-                "of it is used after its gradient was final");
+                "of it is used after its gradient was final, or before the update a step left running behind it "
+                "has finished (Note [Update behind the next forward])");
     return false;
   }
   const int64_t n = chunk.nbytes();

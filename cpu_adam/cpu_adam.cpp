@@ -291,6 +291,19 @@ UpdateResult CpuAdam::update(int group, const AdamSpan& span, const UpdateOption
   return run_update(g.options, g.step, span, options);
 }
 
+CpuAdam::FrozenGroup CpuAdam::freeze(int group) const {
+  const Group& g = group_at(group);
+  return FrozenGroup{g.options, g.step};
+}
+
+UpdateResult CpuAdam::update(const FrozenGroup& group, const AdamSpan& span, const UpdateOptions& options) const {
+  TORCH_CHECK(group.step >= 1, "CpuAdam: update() of a frozen group with step count ", group.step,
+              " (freeze it after advance_step())");
+  check_span(span);
+  check_grad_scale(options.grad_scale);
+  return run_update(group.options, group.step, span, options);
+}
+
 UpdateResult CpuAdam::update(int group, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                              const at::Tensor& exp_avg_sq, const at::Tensor& param_lowp,
                              const UpdateOptions& options) {

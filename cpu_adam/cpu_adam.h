@@ -19,7 +19,8 @@
 //    order, on a oneTBB arena owned by this object; the destructor waits for them. The exception:
 //    update(), kernel_args() and grad_norm_sq() only read the object (options, step counts), so they may
 //    run on several threads at once (HybridAdam: the worker's host jobs beside autograd's thread's
-//    device updates on the simulated device) while nothing changes those.
+//    device updates on the simulated device) while nothing changes those; update(FrozenGroup, ...)
+//    reads nothing of the object's groups, so those may change meanwhile.
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
@@ -96,6 +97,15 @@ class CpuAdam {
   void set_step_count(int group, int64_t step);
 
   UpdateResult update(int group, const AdamSpan& span, const UpdateOptions& options = {});
+  // A group's options and step count as they are now. update(frozen, span) gives the bits update(group,
+  // span) gives now, whenever it runs: for an update left running while the caller goes on to change the
+  // lr or advance the step (HybridAdam, Note [Update behind the next forward]).
+  struct FrozenGroup {
+    AdamOptions options;
+    int64_t step = 0;
+  };
+  FrozenGroup freeze(int group) const;
+  UpdateResult update(const FrozenGroup& group, const AdamSpan& span, const UpdateOptions& options = {}) const;
   // Tensor form: contiguous CPU tensors with equal numel; param, exp_avg, exp_avg_sq fp32; grad fp32,
   // bf16 or fp16; param_lowp undefined or bf16/fp16.
   UpdateResult update(int group, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,

@@ -114,6 +114,12 @@ HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
 
 HybridAdam::~HybridAdam() {
   try {
+    std::lock_guard<std::mutex> lock(mutex_);
+    settle_deferred_locked();  // the jobs use this object
+  } catch (const std::exception& e) {
+    log::error("ferry: an update HybridAdam left running failed: ", e.what());
+  }
+  try {
     if (model_.phase() == ModelPhase::kIdle) {
       {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -132,6 +138,100 @@ void HybridAdam::check_idle(const char* what) const {
   const ModelPhase phase = model_.phase();
   TORCH_CHECK(phase == ModelPhase::kIdle || phase == ModelPhase::kForwardDone, "ferry: HybridAdam ", what,
               " while the model is in ", to_string(phase), "; call it between iterations");
+}
+
+void HybridAdam::settle(const char* what) {
+  check_idle(what);
+  std::lock_guard<std::mutex> lock(mutex_);
+  settle_deferred_locked();
+}
+
+void HybridAdam::synchronize() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  settle_deferred_locked();
+}
+
+// Note [Update behind the next forward] (hybrid_adam.h).
+void HybridAdam::settle_deferred_locked() {
+  if (!deferred_pending_.load()) return;
+  std::exception_ptr error;
+  int64_t failed = -1;
+  for (size_t c = 0; c < deferred_.size(); ++c) {
+    if (!deferred_[c].valid()) continue;
+    try {
+      deferred_[c].get();
+    } catch (...) {
+      if (!error) error = std::current_exception(), failed = static_cast<int64_t>(c);
+    }
+  }
+  for (auto& job : deferred_zeroing_) {
+    try {
+      job.get();
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  deferred_.clear();
+  deferred_zeroing_.clear();
+  deferred_pending_.store(false);
+  if (error) {
+    log::error("ferry: HybridAdam: ", failed >= 0 ? "the host update of chunk " + std::to_string(failed)
+                                                  : std::string("zeroing an accumulation chunk"),
+               ", left running behind the step, failed; that chunk's parameters and state may be partly updated");
+    std::rethrow_exception(error);
+  }
+}
+
+void HybridAdam::await_param(int64_t param) {
+  if (!deferred_pending_.load()) return;  // the common case: no lock
+  std::lock_guard<std::mutex> lock(mutex_);
+  const int64_t c = model_.layout().slots()[param].chunk;
+  if (c >= static_cast<int64_t>(deferred_.size()) || !deferred_[c].valid()) return;
+  trace::Span span("adam", trace::enabled() ? "wait for host adam chunk " + std::to_string(c) : std::string());
+  std::future<void> job = std::move(deferred_[c]);
+  try {
+    job.get();
+  } catch (...) {
+    log::error("ferry: HybridAdam: the host update of chunk ", c, ", left running behind the step, failed; that "
+               "chunk's parameters and state may be partly updated");
+    throw;
+  }
+}
+
+void HybridAdam::await_params() {
+  if (!deferred_pending_.load()) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  settle_deferred_locked();
+}
+
+bool HybridAdam::defer_host_update_locked(int64_t c, const UpdateOptions& options,
+                                          const std::shared_ptr<const std::vector<CpuAdam::FrozenGroup>>& frozen) {
+  ChunkStore& params = model_.store();
+  // Default mode: staged on the host with the gradients. With accumulate_grads where the scheduler left
+  // it: a parameter chunk on the device keeps the update here and the copy after it (write_back_locked).
+  if (params.location(model_.param_chunk(c)) != Location::kHost) return false;
+  std::vector<Span> spans = landed_spans_locked(c);
+  if (spans.empty()) return false;
+  at::Tensor acc;  // accumulate_grads: the gradients; the job writes the new values into the parameter chunk
+  if (options_.accumulate_grads) {
+    acc = state_->payload(kGradRole, c);
+    lowp_written_[c] = 1;
+  }
+  if (static_cast<int64_t>(deferred_.size()) < num_chunks()) deferred_.resize(num_chunks());
+  deferred_[c] = launch_host_job_locked(
+      c, "deferred host adam chunk ",
+      [this, spans = std::move(spans), options, frozen, acc](const at::Tensor& g, float* p, float* m, float* v,
+                                                             const at::Tensor& master) {
+        if (!acc.defined()) {  // default mode: the new values over the gradients (adam_spans)
+          run_host_update(adam_spans(spans, p, m, v, g), options, frozen.get());
+          return;
+        }
+        const bool lowp = g.scalar_type() != at::kFloat;
+        run_host_update(adam_spans(spans, p, m, v, acc, lowp ? g : at::Tensor()), options, frozen.get());
+        if (!lowp) g.copy_(master);  // fp32 compute: the master is the value, as write_back_locked copies it
+      });
+  deferred_pending_.store(true);
+  return true;
 }
 
 void HybridAdam::follow_layout_locked() {
@@ -388,9 +488,14 @@ std::vector<std::pair<int, AdamSpan>> HybridAdam::host_spans_locked(int64_t c) {
                     lowp_target_locked(c));
 }
 
-void HybridAdam::run_host_update(const std::vector<std::pair<int, AdamSpan>>& spans, const UpdateOptions& options) {
+void HybridAdam::run_host_update(const std::vector<std::pair<int, AdamSpan>>& spans, const UpdateOptions& options,
+                                 const std::vector<CpuAdam::FrozenGroup>* frozen) {
   for (const auto& [group, span] : spans) {
-    cpu_adam_.update(group, span, options);
+    if (frozen != nullptr) {
+      cpu_adam_.update((*frozen)[group], span, options);
+    } else {
+      cpu_adam_.update(group, span, options);
+    }
     if (!options_.accumulate_grads && !span.param_lowp) {  // fp32 compute copy: the master is the value
       std::memcpy(const_cast<void*>(span.grad), span.param, static_cast<size_t>(span.numel) * sizeof(float));
     }
@@ -534,7 +639,8 @@ void HybridAdam::launch_chunk_locked(int64_t c) {
     }
     return;
   }
-  launch_host_job_locked(c, "pipelined host adam chunk ",
+  if (static_cast<int64_t>(jobs_.size()) < num_chunks()) jobs_.resize(num_chunks());
+  jobs_[c] = launch_host_job_locked(c, "pipelined host adam chunk ",
                          [this, c, spans = std::move(spans), eager = eager_](const at::Tensor& g, float* p, float* m,
                                                                            float* v, const at::Tensor& master) {
                            const ChunkOutcome out = host_norm(g, spans);
@@ -549,7 +655,7 @@ void HybridAdam::launch_chunk_locked(int64_t c) {
                          });
 }
 
-void HybridAdam::launch_host_job_locked(int64_t c, const char* what, HostJob work, bool with_state) {
+std::future<void> HybridAdam::launch_host_job_locked(int64_t c, const char* what, HostJob work, bool with_state) {
   ChunkStore& params = model_.store();
   const ChunkId pc = model_.param_chunk(c);
   if (params.location(pc) != Location::kHost) params.move_async(pc, Location::kHost);  // one transfer
@@ -561,8 +667,7 @@ void HybridAdam::launch_host_job_locked(int64_t c, const char* what, HostJob wor
     float* p = master.defined() ? master.data_ptr<float>() : nullptr;
     float* m = with_state ? state_->payload(kExpAvgRole, c).data_ptr<float>() : nullptr;
     float* v = with_state ? state_->payload(kExpAvgSqRole, c).data_ptr<float>() : nullptr;
-    if (static_cast<int64_t>(jobs_.size()) < num_chunks()) jobs_.resize(num_chunks());
-    jobs_[c] = cpu_adam_.run_async([this, c, pc, store = &params, what, work = std::move(work), p, m, v,
+    return cpu_adam_.run_async([this, c, pc, store = &params, what, work = std::move(work), p, m, v,
                                     master = std::move(master)] {
       struct Unlock {
         ChunkStore* store;
@@ -614,6 +719,7 @@ void HybridAdam::consume_slot_grads_locked(int64_t c, AfterAccumulation then) {
     model_.clear_grad_slot(t);  // its value is back before anything can read the slot again
   }
   if (spans.empty()) return;
+  if (static_cast<int64_t>(jobs_.size()) < num_chunks()) jobs_.resize(num_chunks());
   trace::Span span("adam", trace::enabled() ? "accumulate chunk " + std::to_string(c) : std::string());
   at::Tensor acc = state_->payload(kGradRole, c);  // allocated where the state lives (D46)
   ChunkStore& params = model_.store();
@@ -621,7 +727,7 @@ void HybridAdam::consume_slot_grads_locked(int64_t c, AfterAccumulation then) {
   if (!owned(c)) {
     // No master here: the slots keep the gradients until values_from_owners_locked (N > 1).
     TORCH_INTERNAL_ASSERT(!on_device_[c], "device state for chunk ", c, ", which rank ", rank_, " does not own");
-    launch_host_job_locked(
+    jobs_[c] = launch_host_job_locked(
         c, "accumulate chunk ",
         [acc, spans = std::move(spans)](const at::Tensor& g, float*, float*, float*, const at::Tensor&) {
           for (const Span& sp : spans) acc.slice(0, sp.begin, sp.end).add_(g.slice(0, sp.begin, sp.end));
@@ -649,7 +755,7 @@ void HybridAdam::consume_slot_grads_locked(int64_t c, AfterAccumulation then) {
     launched_[c] = 1;
   }
   const bool update = then == AfterAccumulation::kNormAndUpdate;
-  launch_host_job_locked(
+  jobs_[c] = launch_host_job_locked(
       c, update ? "accumulate + host adam chunk " : "accumulate chunk ",
       [this, c, acc, spans = std::move(spans), landed = std::move(landed), then, update](
           const at::Tensor& g, float* p, float* m, float* v, const at::Tensor& master) {
@@ -783,7 +889,7 @@ StepResult HybridAdam::finish_pipelined_locked() {
 StepResult HybridAdam::backward_step(const at::Tensor& loss) {
   if (world_ > 1) return dist_backward_step(loss);
   if (options_.accumulate_grads) return backward_step_accumulated(loss);
-  check_idle("backward_step()");
+  settle("backward_step()");
   bool pipelined = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -849,7 +955,7 @@ StepResult HybridAdam::backward_step(const at::Tensor& loss) {
 }
 
 StepResult HybridAdam::backward_step_accumulated(const at::Tensor& loss) {
-  check_idle("backward_step()");
+  settle("backward_step()");
   {
     std::lock_guard<std::mutex> lock(mutex_);
     sync_layout_locked();
@@ -908,7 +1014,7 @@ void HybridAdam::set_lr(double lr) {
 }
 
 StepResult HybridAdam::step() {
-  check_idle("step()");
+  settle("step()");
   std::lock_guard<std::mutex> lock(mutex_);
   return step_locked();
 }
@@ -1001,10 +1107,23 @@ StepResult HybridAdam::apply_locked(const ChunkNorms& norms, StepResult result) 
   UpdateOptions update_options;
   update_options.grad_scale = grad_scale;
   update_options.grads_checked = true;
-  for (int64_t c = 0; c < n; ++c) {
-    if (!on_device_[c] && owned(c)) host_update_chunk_locked(c, update_options);
+  // Note [Update behind the next forward]: one process, the host updates queued in forward order
+  // (layout order), each group's options and step count frozen now.
+  std::shared_ptr<const std::vector<CpuAdam::FrozenGroup>> frozen;
+  if (options_.update_behind_forward && world_ == 1) {
+    auto groups = std::make_shared<std::vector<CpuAdam::FrozenGroup>>();
+    for (int g = 0; g < num_param_groups(); ++g) groups->push_back(cpu_adam_.freeze(g));
+    frozen = std::move(groups);
   }
-  result.host_update_ns = now_ns() - t0;
+  for (int64_t c = 0; c < n; ++c) {
+    if (on_device_[c] || !owned(c)) continue;
+    if (frozen && defer_host_update_locked(c, update_options, frozen)) {
+      ++result.deferred_chunks;
+    } else {
+      host_update_chunk_locked(c, update_options);
+    }
+  }
+  result.host_update_ns = now_ns() - t0;  // on this thread: queueing only, for the chunks left running
   trace::complete("adam", "adam.host_update", t0, t0 + result.host_update_ns,
                   "\"chunks\": " + std::to_string(result.host_chunks));
 
@@ -1050,6 +1169,25 @@ void HybridAdam::zero_grad() {
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
   const bool had = grads_landed_;
+  if (options_.accumulate_grads && deferred_pending_.load()) {
+    // Note [Update behind the next forward]: an update still running reads its accumulation chunk; the
+    // zeroing queues behind it on the same worker (the next accumulation into the chunk queues there
+    // too), so the step's overlap with the next forward survives the usual step(); zero_grad().
+    for (int64_t c = 0; c < num_chunks(); ++c) {
+      at::Tensor acc = state_->payload(kGradRole, c);
+      if (static_cast<int64_t>(deferred_.size()) > c && deferred_[c].valid()) {
+        deferred_zeroing_.push_back(cpu_adam_.run_async([acc] { acc.zero_(); }));
+      } else {
+        acc.zero_();
+      }
+    }
+    std::fill(landed_.begin(), landed_.end(), 0);
+    grads_landed_ = false;
+    return;
+  }
+  // Default mode: after a step the slots hold values (nothing to restore); gradients of a backward
+  // since then are in chunks the forward before it waited for. Before any step, nothing runs.
+  if (grads_landed_) settle_deferred_locked();
   discard_grads_locked();
   if (param_shards_ && !options_.accumulate_grads) {
     // The other ranks' chunks (some holding gradients) are given up; the next use fetches the owners' values.
@@ -1066,7 +1204,7 @@ void HybridAdam::zero_grad() {
 at::Tensor HybridAdam::state_view(Role role, int64_t param) {
   TORCH_CHECK(param >= 0 && param < model_.num_params(), "ferry: parameter index ", param, " out of range [0, ",
               model_.num_params(), ")");
-  check_idle("state view");
+  settle("state view");
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
   return state_->view(role, param).clone();
@@ -1079,7 +1217,7 @@ at::Tensor HybridAdam::grad(int64_t param) {
   if (options_.accumulate_grads) return state_view(kGradRole, param);
   TORCH_CHECK(param >= 0 && param < model_.num_params(), "ferry: parameter index ", param, " out of range [0, ",
               model_.num_params(), ")");
-  check_idle("grad()");
+  settle("grad()");
   std::lock_guard<std::mutex> lock(mutex_);
   if (!model_.grad_in_slot(param)) return at::zeros(model_.param_shapes()[param], at::kFloat);
   return model_.param_values(param).to(at::kCPU, at::kFloat, false, /*copy=*/true);
@@ -1107,7 +1245,7 @@ NamedTensors HybridAdam::state_dict() {
 }
 
 void HybridAdam::load_state_dict(const NamedTensors& values) {
-  check_idle("load_state_dict()");
+  settle("load_state_dict()");
   // The model checks every name and shape before it writes anything; then the masters follow.
   model_.load_state_dict(values);
   std::lock_guard<std::mutex> lock(mutex_);

@@ -47,6 +47,7 @@
 //  4. The updated fp32 masters are written into the parameter chunks in the compute dtype, by the
 //     update in its own pass (host or device kernel; with accumulate_grads where the parameter chunk is
 //     where the state is, else by a copy after it).
+//     Host updates may still run when step() returns: Note [Update behind the next forward].
 //  Without accumulate_grads, the parameter chunk of a host-state chunk moves to the host for the
 //  update and that of a device-state chunk to the device (each where its state is).
 //
@@ -102,8 +103,34 @@
 //  - With global-norm clipping or fp16 loss scaling, which need every gradient first: during backward
 //    only the transfers and the per-chunk norms run; after backward the norm (one scalar) gives the
 //    clip coefficient and the overflow decision, then every chunk is updated as step() would, bit for
-//    bit. Cost against eager: the host Adam is no longer hidden behind backward (it runs after it),
-//    while the gradients' transfers still are.
+//    bit. Cost against eager: the host Adam is no longer hidden behind backward (it runs after it,
+//    beside the next forward: Note [Update behind the next forward]), while the gradients' transfers
+//    still are.
+//
+// Note [Update behind the next forward]
+// The host updates that run after backward (all of them in step(); in backward_step those of the
+// two-phase step, with clipping or fp16 loss scaling, which need the global norm first) need not be
+// done when the call returns: nothing reads a parameter before the next forward uses it. With
+// HybridAdamOptions::update_behind_forward (the default; one process) the call queues each host-state
+// chunk's update on CpuAdam's worker in layout order, the order of forward after the warm-up repack,
+// with its parameter chunk locked on the host, the grad scale and each group's options and step count
+// frozen (a set_lr() before the next forward does not reach it), and returns. Then:
+//  - the next forward runs while they do: ChunkedModel calls await_param before every use, which waits
+//    for that chunk's update only; the scheduler's prefetch of a chunk still locked fails and is tried
+//    again at the next use;
+//  - everything else that reads or writes parameters or state waits for all of them first: step(),
+//    backward_step(), the state views, save(), load(), state_dict(), param_values(), materialize(), the
+//    end of an iteration (a chunk the forward did not use), the destructor; synchronize() explicitly;
+//  - zero_grad() with accumulate_grads queues the zeroing of such a chunk's accumulation behind its
+//    update on the same worker, so step(); zero_grad(); keeps the overlap.
+// Exact: the same kernel, spans, grad scale and step count as the update on the calling thread, so
+// the same bits. What it saves: after backward the host Adam (A) and the next forward (F) ran one after
+// the other; now forward runs beside A (the device-state chunks come first in forward, D51, and the
+// host-state ones are ready in the order forward needs them), so the two take about max(A, F). The
+// eager step needs none of it (its updates run during backward, D52); the parameter chunks a step
+// with accumulate_grads finds on the device keep the update on the calling thread (and the copy after).
+// An error in such an update surfaces at the next wait (the forward that needs the chunk, or any of
+// the calls above), logged with the chunk; that chunk may be partly updated.
 //
 // Contract
 //  - step(), zero_grad(), save(), load() and the state views are for between iterations (the model
@@ -219,6 +246,11 @@ struct HybridAdamOptions {
   // each rank keeps only the chunks it owns between steps and gathers the others before their use.
   // Off: every rank keeps every parameter chunk, and a step all-gathers the updated values.
   bool shard_params = true;
+  // One process: leave the host updates that run after backward (with clipping or fp16 loss scaling,
+  // and in step()) running behind the return, in forward order, each chunk's next use waiting for its
+  // own (Note [Update behind the next forward]). Off: step() and backward_step() return with every
+  // update written.
+  bool update_behind_forward = true;
 
   // `defaults` for matrices; biases and norm weights (tensors of dim <= 1) in group 1 without decay.
   static HybridAdamOptions no_decay_for_bias_and_norm(const AdamOptions& defaults);
@@ -233,6 +265,7 @@ struct HybridAdamOptions {
   HybridAdamOptions& with_device_state_chunks(int64_t n) { device_state_chunks = n; return *this; }
   HybridAdamOptions& with_accumulate_grads(bool v = true) { accumulate_grads = v; return *this; }
   HybridAdamOptions& with_shard_params(bool v = true) { shard_params = v; return *this; }
+  HybridAdamOptions& with_update_behind_forward(bool v = true) { update_behind_forward = v; return *this; }
   void validate() const;
 };
 
@@ -249,6 +282,9 @@ struct StepResult {
   // (a parameter chunk away from its state, or fp32 compute); the update wrote the others' itself.
   int64_t written_back_chunks = 0;
   int64_t overlapped_chunks = 0;  // backward_step: chunks whose update (or norm) started during backward
+  // Host-state chunks whose update was still queued or running when the call returned (Note [Update
+  // behind the next forward]); the next use of each waits for its own.
+  int64_t deferred_chunks = 0;
   // Host synchronizations by the optimizer on the calling thread (reading device norms): at most 1.
   int64_t device_syncs = 0;
   int64_t comm_ns = 0;  // data parallelism: time in collectives (reduce-scatter, norm, all-gather)
@@ -284,8 +320,14 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // Data parallelism with sharded parameters (Note [Sharded parameters]): their gathers and releases;
   // null when not sharded (one rank, shard_params off, or before the first step).
   std::shared_ptr<const dist::ParamShards> param_shards() const { return param_shards_; }
-  // Discards the gradients landed since the last step (and zeroes the accumulation chunks).
+  // Discards the gradients landed since the last step (and zeroes the accumulation chunks; those of
+  // chunks whose update is still running behind the step are zeroed after it, on the same worker).
   void zero_grad();
+  // Blocks until every update a step left running (Note [Update behind the next forward]) has written
+  // its chunk, and rethrows the first error one threw. Every other call here and every read through the
+  // model waits by itself; this is for timing a step to its very end, and for before fork() (a child
+  // has no worker thread to finish them).
+  void synchronize();
 
   int num_param_groups() const { return cpu_adam_.num_param_groups(); }
   int group_of(int64_t param) const { return group_of_param_[param]; }
@@ -362,6 +404,18 @@ class HybridAdam final : private GradSink, private LayoutListener {
   void land_grad(int64_t param, const at::Tensor& grad) override;
   void after_landing(int64_t param) override;
   void backward_finished(bool aborted) override;
+  void await_param(int64_t param) override;
+  void await_params() override;
+  // check_idle, then await_params(): every public call that reads or writes state or gradients.
+  void settle(const char* what);
+  // Note [Update behind the next forward]: joins the updates left running (and the zeroing queued
+  // behind them); rethrows the first error.
+  void settle_deferred_locked();
+  // Queues layout chunk c's host update (grad scale and group options frozen now) on CpuAdam's worker,
+  // its parameter chunk locked on the host until it has written the new values; returns false (nothing
+  // queued) where the parameter chunk is not on the host or nothing landed.
+  bool defer_host_update_locked(int64_t chunk, const UpdateOptions& options,
+                                const std::shared_ptr<const std::vector<CpuAdam::FrozenGroup>>& frozen);
   StepResult backward_step_accumulated(const at::Tensor& loss);
   // The pipeline (Note [Pipelined step]), default mode.
   struct ChunkOutcome {
@@ -377,10 +431,10 @@ class HybridAdam final : private GradSink, private LayoutListener {
   void launch_chunk_locked(int64_t chunk);
   // Moves chunk c's parameter chunk to the host (one transfer on the copy stream), locks it there and
   // queues work(grads, master, exp_avg, exp_avg_sq pointers, master tensor) on CpuAdam's worker, run once
-  // the copy has landed; the chunk is unlocked when the job ends, whatever happens. jobs_[c] holds it.
+  // the copy has landed; the chunk is unlocked when the job ends, whatever happens. Returns its future.
   using HostJob = std::function<void(const at::Tensor& grads, float* p, float* m, float* v, const at::Tensor& master)>;
   // `with_state` false: the moments are not touched (p, m, v are null; they stay unallocated, D46).
-  void launch_host_job_locked(int64_t chunk, const char* what, HostJob work, bool with_state = true);
+  std::future<void> launch_host_job_locked(int64_t chunk, const char* what, HostJob work, bool with_state = true);
   // Note [Accumulation per chunk]: adds the slot gradients of chunk c into its accumulation chunk and
   // gives the slots their values back (round(master)), on the device for device-state chunks, else on
   // CpuAdam's worker after one transfer of the chunk to the host; clears the model's slot marks. A chunk
@@ -414,7 +468,10 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // (host or device) and 16-bit, so that the update writes the new values in its own pass and
   // write_back_locked skips the chunk (marked in lowp_written_); else undefined.
   at::Tensor lowp_target_locked(int64_t chunk);
-  void run_host_update(const std::vector<std::pair<int, AdamSpan>>& spans, const UpdateOptions& options);
+  // `frozen` (optional): the groups' options and step counts as the step froze them, for an update
+  // that runs after the step returned.
+  void run_host_update(const std::vector<std::pair<int, AdamSpan>>& spans, const UpdateOptions& options,
+                       const std::vector<CpuAdam::FrozenGroup>* frozen = nullptr);
   // Writes the masters of `spans` into the parameter chunk payload `param` (gives landed slots their values back).
   static void restore_values(const at::Tensor& param, const at::Tensor& master, const std::vector<Span>& spans);
   // Reads the device norms (one host sync, if any) into `norms` (device_index[k]: the chunk of norm k),
@@ -542,6 +599,11 @@ class HybridAdam final : private GradSink, private LayoutListener {
   std::vector<std::vector<at::Tensor>> chunk_device_norms_;
   std::exception_ptr job_error_;
   std::atomic<int64_t> jobs_started_{0};
+  // Note [Update behind the next forward]: per layout chunk, its host update left running by the last
+  // step; zeroing of accumulation chunks queued behind them; whether any of them may still run.
+  std::vector<std::future<void>> deferred_;
+  std::vector<std::future<void>> deferred_zeroing_;
+  std::atomic<bool> deferred_pending_{false};
   // Data parallelism: the ranks, whether the state is sharded, and (accumulate_grads, during a step)
   // the gradients summed over ranks of the chunks this rank owns.
   std::shared_ptr<dist::Communicator> comm_;

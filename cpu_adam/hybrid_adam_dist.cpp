@@ -403,7 +403,8 @@ void HybridAdam::launch_group_locked(int64_t group) {
   owner_job_[c] = 1;
   const int64_t numel = model_.layout().chunks()[c].numel;
   const int64_t tensors = static_cast<int64_t>(model_.layout().chunks()[c].tensors.size());
-  launch_host_job_locked(c, "pipelined owner adam chunk ",
+  if (static_cast<int64_t>(jobs_.size()) < num_chunks()) jobs_.resize(num_chunks());
+  jobs_[c] = launch_host_job_locked(c, "pipelined owner adam chunk ",
                          [this, c, flight = &flight, numel, tensors](const at::Tensor& g, float* p, float* m, float* v,
                                                                       const at::Tensor& master) {
                            flight->pending->wait();  // the sums over ranks
@@ -502,7 +503,7 @@ StepResult HybridAdam::finish_dist_pipelined_locked() {
 }
 
 StepResult HybridAdam::dist_backward_step(const at::Tensor& loss) {
-  check_idle("backward_step()");
+  settle("backward_step()");
   bool pipelined = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);

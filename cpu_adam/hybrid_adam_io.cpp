@@ -527,7 +527,7 @@ void HybridAdam::publish_checkpoint_locked(const std::string& dir, int64_t gener
 }
 
 void HybridAdam::save(const std::string& dir) {
-  check_idle("save()");
+  settle("save()");
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
   TORCH_CHECK(!dir.empty(), "ferry: save() needs a directory");
@@ -681,7 +681,7 @@ void HybridAdam::save_across_ranks_locked(const std::string& dir) {
 }
 
 void HybridAdam::load(const std::string& dir) {
-  check_idle("load()");
+  settle("load()");
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
   // Every rank reads the checkpoint (it must see the directory: one host, or a shared file system) and

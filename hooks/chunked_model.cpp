@@ -241,6 +241,7 @@ void ChunkedModel::set_remote_chunks(std::shared_ptr<RemoteChunks> remote) {
 at::Tensor ChunkedModel::param_values(int64_t index) {
   TORCH_CHECK(index >= 0 && index < num_params(), "ferry: parameter index ", index, " out of range [0, ", num_params(),
               ")");
+  if (grad_sink_) grad_sink_->await_param(index);
   const TensorId t = tensor_of_param_[index];
   TORCH_CHECK(!remote_ || !remote_->remote(chunk_of_param_[index]) || store_->tensor_info(t).state != TensorState::kFree,
               "ferry: parameter ", names_[index], " is in a chunk that another rank owns and that is not fetched "
@@ -348,6 +349,7 @@ void ChunkedModel::transition(ModelPhase to) {
 }
 
 void ChunkedModel::pre_use(int64_t param) {
+  if (grad_sink_) grad_sink_->await_param(param);  // an update left running behind the step writes its chunk
   TORCH_CHECK(!grad_in_slot_[param], "ferry: parameter ", names_[param], " is used, but its chunk slot holds its "
               "gradient since its backward (Note [Gradient in the parameter slot]): call the optimizer's step() "
               "(or zero_grad()) after backward, before the next forward. For gradient accumulation over "
@@ -459,6 +461,9 @@ void ChunkedModel::abort_iteration() {
 void ChunkedModel::finish_iteration(bool aborted, bool forward_only) {
   if (!in_iteration_) return;
   in_iteration_ = false;
+  // Chunks this iteration did not use may still be updated by the optimizer: done before the store
+  // settles and the repack reads them.
+  if (grad_sink_) grad_sink_->await_params();
   scheduler_->end_iteration(aborted, forward_only);
   // An evaluation forward left no gradients in the groups it gathered: every rank gives them up now.
   if (remote_ && forward_only && !aborted) remote_->release_all();
@@ -492,6 +497,7 @@ void ChunkedModel::materialize(bool fetch_remote) {
   if (materialized_) return;
   TORCH_CHECK(phase_.load() == ModelPhase::kIdle || phase_.load() == ModelPhase::kForwardDone,
               "ferry: materialize() inside forward/backward");
+  if (grad_sink_) grad_sink_->await_params();
   if (remote_ && remote_->any_remote()) {
     if (fetch_remote) {
       remote_->fetch_all();  // a collective: every rank materializes
@@ -530,6 +536,7 @@ void ChunkedModel::materialize(bool fetch_remote) {
 NamedTensors ChunkedModel::state_dict() {
   TORCH_CHECK(phase_.load() == ModelPhase::kIdle, "ferry: state_dict() is for between iterations (the model is in ",
               to_string(phase_.load()), ")");
+  if (grad_sink_) grad_sink_->await_params();
   check_no_grad_in_slots("state_dict()");
   const bool fetched = remote_ && remote_->any_remote();
   if (fetched) remote_->fetch_all();  // a collective: every rank calls state_dict()
@@ -572,6 +579,7 @@ void ChunkedModel::load_state_dict(const NamedTensors& values) {
     }
   }
   at::NoGradGuard no_grad;
+  if (grad_sink_) grad_sink_->await_params();
   if (remote_ && remote_->any_remote()) remote_->fetch_all();  // a collective: every rank loads
   for (int64_t p = 0; p < num_params(); ++p) param_values(p).copy_(*given.at(names_[p]));
   for (auto& b : buffers) {

@@ -15,7 +15,9 @@
 //
 // Contract
 //  - Parameters may only be touched by ops inside forward()/backward() (or after materialize());
-//    elsewhere their memory may be on the host and reading them is undefined (chunk/chunk.h).
+//    elsewhere their memory may be on the host, or still being written by the optimizer's update
+//    (Note [Update behind the next forward], cpu_adam/hybrid_adam.h), and reading them is undefined
+//    (chunk/chunk.h). param_values() and state_dict() read them safely between iterations.
 //  - Gradients: without a GradSink, .grad tensors are made by autograd as usual (device tensors, not
 //    chunked). With one (HybridAdam installs itself), each parameter's gradient is taken as soon as
 //    autograd has accumulated it (a post-accumulate-grad hook) and .grad is reset, so no device
@@ -92,6 +94,14 @@ class GradSink {
   // backward() has run to its end (`aborted`: it threw), before the model ends the iteration (which
   // may repack the chunks): work the sink started on the chunks during backward must be done on return.
   virtual void backward_finished(bool /*aborted*/) {}
+  // Updates the sink left running on parameter chunks when its step returned (Note [Update behind the
+  // next forward], cpu_adam/hybrid_adam.h). await_param(p) returns once p's chunk holds its new values,
+  // await_params() once every chunk does; either rethrows an error such an update threw. The model
+  // calls await_param before every use of a parameter, and await_params before anything else reads,
+  // writes or moves the parameters (param_values, state_dict, load_state_dict, materialize, the end of
+  // an iteration, where the warm-up repack runs). Both must be cheap when nothing is running.
+  virtual void await_param(int64_t /*param*/) {}
+  virtual void await_params() {}
 };
 
 // Told when the parameters have been repacked into a new layout: between iterations, at the end of

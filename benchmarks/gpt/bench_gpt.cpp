@@ -18,7 +18,8 @@
 // the same roof; measured / floor says how far from the limit; the schedule floor (forward's compute
 // plus the larger of backward's and the host memory's, D52) says how far from what this design can do.
 // --max-grad-norm=X clips in ferry and the baseline: ferry's step is then two-phase (Note [Pipelined
-// step]) and its schedule floor puts the host Adam after backward.
+// step]): its host Adam follows backward, running beside the next forward (Note [Update behind the next
+// forward]; --sync-update: before the step returns), and the schedule floor says so.
 // It also measures the interception overhead in ns per op (an op on a managed parameter inside
 // ChunkedModel's scope against the same op on a plain tensor).
 // --find-max: the largest preset (in parameter count) that trains 3 steps within the given budgets.
@@ -54,6 +55,7 @@ struct Args {
   std::string preset = "small", commit = "unknown", trace, profile;
   int64_t batch = 8, seq = 256, steps = 5, warmup_steps = 2;
   bool checkpoint = false, baseline = true, find_max = false, init_scope = false, unpipelined = false;
+  bool sync_update = false;  // HybridAdamOptions::update_behind_forward off
   bool replicate_params = false, keep_gathered = false;  // world size > 1: Note [Sharded parameters] off / no reshard
   int64_t reshard_gap = 16;
   double max_grad_norm = 0;  // global-norm clipping (ferry and the baseline); 0: none
@@ -125,6 +127,7 @@ struct FerryResult {
   double syncs = 0, background_syncs = 0, transfers = 0, h2d_bytes = 0, d2h_bytes = 0;
   double overlapped_chunks = 0;
   double written_back_chunks = 0;  // accumulation: chunks whose new values a copy wrote after the update
+  double deferred_chunks = 0;      // host updates left running behind the step (Note [Update behind the next forward])
   double host_state_params = 0;  // parameters whose optimizer state is on the host (host Adam)
   // Data parallelism (world size > 1), per measured step: bytes this rank sent as the ring algorithm
   // sends them (dist::CommStats), collectives, time in them; the parameter chunks' bytes.
@@ -192,6 +195,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   adam_options.accumulate_grads = a.micro_batches > 1;
   adam_options.communicator = comm;  // null: one process
   adam_options.shard_params = !a.replicate_params;
+  adam_options.update_behind_forward = !a.sync_update;
   ferry::HybridAdam adam(model, adam_options);
   const c10::Device device = model.store().device();
   std::mt19937_64 rng(7 + config.rank);  // each rank its own batches
@@ -312,6 +316,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     r.h2d_bytes += static_cast<double>(moves.h2d_bytes - moves_before.h2d_bytes) / a.steps;
     r.d2h_bytes += static_cast<double>(moves.d2h_bytes - moves_before.d2h_bytes) / a.steps;
     r.overlapped_chunks += static_cast<double>(step.overlapped_chunks) / a.steps;
+    r.deferred_chunks += static_cast<double>(step.deferred_chunks) / a.steps;
     r.written_back_chunks += static_cast<double>(step.written_back_chunks) / a.steps;
     if (comm) {
       const ferry::dist::CommStats cs = comm->stats();
@@ -555,6 +560,8 @@ int run(int argc, char** argv) {
       .add_flag("init-scope", &a.init_scope, "build the model inside ferry::InitScope (compute dtype, no fp32 copy)")
       .add_flag("no-baseline", &no_baseline, "skip the unwrapped baseline")
       .add_flag("unpipelined", &a.unpipelined, "model.backward() + adam.step() instead of adam.backward_step()")
+      .add_flag("sync-update", &a.sync_update, "every host update done when the step returns, none left running "
+                "behind it into the next forward (Note [Update behind the next forward])")
       .add("micro-batches", &a.micro_batches, "gradient accumulation: backward passes per step, each over "
            "batch / N sequences (default 1)", 1)
       .add("max-grad-norm", &a.max_grad_norm, "global gradient clipping in ferry and the baseline, 0 = none "
@@ -592,7 +599,8 @@ int run(int argc, char** argv) {
       << ", \"host_budget_bytes\": " << config.host_budget_bytes << ", \"batch\": " << a.batch << ", \"seq\": " << a.seq
       << ", \"steps\": " << a.steps << ", \"checkpoint_activations\": " << (a.checkpoint ? "true" : "false")
       << ", \"trace\": \"" << a.trace << "\", \"step\": \"" << (a.unpipelined ? "unpipelined" : "pipelined")
-      << "\", \"max_grad_norm\": " << a.max_grad_norm << ", \"micro_batches\": " << a.micro_batches << "},\n";
+      << "\", \"max_grad_norm\": " << a.max_grad_norm << ", \"micro_batches\": " << a.micro_batches
+      << ", \"update_behind_forward\": " << (a.sync_update ? "false" : "true") << "},\n";
 
   if (a.find_max) {
     std::vector<gpt::GptConfig> presets;
@@ -673,6 +681,7 @@ int run(int argc, char** argv) {
       << ", \"transfers_per_step\": " << f.transfers << ", \"h2d_bytes_per_step\": " << f.h2d_bytes
       << ", \"d2h_bytes_per_step\": " << f.d2h_bytes << ", \"overlapped_chunks_per_step\": " << f.overlapped_chunks
       << ", \"written_back_chunks_per_step\": " << f.written_back_chunks
+      << ", \"deferred_chunks_per_step\": " << f.deferred_chunks
       << ", \"host_state_params\": " << f.host_state_params << "}";
   if (comm) {
     // The floor of data parallelism: each parameter byte all-gathered and reduce-scattered once per step.
@@ -725,12 +734,15 @@ int run(int argc, char** argv) {
     // (two-phase, Note [Pipelined step]) the host Adam waits for the global norm: only the copies
     // overlap backward, and the host Adam follows it; unpipelined, the same bound. With micro-batches
     // every backward counts as one window (optimistic: the host Adam overlaps only the last one's), so
-    // the floor stays a lower bound.
+    // the floor stays a lower bound. Behind the next forward (one process, not eager: Note [Update behind
+    // the next forward]) the host Adam after backward runs beside forward's compute: the two take the
+    // larger of them, forward_s + max(0, adam_s - forward_s).
     const double forward_s = compute_s * 2.0 / (a.checkpoint ? 8.0 : 6.0);
     const bool eager = !a.unpipelined && a.max_grad_norm == 0 && config.precision != ferry::Precision::kFp16;
     const double backward_host_s =
         eager ? host_memory_s : (accumulation_bytes + copy_host_bytes) / rates.adam_bytes_per_s;
-    const double after_backward_s = eager ? 0.0 : adam_s;
+    const bool behind_forward = !eager && !a.sync_update && world == 1;
+    const double after_backward_s = eager ? 0.0 : behind_forward ? std::max(0.0, adam_s - forward_s) : adam_s;
     const double schedule_s =
         std::max(forward_s + std::max(compute_s - forward_s, backward_host_s) + after_backward_s, pcie_s);
     std::cerr << "bench_gpt: floors: compute " << compute_s << " s, transfers " << pcie_s << " s, host Adam " << adam_s
@@ -743,7 +755,8 @@ int run(int argc, char** argv) {
         << "\"}, \"compute_s\": " << compute_s << ", \"transfers_s\": " << pcie_s << ", \"host_adam_s\": " << adam_s
         << ", \"host_memory_s\": " << host_memory_s << ", \"floor_s\": " << floor_s
         << ", \"measured_over_floor\": " << f.mean.total / floor_s << ", \"schedule\": \""
-        << (eager ? "host Adam inside backward" : "host Adam after backward") << "\", \"schedule_floor_s\": " << schedule_s
+        << (eager ? "host Adam inside backward" : behind_forward ? "host Adam behind the next forward" : "host Adam after backward")
+        << "\", \"schedule_floor_s\": " << schedule_s
         << ", \"measured_over_schedule_floor\": " << f.mean.total / schedule_s
         << ", \"measured_over_compute\": " << f.mean.total / compute_s << "}";
   }

@@ -922,6 +922,99 @@ TEST(HybridAdam, AccumulatedPipelinedStepWithFp16LossScalingEqualsBackwardThenSt
   expect_pipeline_equals_step({Precision::kFp16, 1.0, 3, 262144.0, /*min_overflows=*/1});
 }
 
+// Note [Update behind the next forward]: with update_behind_forward (b) the host updates after
+// backward are left running and the next forward waits for each chunk's own; against the same training
+// with it off (a), every loss (each computed by a forward that waited), master, moment and parameter is
+// bit-identical, although the lr changes right after every step (the queued updates keep the one they
+// were queued with). Forced evictions, state split between device and host, clipping; the two-phase
+// backward_step and backward() + step(), with and without micro-batches (whose zero_grad() queues
+// behind the updates).
+struct BehindCase {
+  Precision precision = Precision::kBf16;
+  int micro_batches = 1;
+  bool unpipelined = false;
+  int64_t param_chunks = 3, state_chunks = 4;  // the device budget, in chunks (budget_for)
+};
+void expect_update_behind_forward_exact(const BehindCase& bc) {
+  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+  options.device_state_chunks = 2;
+  options.max_grad_norm = 0.05;
+  options.accumulate_grads = bc.micro_batches > 1;
+  const int64_t roles = options.accumulate_grads ? 4 : 3;
+  torch::manual_seed(43);
+  TinyLm a_net(kVocab, kDim);
+  torch::manual_seed(43);
+  TinyLm b_net(kVocab, kDim);
+  ChunkedModel a(a_net.ptr(), sim_config(budget_for(bc.param_chunks, bc.state_chunks, roles), bc.precision));
+  ChunkedModel b(b_net.ptr(), sim_config(budget_for(bc.param_chunks, bc.state_chunks, roles), bc.precision));
+  HybridAdam a_adam(a, HybridAdamOptions(options).with_update_behind_forward(false));
+  HybridAdam b_adam(b, HybridAdamOptions(options).with_update_behind_forward(true));
+  int64_t deferred = 0, evictions = 0, clipped = 0;
+  for (int step = 0; step < 8; ++step) {
+    auto run = [&](ChunkedModel& m, TinyLm& net, HybridAdam& adam) {
+      StepResult r;
+      torch::Tensor loss_sum;
+      for (int k = 0; k < bc.micro_batches; ++k) {
+        const Batch x = batch(100 * step + k);
+        torch::Tensor loss = m.forward([&] { return lm_loss(net, x.idx, x.target) / bc.micro_batches; });
+        loss_sum = loss_sum.defined() ? loss_sum + loss.detach() : loss.detach();
+        if (k + 1 < bc.micro_batches) {
+          m.backward(loss);
+        } else if (bc.unpipelined) {
+          m.backward(loss);
+          r = adam.step();
+        } else {
+          r = adam.backward_step(loss);
+        }
+      }
+      adam.set_lr(1e-2 / (step + 2));  // at once: b's updates of this step are still queued or running
+      adam.zero_grad();
+      return std::make_pair(r, loss_sum);
+    };
+    const auto [ra, la] = run(a, a_net, a_adam);
+    const auto [rb, lb] = run(b, b_net, b_adam);
+    const std::string when = "step " + std::to_string(step);
+    ASSERT_TRUE(torch::equal(la, lb)) << when << ": the forward read every parameter after its update";
+    ASSERT_EQ(ra.applied, rb.applied) << when;
+    EXPECT_EQ(ra.grad_norm, rb.grad_norm) << when;
+    EXPECT_EQ(ra.deferred_chunks, 0) << when;
+    if (!options.accumulate_grads && rb.applied) {
+      EXPECT_EQ(rb.deferred_chunks, rb.host_chunks) << when << ": every host chunk is staged on the host";
+    }
+    EXPECT_LE(rb.deferred_chunks, rb.host_chunks) << when;
+    deferred += rb.deferred_chunks;
+    clipped += rb.clip_coef < 1.0;
+    evictions += b.last_iteration().evictions;
+  }
+  // An evaluation forward right after the last step waits as a training one does.
+  const Batch x = batch(999);
+  const torch::Tensor ya = a.forward([&] { return a_net->forward(x.idx); });
+  const torch::Tensor yb = b.forward([&] { return b_net->forward(x.idx); });
+  a.end_iteration();
+  b.end_iteration();
+  EXPECT_TRUE(torch::equal(ya, yb));
+  ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, "after 8 steps"));
+  EXPECT_GE(deferred, 8) << "host updates must be left running";
+  EXPECT_GT(clipped, 2) << "the clipping path must be exercised";
+  EXPECT_GE(evictions, 5);
+  EXPECT_EQ(a_adam.step_count(0), b_adam.step_count(0));
+}
+
+TEST(HybridAdam, UpdateBehindForwardIsBitIdenticalInTheTwoPhaseStep) { expect_update_behind_forward_exact({}); }
+
+TEST(HybridAdam, UpdateBehindForwardIsBitIdenticalInBackwardThenStep) {
+  expect_update_behind_forward_exact({Precision::kBf16, 1, /*unpipelined=*/true});
+}
+
+TEST(HybridAdam, UpdateBehindForwardIsBitIdenticalWithMicroBatches) {
+  expect_update_behind_forward_exact({Precision::kBf16, 3});
+}
+
+TEST(HybridAdam, UpdateBehindForwardIsBitIdenticalWithMicroBatchesInFp32) {
+  expect_update_behind_forward_exact({Precision::kFp32, 2, /*unpipelined=*/true, /*param_chunks=*/2,
+                                      /*state_chunks=*/2});
+}
+
 // The two-phase step with micro-batches takes a gradient its chunk did not have in the previous
 // backward, after that chunk's norm was taken (nothing irreversible had happened: the step takes the
 // norm again), and stays bit-identical to backward() + step(). The eager one refuses it

@@ -244,6 +244,8 @@ TEST(HybridAdamIo, UnwritableDirectoryKeepsThePreviousCheckpoint) {
   ASSERT_EQ(::chmod(c.dir.c_str(), 0555), 0);
   if (::geteuid() == 0) {
     // Root writes anywhere: save as an unprivileged user, in a child (after fork only the save runs).
+    // The child has none of this process's threads: no update may be left running on CpuAdam's worker.
+    c.trainer.adam->synchronize();
     const pid_t child = ::fork();
     ASSERT_GE(child, 0);
     if (child == 0) {
