@@ -142,16 +142,20 @@ void HybridAdam::check_idle(const char* what) const {
 
 void HybridAdam::settle(const char* what) {
   check_idle(what);
-  std::lock_guard<std::mutex> lock(mutex_);
-  settle_deferred_locked();
+  await_params();
 }
 
-void HybridAdam::synchronize() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  settle_deferred_locked();
-}
+void HybridAdam::synchronize() { await_params(); }
 
 // Note [Update behind the next forward] (hybrid_adam.h).
+namespace {
+void log_deferred_failure(int64_t chunk) {  // -1: the zeroing of an accumulation chunk
+  log::error("ferry: HybridAdam: ", chunk >= 0 ? "the host update of chunk " + std::to_string(chunk)
+                                               : std::string("zeroing an accumulation chunk"),
+             ", left running behind the step, failed; that chunk's parameters and state may be partly updated");
+}
+}  // namespace
+
 void HybridAdam::settle_deferred_locked() {
   if (!deferred_pending_.load()) return;
   std::exception_ptr error;
@@ -175,9 +179,7 @@ void HybridAdam::settle_deferred_locked() {
   deferred_zeroing_.clear();
   deferred_pending_.store(false);
   if (error) {
-    log::error("ferry: HybridAdam: ", failed >= 0 ? "the host update of chunk " + std::to_string(failed)
-                                                  : std::string("zeroing an accumulation chunk"),
-               ", left running behind the step, failed; that chunk's parameters and state may be partly updated");
+    log_deferred_failure(failed);
     std::rethrow_exception(error);
   }
 }
@@ -192,8 +194,7 @@ void HybridAdam::await_param(int64_t param) {
   try {
     job.get();
   } catch (...) {
-    log::error("ferry: HybridAdam: the host update of chunk ", c, ", left running behind the step, failed; that "
-               "chunk's parameters and state may be partly updated");
+    log_deferred_failure(c);
     throw;
   }
 }

@@ -142,6 +142,9 @@
 //    backward() and step() (it fails, naming the parameter). zero_grad() discards unconsumed ones.
 //  - With accumulate_grads, gradients accumulate across backward() calls until zero_grad() (scale each
 //    micro-batch's loss by 1/N yourself), and step() leaves them as they were landed.
+//  - step() and backward_step() may return with host updates still running (Note [Update behind the
+//    next forward]); everything that reads parameters or state through ferry waits for them, and
+//    synchronize() does explicitly. fork() only after synchronize().
 //  - The model's parameters must not be changed by others while a HybridAdam holds it: the masters are
 //    the truth, and every step overwrites the parameter chunks from them.
 //  - The HybridAdam must not outlive the ChunkedModel.

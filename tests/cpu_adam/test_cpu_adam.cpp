@@ -330,6 +330,26 @@ TEST(CpuAdam, AsyncEqualsSyncAndKeepsOrder) {
   EXPECT_TRUE(same_bits(a.lowp, b.lowp));
 }
 
+// A frozen group updates with the options and step count it was frozen with, whatever the group has
+// since (HybridAdam's updates left running behind a step while the caller sets the next lr).
+TEST(CpuAdam, FrozenGroupKeepsItsOptionsAndStep) {
+  Buffers now(5000, 0, at::kBFloat16, at::kBFloat16, 3);
+  Buffers later = now;
+  CpuAdam adam;
+  adam.advance_step(0);
+  adam.advance_step(0);
+  const CpuAdam::FrozenGroup frozen = adam.freeze(0);
+  EXPECT_EQ(frozen.step, 2);
+  adam.update(0, now.span());
+  adam.set_lr(0, adam.options(0).lr * 10);
+  adam.advance_step(0);
+  adam.update(frozen, later.span());
+  EXPECT_TRUE(same_bits(now.p, later.p));
+  EXPECT_TRUE(same_bits(now.lowp, later.lowp));
+  CpuAdam fresh;
+  EXPECT_THROW(fresh.update(fresh.freeze(0), later.span()), c10::Error) << "a group frozen before its first step";
+}
+
 TEST(CpuAdam, StepIsAllOrNothingAcrossSpans) {
   CpuAdam adam;
   Buffers good(1000, 0, at::kFloat, at::ScalarType::Undefined, 1);
