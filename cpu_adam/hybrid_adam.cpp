@@ -236,6 +236,8 @@ bool HybridAdam::defer_host_update_locked(int64_t c, const UpdateOptions& option
 }
 
 void HybridAdam::follow_layout_locked() {
+  // The model waits for updates left running before it ends an iteration, where it repacks.
+  TORCH_INTERNAL_ASSERT(!deferred_pending_.load(), "a layout change with host updates still running");
   placed_ = false;  // the old state store's device bytes left with it (discharged from the accountant)
   layout_version_ = model_.layout_version();
   landings_.resize(model_.num_params(), 0);  // per parameter: kept across a repack (counted in this backward)
