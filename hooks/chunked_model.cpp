@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <exception>
 #include <cmath>
 #include <unordered_map>
 #include <unordered_set>
@@ -462,8 +463,18 @@ void ChunkedModel::finish_iteration(bool aborted, bool forward_only) {
   if (!in_iteration_) return;
   in_iteration_ = false;
   // Chunks this iteration did not use may still be updated by the optimizer: done before the store
-  // settles and the repack reads them.
-  if (grad_sink_) grad_sink_->await_params();
+  // settles and the repack reads them. If one of those updates failed, the iteration still ends (as an
+  // aborted one: no repack over a half-written chunk), and the error follows unless one already does.
+  std::exception_ptr update_error;
+  if (grad_sink_) {
+    try {
+      grad_sink_->await_params();
+    } catch (...) {
+      update_error = std::current_exception();
+    }
+  }
+  const bool thrown = aborted;
+  aborted = aborted || update_error != nullptr;
   scheduler_->end_iteration(aborted, forward_only);
   // An evaluation forward left no gradients in the groups it gathered: every rank gives them up now.
   if (remote_ && forward_only && !aborted) remote_->release_all();
@@ -491,6 +502,7 @@ void ChunkedModel::finish_iteration(bool aborted, bool forward_only) {
     scheduler_->relayout(*store_, tensor_of_param_, chunk_of_param_);
     if (options_.repack_after_warmup && layout_listener_) layout_listener_->layout_changed();
   }
+  if (update_error && !thrown) std::rethrow_exception(update_error);
 }
 
 void ChunkedModel::materialize(bool fetch_remote) {
