@@ -6,6 +6,10 @@
 // caching allocator. So the ChunkStore's pending-copy paths, which the synchronous simulated engine
 // never takes, run in CPU tests, under ASan too. Thread-safe (a recursive mutex): the optimizer's worker
 // waits for copies while the training thread queues others and frees device memory.
+// One model at a time: frees reach the newest engine through a process-wide pointer, so a second
+// ChunkedModel with its own engine would free the first one's memory while the first's copies are
+// still queued (they then read freed memory: seen as garbage gradients). A repack's old and new store
+// are the one pair this handles. Give the other model of a comparison the synchronous engine.
 #include <ATen/core/Tensor.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
