@@ -430,7 +430,16 @@ void HybridAdam::discard_grads_locked() {
     }
     model_.clear_grad_slots();
   } else {
-    for (int64_t c = 0; c < num_chunks(); ++c) state_->payload(kGradRole, c).zero_();
+    for (int64_t c = 0; c < num_chunks(); ++c) {
+      at::Tensor acc = state_->payload(kGradRole, c);
+      if (static_cast<int64_t>(deferred_.size()) > c && deferred_[c].valid()) {
+        // Note [Update behind the next forward]: the update still running reads this sum; the zeroing
+        // queues behind it on the same worker (where the next accumulation into the chunk queues too).
+        deferred_zeroing_.push_back(cpu_adam_.run_async([acc] { acc.zero_(); }));
+      } else {
+        acc.zero_();
+      }
+    }
   }
   std::fill(landed_.begin(), landed_.end(), 0);
   grads_landed_ = false;
@@ -1172,25 +1181,11 @@ void HybridAdam::zero_grad() {
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
   const bool had = grads_landed_;
-  if (options_.accumulate_grads && deferred_pending_.load()) {
-    // Note [Update behind the next forward]: an update still running reads its accumulation chunk; the
-    // zeroing queues behind it on the same worker (the next accumulation into the chunk queues there
-    // too), so the step's overlap with the next forward survives the usual step(); zero_grad().
-    for (int64_t c = 0; c < num_chunks(); ++c) {
-      at::Tensor acc = state_->payload(kGradRole, c);
-      if (static_cast<int64_t>(deferred_.size()) > c && deferred_[c].valid()) {
-        deferred_zeroing_.push_back(cpu_adam_.run_async([acc] { acc.zero_(); }));
-      } else {
-        acc.zero_();
-      }
-    }
-    std::fill(landed_.begin(), landed_.end(), 0);
-    grads_landed_ = false;
-    return;
-  }
-  // Default mode: after a step the slots hold values (nothing to restore); gradients of a backward
-  // since then are in chunks the forward before it waited for. Before any step, nothing runs.
-  if (grads_landed_) settle_deferred_locked();
+  // Note [Update behind the next forward]: updates may still run. With accumulate_grads the zeroing
+  // queues behind them (discard_grads_locked), so step(); zero_grad(); keeps the overlap. Default mode:
+  // after a step the slots hold values (nothing to restore); gradients of a backward since then are in
+  // chunks the forward before it waited for.
+  if (!options_.accumulate_grads && grads_landed_) settle_deferred_locked();
   discard_grads_locked();
   if (param_shards_ && !options_.accumulate_grads) {
     // The other ranks' chunks (some holding gradients) are given up; the next use fetches the owners' values.
