@@ -113,6 +113,8 @@ HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
 }
 
 HybridAdam::~HybridAdam() {
+  // The model may keep the shards (its remote chunks) beyond this object: their guard waits on it.
+  if (param_shards_) param_shards_->set_send_guard(nullptr);
   try {
     std::lock_guard<std::mutex> lock(mutex_);
     settle_deferred_locked();  // the jobs use this object
@@ -146,6 +148,8 @@ void HybridAdam::settle(const char* what) {
 }
 
 void HybridAdam::synchronize() { await_params(); }
+
+std::future<void> HybridAdam::run_on_worker(std::function<void()> job) { return cpu_adam_.run_async(std::move(job)); }
 
 // Note [Update behind the next forward] (hybrid_adam.h).
 namespace {
@@ -187,7 +191,16 @@ void HybridAdam::settle_deferred_locked() {
 void HybridAdam::await_param(int64_t param) {
   if (!deferred_pending_.load()) return;  // the common case: no lock
   std::lock_guard<std::mutex> lock(mutex_);
-  const int64_t c = model_.layout().slots()[param].chunk;
+  await_chunk_locked(model_.layout().slots()[param].chunk);
+}
+
+void HybridAdam::await_chunk(int64_t c) {
+  if (!deferred_pending_.load()) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  await_chunk_locked(c);
+}
+
+void HybridAdam::await_chunk_locked(int64_t c) {
   if (c >= static_cast<int64_t>(deferred_.size()) || !deferred_[c].valid()) return;
   trace::Span span("adam", trace::enabled() ? "wait for host adam chunk " + std::to_string(c) : std::string());
   std::future<void> job = std::move(deferred_[c]);
@@ -215,7 +228,7 @@ bool HybridAdam::defer_host_update_locked(int64_t c, const UpdateOptions& option
   if (spans.empty()) return false;
   at::Tensor acc;  // accumulate_grads: the gradients; the job writes the new values into the parameter chunk
   if (options_.accumulate_grads) {
-    acc = state_->payload(kGradRole, c);
+    acc = grad_payload_locked(c);  // at N > 1 the sums over the ranks (a tensor of their own)
     lowp_written_[c] = 1;
   }
   if (static_cast<int64_t>(deferred_.size()) < num_chunks()) deferred_.resize(num_chunks());
@@ -1119,10 +1132,11 @@ StepResult HybridAdam::apply_locked(const ChunkNorms& norms, StepResult result) 
   UpdateOptions update_options;
   update_options.grad_scale = grad_scale;
   update_options.grads_checked = true;
-  // Note [Update behind the next forward]: one process, the host updates queued in forward order
-  // (layout order), each group's options and step count frozen now.
+  // Note [Update behind the next forward]: the host updates queued in forward order (layout order),
+  // each group's options and step count frozen now. At N > 1 only where the next use gathers the new
+  // values (sharded parameters, whose gathers wait for them); else the step's own gather reads them.
   std::shared_ptr<const std::vector<CpuAdam::FrozenGroup>> frozen;
-  if (options_.update_behind_forward && world_ == 1) {
+  if (options_.update_behind_forward && (world_ == 1 || param_shards_)) {
     auto groups = std::make_shared<std::vector<CpuAdam::FrozenGroup>>();
     for (int g = 0; g < num_param_groups(); ++g) groups->push_back(cpu_adam_.freeze(g));
     frozen = std::move(groups);

@@ -111,7 +111,7 @@
 // The host updates that run after backward (all of them in step(); in backward_step those of the
 // two-phase step, with clipping or fp16 loss scaling, which need the global norm first) need not be
 // done when the call returns: nothing reads a parameter before the next forward uses it. With
-// HybridAdamOptions::update_behind_forward (the default; one process) the call queues each host-state
+// HybridAdamOptions::update_behind_forward (the default) the call queues each host-state
 // chunk's update on CpuAdam's worker in layout order, the order of forward after the warm-up repack,
 // with its parameter chunk locked on the host, the grad scale and each group's options and step count
 // frozen (a set_lr() before the next forward does not reach it), and returns. Then:
@@ -122,7 +122,10 @@
 //    backward_step(), the state views, save(), load(), state_dict(), param_values(), materialize(), the
 //    end of an iteration (a chunk the forward did not use), the destructor; synchronize() explicitly;
 //  - zero_grad() with accumulate_grads queues the zeroing of such a chunk's accumulation behind its
-//    update on the same worker, so step(); zero_grad(); keeps the overlap.
+//    update on the same worker, so step(); zero_grad(); keeps the overlap;
+//  - at N > 1 only with sharded parameters (shard_params, the default; replicated ones are gathered by
+//    the step itself): a group's gather, a collective, reads this rank's member only once its update
+//    has written it (ParamShards' send guard, which calls await_chunk), a prefetch's gather included.
 // Exact: the same kernel, spans, grad scale and step count as the update on the calling thread, so
 // the same bits. What it saves: after backward the host Adam (A) and the next forward (F) ran one after
 // the other; now forward runs beside A (the device-state chunks come first in forward, D51, and the
@@ -249,10 +252,10 @@ struct HybridAdamOptions {
   // each rank keeps only the chunks it owns between steps and gathers the others before their use.
   // Off: every rank keeps every parameter chunk, and a step all-gathers the updated values.
   bool shard_params = true;
-  // One process: leave the host updates that run after backward (with clipping or fp16 loss scaling,
-  // and in step()) running behind the return, in forward order, each chunk's next use waiting for its
-  // own (Note [Update behind the next forward]). Off: step() and backward_step() return with every
-  // update written.
+  // Leave the host updates that run after backward (with clipping or fp16 loss scaling, and in
+  // step()) running behind the return, in forward order, each chunk's next use waiting for its own
+  // (Note [Update behind the next forward]); at N > 1 only with shard_params. Off: step() and
+  // backward_step() return with every update written.
   bool update_behind_forward = true;
 
   // `defaults` for matrices; biases and norm weights (tensors of dim <= 1) in group 1 without decay.
@@ -331,6 +334,10 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // model waits by itself; this is for timing a step to its very end, and for before fork() (a child
   // has no worker thread to finish them).
   void synchronize();
+  // Queues `job` on the worker that runs the host updates, behind everything queued there so far (FIFO);
+  // the updates a later step leaves running queue behind it. For tests and tools: a job that stalls
+  // holds those updates back, as a slow host would.
+  std::future<void> run_on_worker(std::function<void()> job);
 
   int num_param_groups() const { return cpu_adam_.num_param_groups(); }
   int group_of(int64_t param) const { return group_of_param_[param]; }
@@ -409,6 +416,9 @@ class HybridAdam final : private GradSink, private LayoutListener {
   void backward_finished(bool aborted) override;
   void await_param(int64_t param) override;
   void await_params() override;
+  // await_param for layout chunk c (the send guard of the sharded parameters' gathers).
+  void await_chunk(int64_t c);
+  void await_chunk_locked(int64_t c);
   // check_idle, then await_params(): every public call that reads or writes state or gradients.
   void settle(const char* what);
   // Note [Update behind the next forward]: joins the updates left running (and the zeroing queued

@@ -84,6 +84,7 @@ void ParamShards::start_locked(int64_t group, bool prefetch) {
   at::Tensor mine = at::zeros({seg}, bytes_on);
   const int64_t own = group * world_ + rank_;
   if (own < static_cast<int64_t>(chunks_.size())) {
+    if (send_guard_) send_guard_(own);  // its values may still be being written
     // The owned chunk's current values, wherever the scheduler keeps it (a copy: it may be in use).
     const at::Tensor bytes = store_.payload(chunks_[own]).view(at::kByte);
     mine.slice(0, 0, bytes.numel()).copy_(bytes);
@@ -152,6 +153,11 @@ void ParamShards::fetch_locked(int64_t group) {
   const at::Tensor out = std::move(flight.out);
   flight.out = at::Tensor();
   install_locked(group, out);
+}
+
+void ParamShards::set_send_guard(SendGuard guard) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  send_guard_ = std::move(guard);
 }
 
 void ParamShards::fetch(ChunkId chunk) {

@@ -26,10 +26,15 @@
 //  - Each rank's contribution carries the group index; a rank that gathers a different group (the ranks
 //    used the parameters in different orders) makes every rank fail naming both groups, instead of
 //    mixing up parameters.
+//  - Before a gather reads the chunk this rank owns, the send guard (set_send_guard) is called with its
+//    layout index and must return once that chunk holds the values to send: HybridAdam's host update of
+//    it may still be running behind the step (Note [Update behind the next forward]). A gather is a
+//    collective, so it cannot be skipped or postponed on one rank: a prefetch waits for the guard too.
 //
 // Contract: thread-safe (an internal mutex); fetches are collectives (scheduler/remote_chunks.h). The
 // store and the communicator must outlive this object; a gather in flight is waited for on destruction.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -67,6 +72,11 @@ class ParamShards final : public RemoteChunks {
   void fetch_all() override;
   void release_all() override;
 
+  // Called (under this object's lock, on the thread that starts a gather) with the layout index of this
+  // rank's member of the group before its payload is read; it must not call back into this object.
+  // Empty (the default): the owned chunks always hold their values.
+  using SendGuard = std::function<void(int64_t index)>;
+  void set_send_guard(SendGuard guard);
   // Layout chunk `index` is this rank's.
   bool owned(int64_t index) const { return index % world_ == rank_; }
   int64_t num_groups() const { return (static_cast<int64_t>(chunks_.size()) + world_ - 1) / world_; }
@@ -96,6 +106,7 @@ class ParamShards final : public RemoteChunks {
   c10::Device buffer_device_{c10::kCPU};     // where the gather buffers live
   std::vector<char> present_;      // per group: every member has its payload here
   std::vector<Flight> flights_;    // per group
+  SendGuard send_guard_;
   ParamShardStats stats_;
 };
 

@@ -62,6 +62,11 @@ struct Args {
   int64_t micro_batches = 1;  // gradient accumulation: backward passes per step, batch / micro_batches rows each
 };
 
+// Whether the host updates after backward run behind the next forward (Note [Update behind the next
+// forward]): unless --sync-update; across ranks only with sharded parameters (replicated ones are
+// gathered by the step itself).
+bool behind_forward_option(const Args& a, int world) { return !a.sync_update && (world == 1 || !a.replicate_params); }
+
 // Peak resident set of this process so far (getrusage; Linux reports KiB).
 int64_t rss_peak_bytes() {
   struct rusage u {};
@@ -600,7 +605,7 @@ int run(int argc, char** argv) {
       << ", \"steps\": " << a.steps << ", \"checkpoint_activations\": " << (a.checkpoint ? "true" : "false")
       << ", \"trace\": \"" << a.trace << "\", \"step\": \"" << (a.unpipelined ? "unpipelined" : "pipelined")
       << "\", \"max_grad_norm\": " << a.max_grad_norm << ", \"micro_batches\": " << a.micro_batches
-      << ", \"update_behind_forward\": " << (a.sync_update ? "false" : "true") << "},\n";
+      << ", \"update_behind_forward\": " << (behind_forward_option(a, world) ? "true" : "false") << "},\n";
 
   if (a.find_max) {
     std::vector<gpt::GptConfig> presets;
@@ -734,14 +739,14 @@ int run(int argc, char** argv) {
     // (two-phase, Note [Pipelined step]) the host Adam waits for the global norm: only the copies
     // overlap backward, and the host Adam follows it; unpipelined, the same bound. With micro-batches
     // every backward counts as one window (optimistic: the host Adam overlaps only the last one's), so
-    // the floor stays a lower bound. Behind the next forward (one process, not eager: Note [Update behind
-    // the next forward]) the host Adam after backward runs beside forward's compute: the two take the
+    // the floor stays a lower bound. Behind the next forward (not eager: Note [Update behind the next
+    // forward]) the host Adam after backward runs beside forward's compute: the two take the
     // larger of them, forward_s + max(0, adam_s - forward_s).
     const double forward_s = compute_s * 2.0 / (a.checkpoint ? 8.0 : 6.0);
     const bool eager = !a.unpipelined && a.max_grad_norm == 0 && config.precision != ferry::Precision::kFp16;
     const double backward_host_s =
         eager ? host_memory_s : (accumulation_bytes + copy_host_bytes) / rates.adam_bytes_per_s;
-    const bool behind_forward = !eager && !a.sync_update && world == 1;
+    const bool behind_forward = !eager && behind_forward_option(a, world);
     const double after_backward_s = eager ? 0.0 : behind_forward ? std::max(0.0, adam_s - forward_s) : adam_s;
     const double schedule_s =
         std::max(forward_s + std::max(compute_s - forward_s, backward_host_s) + after_backward_s, pcie_s);

@@ -59,8 +59,8 @@ def main():
     # Eager (pipelined, no clipping, no fp16 loss scaling): the host Adam overlaps backward; otherwise
     # only the copies do, and the host Adam follows backward (Note [Pipelined step]).
     eager = cfg["step"] == "pipelined" and cfg["max_grad_norm"] == 0 and cfg["precision"] != "fp16"
-    # Note [Update behind the next forward]: one process, not eager (older JSONs: never).
-    behind = not eager and cfg.get("update_behind_forward", False) and doc.get("dist") is None
+    # Note [Update behind the next forward]: not eager, where the run had it (older JSONs: never).
+    behind = not eager and cfg.get("update_behind_forward", False)
     want = ("host Adam inside backward" if eager else
             "host Adam behind the next forward" if behind else "host Adam after backward")
     if fl["schedule"] != want:

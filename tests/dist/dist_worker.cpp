@@ -19,14 +19,19 @@
 // SchedulerOptions::reshard_after_forward / reshard_min_gap.
 // --reorder-rank=R: from the second step on, rank R uses the head before the rest in forward (ranks with
 // different use orders once the parameters are sharded).
+// --sync-update=1: HybridAdamOptions::update_behind_forward off (every host update written when the
+// step returns). --stall-ms=T (--api=step): before every step, a job of T ms on the host updates' worker,
+// ahead of the updates the step leaves running (a slow host: the next forward then meets them still running).
 // --precision=... and every other ferry option. Prints one line "FERRY_DIST_RESULT key=value ...".
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ferry/common/config.h"
@@ -90,6 +95,7 @@ int run(int argc, char** argv) {
   const int emulate = std::stoi(option(rest, "emulate-world", "1"));
   const int reorder_rank = std::stoi(option(rest, "reorder-rank", "-1"));
   const int eval_every = std::stoi(option(rest, "eval-every", "0"));
+  const int stall_ms = std::stoi(option(rest, "stall-ms", "0"));
   TORCH_CHECK(emulate == 1 || config.world_size == 1, "--emulate-world is for the single-process reference");
   TORCH_CHECK(batch % (config.world_size * micro) == 0, "batch must split evenly over ranks and micro-batches");
 
@@ -111,6 +117,7 @@ int run(int argc, char** argv) {
   options.device_state_chunks = 1;
   options.communicator = comm;
   options.shard_params = option(rest, "shard-params", "1") == "1";
+  options.update_behind_forward = option(rest, "sync-update", "0") != "1";
   ferry::HybridAdam adam(model, options);
   const ferry::ChunkStoreStats built = adam.state_store().stats();
   const int64_t construct_state_bytes = built.host.current_bytes + built.device.current_bytes;
@@ -122,7 +129,7 @@ int run(int argc, char** argv) {
 
   const int64_t rows = batch / config.world_size, micro_rows = rows / micro;
   double loss_sum = 0, grad_norm = 0, eval_loss = 0;
-  int64_t evictions = 0, overlapped = 0;
+  int64_t evictions = 0, overlapped = 0, deferred = 0;
   int64_t forward_end_bytes = 0;  // parameter chunk bytes present here at the end of the last forward
   auto present_param_bytes = [&] {
     int64_t bytes = 0;
@@ -169,6 +176,9 @@ int run(int argc, char** argv) {
         r = adam.backward_step(loss);
       } else {
         model.backward(loss);
+        if (stall_ms > 0) {  // behind backward's jobs (the step waits for those), ahead of the step's
+          (void)adam.run_on_worker([stall_ms] { std::this_thread::sleep_for(std::chrono::milliseconds(stall_ms)); });
+        }
         r = adam.step();
       }
       evictions += model.last_iteration().evictions;
@@ -185,6 +195,7 @@ int run(int argc, char** argv) {
       eval_loss += l.item<double>();
     }
     overlapped += r.overlapped_chunks;
+    deferred += r.deferred_chunks;
     grad_norm = r.grad_norm;
     if (micro > 1) adam.zero_grad();
   }
@@ -231,7 +242,7 @@ int run(int argc, char** argv) {
             << " state_bytes=" << ss.host.current_bytes + ss.device.current_bytes
             << " state_device_bytes=" << ss.device.current_bytes << " construct_state_bytes=" << construct_state_bytes << " evictions=" << evictions
             << " ring_bytes=" << cs.ring_bytes_sent
-            << " last_step_ring_bytes=" << cs.ring_bytes_sent - ring_before_last << " overlapped=" << overlapped
+            << " last_step_ring_bytes=" << cs.ring_bytes_sent - ring_before_last << " overlapped=" << overlapped << " deferred=" << deferred
             << " accumulation_jobs=" << (micro > 1 ? adam.pipelined_jobs_started() : 0)
             << " values_from_owners=" << adam.values_from_owners() << " steps=" << steps << " grad_norm=" << grad_norm
             << " loss=" << loss_sum << " eval_loss=" << eval_loss << std::endl;

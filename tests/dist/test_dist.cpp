@@ -309,6 +309,39 @@ TEST(Dist, PipelinedBackwardStepEqualsBackwardThenStepBitForBit) {
   }
 }
 
+// Note [Update behind the next forward] at N > 1 (sharded parameters): step() leaves the owners' host
+// updates running, and the next forward's gathers send an owned chunk only once its update has written
+// it. A stall queued ahead of the updates on every step (--stall-ms) makes the next forward meet them
+// still running, so a gather that did not wait would send the old values. Against every update written
+// before step() returns: the same parameters on every rank, bit for bit, without and with clipping,
+// with evaluation forwards between steps, and with micro-batches.
+TEST(Dist, HostUpdatesBehindTheNextForwardEqualUpdatesWrittenInTheStepBitForBit) {
+  const std::vector<std::vector<std::string>> cases{
+      {}, {"--clip=0.5"}, {"--clip=0.5", "--eval-every=2"}, {"--clip=0.5", "--micro=2", "--batch=16"}};
+  for (const std::vector<std::string>& extra : cases) {
+    std::string label;
+    for (const std::string& e : extra) label += e + " ";
+    const std::string behind = temp_dir(), written = temp_dir();
+    auto args = [&](const std::string& dir, const std::string& mode) {
+      std::vector<std::string> a{"--out=" + dir, "--steps=5", "--batch=8", mode};
+      a.insert(a.end(), extra.begin(), extra.end());
+      return a;
+    };
+    const auto a = run_world(2, args(behind, "--stall-ms=150"));
+    for (const Proc& p : a) ASSERT_EQ(p.exit_code, 0) << label << describe(a);
+    const auto b = run_world(2, args(written, "--sync-update=1"));
+    for (const Proc& p : b) ASSERT_EQ(p.exit_code, 0) << label << describe(b);
+    for (int r = 0; r < 2; ++r) {
+      const std::string name = "/rank" + std::to_string(r) + ".bin";
+      EXPECT_EQ(read_params(behind + name), read_params(written + name)) << label << "rank " << r << describe(a);
+      // Every step but the first (placed and sharded there) leaves host-state owned chunks running.
+      EXPECT_GT(result_of(a[r])["deferred"], 0) << label << "rank " << r << describe(a);
+      EXPECT_EQ(result_of(b[r])["deferred"], 0) << label << "rank " << r;
+      EXPECT_EQ(result_of(a[r])["loss"], result_of(b[r])["loss"]) << label << "rank " << r;
+    }
+  }
+}
+
 // Note [Sharded parameters]: between steps a rank keeps only its own parameter chunks; each group is
 // gathered ahead of its use (prefetched from the trace after the first one), given up after forward and
 // gathered again for backward (reshard after forward), or kept until the step (--reshard=0): then each
