@@ -314,10 +314,16 @@ TEST(Dist, PipelinedBackwardStepEqualsBackwardThenStepBitForBit) {
 // it. A stall queued ahead of the updates on every step (--stall-ms) makes the next forward meet them
 // still running, so a gather that did not wait would send the old values. Against every update written
 // before step() returns: the same parameters on every rank, bit for bit, without and with clipping,
-// with evaluation forwards between steps, and with micro-batches.
+// with evaluation forwards between steps, with micro-batches, with a rank that lands fewer gradients,
+// and through backward_step's two-phase step.
 TEST(Dist, HostUpdatesBehindTheNextForwardEqualUpdatesWrittenInTheStepBitForBit) {
   const std::vector<std::vector<std::string>> cases{
-      {}, {"--clip=0.5"}, {"--clip=0.5", "--eval-every=2"}, {"--clip=0.5", "--micro=2", "--batch=16"}};
+      {},
+      {"--clip=0.5"},
+      {"--clip=0.5", "--eval-every=2"},
+      {"--clip=0.5", "--micro=2", "--batch=16"},
+      {"--clip=0.5", "--frozen-rank=1"},              // landings that differ: the union is updated
+      {"--clip=0.5", "--api=backward_step"}};  // the two-phase step (--stall-ms has no point to stall there)
   for (const std::vector<std::string>& extra : cases) {
     std::string label;
     for (const std::string& e : extra) label += e + " ";
