@@ -117,7 +117,7 @@ HybridAdam::~HybridAdam() {
   if (param_shards_) param_shards_->set_send_guard(nullptr);
   try {
     std::lock_guard<std::mutex> lock(mutex_);
-    settle_deferred_locked();  // the jobs use this object
+    settle_deferred();  // the jobs use this object
   } catch (const std::exception& e) {
     log::error("ferry: an update HybridAdam left running failed: ", e.what());
   }
@@ -160,8 +160,9 @@ void log_deferred_failure(int64_t chunk) {  // -1: the zeroing of an accumulatio
 }
 }  // namespace
 
-void HybridAdam::settle_deferred_locked() {
+void HybridAdam::settle_deferred() {
   if (!deferred_pending_.load()) return;
+  std::lock_guard<std::mutex> lock(deferred_mutex_);
   std::exception_ptr error;
   int64_t failed = -1;
   for (size_t c = 0; c < deferred_.size(); ++c) {
@@ -190,17 +191,14 @@ void HybridAdam::settle_deferred_locked() {
 
 void HybridAdam::await_param(int64_t param) {
   if (!deferred_pending_.load()) return;  // the common case: no lock
-  std::lock_guard<std::mutex> lock(mutex_);
-  await_chunk_locked(model_.layout().slots()[param].chunk);
+  // The layout cannot change while updates run (follow_layout_locked asserts it): read without mutex_.
+  await_chunk(model_.layout().slots()[param].chunk);
 }
 
 void HybridAdam::await_chunk(int64_t c) {
   if (!deferred_pending_.load()) return;
-  std::lock_guard<std::mutex> lock(mutex_);
-  await_chunk_locked(c);
-}
-
-void HybridAdam::await_chunk_locked(int64_t c) {
+  // Held while waiting, so that a concurrent settle_deferred() cannot return before this job is done.
+  std::lock_guard<std::mutex> lock(deferred_mutex_);
   if (c >= static_cast<int64_t>(deferred_.size()) || !deferred_[c].valid()) return;
   trace::Span span("adam", trace::enabled() ? "wait for host adam chunk " + std::to_string(c) : std::string());
   std::future<void> job = std::move(deferred_[c]);
@@ -212,10 +210,11 @@ void HybridAdam::await_chunk_locked(int64_t c) {
   }
 }
 
-void HybridAdam::await_params() {
-  if (!deferred_pending_.load()) return;
-  std::lock_guard<std::mutex> lock(mutex_);
-  settle_deferred_locked();
+void HybridAdam::await_params() { settle_deferred(); }
+
+bool HybridAdam::deferred_update_of(int64_t c) const {
+  std::lock_guard<std::mutex> lock(deferred_mutex_);
+  return static_cast<int64_t>(deferred_.size()) > c && deferred_[c].valid();
 }
 
 bool HybridAdam::defer_host_update_locked(int64_t c, const UpdateOptions& options,
@@ -231,8 +230,7 @@ bool HybridAdam::defer_host_update_locked(int64_t c, const UpdateOptions& option
     acc = grad_payload_locked(c);  // at N > 1 the sums over the ranks (a tensor of their own)
     lowp_written_[c] = 1;
   }
-  if (static_cast<int64_t>(deferred_.size()) < num_chunks()) deferred_.resize(num_chunks());
-  deferred_[c] = launch_host_job_locked(
+  std::future<void> job = launch_host_job_locked(
       c, "deferred host adam chunk ",
       [this, spans = std::move(spans), options, frozen, acc](const at::Tensor& g, float* p, float* m, float* v,
                                                              const at::Tensor& master) {
@@ -244,6 +242,9 @@ bool HybridAdam::defer_host_update_locked(int64_t c, const UpdateOptions& option
         run_host_update(adam_spans(spans, p, m, v, acc, lowp ? g : at::Tensor()), options, frozen.get());
         if (!lowp) g.copy_(master);  // fp32 compute: the master is the value, as write_back_locked copies it
       });
+  std::lock_guard<std::mutex> lock(deferred_mutex_);
+  if (static_cast<int64_t>(deferred_.size()) < num_chunks()) deferred_.resize(num_chunks());
+  deferred_[c] = std::move(job);
   deferred_pending_.store(true);
   return true;
 }
@@ -445,10 +446,12 @@ void HybridAdam::discard_grads_locked() {
   } else {
     for (int64_t c = 0; c < num_chunks(); ++c) {
       at::Tensor acc = state_->payload(kGradRole, c);
-      if (static_cast<int64_t>(deferred_.size()) > c && deferred_[c].valid()) {
+      if (deferred_update_of(c)) {
         // Note [Update behind the next forward]: the update still running reads this sum; the zeroing
         // queues behind it on the same worker (where the next accumulation into the chunk queues too).
-        deferred_zeroing_.push_back(cpu_adam_.run_async([acc] { acc.zero_(); }));
+        std::future<void> zeroing = cpu_adam_.run_async([acc] { acc.zero_(); });
+        std::lock_guard<std::mutex> lock(deferred_mutex_);
+        deferred_zeroing_.push_back(std::move(zeroing));
       } else {
         acc.zero_();
       }
@@ -1199,7 +1202,7 @@ void HybridAdam::zero_grad() {
   // queues behind them (discard_grads_locked), so step(); zero_grad(); keeps the overlap. Default mode:
   // after a step the slots hold values (nothing to restore); gradients of a backward since then are in
   // chunks the forward before it waited for.
-  if (!options_.accumulate_grads && grads_landed_) settle_deferred_locked();
+  if (!options_.accumulate_grads && grads_landed_) settle_deferred();
   discard_grads_locked();
   if (param_shards_ && !options_.accumulate_grads) {
     // The other ranks' chunks (some holding gradients) are given up; the next use fetches the owners' values.

@@ -416,14 +416,16 @@ class HybridAdam final : private GradSink, private LayoutListener {
   void backward_finished(bool aborted) override;
   void await_param(int64_t param) override;
   void await_params() override;
-  // await_param for layout chunk c (the send guard of the sharded parameters' gathers).
+  // await_param for layout chunk c (also the send guard of the sharded parameters' gathers, called
+  // under ParamShards' lock: it takes deferred_mutex_ only).
   void await_chunk(int64_t c);
-  void await_chunk_locked(int64_t c);
   // check_idle, then await_params(): every public call that reads or writes state or gradients.
   void settle(const char* what);
   // Note [Update behind the next forward]: joins the updates left running (and the zeroing queued
   // behind them); rethrows the first error.
-  void settle_deferred_locked();
+  void settle_deferred();
+  // Whether layout chunk c's update was left running and not waited for yet.
+  bool deferred_update_of(int64_t c) const;
   // Queues layout chunk c's host update (grad scale and group options frozen now) on CpuAdam's worker,
   // its parameter chunk locked on the host until it has written the new values; returns false (nothing
   // queued) where the parameter chunk is not on the host or nothing landed.
@@ -614,6 +616,10 @@ class HybridAdam final : private GradSink, private LayoutListener {
   std::atomic<int64_t> jobs_started_{0};
   // Note [Update behind the next forward]: per layout chunk, its host update left running by the last
   // step; zeroing of accumulation chunks queued behind them; whether any of them may still run.
+  // Note [Update behind the next forward]. deferred_mutex_ guards the two lists below. It is taken last
+  // (mutex_ and ParamShards' lock may be held) and the jobs waited for under it take neither it nor
+  // those, so the waits cannot deadlock; nothing is queued or moved under it.
+  mutable std::mutex deferred_mutex_;
   std::vector<std::future<void>> deferred_;
   std::vector<std::future<void>> deferred_zeroing_;
   std::atomic<bool> deferred_pending_{false};

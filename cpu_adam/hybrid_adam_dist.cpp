@@ -90,8 +90,8 @@ void HybridAdam::shard_locked() {
     for (int64_t c = 0; c < num_chunks(); ++c) chunks[c] = model_.param_chunk(c);
     param_shards_ = std::make_shared<dist::ParamShards>(model_.store(), std::move(chunks), comm_);
     // An owned chunk's update may run behind the step (Note [Update behind the next forward]): a gather
-    // sends it only once written. The gathers start outside this object's calls (forward's uses and
-    // prefetches, or after await_params), so the guard's lock is free then.
+    // sends it only once written. await_chunk takes only deferred_mutex_ (this object calls ParamShards
+    // under mutex_, so the guard must not take that).
     param_shards_->set_send_guard([this](int64_t c) { await_chunk(c); });
     model_.set_remote_chunks(param_shards_);
     log::info("ferry: rank ", rank_, " shards the parameter chunks too: it keeps ", held, " of ", num_chunks(),
