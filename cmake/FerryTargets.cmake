@@ -53,6 +53,9 @@ function(ferry_add_test name)
     # Without a GPU every test in the binary calls GTEST_SKIP: ctest then reports it as skipped, not
     # passed.
     set_tests_properties(${name} PROPERTIES SKIP_REGULAR_EXPRESSION "\\[  SKIPPED \\]")
+    # A GPU call has 10 minutes: a test that hangs (a collective, a wait for a copy) must fail within
+    # a fraction of it, not take ctest's default 1500 s. They ran 6 s in all on the H100.
+    set_tests_properties(${name} PROPERTIES TIMEOUT 180)
   endif()
   if(FERRY_SANITIZE)
     # torch's own allocations are not ours to judge; CUDA needs the shadow gap left alone.
