@@ -22,6 +22,7 @@
 // --sync-update=1: HybridAdamOptions::update_behind_forward off (every host update written when the
 // step returns). --stall-ms=T (--api=step): before every step, a job of T ms on the host updates' worker,
 // ahead of the updates the step leaves running (a slow host: the next forward then meets them still running).
+// --eval-without-optimizer=1: after everything above, the optimizer destroyed and one evaluation forward.
 // --precision=... and every other ferry option. Prints one line "FERRY_DIST_RESULT key=value ...".
 #include <torch/torch.h>
 
@@ -30,6 +31,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -118,7 +120,8 @@ int run(int argc, char** argv) {
   options.communicator = comm;
   options.shard_params = option(rest, "shard-params", "1") == "1";
   options.update_behind_forward = option(rest, "sync-update", "0") != "1";
-  ferry::HybridAdam adam(model, options);
+  auto optimizer = std::make_unique<ferry::HybridAdam>(model, options);  // --eval-without-optimizer drops it
+  ferry::HybridAdam& adam = *optimizer;
   const ferry::ChunkStoreStats built = adam.state_store().stats();
   const int64_t construct_state_bytes = built.host.current_bytes + built.device.current_bytes;
   int first_step = 0;
@@ -246,6 +249,18 @@ int run(int argc, char** argv) {
             << " accumulation_jobs=" << (micro > 1 ? adam.pipelined_jobs_started() : 0)
             << " values_from_owners=" << adam.values_from_owners() << " steps=" << steps << " grad_norm=" << grad_norm
             << " loss=" << loss_sum << " eval_loss=" << eval_loss << std::endl;
+  if (option(rest, "eval-without-optimizer", "0") == "1") {
+    // Training done, the optimizer dropped, the model evaluated: its sharded groups are still gathered
+    // at their use (a collective), with nothing of the optimizer left to wait for.
+    optimizer.reset();
+    torch::NoGradGuard no_grad;
+    const torch::Tensor idx = torch::randint(kVocab, {rows, kSeq}, torch::kLong), target = (idx * 5 + 1) % kVocab;
+    auto l = model.forward([&] {
+      return torch::nn::functional::cross_entropy(net->forward(idx).reshape({-1, kVocab}), target.reshape({-1}));
+    });
+    model.end_iteration();
+    std::cout << "FERRY_DIST_EVAL_WITHOUT_OPTIMIZER loss=" << l.item<double>() << std::endl;
+  }
   return 0;
 }
 

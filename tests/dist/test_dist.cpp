@@ -348,6 +348,20 @@ TEST(Dist, HostUpdatesBehindTheNextForwardEqualUpdatesWrittenInTheStepBitForBit)
   }
 }
 
+// The model outlives its optimizer: after training the optimizer is destroyed and the model evaluated.
+// Its sharded groups are still gathered at their use, and the gathers' send guard, which waited on the
+// optimizer's updates, is gone with it (the sanitizer build catches a guard left pointing at it).
+TEST(Dist, AModelEvaluatesAfterItsOptimizerIsGone) {
+  const auto ranks = run_world(2, {"--steps=3", "--clip=0.5", "--eval-without-optimizer=1"});
+  for (const Proc& p : ranks) {
+    ASSERT_EQ(p.exit_code, 0) << describe(ranks);
+    const size_t at = p.out.find("FERRY_DIST_EVAL_WITHOUT_OPTIMIZER loss=");
+    ASSERT_NE(at, std::string::npos) << describe(ranks);
+    const double loss = std::stod(p.out.substr(at + std::string("FERRY_DIST_EVAL_WITHOUT_OPTIMIZER loss=").size()));
+    EXPECT_TRUE(std::isfinite(loss) && loss > 0) << loss;
+  }
+}
+
 // Note [Sharded parameters]: between steps a rank keeps only its own parameter chunks; each group is
 // gathered ahead of its use (prefetched from the trace after the first one), given up after forward and
 // gathered again for backward (reshard after forward), or kept until the step (--reshard=0): then each
