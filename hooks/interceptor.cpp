@@ -7,6 +7,7 @@
 #include <c10/core/GradMode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/core/stack.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
 #include <torch/library.h>
@@ -38,6 +39,30 @@ std::unordered_map<const c10::StorageImpl*, Entry>& registry() {
 std::atomic<int64_t> registry_size{0};
 std::atomic<int64_t> op_count{0};
 std::atomic<int64_t> param_op_count{0};
+std::atomic<int64_t> outside_use_count{0};
+
+// Who holds the interception key on this thread: InterceptionScopes, ParallelInitScopes and the watch
+// (Note [Background writes]). The key is switched on when the first holder needs it and off when the
+// last lets go, but only where ferry switched it on: on a thread that inherited it (autograd's
+// workers get the state of the thread that started backward) it is left as it came.
+thread_local int scope_depth = 0;
+thread_local int parallel_init_depth = 0;  // Note [Parallel initializers]
+thread_local bool watching = false;
+thread_local bool key_ours = false;
+
+void hold_key() {
+  if (c10::impl::tls_is_dispatch_key_included(kInterceptKey)) return;
+  c10::impl::tls_set_dispatch_key_included(kInterceptKey, true);
+  key_ours = true;
+}
+
+void drop_key_if_unheld() {
+  if (!key_ours || scope_depth > 0 || parallel_init_depth > 0 || watching) return;
+  c10::impl::tls_set_dispatch_key_included(kInterceptKey, false);
+  key_ours = false;
+}
+
+std::atomic<int64_t> background_writes{0};
 
 struct Use {
   UseListener* listener;
@@ -81,13 +106,21 @@ void cast_inputs(const c10::OperatorHandle& op, torch::jit::Stack* stack, at::Sc
 
 using Uses = c10::SmallVector<Use, 4>;  // no heap allocation for the usual op (a few parameters)
 
-void find_use(const at::Tensor& t, Uses& uses) {
+// `any_offset`: a tensor anywhere in a registered storage counts, as a use of its first parameter (a
+// background write covers a whole storage: a chunk). Else the parameter whose range holds its offset.
+void find_use(const at::Tensor& t, Uses& uses, bool any_offset) {
   if (!t.defined() || !t.has_storage()) return;
   const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
   std::shared_lock<std::shared_mutex> lock(registry_mutex());
   auto it = registry().find(storage);
   if (it == registry().end()) return;
   const auto& ranges = it->second.ranges;
+  if (any_offset) {
+    if (ranges.empty()) return;
+    const Use use{it->second.listener, ranges.front().param, t.scalar_type()};
+    if (std::find(uses.begin(), uses.end(), use) == uses.end()) uses.push_back(use);
+    return;
+  }
   const int64_t offset = t.storage_offset();
   auto r = std::upper_bound(ranges.begin(), ranges.end(), offset,
                             [](int64_t off, const ParamRange& range) { return off < range.begin; });
@@ -98,14 +131,14 @@ void find_use(const at::Tensor& t, Uses& uses) {
   if (std::find(uses.begin(), uses.end(), use) == uses.end()) uses.push_back(use);
 }
 
-void collect(const c10::IValue& v, Uses& uses) {
+void collect(const c10::IValue& v, Uses& uses, bool any_offset) {
   if (v.isTensor()) {
-    find_use(v.toTensor(), uses);
+    find_use(v.toTensor(), uses, any_offset);
   } else if (v.isTensorList()) {
-    for (const at::Tensor& t : v.toTensorList().vec()) find_use(t, uses);
+    for (const at::Tensor& t : v.toTensorList().vec()) find_use(t, uses, any_offset);
   } else if (v.isList()) {  // generic lists, optional-tensor lists (index) included
     for (const c10::IValue& e : v.toListRef()) {
-      if (e.isTensor()) find_use(e.toTensor(), uses);
+      if (e.isTensor()) find_use(e.toTensor(), uses, any_offset);
     }
   }
 }
@@ -115,8 +148,28 @@ void run_excluded(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   op.callBoxed(stack);
 }
 
+// Note [Background writes] (interceptor.h): an op outside every scope on a watching thread.
+void outside_use(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (background_writes.load(std::memory_order_acquire) == 0) {
+    // Every write is over and published (finished() releases): nothing to wait for until a writer
+    // starts another and watches again.
+    watching = false;
+    drop_key_if_unheld();
+    run_excluded(op, stack);
+    return;
+  }
+  Uses uses;
+  if (registry_size.load(std::memory_order_acquire) > 0) {
+    const size_t num_args = op.schema().arguments().size();
+    for (size_t i = stack->size() - num_args; i < stack->size(); ++i) collect((*stack)[i], uses, /*any_offset=*/true);
+  }
+  c10::impl::ExcludeDispatchKeyGuard no_reentry(kInterceptKey);  // the waits' own ops
+  if (!uses.empty()) outside_use_count.fetch_add(1, std::memory_order_relaxed);
+  for (const Use& use : uses) use.listener->before_outside_use(use.param);
+  op.callBoxed(stack);
+}
+
 // Note [Parallel initializers] (interceptor.h).
-thread_local int parallel_init_depth = 0;
 std::atomic<int64_t> parallel_init_count{0};
 constexpr int64_t kParallelInitMin = int64_t{1} << 16;
 constexpr int64_t kParallelInitBlock = int64_t{1} << 20;
@@ -176,13 +229,17 @@ bool parallel_init(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 void intercept(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   op_count.fetch_add(1, std::memory_order_relaxed);
   if (parallel_init_depth > 0 && parallel_init(op, stack)) return;
+  if (watching && scope_depth == 0 && parallel_init_depth == 0) {
+    outside_use(op, stack);
+    return;
+  }
   if (registry_size.load(std::memory_order_acquire) == 0) {
     run_excluded(op, stack);
     return;
   }
   Uses uses;
   const size_t num_args = op.schema().arguments().size();
-  for (size_t i = stack->size() - num_args; i < stack->size(); ++i) collect((*stack)[i], uses);
+  for (size_t i = stack->size() - num_args; i < stack->size(); ++i) collect((*stack)[i], uses, /*any_offset=*/false);
   if (uses.empty()) {
     run_excluded(op, stack);
     return;
@@ -214,8 +271,15 @@ void intercept(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 }  // namespace
 
-ParallelInitScope::ParallelInitScope() : guard_(kInterceptKey) { ++parallel_init_depth; }
-ParallelInitScope::~ParallelInitScope() { --parallel_init_depth; }
+ParallelInitScope::ParallelInitScope() {
+  hold_key();
+  ++parallel_init_depth;
+}
+
+ParallelInitScope::~ParallelInitScope() {
+  --parallel_init_depth;
+  drop_key_if_unheld();
+}
 int64_t parallel_init_elements() { return parallel_init_count.load(std::memory_order_relaxed); }
 
 TORCH_LIBRARY_IMPL(_, DeferredInit, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&intercept>()); }
@@ -239,8 +303,37 @@ void unregister_storage(const c10::StorageImpl* storage) {
 
 int64_t registered_storages() { return registry_size.load(); }
 
-InterceptionScope::InterceptionScope() : guard_(kInterceptKey) {}
+InterceptionScope::InterceptionScope() {
+  hold_key();
+  ++scope_depth;
+}
 
-InterceptionCounters interception_counters() { return {op_count.load(), param_op_count.load()}; }
+InterceptionScope::~InterceptionScope() {
+  --scope_depth;
+  drop_key_if_unheld();
+}
+
+void background_write_started() { background_writes.fetch_add(1, std::memory_order_relaxed); }
+
+void background_write_finished() {
+  // Called from destructors: a mismatch is logged, never thrown (the count then stays at 0).
+  int64_t now = background_writes.load(std::memory_order_relaxed);
+  while (now > 0 && !background_writes.compare_exchange_weak(now, now - 1, std::memory_order_release)) {
+  }
+  if (now <= 0) log::error("ferry: background_write_finished() without a write started");
+}
+
+int64_t background_writes_running() { return background_writes.load(std::memory_order_acquire); }
+
+void watch_background_writes() {
+  hold_key();
+  watching = true;
+}
+
+bool watching_background_writes() { return watching; }
+
+InterceptionCounters interception_counters() {
+  return {op_count.load(), param_op_count.load(), outside_use_count.load()};
+}
 
 }  // namespace ferry

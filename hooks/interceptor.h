@@ -3,8 +3,9 @@
 //
 // LibTorch modules have no hooks and forward() is not virtual, so ferry watches the dispatcher: a
 // boxed fallback is registered on a mode-style dispatch key (kInterceptKey) that sits above Autograd.
-// The key is off everywhere except inside an InterceptionScope (a thread-local include guard), and
-// autograd's engine carries that thread-local state to the threads that run backward. For each op the
+// The key is off everywhere except inside an InterceptionScope (thread-local), and on a thread that
+// watches background writes (Note [Background writes], below); autograd's engine carries that
+// thread-local state to the threads that run backward. For each op the
 // fallback finds the tensor arguments whose storage is registered (a chunk's device storage) and maps
 // each to its parameter by storage offset (views such as W.t() share the storage), calls the
 // listener's pre_use for each, runs the op with the key excluded (so ops inside the op are not seen
@@ -15,7 +16,6 @@
 // Contract: register/unregister are thread-safe and may not be called from inside a listener.
 // Listeners are called on whatever thread runs the op, and must outlive their registrations.
 #include <c10/core/DispatchKey.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/StorageImpl.h>
 
 #include <cstdint>
@@ -34,6 +34,10 @@ class UseListener {
   virtual ~UseListener() = default;
   virtual void pre_use(int64_t param) = 0;
   virtual void post_use(int64_t param) = 0;
+  // Note [Background writes]: an op outside every InterceptionScope, on a watching thread, is about to
+  // use the storage that holds `param` (a tensor of that storage, at any offset); returns once no
+  // background write covers that storage. May throw (the error of that write): the op then does not run.
+  virtual void before_outside_use(int64_t /*param*/) {}
 };
 
 // One parameter's element range in a registered storage.
@@ -53,12 +57,32 @@ int64_t registered_storages();
 class InterceptionScope {
  public:
   InterceptionScope();
+  ~InterceptionScope();
   InterceptionScope(const InterceptionScope&) = delete;
   InterceptionScope& operator=(const InterceptionScope&) = delete;
-
- private:
-  c10::impl::IncludeDispatchKeyGuard guard_;
 };
+
+// Note [Background writes]
+// Between iterations the wrapped module is an ordinary module (D35): any op may read or write its
+// parameters. But a chunk can still be written on another thread then: HybridAdam leaves its host
+// updates running when step() returns (Note [Update behind the next forward], cpu_adam/hybrid_adam.h).
+// An op that used such a chunk would read half-updated values, or have its own write overwritten.
+// So the writer announces each write (background_write_started() before the write is queued,
+// background_write_finished() when it is over, failed or not) and makes the thread that queued them
+// watch: watch_background_writes(). On a watching thread the fallback sees every op, also outside
+// InterceptionScopes; for each registered storage among an op's tensors it calls the listener's
+// before_outside_use (which waits for that chunk's write) before running the op as usual (no pre/post
+// use, no casts). The thread stops watching at its first op that finds no background write running
+// anywhere in the process: from then on its ops cost nothing again until the next watch. Inside an
+// InterceptionScope nothing changes (pre_use waits itself).
+// Not covered: other threads (they call the writer's own wait, HybridAdam::synchronize(), first) and
+// reads that are no op (a tensor's data_ptr(); torch::save of a CPU tensor copies its bytes directly).
+// Thread-safe; the counts are process-wide, the watch is per thread.
+void background_write_started();
+void background_write_finished();
+int64_t background_writes_running();
+void watch_background_writes();
+bool watching_background_writes();
 
 // Note [Parallel initializers]: LibTorch modules initialize their parameters in their constructors
 // with uniform_/normal_ (nn::Linear's kaiming_uniform_), on one thread: about 8 ns per element, 100 s
@@ -76,17 +100,16 @@ class ParallelInitScope {
   ~ParallelInitScope();
   ParallelInitScope(const ParallelInitScope&) = delete;
   ParallelInitScope& operator=(const ParallelInitScope&) = delete;
-
- private:
-  c10::impl::IncludeDispatchKeyGuard guard_;
 };
 // Elements filled by the parallel initializers in this process (tests).
 int64_t parallel_init_elements();
 
-// Count of ops the fallback has seen in this process, and of those that used a registered storage.
+// Count of ops the fallback has seen in this process, of those that used a registered storage inside
+// an InterceptionScope, and of those that did outside one while background writes ran (and waited).
 struct InterceptionCounters {
   int64_t ops = 0;
   int64_t ops_with_params = 0;
+  int64_t outside_uses = 0;
 };
 InterceptionCounters interception_counters();
 

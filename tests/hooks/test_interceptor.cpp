@@ -1,0 +1,152 @@
+// The interception fallback on its own (hooks/interceptor.h), with a listener that records its calls:
+// which ops it sees inside an InterceptionScope, and Note [Background writes]: a watching thread's ops
+// outside scopes wait for the storage they use, other threads' do not, the watch ends at the first op
+// after the writes are over, and a scope never switches off a key it did not switch on.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ferry/hooks/interceptor.h"
+
+namespace ferry {
+namespace {
+
+struct Recorder final : UseListener {
+  void pre_use(int64_t param) override { calls.push_back("pre " + std::to_string(param)); }
+  void post_use(int64_t param) override { calls.push_back("post " + std::to_string(param)); }
+  void before_outside_use(int64_t param) override {
+    calls.push_back("outside " + std::to_string(param));
+    if (fail) throw std::runtime_error("the background write failed");
+  }
+  std::vector<std::string> calls;
+  bool fail = false;
+};
+
+using Calls = std::vector<std::string>;
+
+// Calls of the listener, each distinct one once, in order of first appearance (how many calls an
+// expression makes depends on which of its ops have kernels of their own: a view may be one).
+Calls distinct(const Calls& calls) {
+  Calls out;
+  for (const auto& c : calls) {
+    if (std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
+  }
+  return out;
+}
+
+bool key_included() { return c10::impl::tls_is_dispatch_key_included(kInterceptKey); }
+
+// A 16-element buffer registered as a "chunk": parameter 7 at [2, 6), parameter 9 at [8, 12).
+struct Registered {
+  Registered() : buffer(torch::zeros({16})) {
+    register_storage(buffer.storage().unsafeGetStorageImpl(), &recorder, {{8, 12, 9}, {2, 6, 7}});
+  }
+  ~Registered() { unregister_storage(buffer.storage().unsafeGetStorageImpl()); }
+  torch::Tensor buffer;
+  Recorder recorder;
+};
+
+TEST(Interceptor, ScopesSeeParameterUsesByOffset) {
+  Registered r;
+  r.buffer.narrow(0, 8, 4).add_(1);  // no scope: not seen
+  EXPECT_TRUE(r.recorder.calls.empty());
+  EXPECT_FALSE(key_included());
+  {
+    InterceptionScope scope;
+    EXPECT_TRUE(key_included());
+    r.buffer.narrow(0, 8, 4).add_(1);
+    (void)r.buffer.narrow(0, 0, 2).sum();  // padding: no parameter there
+  }
+  EXPECT_FALSE(key_included());
+  EXPECT_EQ(distinct(r.recorder.calls), (Calls{"pre 9", "post 9"}));
+}
+
+TEST(Interceptor, AWatchingThreadsOpsWaitForBackgroundWritesUntilTheyAreOver) {
+  Registered r;
+  ASSERT_EQ(background_writes_running(), 0);
+  background_write_started();
+  watch_background_writes();
+  EXPECT_TRUE(watching_background_writes());
+  EXPECT_TRUE(key_included());
+  // Outside any scope, a tensor anywhere in the storage (padding too) waits, as a use of its first
+  // parameter: the write covers the whole chunk. No pre/post use.
+  (void)r.buffer.narrow(0, 0, 2).sum();
+  EXPECT_EQ(distinct(r.recorder.calls), (Calls{"outside 7"}));
+  r.recorder.calls.clear();
+  (void)r.buffer.narrow(0, 8, 4).sum();
+  EXPECT_EQ(distinct(r.recorder.calls), (Calls{"outside 7"}));
+  r.recorder.calls.clear();
+  // Ops on other tensors are seen but wait for nothing.
+  (void)torch::ones({3}).sum();
+  EXPECT_TRUE(r.recorder.calls.empty());
+  // Inside a scope the usual hooks, no outside waits; the scope leaves the watch's key on.
+  {
+    InterceptionScope scope;
+    r.buffer.narrow(0, 2, 4).add_(1);
+  }
+  EXPECT_EQ(distinct(r.recorder.calls), (Calls{"pre 7", "post 7"}));
+  EXPECT_TRUE(key_included());
+  r.recorder.calls.clear();
+  // Another thread does not watch: its ops are not seen at all.
+  std::thread([&] {
+    EXPECT_FALSE(watching_background_writes());
+    (void)r.buffer.sum();
+  }).join();
+  EXPECT_TRUE(r.recorder.calls.empty());
+  // A failed write's error reaches the op, which does not run.
+  r.recorder.fail = true;
+  EXPECT_THROW(r.buffer.fill_(5), std::exception);
+  r.recorder.fail = false;
+  EXPECT_EQ(r.buffer.narrow(0, 8, 4).max().item<float>(), 0.0f) << "the op must not have run";
+  r.recorder.calls.clear();
+  // Over: the next op ends the watch and waits for nothing; later ops are not seen.
+  background_write_finished();
+  EXPECT_EQ(background_writes_running(), 0);
+  EXPECT_TRUE(watching_background_writes()) << "the watch ends at the thread's next op";
+  (void)r.buffer.sum();
+  EXPECT_FALSE(watching_background_writes());
+  EXPECT_FALSE(key_included());
+  const int64_t ops = interception_counters().ops;
+  (void)r.buffer.sum();
+  EXPECT_EQ(interception_counters().ops, ops);
+  EXPECT_TRUE(r.recorder.calls.empty());
+}
+
+TEST(Interceptor, TheWatchEndingInsideAScopeKeepsTheScopesKey) {
+  Registered r;
+  background_write_started();
+  watch_background_writes();
+  {
+    InterceptionScope scope;
+    background_write_finished();
+    (void)r.buffer.narrow(0, 8, 4).sum();  // inside the scope: its hooks, and the scope's key stays on
+    EXPECT_TRUE(key_included());
+    EXPECT_EQ(distinct(r.recorder.calls), (Calls{"pre 9", "post 9"}));
+  }
+  EXPECT_TRUE(key_included()) << "still watching until the next op outside";
+  r.recorder.calls.clear();
+  (void)r.buffer.sum();
+  EXPECT_TRUE(r.recorder.calls.empty());
+  EXPECT_FALSE(key_included());
+}
+
+// Autograd's workers start with the key included (the state of the thread that called backward): a
+// scope opened and closed there leaves it on, as it came.
+TEST(Interceptor, AScopeLeavesAnInheritedKeyOn) {
+  std::thread([] {
+    c10::impl::tls_set_dispatch_key_included(kInterceptKey, true);
+    { InterceptionScope scope; }
+    EXPECT_TRUE(key_included());
+    c10::impl::tls_set_dispatch_key_included(kInterceptKey, false);
+  }).join();
+}
+
+}  // namespace
+}  // namespace ferry
