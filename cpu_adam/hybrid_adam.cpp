@@ -22,6 +22,7 @@
 #include "ferry/common/event_trace.h"
 #include "ferry/common/logging.h"
 #include "ferry/cpu_adam/device_adam.h"
+#include "ferry/hooks/interceptor.h"
 
 namespace ferry {
 namespace {
@@ -241,7 +242,8 @@ bool HybridAdam::defer_host_update_locked(int64_t c, const UpdateOptions& option
         const bool lowp = g.scalar_type() != at::kFloat;
         run_host_update(adam_spans(spans, p, m, v, acc, lowp ? g : at::Tensor()), options, frozen.get());
         if (!lowp) g.copy_(master);  // fp32 compute: the master is the value, as write_back_locked copies it
-      });
+      },
+      /*with_state=*/true, /*background_write=*/true);
   std::lock_guard<std::mutex> lock(deferred_mutex_);
   if (static_cast<int64_t>(deferred_.size()) < num_chunks()) deferred_.resize(num_chunks());
   deferred_[c] = std::move(job);
@@ -683,11 +685,15 @@ void HybridAdam::launch_chunk_locked(int64_t c) {
                          });
 }
 
-std::future<void> HybridAdam::launch_host_job_locked(int64_t c, const char* what, HostJob work, bool with_state) {
+std::future<void> HybridAdam::launch_host_job_locked(int64_t c, const char* what, HostJob work, bool with_state,
+                                                     bool background_write) {
   ChunkStore& params = model_.store();
   const ChunkId pc = model_.param_chunk(c);
   if (params.location(pc) != Location::kHost) params.move_async(pc, Location::kHost);  // one transfer
   params.lock_on_host(pc);
+  // Note [Background writes] (hooks/interceptor.h): announced before the job is queued, over when it is
+  // (failed or not), so that ops between iterations wait for it.
+  if (background_write) background_write_started();
   try {
     // A chunk another rank owns has no master here (accumulation at N > 1): p is null, master undefined.
     at::Tensor master = owned(c) ? state_->payload(kMasterRole, c) : at::Tensor();
@@ -696,7 +702,13 @@ std::future<void> HybridAdam::launch_host_job_locked(int64_t c, const char* what
     float* m = with_state ? state_->payload(kExpAvgRole, c).data_ptr<float>() : nullptr;
     float* v = with_state ? state_->payload(kExpAvgSqRole, c).data_ptr<float>() : nullptr;
     return cpu_adam_.run_async([this, c, pc, store = &params, what, work = std::move(work), p, m, v,
-                                    master = std::move(master)] {
+                                    master = std::move(master), background_write] {
+      struct Finished {  // last: the chunk is unlocked when the write is announced over
+        bool announce;
+        ~Finished() {
+          if (announce) background_write_finished();
+        }
+      } finished{background_write};
       struct Unlock {
         ChunkStore* store;
         ChunkId id;
@@ -714,6 +726,7 @@ std::future<void> HybridAdam::launch_host_job_locked(int64_t c, const char* what
       work(store->payload(pc), p, m, v, master);
     });
   } catch (...) {
+    if (background_write) background_write_finished();
     params.unlock_on_host(pc);
     throw;
   }
@@ -1161,6 +1174,9 @@ StepResult HybridAdam::apply_locked(const ChunkNorms& norms, StepResult result) 
     scaler_.update(false);
     model_.set_loss_scale(scaler_.scale());
   }
+  // The updates left running write the parameters: ops on this thread that use them wait for them
+  // (Note [Background writes]). Last, so that the step's own ops above are not watched.
+  if (result.deferred_chunks > 0) watch_background_writes();
   result.applied = true;
   return result;
 }

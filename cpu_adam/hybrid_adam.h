@@ -121,6 +121,9 @@
 //  - everything else that reads or writes parameters or state waits for all of them first: step(),
 //    backward_step(), the state views, save(), load(), state_dict(), param_values(), materialize(), the
 //    end of an iteration (a chunk the forward did not use), the destructor; synchronize() explicitly;
+//  - ops on the thread that called the step (reading or writing a parameter, an eval forward outside
+//    model.forward()) wait for the update of the chunk they use (Note [Background writes],
+//    hooks/interceptor.h): the thread watches until its first op after every update is done;
 //  - zero_grad() with accumulate_grads queues the zeroing of such a chunk's accumulation behind its
 //    update on the same worker, so step(); zero_grad(); keeps the overlap;
 //  - at N > 1 only with sharded parameters (shard_params, the default; replicated ones are gathered by
@@ -146,8 +149,9 @@
 //  - With accumulate_grads, gradients accumulate across backward() calls until zero_grad() (scale each
 //    micro-batch's loss by 1/N yourself), and step() leaves them as they were landed.
 //  - step() and backward_step() may return with host updates still running (Note [Update behind the
-//    next forward]); everything that reads parameters or state through ferry waits for them, and
-//    synchronize() does explicitly. fork() only after synchronize().
+//    next forward]); everything that reads parameters or state through ferry waits for them, as do
+//    ops on the calling thread, and synchronize() does explicitly: another thread that reads the
+//    parameters, or a read that is no op (data_ptr()), calls it first. fork() only after synchronize().
 //  - The model's parameters must not be changed by others while a HybridAdam holds it: the masters are
 //    the truth, and every step overwrites the parameter chunks from them.
 //  - The HybridAdam must not outlive the ChunkedModel.
@@ -449,7 +453,9 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // the copy has landed; the chunk is unlocked when the job ends, whatever happens. Returns its future.
   using HostJob = std::function<void(const at::Tensor& grads, float* p, float* m, float* v, const at::Tensor& master)>;
   // `with_state` false: the moments are not touched (p, m, v are null; they stay unallocated, D46).
-  std::future<void> launch_host_job_locked(int64_t chunk, const char* what, HostJob work, bool with_state = true);
+  // `background_write`: a write left running behind the step (Note [Background writes], hooks/interceptor.h).
+  std::future<void> launch_host_job_locked(int64_t chunk, const char* what, HostJob work, bool with_state = true,
+                                           bool background_write = false);
   // Note [Accumulation per chunk]: adds the slot gradients of chunk c into its accumulation chunk and
   // gives the slots their values back (round(master)), on the device for device-state chunks, else on
   // CpuAdam's worker after one transfer of the chunk to the host; clears the model's slot marks. A chunk

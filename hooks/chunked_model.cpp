@@ -349,6 +349,11 @@ void ChunkedModel::transition(ModelPhase to) {
   phase_.store(to);
 }
 
+void ChunkedModel::before_outside_use(int64_t param) {
+  // An op between iterations on a parameter chunk that an update left running may still write.
+  if (grad_sink_) grad_sink_->await_param(param);
+}
+
 void ChunkedModel::pre_use(int64_t param) {
   if (grad_sink_) grad_sink_->await_param(param);  // an update left running behind the step writes its chunk
   TORCH_CHECK(!grad_in_slot_[param], "ferry: parameter ", names_[param], " is used, but its chunk slot holds its "

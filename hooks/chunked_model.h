@@ -14,10 +14,13 @@
 // first use, and the scheduler follows the trace (OPT eviction, prefetch).
 //
 // Contract
-//  - Parameters may only be touched by ops inside forward()/backward() (or after materialize());
-//    elsewhere their memory may be on the host, or still being written by the optimizer's update
-//    (Note [Update behind the next forward], cpu_adam/hybrid_adam.h), and reading them is undefined
-//    (chunk/chunk.h). param_values() and state_dict() read them safely between iterations.
+//  - Between iterations the module is an ordinary module: any op may read or write its parameters
+//    (off the device their storage aliases the host payload, chunk/chunk.h). An update the optimizer
+//    left running behind its step (Note [Update behind the next forward], cpu_adam/hybrid_adam.h) may
+//    still write a chunk then: ops on the thread that ran the step wait for it (Note [Background
+//    writes], hooks/interceptor.h); other threads, and reads that are no op (data_ptr()), call the
+//    optimizer's synchronize() first. param_values() and state_dict() always wait. Inside an iteration
+//    only ops inside forward()/backward() may touch them.
 //  - Gradients: without a GradSink, .grad tensors are made by autograd as usual (device tensors, not
 //    chunked). With one (HybridAdam installs itself), each parameter's gradient is taken as soon as
 //    autograd has accumulated it (a post-accumulate-grad hook) and .grad is reset, so no device
@@ -261,6 +264,7 @@ class ChunkedModel final : private UseListener {
  private:
   void pre_use(int64_t param) override;
   void post_use(int64_t param) override;
+  void before_outside_use(int64_t param) override;  // Note [Background writes] (interceptor.h)
   void transition(ModelPhase to);
   void begin_forward();
   void end_forward();

@@ -21,6 +21,7 @@
 #include "chunk/deferred_copy_engine.h"
 #include "ferry/cpu_adam/hybrid_adam.h"
 #include "ferry/hooks/chunked_model.h"
+#include "ferry/hooks/interceptor.h"
 #include "same_state.h"
 
 namespace ferry {
@@ -1038,6 +1039,85 @@ TEST(HybridAdam, UpdateBehindForwardIsBitIdenticalWithPendingCopies) {
 TEST(HybridAdam, UpdateBehindForwardIsBitIdenticalWithMicroBatchesInFp32) {
   expect_update_behind_forward_exact({Precision::kFp32, 2, /*unpipelined=*/true, /*param_chunks=*/2,
                                       /*state_chunks=*/2});
+}
+
+// Note [Background writes] (hooks/interceptor.h): between iterations the wrapped module is an ordinary
+// module, also while step()'s host updates are still running (b). Right after step() returns, with
+// every update held back on the worker by a 100 ms job queued ahead of them, ops on this thread read
+// the new values (the parameters, an eval forward outside model.forward()), and a write of theirs is
+// not overwritten by the update (it is what the next forward uses): against the same training with
+// the updates on the calling thread (a), every value, output and loss is bit-identical. The thread
+// stops watching at its first op once the updates are done.
+TEST(HybridAdam, OpsBetweenStepsWaitForTheUpdatesLeftRunning) {
+  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+  options.device_state_chunks = 2;
+  options.max_grad_norm = 0.05;
+  const auto nets = twins(47);
+  TinyLm a_net = nets.first, b_net = nets.second;
+  ChunkedModel a(a_net.ptr(), sim_config(budget_for(3, 4), Precision::kBf16));
+  ChunkedModel b(b_net.ptr(), sim_config(budget_for(3, 4), Precision::kBf16));
+  HybridAdam a_adam(a, HybridAdamOptions(options).with_update_behind_forward(false));
+  HybridAdam b_adam(b, HybridAdamOptions(options).with_update_behind_forward(true));
+  auto a_params = a_net->named_parameters(), b_params = b_net->named_parameters();
+  const int64_t outside_before = interception_counters().outside_uses;
+  int64_t deferred = 0, evictions = 0;
+  for (int step = 0; step < 6; ++step) {
+    const std::string when = "step " + std::to_string(step);
+    const Batch x = batch(step);
+    auto train = [&](ChunkedModel& m, TinyLm& net, HybridAdam& adam, bool stall) {
+      const torch::Tensor loss = m.forward([&] { return lm_loss(net, x.idx, x.target); });
+      m.backward(loss);
+      if (stall) adam.run_on_worker([] { std::this_thread::sleep_for(std::chrono::milliseconds(100)); });
+      const StepResult r = adam.step();
+      return std::make_pair(r, loss.detach());
+    };
+    const auto [ra, la] = train(a, a_net, a_adam, false);
+    const auto [rb, lb] = train(b, b_net, b_adam, true);
+    ASSERT_TRUE(torch::equal(la, lb)) << when << ": the loss";
+    EXPECT_EQ(ra.deferred_chunks, 0) << when;
+    deferred += rb.deferred_chunks;
+    evictions += b.last_iteration().evictions;
+    if (rb.deferred_chunks > 0) {
+      EXPECT_TRUE(watching_background_writes()) << when << ": the updates are still held back";
+      EXPECT_GT(background_writes_running(), 0) << when;
+    }
+    torch::NoGradGuard no_grad;
+    switch (step % 3) {
+      case 0:  // read every parameter by ops: the values the update writes
+        for (const auto& item : a_params) {
+          EXPECT_TRUE(torch::equal(b_params[item.key()].clone(), item.value())) << when << ": " << item.key();
+        }
+        break;
+      case 1: {  // an eval forward outside model.forward()
+        const Batch e = batch(500 + step);
+        EXPECT_TRUE(torch::equal(b_net->forward(e.idx), a_net->forward(e.idx))) << when << ": eval forward";
+        break;
+      }
+      default:  // write every parameter: the next forward uses what was written
+        for (auto& p : a_net->parameters()) p.mul_(0.5);
+        for (auto& p : b_net->parameters()) p.mul_(0.5);
+    }
+    a_adam.zero_grad();
+    b_adam.zero_grad();
+  }
+  // After every update is done, the next op ends the watch; later ops outside scopes are not seen.
+  b_adam.synchronize();
+  EXPECT_EQ(background_writes_running(), 0);
+  (void)torch::ones({1}).sum();
+  EXPECT_FALSE(watching_background_writes());
+  const int64_t ops = interception_counters().ops;
+  (void)torch::ones({1}).sum();
+  EXPECT_EQ(interception_counters().ops, ops) << "an op outside ferry's scopes, no longer watched";
+  EXPECT_GE(deferred, 6) << "host updates must be left running";
+  EXPECT_GE(evictions, 3);
+  EXPECT_GT(interception_counters().outside_uses, outside_before) << "ops waited for the updates";
+  // The last step's write and everything before it: the same state.
+  const Batch x = batch(99);
+  EXPECT_TRUE(torch::equal(a.forward([&] { return lm_loss(a_net, x.idx, x.target); }),
+                           b.forward([&] { return lm_loss(b_net, x.idx, x.target); })));
+  a.end_iteration();
+  b.end_iteration();
+  ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, "after 6 steps"));
 }
 
 // The two-phase step with micro-batches takes a gradient its chunk did not have in the previous
