@@ -691,9 +691,9 @@ std::future<void> HybridAdam::launch_host_job_locked(int64_t c, const char* what
   const ChunkId pc = model_.param_chunk(c);
   if (params.location(pc) != Location::kHost) params.move_async(pc, Location::kHost);  // one transfer
   params.lock_on_host(pc);
-  // Note [Background writes] (hooks/interceptor.h): announced before the job is queued, over when it is
+  // Note [Ops outside the scopes] (hooks/interceptor.h): announced before the job is queued, over when it is
   // (failed or not), so that ops between iterations wait for it.
-  if (background_write) background_write_started();
+  if (background_write) outside_hazard_begin();
   try {
     // A chunk another rank owns has no master here (accumulation at N > 1): p is null, master undefined.
     at::Tensor master = owned(c) ? state_->payload(kMasterRole, c) : at::Tensor();
@@ -706,7 +706,7 @@ std::future<void> HybridAdam::launch_host_job_locked(int64_t c, const char* what
       struct Finished {  // last: the chunk is unlocked when the write is announced over
         bool announce;
         ~Finished() {
-          if (announce) background_write_finished();
+          if (announce) outside_hazard_end();
         }
       } finished{background_write};
       struct Unlock {
@@ -726,7 +726,7 @@ std::future<void> HybridAdam::launch_host_job_locked(int64_t c, const char* what
       work(store->payload(pc), p, m, v, master);
     });
   } catch (...) {
-    if (background_write) background_write_finished();
+    if (background_write) outside_hazard_end();
     params.unlock_on_host(pc);
     throw;
   }
@@ -1175,8 +1175,8 @@ StepResult HybridAdam::apply_locked(const ChunkNorms& norms, StepResult result) 
     model_.set_loss_scale(scaler_.scale());
   }
   // The updates left running write the parameters: ops on this thread that use them wait for them
-  // (Note [Background writes]). Last, so that the step's own ops above are not watched.
-  if (result.deferred_chunks > 0) watch_background_writes();
+  // (Note [Ops outside the scopes]). Last, so that the step's own ops above are not watched.
+  if (result.deferred_chunks > 0) watch_outside_uses();
   result.applied = true;
   return result;
 }

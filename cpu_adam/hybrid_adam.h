@@ -122,7 +122,7 @@
 //    backward_step(), the state views, save(), load(), state_dict(), param_values(), materialize(), the
 //    end of an iteration (a chunk the forward did not use), the destructor; synchronize() explicitly;
 //  - ops on the thread that called the step (reading or writing a parameter, an eval forward outside
-//    model.forward()) wait for the update of the chunk they use (Note [Background writes],
+//    model.forward()) wait for the update of the chunk they use (Note [Ops outside the scopes],
 //    hooks/interceptor.h): the thread watches until its first op after every update is done;
 //  - zero_grad() with accumulate_grads queues the zeroing of such a chunk's accumulation behind its
 //    update on the same worker, so step(); zero_grad(); keeps the overlap;
@@ -453,7 +453,7 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // the copy has landed; the chunk is unlocked when the job ends, whatever happens. Returns its future.
   using HostJob = std::function<void(const at::Tensor& grads, float* p, float* m, float* v, const at::Tensor& master)>;
   // `with_state` false: the moments are not touched (p, m, v are null; they stay unallocated, D46).
-  // `background_write`: a write left running behind the step (Note [Background writes], hooks/interceptor.h).
+  // `background_write`: a write left running behind the step (Note [Ops outside the scopes], hooks/interceptor.h).
   std::future<void> launch_host_job_locked(int64_t chunk, const char* what, HostJob work, bool with_state = true,
                                            bool background_write = false);
   // Note [Accumulation per chunk]: adds the slot gradients of chunk c into its accumulation chunk and

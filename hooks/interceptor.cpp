@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <iterator>
 #include <mutex>
 #include <shared_mutex>
 #include <unordered_map>
@@ -42,7 +43,7 @@ std::atomic<int64_t> param_op_count{0};
 std::atomic<int64_t> outside_use_count{0};
 
 // Who holds the interception key on this thread: InterceptionScopes, ParallelInitScopes and the watch
-// (Note [Background writes]). The key is switched on when the first holder needs it and off when the
+// (Note [Ops outside the scopes]). The key is switched on when the first holder needs it and off when the
 // last lets go, but only where ferry switched it on: on a thread that inherited it (autograd's
 // workers get the state of the thread that started backward) it is left as it came.
 thread_local int scope_depth = 0;
@@ -62,7 +63,7 @@ void drop_key_if_unheld() {
   key_ours = false;
 }
 
-std::atomic<int64_t> background_writes{0};
+std::atomic<int64_t> hazards{0};  // Note [Ops outside the scopes]
 
 struct Use {
   UseListener* listener;
@@ -106,8 +107,9 @@ void cast_inputs(const c10::OperatorHandle& op, torch::jit::Stack* stack, at::Sc
 
 using Uses = c10::SmallVector<Use, 4>;  // no heap allocation for the usual op (a few parameters)
 
-// `any_offset`: a tensor anywhere in a registered storage counts, as a use of its first parameter (a
-// background write covers a whole storage: a chunk). Else the parameter whose range holds its offset.
+// The parameter whose range holds the tensor's offset. `any_offset`: a tensor elsewhere in a registered
+// storage (padding, a whole-storage view) counts too, as a use of the storage's first parameter (a
+// hazard covers a whole storage: a chunk).
 void find_use(const at::Tensor& t, Uses& uses, bool any_offset) {
   if (!t.defined() || !t.has_storage()) return;
   const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
@@ -115,19 +117,15 @@ void find_use(const at::Tensor& t, Uses& uses, bool any_offset) {
   auto it = registry().find(storage);
   if (it == registry().end()) return;
   const auto& ranges = it->second.ranges;
-  if (any_offset) {
-    if (ranges.empty()) return;
-    const Use use{it->second.listener, ranges.front().param, t.scalar_type()};
-    if (std::find(uses.begin(), uses.end(), use) == uses.end()) uses.push_back(use);
-    return;
-  }
+  if (ranges.empty()) return;
   const int64_t offset = t.storage_offset();
   auto r = std::upper_bound(ranges.begin(), ranges.end(), offset,
                             [](int64_t off, const ParamRange& range) { return off < range.begin; });
-  if (r == ranges.begin()) return;
-  --r;
-  if (offset >= r->end) return;
-  const Use use{it->second.listener, r->param, t.scalar_type()};
+  int64_t param = -1;
+  if (r != ranges.begin() && offset < std::prev(r)->end) param = std::prev(r)->param;
+  if (param < 0 && any_offset) param = ranges.front().param;
+  if (param < 0) return;
+  const Use use{it->second.listener, param, t.scalar_type()};
   if (std::find(uses.begin(), uses.end(), use) == uses.end()) uses.push_back(use);
 }
 
@@ -148,11 +146,11 @@ void run_excluded(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   op.callBoxed(stack);
 }
 
-// Note [Background writes] (interceptor.h): an op outside every scope on a watching thread.
+// Note [Ops outside the scopes] (interceptor.h): an op outside every scope on a watching thread.
 void outside_use(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  if (background_writes.load(std::memory_order_acquire) == 0) {
-    // Every write is over and published (finished() releases): nothing to wait for until a writer
-    // starts another and watches again.
+  if (hazards.load(std::memory_order_acquire) == 0) {
+    // Every hazard is over, and every write published (end() releases): nothing to check until a new
+    // hazard starts and its owner makes this thread watch again.
     watching = false;
     drop_key_if_unheld();
     run_excluded(op, stack);
@@ -163,7 +161,7 @@ void outside_use(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     const size_t num_args = op.schema().arguments().size();
     for (size_t i = stack->size() - num_args; i < stack->size(); ++i) collect((*stack)[i], uses, /*any_offset=*/true);
   }
-  c10::impl::ExcludeDispatchKeyGuard no_reentry(kInterceptKey);  // the waits' own ops
+  c10::impl::ExcludeDispatchKeyGuard no_reentry(kInterceptKey);  // the listener's own ops
   if (!uses.empty()) outside_use_count.fetch_add(1, std::memory_order_relaxed);
   for (const Use& use : uses) use.listener->before_outside_use(use.param);
   op.callBoxed(stack);
@@ -313,24 +311,24 @@ InterceptionScope::~InterceptionScope() {
   drop_key_if_unheld();
 }
 
-void background_write_started() { background_writes.fetch_add(1, std::memory_order_relaxed); }
+void outside_hazard_begin() { hazards.fetch_add(1, std::memory_order_relaxed); }
 
-void background_write_finished() {
+void outside_hazard_end() {
   // Called from destructors: a mismatch is logged, never thrown (the count then stays at 0).
-  int64_t now = background_writes.load(std::memory_order_relaxed);
-  while (now > 0 && !background_writes.compare_exchange_weak(now, now - 1, std::memory_order_release)) {
+  int64_t now = hazards.load(std::memory_order_relaxed);
+  while (now > 0 && !hazards.compare_exchange_weak(now, now - 1, std::memory_order_release)) {
   }
-  if (now <= 0) log::error("ferry: background_write_finished() without a write started");
+  if (now <= 0) log::error("ferry: outside_hazard_end() without a hazard begun");
 }
 
-int64_t background_writes_running() { return background_writes.load(std::memory_order_acquire); }
+int64_t outside_hazards() { return hazards.load(std::memory_order_acquire); }
 
-void watch_background_writes() {
+void watch_outside_uses() {
   hold_key();
   watching = true;
 }
 
-bool watching_background_writes() { return watching; }
+bool watching_outside_uses() { return watching; }
 
 InterceptionCounters interception_counters() {
   return {op_count.load(), param_op_count.load(), outside_use_count.load()};

@@ -4,7 +4,7 @@
 // LibTorch modules have no hooks and forward() is not virtual, so ferry watches the dispatcher: a
 // boxed fallback is registered on a mode-style dispatch key (kInterceptKey) that sits above Autograd.
 // The key is off everywhere except inside an InterceptionScope (thread-local), and on a thread that
-// watches background writes (Note [Background writes], below); autograd's engine carries that
+// watches ops outside the scopes (Note [Ops outside the scopes], below); autograd's engine carries that
 // thread-local state to the threads that run backward. For each op the
 // fallback finds the tensor arguments whose storage is registered (a chunk's device storage) and maps
 // each to its parameter by storage offset (views such as W.t() share the storage), calls the
@@ -34,9 +34,10 @@ class UseListener {
   virtual ~UseListener() = default;
   virtual void pre_use(int64_t param) = 0;
   virtual void post_use(int64_t param) = 0;
-  // Note [Background writes]: an op outside every InterceptionScope, on a watching thread, is about to
-  // use the storage that holds `param` (a tensor of that storage, at any offset); returns once no
-  // background write covers that storage. May throw (the error of that write): the op then does not run.
+  // Note [Ops outside the scopes]: an op outside every InterceptionScope, on a watching thread, is
+  // about to use the storage that holds `param` (the parameter at the tensor's offset, else the
+  // storage's first); returns once the op may use that storage. May throw (the error of a write, or
+  // why the storage cannot be used): the op then does not run.
   virtual void before_outside_use(int64_t /*param*/) {}
 };
 
@@ -62,27 +63,31 @@ class InterceptionScope {
   InterceptionScope& operator=(const InterceptionScope&) = delete;
 };
 
-// Note [Background writes]
+// Note [Ops outside the scopes]
 // Between iterations the wrapped module is an ordinary module (D35): any op may read or write its
-// parameters. But a chunk can still be written on another thread then: HybridAdam leaves its host
-// updates running when step() returns (Note [Update behind the next forward], cpu_adam/hybrid_adam.h).
-// An op that used such a chunk would read half-updated values, or have its own write overwritten.
-// So the writer announces each write (background_write_started() before the write is queued,
-// background_write_finished() when it is over, failed or not) and makes the thread that queued them
-// watch: watch_background_writes(). On a watching thread the fallback sees every op, also outside
-// InterceptionScopes; for each registered storage among an op's tensors it calls the listener's
-// before_outside_use (which waits for that chunk's write) before running the op as usual (no pre/post
-// use, no casts). The thread stops watching at its first op that finds no background write running
-// anywhere in the process: from then on its ops cost nothing again until the next watch. Inside an
-// InterceptionScope nothing changes (pre_use waits itself).
-// Not covered: other threads (they call the writer's own wait, HybridAdam::synchronize(), first) and
-// reads that are no op (a tensor's data_ptr(); torch::save of a CPU tensor copies its bytes directly).
-// Thread-safe; the counts are process-wide, the watch is per thread.
-void background_write_started();
-void background_write_finished();
-int64_t background_writes_running();
-void watch_background_writes();
-bool watching_background_writes();
+// parameters. Two things can make such an op unsafe, *hazards*:
+//  - a chunk still being written on another thread: HybridAdam leaves its host updates running when
+//    step() returns (Note [Update behind the next forward], cpu_adam/hybrid_adam.h); an op would read
+//    half-updated values, or have its own write overwritten;
+//  - a chunk with no memory here: with sharded parameters (world size N > 1) a chunk another rank owns
+//    is given up between its uses; torch's kernels do not check, so an op would crash the process.
+// Whoever creates a hazard counts it (outside_hazard_begin() before the write is queued or the chunks
+// are sharded; outside_hazard_end() when the write is over, failed or not, or the sharding is gone) and
+// makes the thread that drives the model watch: watch_outside_uses(). On a watching thread the fallback
+// sees every op, also outside InterceptionScopes; for each registered storage among an op's tensors it
+// calls the listener's before_outside_use (with the parameter at the tensor's offset, else the
+// storage's first), which waits for that chunk's write and fails clearly if the chunk has no memory,
+// then runs the op as usual (no pre/post use, no casts). The thread stops watching at its first op
+// that finds no hazard anywhere in the process: from then on its ops cost nothing again until the next
+// watch. Inside an InterceptionScope nothing changes (pre_use waits and fetches itself).
+// Not covered: other threads (for a write: they call HybridAdam::synchronize() first) and reads that
+// are no op (a tensor's data_ptr(); torch::save of a CPU tensor copies its bytes directly).
+// Thread-safe; the hazard count is process-wide, the watch is per thread.
+void outside_hazard_begin();
+void outside_hazard_end();
+int64_t outside_hazards();
+void watch_outside_uses();
+bool watching_outside_uses();
 
 // Note [Parallel initializers]: LibTorch modules initialize their parameters in their constructors
 // with uniform_/normal_ (nn::Linear's kaiming_uniform_), on one thread: about 8 ns per element, 100 s

@@ -1041,7 +1041,7 @@ TEST(HybridAdam, UpdateBehindForwardIsBitIdenticalWithMicroBatchesInFp32) {
                                       /*state_chunks=*/2});
 }
 
-// Note [Background writes] (hooks/interceptor.h): between iterations the wrapped module is an ordinary
+// Note [Ops outside the scopes] (hooks/interceptor.h): between iterations the wrapped module is an ordinary
 // module, also while step()'s host updates are still running (b). Right after step() returns, with
 // every update held back on the worker by a 100 ms job queued ahead of them, ops on this thread read
 // the new values (the parameters, an eval forward outside model.forward()), and a write of theirs is
@@ -1078,8 +1078,8 @@ TEST(HybridAdam, OpsBetweenStepsWaitForTheUpdatesLeftRunning) {
     deferred += rb.deferred_chunks;
     evictions += b.last_iteration().evictions;
     if (rb.deferred_chunks > 0) {
-      EXPECT_TRUE(watching_background_writes()) << when << ": the updates are still held back";
-      EXPECT_GT(background_writes_running(), 0) << when;
+      EXPECT_TRUE(watching_outside_uses()) << when << ": the updates are still held back";
+      EXPECT_GT(outside_hazards(), 0) << when;
     }
     torch::NoGradGuard no_grad;
     switch (step % 3) {
@@ -1102,9 +1102,9 @@ TEST(HybridAdam, OpsBetweenStepsWaitForTheUpdatesLeftRunning) {
   }
   // After every update is done, the next op ends the watch; later ops outside scopes are not seen.
   b_adam.synchronize();
-  EXPECT_EQ(background_writes_running(), 0);
+  EXPECT_EQ(outside_hazards(), 0);
   (void)torch::ones({1}).sum();
-  EXPECT_FALSE(watching_background_writes());
+  EXPECT_FALSE(watching_outside_uses());
   const int64_t ops = interception_counters().ops;
   (void)torch::ones({1}).sum();
   EXPECT_EQ(interception_counters().ops, ops) << "an op outside ferry's scopes, no longer watched";

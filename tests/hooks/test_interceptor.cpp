@@ -1,7 +1,7 @@
 // The interception fallback on its own (hooks/interceptor.h), with a listener that records its calls:
-// which ops it sees inside an InterceptionScope, and Note [Background writes]: a watching thread's ops
-// outside scopes wait for the storage they use, other threads' do not, the watch ends at the first op
-// after the writes are over, and a scope never switches off a key it did not switch on.
+// which ops it sees inside an InterceptionScope, and Note [Ops outside the scopes]: a watching thread's ops
+// outside scopes are checked for the storage they use, other threads' are not, the watch ends at the
+// first op after the hazards are over, and a scope never switches off a key it did not switch on.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -68,20 +68,22 @@ TEST(Interceptor, ScopesSeeParameterUsesByOffset) {
   EXPECT_EQ(distinct(r.recorder.calls), (Calls{"pre 9", "post 9"}));
 }
 
-TEST(Interceptor, AWatchingThreadsOpsWaitForBackgroundWritesUntilTheyAreOver) {
+TEST(Interceptor, AWatchingThreadsOpsAreCheckedUntilNoHazardIsLeft) {
   Registered r;
-  ASSERT_EQ(background_writes_running(), 0);
-  background_write_started();
-  watch_background_writes();
-  EXPECT_TRUE(watching_background_writes());
+  const torch::Tensor w9 = r.buffer.narrow(0, 8, 4), padding = r.buffer.narrow(0, 0, 2);  // made unwatched
+  ASSERT_EQ(outside_hazards(), 0);
+  outside_hazard_begin();
+  watch_outside_uses();
+  EXPECT_TRUE(watching_outside_uses());
   EXPECT_TRUE(key_included());
-  // Outside any scope, a tensor anywhere in the storage (padding too) waits, as a use of its first
-  // parameter: the write covers the whole chunk. No pre/post use.
-  (void)r.buffer.narrow(0, 0, 2).sum();
-  EXPECT_EQ(distinct(r.recorder.calls), (Calls{"outside 7"}));
+  // Outside any scope a tensor of the storage is checked: as the parameter at its offset, or, anywhere
+  // else in the storage (padding), as the storage's first (a hazard covers the whole chunk). No
+  // pre/post use.
+  (void)w9.sum();
+  EXPECT_EQ(r.recorder.calls, (Calls{"outside 9"}));
   r.recorder.calls.clear();
-  (void)r.buffer.narrow(0, 8, 4).sum();
-  EXPECT_EQ(distinct(r.recorder.calls), (Calls{"outside 7"}));
+  (void)padding.sum();
+  EXPECT_EQ(r.recorder.calls, (Calls{"outside 7"}));
   r.recorder.calls.clear();
   // Ops on other tensors are seen but wait for nothing.
   (void)torch::ones({3}).sum();
@@ -96,22 +98,22 @@ TEST(Interceptor, AWatchingThreadsOpsWaitForBackgroundWritesUntilTheyAreOver) {
   r.recorder.calls.clear();
   // Another thread does not watch: its ops are not seen at all.
   std::thread([&] {
-    EXPECT_FALSE(watching_background_writes());
+    EXPECT_FALSE(watching_outside_uses());
     (void)r.buffer.sum();
   }).join();
   EXPECT_TRUE(r.recorder.calls.empty());
-  // A failed write's error reaches the op, which does not run.
+  // The listener's error (a failed write, a chunk with no memory) reaches the op, which does not run.
   r.recorder.fail = true;
   EXPECT_THROW(r.buffer.fill_(5), std::exception);
   r.recorder.fail = false;
   EXPECT_EQ(r.buffer.narrow(0, 8, 4).max().item<float>(), 0.0f) << "the op must not have run";
   r.recorder.calls.clear();
   // Over: the next op ends the watch and waits for nothing; later ops are not seen.
-  background_write_finished();
-  EXPECT_EQ(background_writes_running(), 0);
-  EXPECT_TRUE(watching_background_writes()) << "the watch ends at the thread's next op";
+  outside_hazard_end();
+  EXPECT_EQ(outside_hazards(), 0);
+  EXPECT_TRUE(watching_outside_uses()) << "the watch ends at the thread's next op";
   (void)r.buffer.sum();
-  EXPECT_FALSE(watching_background_writes());
+  EXPECT_FALSE(watching_outside_uses());
   EXPECT_FALSE(key_included());
   const int64_t ops = interception_counters().ops;
   (void)r.buffer.sum();
@@ -121,11 +123,11 @@ TEST(Interceptor, AWatchingThreadsOpsWaitForBackgroundWritesUntilTheyAreOver) {
 
 TEST(Interceptor, TheWatchEndingInsideAScopeKeepsTheScopesKey) {
   Registered r;
-  background_write_started();
-  watch_background_writes();
+  outside_hazard_begin();
+  watch_outside_uses();
   {
     InterceptionScope scope;
-    background_write_finished();
+    outside_hazard_end();
     (void)r.buffer.narrow(0, 8, 4).sum();  // inside the scope: its hooks, and the scope's key stays on
     EXPECT_TRUE(key_included());
     EXPECT_EQ(distinct(r.recorder.calls), (Calls{"pre 9", "post 9"}));
