@@ -124,6 +124,7 @@ ChunkedModel::~ChunkedModel() {
   } catch (const std::exception& e) {
     log::error("ferry: ChunkedModel could not give parameters their memory back: ", e.what());
   }
+  hold_remote_hazard(false);
 }
 
 void ChunkedModel::build(const std::vector<int64_t>& order) {
@@ -237,6 +238,24 @@ void ChunkedModel::set_remote_chunks(std::shared_ptr<RemoteChunks> remote) {
   TORCH_CHECK(!remote || layout_final(), "ferry: parameters can be sharded only once the warm-up repack is done");
   remote_ = std::move(remote);
   scheduler_->set_remote(remote_);
+  hold_remote_hazard(remote_ != nullptr);
+}
+
+// Note [Ops outside the scopes] (interceptor.h): while chunks may be given up (sharded parameters), an
+// op between iterations on the driving thread is checked first (before_outside_use), never run on a
+// storage with no memory.
+void ChunkedModel::hold_remote_hazard(bool hold) {
+  if (hold == remote_hazard_) {
+    if (hold) watch_outside_uses();
+    return;
+  }
+  remote_hazard_ = hold;
+  if (hold) {
+    outside_hazard_begin();
+    watch_outside_uses();
+  } else {
+    outside_hazard_end();
+  }
 }
 
 at::Tensor ChunkedModel::param_values(int64_t index) {
@@ -352,6 +371,16 @@ void ChunkedModel::transition(ModelPhase to) {
 void ChunkedModel::before_outside_use(int64_t param) {
   // An op between iterations on a parameter chunk that an update left running may still write.
   if (grad_sink_) grad_sink_->await_param(param);
+  // A chunk with no memory here (another rank's, given up between its uses): torch's kernels would read
+  // a null pointer.
+  if (params_[param].storage().data() != nullptr) return;
+  const bool remote = remote_ && remote_->remote(chunk_of_param_[param]);
+  TORCH_CHECK(!remote, "ferry: an op between iterations uses parameter ", names_[param], ", which is in a chunk "
+              "another rank owns (sharded parameters, world size ", config_.world_size, "): between steps only "
+              "its owner holds it. model.state_dict() gathers every parameter (a collective: every rank calls "
+              "it); HybridAdamOptions::shard_params = false keeps every chunk on every rank");
+  TORCH_CHECK(false, "ferry: an op between iterations uses parameter ", names_[param], ", whose chunk has no "
+              "memory here now");
 }
 
 void ChunkedModel::pre_use(int64_t param) {
@@ -484,6 +513,7 @@ void ChunkedModel::finish_iteration(bool aborted, bool forward_only) {
   // An evaluation forward left no gradients in the groups it gathered: every rank gives them up now.
   if (remote_ && forward_only && !aborted) remote_->release_all();
   store_->settle();  // idle: every parameter readable, its chunk on the device or aliased on the host
+  if (remote_hazard_) watch_outside_uses();  // this thread drives the model (Note [Ops outside the scopes])
   if (!aborted && !forward_only && !initial_values_.empty()) {
     log::debug("ferry: releasing the parameters' initial values (an optimizer attached from now on starts its "
                "fp32 masters from the ", dtype_, " compute copy)");
@@ -533,6 +563,7 @@ void ChunkedModel::materialize(bool fetch_remote) {
               "(backward without an optimizer step); they keep the gradients");
   }
   unregister_storages();
+  hold_remote_hazard(false);  // plain tensors from here on
   const c10::Device device = store_->device();
   for (size_t p = 0; p < params_.size(); ++p) {
     const TensorId t = tensor_of_param_[p];

@@ -17,10 +17,12 @@
 //  - Between iterations the module is an ordinary module: any op may read or write its parameters
 //    (off the device their storage aliases the host payload, chunk/chunk.h). An update the optimizer
 //    left running behind its step (Note [Update behind the next forward], cpu_adam/hybrid_adam.h) may
-//    still write a chunk then: ops on the thread that ran the step wait for it (Note [Background
+//    still write a chunk then: ops on the thread that ran the step wait for it (Note [Ops outside the
 //    writes], hooks/interceptor.h); other threads, and reads that are no op (data_ptr()), call the
-//    optimizer's synchronize() first. param_values() and state_dict() always wait. Inside an iteration
-//    only ops inside forward()/backward() may touch them.
+//    optimizer's synchronize() first. With sharded parameters (N > 1) a chunk another rank owns has no
+//    memory here between its uses: an op on the driving thread fails naming state_dict() (never a
+//    crash); other threads must not touch it. param_values() and state_dict() always wait. Inside an
+//    iteration only ops inside forward()/backward() may touch them.
 //  - Gradients: without a GradSink, .grad tensors are made by autograd as usual (device tensors, not
 //    chunked). With one (HybridAdam installs itself), each parameter's gradient is taken as soon as
 //    autograd has accumulated it (a post-accumulate-grad hook) and .grad is reset, so no device
@@ -264,7 +266,10 @@ class ChunkedModel final : private UseListener {
  private:
   void pre_use(int64_t param) override;
   void post_use(int64_t param) override;
-  void before_outside_use(int64_t param) override;  // Note [Background writes] (interceptor.h)
+  void before_outside_use(int64_t param) override;  // Note [Ops outside the scopes] (interceptor.h)
+  // Holds one outside-use hazard while chunks may be given up (remote chunks), and makes this thread
+  // watch; `hold` again: watch again (the thread that ends iterations drives the model).
+  void hold_remote_hazard(bool hold);
   void transition(ModelPhase to);
   void begin_forward();
   void end_forward();
@@ -305,6 +310,7 @@ class ChunkedModel final : private UseListener {
   std::shared_ptr<OptEvictionPolicy> policy_;
   std::unique_ptr<Scheduler> scheduler_;
   std::shared_ptr<RemoteChunks> remote_;
+  bool remote_hazard_ = false;  // hold_remote_hazard
   std::vector<TensorId> tensor_of_param_;
   std::vector<ChunkId> chunk_of_param_;
   std::vector<const c10::StorageImpl*> registered_;

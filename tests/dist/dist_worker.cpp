@@ -23,10 +23,13 @@
 // step returns). --stall-ms=T (--api=step): before every step, a job of T ms on the host updates' worker,
 // ahead of the updates the step leaves running (a slow host: the next forward then meets them still running).
 // --eval-without-optimizer=1: after everything above, the optimizer destroyed and one evaluation forward.
+// --touch-between-steps=1: after every step, an op on every parameter of the module (a norm, as a user
+// logging weights would): counted as read (touched_ok) or refused with ferry's error (touched_refused).
 // --precision=... and every other ferry option. Prints one line "FERRY_DIST_RESULT key=value ...".
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -98,6 +101,7 @@ int run(int argc, char** argv) {
   const int reorder_rank = std::stoi(option(rest, "reorder-rank", "-1"));
   const int eval_every = std::stoi(option(rest, "eval-every", "0"));
   const int stall_ms = std::stoi(option(rest, "stall-ms", "0"));
+  const bool touch = option(rest, "touch-between-steps", "0") == "1";
   TORCH_CHECK(emulate == 1 || config.world_size == 1, "--emulate-world is for the single-process reference");
   TORCH_CHECK(batch % (config.world_size * micro) == 0, "batch must split evenly over ranks and micro-batches");
 
@@ -132,7 +136,7 @@ int run(int argc, char** argv) {
 
   const int64_t rows = batch / config.world_size, micro_rows = rows / micro;
   double loss_sum = 0, grad_norm = 0, eval_loss = 0;
-  int64_t evictions = 0, overlapped = 0, deferred = 0;
+  int64_t evictions = 0, overlapped = 0, deferred = 0, touched_ok = 0, touched_refused = 0;
   int64_t forward_end_bytes = 0;  // parameter chunk bytes present here at the end of the last forward
   auto present_param_bytes = [&] {
     int64_t bytes = 0;
@@ -197,6 +201,19 @@ int run(int argc, char** argv) {
       model.end_iteration();
       eval_loss += l.item<double>();
     }
+    if (touch) {  // Note [Ops outside the scopes]: another rank's chunk fails clearly, never crashes
+      torch::NoGradGuard no_grad;
+      for (const auto& item : net->named_parameters()) {
+        try {
+          TORCH_CHECK(std::isfinite(item.value().norm().item<double>()), item.key(), ": a non-finite norm");
+          ++touched_ok;
+        } catch (const c10::Error& e) {
+          const std::string what = e.what_without_backtrace();
+          TORCH_CHECK(what.find("in a chunk another rank owns") != std::string::npos, "touching ", item.key(), ": ", what);
+          ++touched_refused;
+        }
+      }
+    }
     overlapped += r.overlapped_chunks;
     deferred += r.deferred_chunks;
     grad_norm = r.grad_norm;
@@ -248,7 +265,8 @@ int run(int argc, char** argv) {
             << " last_step_ring_bytes=" << cs.ring_bytes_sent - ring_before_last << " overlapped=" << overlapped << " deferred=" << deferred
             << " accumulation_jobs=" << (micro > 1 ? adam.pipelined_jobs_started() : 0)
             << " values_from_owners=" << adam.values_from_owners() << " steps=" << steps << " grad_norm=" << grad_norm
-            << " loss=" << loss_sum << " eval_loss=" << eval_loss << std::endl;
+            << " loss=" << loss_sum << " eval_loss=" << eval_loss << " touched_ok=" << touched_ok
+            << " touched_refused=" << touched_refused << std::endl;
   if (option(rest, "eval-without-optimizer", "0") == "1") {
     // Training done, the optimizer dropped, the model evaluated: its sharded groups are still gathered
     // at their use (a collective), with nothing of the optimizer left to wait for.

@@ -362,6 +362,36 @@ TEST(Dist, AModelEvaluatesAfterItsOptimizerIsGone) {
   }
 }
 
+// Note [Ops outside the scopes]: between steps an op on a parameter (a norm, as a user logging weights
+// would) reads it where this rank holds its chunk and fails with ferry's error, naming what to call,
+// where another rank owns it (it crashed the process: torch's kernels read the chunk's null storage),
+// with the updates left running behind the step (--clip) and without (--sync-update). With replicated
+// parameters every op reads. The training is that of an untouched run.
+TEST(Dist, OpsOnParametersBetweenStepsReadOrFailClearly) {
+  for (const bool sync : {false, true}) {
+    std::vector<std::string> args{"--steps=4", "--clip=0.5", "--touch-between-steps=1"};
+    if (sync) args.push_back("--sync-update=1");
+    const auto touched = run_world(2, args);
+    std::vector<std::string> plain{"--steps=4", "--clip=0.5"};  // the same run, untouched
+    if (sync) plain.push_back("--sync-update=1");
+    const auto untouched = run_world(2, plain);
+    const auto replicated = run_world(2, {"--steps=4", "--clip=0.5", "--touch-between-steps=1", "--shard-params=0"});
+    for (const auto* run : {&touched, &untouched, &replicated}) {
+      for (const Proc& p : *run) ASSERT_EQ(p.exit_code, 0) << (sync ? "sync: " : "behind: ") << describe(*run);
+    }
+    for (int r = 0; r < 2; ++r) {
+      auto t = result_of(touched[r]), u = result_of(untouched[r]), rep = result_of(replicated[r]);
+      EXPECT_GT(t["touched_ok"], 0) << "rank " << r << ": its own chunks are readable";
+      EXPECT_GT(t["touched_refused"], 0) << "rank " << r << ": other ranks' chunks are refused";
+      EXPECT_EQ(t["touched_ok"] + t["touched_refused"], 4 * 10) << "4 steps x 10 parameters";
+      EXPECT_EQ(rep["touched_refused"], 0);
+      EXPECT_EQ(t["loss"], u["loss"]) << "rank " << r;
+      EXPECT_EQ(t["grad_norm"], u["grad_norm"]) << "rank " << r;
+      if (!sync) EXPECT_GT(t["deferred"], 0) << "rank " << r << ": updates left running";
+    }
+  }
+}
+
 // Note [Sharded parameters]: between steps a rank keeps only its own parameter chunks; each group is
 // gathered ahead of its use (prefetched from the trace after the first one), given up after forward and
 // gathered again for backward (reshard after forward), or kept until the step (--reshard=0): then each
