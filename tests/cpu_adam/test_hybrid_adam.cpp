@@ -1045,9 +1045,10 @@ TEST(HybridAdam, UpdateBehindForwardIsBitIdenticalWithMicroBatchesInFp32) {
 // module, also while step()'s host updates are still running (b). Right after step() returns, with
 // every update held back on the worker by a 100 ms job queued ahead of them, ops on this thread read
 // the new values (the parameters, an eval forward outside model.forward()), and a write of theirs is
-// not overwritten by the update (it is what the next forward uses): against the same training with
-// the updates on the calling thread (a), every value, output and loss is bit-identical. The thread
-// stops watching at its first op once the updates are done.
+// not overwritten by the update (it is what the next forward uses); torch::save, which reads CPU
+// storages without an op, saves them after synchronize(). Against the same training with the updates
+// on the calling thread (a), every value, output and loss is bit-identical. The thread stops watching
+// at its first op once the updates are done.
 TEST(HybridAdam, OpsBetweenStepsWaitForTheUpdatesLeftRunning) {
   HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
   options.device_state_chunks = 2;
@@ -1061,7 +1062,7 @@ TEST(HybridAdam, OpsBetweenStepsWaitForTheUpdatesLeftRunning) {
   auto a_params = a_net->named_parameters(), b_params = b_net->named_parameters();
   const int64_t outside_before = interception_counters().outside_uses;
   int64_t deferred = 0, evictions = 0;
-  for (int step = 0; step < 6; ++step) {
+  for (int step = 0; step < 8; ++step) {
     const std::string when = "step " + std::to_string(step);
     const Batch x = batch(step);
     auto train = [&](ChunkedModel& m, TinyLm& net, HybridAdam& adam, bool stall) {
@@ -1082,7 +1083,7 @@ TEST(HybridAdam, OpsBetweenStepsWaitForTheUpdatesLeftRunning) {
       EXPECT_GT(outside_hazards(), 0) << when;
     }
     torch::NoGradGuard no_grad;
-    switch (step % 3) {
+    switch (step % 4) {
       case 0:  // read every parameter by ops: the values the update writes
         for (const auto& item : a_params) {
           EXPECT_TRUE(torch::equal(b_params[item.key()].clone(), item.value())) << when << ": " << item.key();
@@ -1091,6 +1092,20 @@ TEST(HybridAdam, OpsBetweenStepsWaitForTheUpdatesLeftRunning) {
       case 1: {  // an eval forward outside model.forward()
         const Batch e = batch(500 + step);
         EXPECT_TRUE(torch::equal(b_net->forward(e.idx), a_net->forward(e.idx))) << when << ": eval forward";
+        break;
+      }
+      case 2: {  // torch::save of the module, after synchronize(): it copies CPU storages' bytes without an
+                 // op, so on the simulated device it is not watched (without the call it saved gradients)
+        std::stringstream archive;
+        b_adam.synchronize();
+        torch::save(b_net, archive);
+        TinyLm loaded(kVocab, kDim);
+        loaded->to(torch::kBFloat16);  // the compute dtype the archive holds
+        torch::load(loaded, archive);
+        auto loaded_params = loaded->named_parameters();
+        for (const auto& item : a_params) {
+          EXPECT_TRUE(torch::equal(loaded_params[item.key()], item.value())) << when << ": saved " << item.key();
+        }
         break;
       }
       default:  // write every parameter: the next forward uses what was written
@@ -1117,7 +1132,7 @@ TEST(HybridAdam, OpsBetweenStepsWaitForTheUpdatesLeftRunning) {
                            b.forward([&] { return lm_loss(b_net, x.idx, x.target); })));
   a.end_iteration();
   b.end_iteration();
-  ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, "after 6 steps"));
+  ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, "after 8 steps"));
 }
 
 // The two-phase step with micro-batches takes a gradient its chunk did not have in the previous
