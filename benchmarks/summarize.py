@@ -71,6 +71,14 @@ def mib(b):
     return f"{b / (1 << 20):.1f}"
 
 
+def watched_ops(i):
+    """Ops outside the scopes while a thread watches (D57), where the JSON has them."""
+    if "watched_plain_ns_per_op" not in i:
+        return ""
+    return (f"; outside the scopes while watched: {i['watched_plain_ns_per_op'] - i['plain_ns_per_op']:.0f} ns "
+            f"more per op, {i['watched_managed_ns_per_op'] - i['plain_ns_per_op']:.0f} ns on a parameter")
+
+
 def gpt_table(doc, path):
     env, c = doc["env"], doc["config"]
     mem = doc.get("ferry", {}).get("memory")
@@ -90,7 +98,7 @@ def gpt_table(doc, path):
     lines = [head, "",
              f"Model {m['preset']}: {m['params'] / 1e6:.1f}M parameters. Interception: "
              f"{doc['interception']['overhead_ns_per_op']:.0f} ns per op over a plain op "
-             f"({doc['interception']['plain_ns_per_op']:.0f} ns).", "",
+             f"({doc['interception']['plain_ns_per_op']:.0f} ns)" + watched_ops(doc['interception']) + ".", "",
              "| run | fwd s | bwd s | opt s | copy wait s | step s | tokens/s | TFLOPS 6N | TFLOPS 8N | "
              "activations MiB | device peak MiB | host peak MiB | pinned MiB | moved MiB/step | moved/optimal |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

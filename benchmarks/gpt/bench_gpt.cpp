@@ -21,7 +21,8 @@
 // step]): its host Adam follows backward, running beside the next forward (Note [Update behind the next
 // forward]; --sync-update: before the step returns), and the schedule floor says so.
 // It also measures the interception overhead in ns per op (an op on a managed parameter inside
-// ChunkedModel's scope against the same op on a plain tensor).
+// ChunkedModel's scope against the same op on a plain tensor; and ops outside the scopes on a thread that
+// watches, D57).
 // --find-max: the largest preset (in parameter count) that trains 3 steps within the given budgets.
 // Under torchrun (world size > 1) the parameter chunks are sharded (Note [Sharded parameters]);
 // --replicate-params keeps every chunk on every rank, --keep-gathered keeps a gathered group to the step
@@ -466,7 +467,13 @@ StepTimes run_baseline(const Args& a, const gpt::GptConfig& gc, bool cuda, doubl
 
 // ns per intercepted op: `n` adds on a managed parameter inside ChunkedModel's scope, against the same
 // adds on a plain tensor. The parameter stays resident (no budget), so this is the hook path alone.
-std::pair<double, double> interception_ns(ferry::Config config, int64_t n) {
+// And the cost of Note [Ops outside the scopes] (D57): the same adds outside any scope while the thread
+// watches (a hazard held for the measurement), on the plain tensor (an op the watch only looks at) and
+// on the managed parameter (checked: before_outside_use).
+struct InterceptionNs {
+  double managed = 0, plain = 0, watched_plain = 0, watched_managed = 0;
+};
+InterceptionNs interception_ns(ferry::Config config, int64_t n) {
   auto lin = std::make_shared<torch::nn::LinearImpl>(8, 8);
   config.device_budget_bytes = 0;
   config.precision = ferry::Precision::kFp32;
@@ -480,11 +487,18 @@ std::pair<double, double> interception_ns(ferry::Config config, int64_t n) {
     for (int64_t i = 0; i < n; ++i) acc = at::add(w, 1.0);
     return since(t0) * 1e9 / n;
   };
+  InterceptionNs r;
   for (int rep = 0; rep < 2; ++rep) model.forward([&] { return time_loop(lin->weight); });  // warm-up + trace
-  const double managed = model.forward([&] { return time_loop(lin->weight); });
-  double unmanaged = 0;
-  unmanaged = time_loop(plain);
-  return {managed, unmanaged};
+  r.managed = model.forward([&] { return time_loop(lin->weight); });
+  model.end_iteration();
+  r.plain = time_loop(plain);
+  ferry::outside_hazard_begin();
+  ferry::watch_outside_uses();
+  r.watched_plain = time_loop(plain);
+  r.watched_managed = time_loop(lin->weight);
+  ferry::outside_hazard_end();
+  (void)at::add(plain, 1.0);  // the watch ends at the first op after the hazard
+  return r;
 }
 
 // ---- floors: the machine's rates, measured in this binary ------------------------------------------
@@ -650,13 +664,16 @@ int run(int argc, char** argv) {
   gc.seq = std::max(gc.seq, a.seq);
   const double n = static_cast<double>(gc.num_params());
   const double tokens = static_cast<double>(a.batch * a.seq);
-  const auto [managed_ns, plain_ns] = interception_ns(config, 20000);
-  std::cerr << "bench_gpt: interception: " << managed_ns << " ns/op managed vs " << plain_ns << " ns/op plain\n";
+  const InterceptionNs ins = interception_ns(config, 20000);
+  std::cerr << "bench_gpt: interception: " << ins.managed << " ns/op managed vs " << ins.plain
+            << " ns/op plain; outside the scopes while watched: " << ins.watched_plain << " ns/op plain, "
+            << ins.watched_managed << " ns/op managed\n";
   const FerryResult f = run_ferry(a, gc, config, cuda, comm);
   out << "  \"model\": {\"preset\": \"" << gc.name << "\", \"params\": " << gc.num_params() << ", \"hidden\": "
       << gc.hidden << ", \"layers\": " << gc.layers << ", \"heads\": " << gc.heads << ", \"vocab\": " << gc.vocab << "},\n";
-  out << "  \"interception\": {\"managed_ns_per_op\": " << managed_ns << ", \"plain_ns_per_op\": " << plain_ns
-      << ", \"overhead_ns_per_op\": " << managed_ns - plain_ns << "},\n";
+  out << "  \"interception\": {\"managed_ns_per_op\": " << ins.managed << ", \"plain_ns_per_op\": " << ins.plain
+      << ", \"overhead_ns_per_op\": " << ins.managed - ins.plain << ", \"watched_plain_ns_per_op\": "
+      << ins.watched_plain << ", \"watched_managed_ns_per_op\": " << ins.watched_managed << "},\n";
   // How the step was split: pipelined, backward on the device's clock and the optimizer the rest of the
   // step; unpipelined, host time with a device sync after each phase.
   out << "  \"ferry\": {\"time\": " << json_times(f.mean) << ", \"phase_clock\": \""
