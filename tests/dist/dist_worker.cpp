@@ -23,8 +23,9 @@
 // step returns). --stall-ms=T (--api=step): before every step, a job of T ms on the host updates' worker,
 // ahead of the updates the step leaves running (a slow host: the next forward then meets them still running).
 // --eval-without-optimizer=1: after everything above, the optimizer destroyed and one evaluation forward.
-// --touch-between-steps=1: after every step, an op on every parameter of the module (a norm, as a user
-// logging weights would): counted as read (touched_ok) or refused with ferry's error (touched_refused).
+// --touch-between-steps=1: after every step, an op on every parameter of the module (a copy, as a user
+// logging weights would): counted as read (touched_ok; with sharded parameters the value checked against
+// the master) or refused with ferry's error (touched_refused).
 // --precision=... and every other ferry option. Prints one line "FERRY_DIST_RESULT key=value ...".
 #include <torch/torch.h>
 
@@ -203,15 +204,24 @@ int run(int argc, char** argv) {
     }
     if (touch) {  // Note [Ops outside the scopes]: another rank's chunk fails clearly, never crashes
       torch::NoGradGuard no_grad;
-      for (const auto& item : net->named_parameters()) {
+      std::vector<std::pair<int64_t, torch::Tensor>> read;
+      for (int64_t p = 0; p < model.num_params(); ++p) {
         try {
-          TORCH_CHECK(std::isfinite(item.value().norm().item<double>()), item.key(), ": a non-finite norm");
+          read.emplace_back(p, model.param(p).clone());
           ++touched_ok;
         } catch (const c10::Error& e) {
           const std::string what = e.what_without_backtrace();
-          TORCH_CHECK(what.find("in a chunk another rank owns") != std::string::npos, "touching ", item.key(), ": ", what);
+          TORCH_CHECK(what.find("in a chunk another rank owns") != std::string::npos, "touching ",
+                      model.param_name(p), ": ", what);
           ++touched_refused;
         }
+      }
+      // Sharded, what a read got is the owner's new value, round(master), although the update may still
+      // have been running (the master view waits for every update).
+      for (const auto& [p, v] : read) {
+        if (!options.shard_params) break;
+        TORCH_CHECK(torch::equal(v, adam.master(p).to(model.compute_dtype())), "touching ", model.param_name(p),
+                    ": read a value other than the step's");
       }
     }
     overlapped += r.overlapped_chunks;

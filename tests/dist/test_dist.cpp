@@ -362,15 +362,17 @@ TEST(Dist, AModelEvaluatesAfterItsOptimizerIsGone) {
   }
 }
 
-// Note [Ops outside the scopes]: between steps an op on a parameter (a norm, as a user logging weights
-// would) reads it where this rank holds its chunk and fails with ferry's error, naming what to call,
+// Note [Ops outside the scopes]: between steps an op on a parameter (a copy, as a user logging weights
+// would) reads the step's new value where this rank holds its chunk (the updates held back by a stall,
+// dist_worker checks it against the master) and fails with ferry's error, naming what to call,
 // where another rank owns it (it crashed the process: torch's kernels read the chunk's null storage),
 // with the updates left running behind the step (--clip) and without (--sync-update). With replicated
 // parameters every op reads. The training is that of an untouched run.
 TEST(Dist, OpsOnParametersBetweenStepsReadOrFailClearly) {
   for (const bool sync : {false, true}) {
     std::vector<std::string> args{"--steps=4", "--clip=0.5", "--touch-between-steps=1"};
-    if (sync) args.push_back("--sync-update=1");
+    // Behind: a 100 ms job ahead of each step's updates, so the reads meet them still running.
+    args.push_back(sync ? "--sync-update=1" : "--stall-ms=100");
     const auto touched = run_world(2, args);
     std::vector<std::string> plain{"--steps=4", "--clip=0.5"};  // the same run, untouched
     if (sync) plain.push_back("--sync-update=1");
