@@ -84,6 +84,15 @@ HybridAdamOptions options(double max_grad_norm) {
   return h;
 }
 
+// Two Lms with the same initial values.
+std::pair<Lm, Lm> twins(uint64_t seed) {
+  torch::manual_seed(seed);
+  Lm a(kVocab, kDim, kLayers);
+  torch::manual_seed(seed);
+  Lm b(kVocab, kDim, kLayers);
+  return {a, b};
+}
+
 class HybridAdamOnDevice : public ::testing::TestWithParam<DeviceKind> {
  protected:
   void SetUp() override {
@@ -99,10 +108,8 @@ void expect_pipeline_equals_step(DeviceKind device, double max_grad_norm, int mi
   HybridAdamOptions o = options(max_grad_norm);
   o.accumulate_grads = micro_batches > 1;
   const int64_t roles = o.accumulate_grads ? 4 : 3;
-  torch::manual_seed(11);
-  Lm a_net(kVocab, kDim, kLayers);
-  torch::manual_seed(11);
-  Lm b_net(kVocab, kDim, kLayers);
+  const auto nets = twins(11);
+  Lm a_net = nets.first, b_net = nets.second;
   ChunkedModel a(a_net.ptr(), device_config(device, Precision::kBf16, roles));
   ChunkedModel b(b_net.ptr(), device_config(device, Precision::kBf16, roles));
   HybridAdam a_adam(a, o), b_adam(b, o);
@@ -195,10 +202,8 @@ TEST_P(HybridAdamOnDevice, TenFp32StepsFollowTorchAdamWOnTheSameDevice) {
 // is the GPU kernel against the CPU kernel.
 TEST_P(HybridAdamOnDevice, StateOnTheDeviceAndOnTheHostGiveTheSameBits) {
   const DeviceKind device = GetParam();
-  torch::manual_seed(13);
-  Lm a_net(kVocab, kDim, kLayers);
-  torch::manual_seed(13);
-  Lm b_net(kVocab, kDim, kLayers);
+  const auto nets = twins(13);
+  Lm a_net = nets.first, b_net = nets.second;
   Config config = device_config(device, Precision::kBf16);
   config.device_budget_bytes = 0;  // no limit: the placement below is the only difference
   ChunkedModel a(a_net.ptr(), config), b(b_net.ptr(), config);
@@ -224,10 +229,8 @@ TEST_P(HybridAdamOnDevice, StateOnTheDeviceAndOnTheHostGiveTheSameBits) {
 // and a crash here spares the results of the tests above.
 TEST_P(HybridAdamOnDevice, OpsBetweenStepsSeeTheUpdatesLeftRunning) {
   const DeviceKind device = GetParam();
-  torch::manual_seed(17);
-  Lm a_net(kVocab, kDim, kLayers);
-  torch::manual_seed(17);
-  Lm b_net(kVocab, kDim, kLayers);
+  const auto nets = twins(17);
+  Lm a_net = nets.first, b_net = nets.second;
   ChunkedModel a(a_net.ptr(), device_config(device, Precision::kBf16));
   ChunkedModel b(b_net.ptr(), device_config(device, Precision::kBf16));
   HybridAdam a_adam(a, options(0.05).with_update_behind_forward(false));
