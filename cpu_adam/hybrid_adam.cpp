@@ -60,6 +60,7 @@ HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
       options_((options.validate(), std::move(options))),
       cpu_adam_(options_.defaults, CpuAdamConfig::from(model.config())),
       scaler_(options_.loss_scaler) {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   check_idle("HybridAdam()");
   for (const auto& rule : options_.groups) cpu_adam_.add_param_group(rule.options);
   group_of_param_.assign(model_.num_params(), 0);
@@ -114,6 +115,7 @@ HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
 }
 
 HybridAdam::~HybridAdam() {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   // The model may keep the shards (its remote chunks) beyond this object: their guard waits on it.
   if (param_shards_) param_shards_->set_send_guard(nullptr);
   try {
@@ -928,6 +930,7 @@ StepResult HybridAdam::finish_pipelined_locked() {
 }
 
 StepResult HybridAdam::backward_step(const at::Tensor& loss) {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   if (world_ > 1) return dist_backward_step(loss);
   if (options_.accumulate_grads) return backward_step_accumulated(loss);
   settle("backward_step()");
@@ -996,6 +999,7 @@ StepResult HybridAdam::backward_step(const at::Tensor& loss) {
 }
 
 StepResult HybridAdam::backward_step_accumulated(const at::Tensor& loss) {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   settle("backward_step()");
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -1055,6 +1059,7 @@ void HybridAdam::set_lr(double lr) {
 }
 
 StepResult HybridAdam::step() {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   settle("step()");
   std::lock_guard<std::mutex> lock(mutex_);
   return step_locked();
@@ -1210,6 +1215,7 @@ int64_t HybridAdam::write_back_locked(bool after_update) {
 }
 
 void HybridAdam::zero_grad() {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   check_idle("zero_grad()");
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
@@ -1233,6 +1239,7 @@ void HybridAdam::zero_grad() {
 }
 
 at::Tensor HybridAdam::state_view(Role role, int64_t param) {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   TORCH_CHECK(param >= 0 && param < model_.num_params(), "ferry: parameter index ", param, " out of range [0, ",
               model_.num_params(), ")");
   settle("state view");
@@ -1245,6 +1252,7 @@ at::Tensor HybridAdam::master(int64_t param) { return state_view(kMasterRole, pa
 at::Tensor HybridAdam::exp_avg(int64_t param) { return state_view(kExpAvgRole, param); }
 at::Tensor HybridAdam::exp_avg_sq(int64_t param) { return state_view(kExpAvgSqRole, param); }
 at::Tensor HybridAdam::grad(int64_t param) {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   if (options_.accumulate_grads) return state_view(kGradRole, param);
   TORCH_CHECK(param >= 0 && param < model_.num_params(), "ferry: parameter index ", param, " out of range [0, ",
               model_.num_params(), ")");
@@ -1255,6 +1263,7 @@ at::Tensor HybridAdam::grad(int64_t param) {
 }
 
 NamedTensors HybridAdam::state_dict() {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   NamedTensors out = model_.state_dict();  // checks the model is idle
   if (sharded_) {  // the masters from their owners (a collective: every rank calls state_dict())
     std::lock_guard<std::mutex> lock(mutex_);
@@ -1276,6 +1285,7 @@ NamedTensors HybridAdam::state_dict() {
 }
 
 void HybridAdam::load_state_dict(const NamedTensors& values) {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   settle("load_state_dict()");
   // The model checks every name and shape before it writes anything; then the masters follow.
   model_.load_state_dict(values);

@@ -507,6 +507,7 @@ StepResult HybridAdam::finish_dist_pipelined_locked() {
 }
 
 StepResult HybridAdam::dist_backward_step(const at::Tensor& loss) {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   settle("backward_step()");
   bool pipelined = false;
   {

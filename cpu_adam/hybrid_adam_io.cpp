@@ -527,6 +527,7 @@ void HybridAdam::publish_checkpoint_locked(const std::string& dir, int64_t gener
 }
 
 void HybridAdam::save(const std::string& dir) {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   settle("save()");
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
@@ -681,6 +682,7 @@ void HybridAdam::save_across_ranks_locked(const std::string& dir) {
 }
 
 void HybridAdam::load(const std::string& dir) {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   settle("load()");
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();

@@ -125,6 +125,7 @@ ChunkedModel::~ChunkedModel() {
     log::error("ferry: ChunkedModel could not give parameters their memory back: ", e.what());
   }
   hold_remote_hazard(false);
+  hold_forward_done_hazard(false);
 }
 
 void ChunkedModel::build(const std::vector<int64_t>& order) {
@@ -215,6 +216,7 @@ void ChunkedModel::set_loss_scale(double scale) {
 
 std::shared_ptr<StateChunks> ChunkedModel::attach_state(std::vector<ChunkRole> roles, const StateChunks::Init& init,
                                                        std::vector<int> zero_roles) {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   TORCH_CHECK(phase_.load() == ModelPhase::kIdle || phase_.load() == ModelPhase::kForwardDone,
               "ferry: attach_state() inside an iteration");
   ChunkStoreOptions options = ChunkStoreOptions::from(config_);
@@ -241,24 +243,31 @@ void ChunkedModel::set_remote_chunks(std::shared_ptr<RemoteChunks> remote) {
   hold_remote_hazard(remote_ != nullptr);
 }
 
-// Note [Ops outside the scopes] (interceptor.h): while chunks may be given up (sharded parameters), an
-// op between iterations on the driving thread is checked first (before_outside_use), never run on a
-// storage with no memory.
-void ChunkedModel::hold_remote_hazard(bool hold) {
-  if (hold == remote_hazard_) {
-    if (hold) watch_outside_uses();
-    return;
+namespace {
+// Note [Ops outside the scopes] (interceptor.h): one hazard, counted while `held`; while held, this thread
+// (the one that drives the model) watches, also when asked again.
+void hold_hazard(bool& held, bool hold) {
+  if (hold != held) {
+    held = hold;
+    if (hold) {
+      outside_hazard_begin();
+    } else {
+      outside_hazard_end();
+    }
   }
-  remote_hazard_ = hold;
-  if (hold) {
-    outside_hazard_begin();
-    watch_outside_uses();
-  } else {
-    outside_hazard_end();
-  }
+  if (hold) watch_outside_uses();
 }
+}  // namespace
+
+// While chunks may be given up (sharded parameters), an op between iterations on the driving thread is
+// checked first (before_outside_use), never run on a storage with no memory.
+void ChunkedModel::hold_remote_hazard(bool hold) { hold_hazard(remote_hazard_, hold); }
+
+// Note [Between forward and backward] (below).
+void ChunkedModel::hold_forward_done_hazard(bool hold) { hold_hazard(forward_done_hazard_, hold); }
 
 at::Tensor ChunkedModel::param_values(int64_t index) {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   TORCH_CHECK(index >= 0 && index < num_params(), "ferry: parameter index ", index, " out of range [0, ", num_params(),
               ")");
   if (grad_sink_) grad_sink_->await_param(index);
@@ -366,9 +375,33 @@ void ChunkedModel::transition(ModelPhase to) {
   TORCH_CHECK(legal(from, to), "ferry: ChunkedModel cannot go from ", to_string(from), " to ", to_string(to),
               to == ModelPhase::kBackward ? " (call backward() once after each forward())" : "");
   phase_.store(to);
+  hold_forward_done_hazard(to == ModelPhase::kForwardDone && !materialized_);
 }
 
-void ChunkedModel::before_outside_use(int64_t param) {
+// Note [Between forward and backward]
+// A loss term computed after forward() (`loss + 1e-4 * w.pow(2).sum()`), a parameter logged between
+// forward() and backward(): ops outside ferry's scopes, inside an iteration. They used to run on the
+// storage as they found it: on the host alias or, on CUDA, a chunk whose eviction copy was still in
+// flight (no memory), and nothing traced them. While the model is between forward() and backward()
+// it holds an outside-use hazard and the thread that ran forward() watches (Note [Ops outside the
+// scopes], interceptor.h); an op there that uses a parameter is a use like those inside forward():
+// pre_use brings the chunk to the device (at N > 1 gathers it: every rank must run the op, as every
+// rank runs forward), the trace records it (the warm-up iteration's trace has it too), inputs are cast
+// to the compute dtype, and post_use holds the chunk after forward. The hazard ends when the model
+// leaves that phase (backward(), end_iteration(), the next forward()) or is materialized. Cost: while
+// it lasts, every op of that thread goes through the fallback (a registry lookup per tensor argument,
+// about 0.3 us: D57's measurement). A pre_use that reaches the model between iterations (a key an
+// autograd worker inherited from a watching thread) is an op outside the scopes: checked, not used.
+ChunkedModel::Outside ChunkedModel::before_outside_use(int64_t param) {
+  if (phase_.load() == ModelPhase::kForwardDone) {
+    // The user's ops are uses; ferry's own (an optimizer call's copies) run on what the store holds.
+    return in_own_ops() ? Outside::kChecked : Outside::kUse;
+  }
+  check_outside_use(param);
+  return Outside::kChecked;
+}
+
+void ChunkedModel::check_outside_use(int64_t param) {
   // An op between iterations on a parameter chunk that an update left running may still write.
   if (grad_sink_) grad_sink_->await_param(param);
   // A chunk with no memory here (another rank's, given up between its uses): torch's kernels would read
@@ -384,6 +417,10 @@ void ChunkedModel::before_outside_use(int64_t param) {
 }
 
 void ChunkedModel::pre_use(int64_t param) {
+  if (phase_.load() == ModelPhase::kIdle) {  // Note [Between forward and backward]: not inside an iteration
+    check_outside_use(param);
+    return;
+  }
   if (grad_sink_) grad_sink_->await_param(param);  // an update left running behind the step writes its chunk
   TORCH_CHECK(!grad_in_slot_[param], "ferry: parameter ", names_[param], " is used, but its chunk slot holds its "
               "gradient since its backward (Note [Gradient in the parameter slot]): call the optimizer's step() "
@@ -394,6 +431,7 @@ void ChunkedModel::pre_use(int64_t param) {
 }
 
 void ChunkedModel::post_use(int64_t param) {
+  if (phase_.load() == ModelPhase::kIdle) return;  // pre_use checked it only
   scheduler_->post_use(param, phase_.load() == ModelPhase::kBackward ? TensorState::kHoldAfterBwd
                                                                       : TensorState::kHoldAfterFwd);
 }
@@ -541,6 +579,7 @@ void ChunkedModel::finish_iteration(bool aborted, bool forward_only) {
 }
 
 void ChunkedModel::materialize(bool fetch_remote) {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   if (materialized_) return;
   TORCH_CHECK(phase_.load() == ModelPhase::kIdle || phase_.load() == ModelPhase::kForwardDone,
               "ferry: materialize() inside forward/backward");
@@ -564,6 +603,7 @@ void ChunkedModel::materialize(bool fetch_remote) {
   }
   unregister_storages();
   hold_remote_hazard(false);  // plain tensors from here on
+  hold_forward_done_hazard(false);
   const c10::Device device = store_->device();
   for (size_t p = 0; p < params_.size(); ++p) {
     const TensorId t = tensor_of_param_[p];

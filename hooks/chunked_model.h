@@ -18,11 +18,15 @@
 //    (off the device their storage aliases the host payload, chunk/chunk.h). An update the optimizer
 //    left running behind its step (Note [Update behind the next forward], cpu_adam/hybrid_adam.h) may
 //    still write a chunk then: ops on the thread that ran the step wait for it (Note [Ops outside the
-//    writes], hooks/interceptor.h); other threads, and reads that are no op (data_ptr()), call the
+//    scopes], hooks/interceptor.h); other threads, and reads that are no op (data_ptr()), call the
 //    optimizer's synchronize() first. With sharded parameters (N > 1) a chunk another rank owns has no
 //    memory here between its uses: an op on the driving thread fails naming state_dict() (never a
-//    crash); other threads must not touch it. param_values() and state_dict() always wait. Inside an
-//    iteration only ops inside forward()/backward() may touch them.
+//    crash); other threads must not touch it. param_values() and state_dict() always wait.
+//  - Between forward() and backward() an op on the thread that ran forward() and uses a parameter is a
+//    use as inside forward(): traced, its chunk brought to the device (at N > 1 gathered: every rank
+//    runs it, as it runs forward), inputs cast to the compute dtype (Note [Between forward and
+//    backward]): a loss term such as `loss + 1e-4 * net->fc->weight.pow(2).sum()` after forward()
+//    trains as in the unwrapped model. Other threads must not touch parameters inside an iteration.
 //  - Gradients: without a GradSink, .grad tensors are made by autograd as usual (device tensors, not
 //    chunked). With one (HybridAdam installs itself), each parameter's gradient is taken as soon as
 //    autograd has accumulated it (a post-accumulate-grad hook) and .grad is reset, so no device
@@ -266,10 +270,15 @@ class ChunkedModel final : private UseListener {
  private:
   void pre_use(int64_t param) override;
   void post_use(int64_t param) override;
-  void before_outside_use(int64_t param) override;  // Note [Ops outside the scopes] (interceptor.h)
+  Outside before_outside_use(int64_t param) override;  // Note [Ops outside the scopes] (interceptor.h)
+  // Between iterations: waits for `param`'s chunk's update; fails if its storage has no memory here.
+  void check_outside_use(int64_t param);
   // Holds one outside-use hazard while chunks may be given up (remote chunks), and makes this thread
   // watch; `hold` again: watch again (the thread that ends iterations drives the model).
   void hold_remote_hazard(bool hold);
+  // Holds one outside-use hazard while the model is between forward() and backward(), and makes this
+  // thread watch: its ops on parameters then are uses (Note [Between forward and backward]).
+  void hold_forward_done_hazard(bool hold);
   void transition(ModelPhase to);
   void begin_forward();
   void end_forward();
@@ -311,6 +320,7 @@ class ChunkedModel final : private UseListener {
   std::unique_ptr<Scheduler> scheduler_;
   std::shared_ptr<RemoteChunks> remote_;
   bool remote_hazard_ = false;  // hold_remote_hazard
+  bool forward_done_hazard_ = false;  // hold_forward_done_hazard
   std::vector<TensorId> tensor_of_param_;
   std::vector<ChunkId> chunk_of_param_;
   std::vector<const c10::StorageImpl*> registered_;

@@ -63,6 +63,13 @@ void drop_key_if_unheld() {
   key_ours = false;
 }
 
+// Inside an op, where torch may put the key back when the op's autograd node ends (Note [Ops outside the
+// scopes], the key and torch's thread-local state): switched off, but still ours, so that a key put
+// back is known as stale.
+void switch_key_off_inside_an_op() {
+  if (key_ours) c10::impl::tls_set_dispatch_key_included(kInterceptKey, false);
+}
+
 std::atomic<int64_t> hazards{0};  // Note [Ops outside the scopes]
 
 struct Use {
@@ -146,13 +153,41 @@ void run_excluded(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   op.callBoxed(stack);
 }
 
+// Runs the op between its uses' pre_use and post_use (in reverse order, also when the op throws), with
+// the inputs cast to the parameters' reduced precision.
+void run_as_uses(const c10::OperatorHandle& op, torch::jit::Stack* stack, const Uses& uses) {
+  param_op_count.fetch_add(1, std::memory_order_relaxed);
+  // The hooks themselves run ops (chunk copies, zero fills): never intercept those.
+  c10::impl::ExcludeDispatchKeyGuard no_reentry(kInterceptKey);
+  size_t started = 0;
+  auto release = [&] {
+    for (size_t i = started; i-- > 0;) {
+      try {
+        uses[i].listener->post_use(uses[i].param);
+      } catch (const std::exception& e) {
+        log::error("ferry: post-use hook of parameter ", uses[i].param, " failed: ", e.what());
+      }
+    }
+  };
+  const at::ScalarType param_dtype = uses.front().dtype;
+  try {
+    for (; started < uses.size(); ++started) uses[started].listener->pre_use(uses[started].param);
+    if (param_dtype == at::kBFloat16 || param_dtype == at::kHalf) cast_inputs(op, stack, param_dtype);
+    op.callBoxed(stack);
+  } catch (...) {
+    release();
+    throw;
+  }
+  release();
+}
+
 // Note [Ops outside the scopes] (interceptor.h): an op outside every scope on a watching thread.
 void outside_use(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (hazards.load(std::memory_order_acquire) == 0) {
     // Every hazard is over, and every write published (end() releases): nothing to check until a new
     // hazard starts and its owner makes this thread watch again.
     watching = false;
-    drop_key_if_unheld();
+    switch_key_off_inside_an_op();
     run_excluded(op, stack);
     return;
   }
@@ -161,10 +196,23 @@ void outside_use(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     const size_t num_args = op.schema().arguments().size();
     for (size_t i = stack->size() - num_args; i < stack->size(); ++i) collect((*stack)[i], uses, /*any_offset=*/true);
   }
-  c10::impl::ExcludeDispatchKeyGuard no_reentry(kInterceptKey);  // the listener's own ops
-  if (!uses.empty()) outside_use_count.fetch_add(1, std::memory_order_relaxed);
-  for (const Use& use : uses) use.listener->before_outside_use(use.param);
-  op.callBoxed(stack);
+  if (uses.empty()) {
+    run_excluded(op, stack);
+    return;
+  }
+  outside_use_count.fetch_add(1, std::memory_order_relaxed);
+  Uses as_uses;  // the listener is inside an iteration: the op is one of its uses
+  {
+    c10::impl::ExcludeDispatchKeyGuard no_reentry(kInterceptKey);  // the listener's own ops
+    for (const Use& use : uses) {
+      if (use.listener->before_outside_use(use.param) == UseListener::Outside::kUse) as_uses.push_back(use);
+    }
+  }
+  if (!as_uses.empty()) {
+    run_as_uses(op, stack, as_uses);
+    return;
+  }
+  run_excluded(op, stack);
 }
 
 // Note [Parallel initializers] (interceptor.h).
@@ -227,9 +275,19 @@ bool parallel_init(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 void intercept(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   op_count.fetch_add(1, std::memory_order_relaxed);
   if (parallel_init_depth > 0 && parallel_init(op, stack)) return;
-  if (watching && scope_depth == 0 && parallel_init_depth == 0) {
-    outside_use(op, stack);
-    return;
+  if (scope_depth == 0 && parallel_init_depth == 0) {
+    if (watching) {
+      outside_use(op, stack);
+      return;
+    }
+    if (key_ours) {
+      // Stale (Note [Ops outside the scopes], the key and torch's thread-local state): this thread
+      // switched the key on, nothing here holds it now, and torch put it back.
+      switch_key_off_inside_an_op();
+      run_excluded(op, stack);
+      return;
+    }
+    // Else inherited (an autograd worker of a thread in a scope): as in a scope.
   }
   if (registry_size.load(std::memory_order_acquire) == 0) {
     run_excluded(op, stack);
@@ -242,29 +300,7 @@ void intercept(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     run_excluded(op, stack);
     return;
   }
-  param_op_count.fetch_add(1, std::memory_order_relaxed);
-  // The hooks themselves run ops (chunk copies, zero fills): never intercept those.
-  c10::impl::ExcludeDispatchKeyGuard no_reentry(kInterceptKey);
-  size_t started = 0;
-  auto release = [&] {
-    for (size_t i = started; i-- > 0;) {
-      try {
-        uses[i].listener->post_use(uses[i].param);
-      } catch (const std::exception& e) {
-        log::error("ferry: post-use hook of parameter ", uses[i].param, " failed: ", e.what());
-      }
-    }
-  };
-  const at::ScalarType param_dtype = uses.front().dtype;
-  try {
-    for (; started < uses.size(); ++started) uses[started].listener->pre_use(uses[started].param);
-    if (param_dtype == at::kBFloat16 || param_dtype == at::kHalf) cast_inputs(op, stack, param_dtype);
-    run_excluded(op, stack);
-  } catch (...) {
-    release();
-    throw;
-  }
-  release();
+  run_as_uses(op, stack, uses);
 }
 
 }  // namespace
@@ -310,6 +346,13 @@ InterceptionScope::~InterceptionScope() {
   --scope_depth;
   drop_key_if_unheld();
 }
+
+namespace {
+thread_local int own_ops_depth = 0;
+}
+OwnOps::OwnOps() { ++own_ops_depth; }
+OwnOps::~OwnOps() { --own_ops_depth; }
+bool in_own_ops() { return own_ops_depth > 0; }
 
 void outside_hazard_begin() { hazards.fetch_add(1, std::memory_order_relaxed); }
 

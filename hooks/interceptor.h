@@ -36,9 +36,12 @@ class UseListener {
   virtual void post_use(int64_t param) = 0;
   // Note [Ops outside the scopes]: an op outside every InterceptionScope, on a watching thread, is
   // about to use the storage that holds `param` (the parameter at the tensor's offset, else the
-  // storage's first); returns once the op may use that storage. May throw (the error of a write, or
-  // why the storage cannot be used): the op then does not run.
-  virtual void before_outside_use(int64_t /*param*/) {}
+  // storage's first). Returns kChecked once the op may use that storage as it is, or kUse when the op
+  // is a use of `param` as inside a scope (the listener is inside an iteration: between forward and
+  // backward); the fallback then calls pre_use/post_use around it and casts as in a scope. May throw
+  // (the error of a write, or why the storage cannot be used): the op then does not run.
+  enum class Outside { kChecked, kUse };
+  virtual Outside before_outside_use(int64_t /*param*/) { return Outside::kChecked; }
 };
 
 // One parameter's element range in a registered storage.
@@ -71,19 +74,44 @@ class InterceptionScope {
 //    half-updated values, or have its own write overwritten;
 //  - a chunk with no memory here: with sharded parameters (world size N > 1) a chunk another rank owns
 //    is given up between its uses; torch's kernels do not check, so an op would crash the process.
+// A third hazard is inside an iteration: a model between forward() and backward(), whose chunks may be
+// off the device or on their way (Note [Between forward and backward], hooks/chunked_model.cpp); there
+// the listener calls an op a use.
 // Whoever creates a hazard counts it (outside_hazard_begin() before the write is queued or the chunks
 // are sharded; outside_hazard_end() when the write is over, failed or not, or the sharding is gone) and
 // makes the thread that drives the model watch: watch_outside_uses(). On a watching thread the fallback
 // sees every op, also outside InterceptionScopes; for each registered storage among an op's tensors it
 // calls the listener's before_outside_use (with the parameter at the tensor's offset, else the
 // storage's first), which waits for that chunk's write and fails clearly if the chunk has no memory,
-// then runs the op as usual (no pre/post use, no casts). The thread stops watching at its first op
+// then runs the op as usual (no pre/post use, no casts); or, if the listener says the op is a use
+// (kUse: the third hazard), runs it as inside a scope. The thread stops watching at its first op
 // that finds no hazard anywhere in the process: from then on its ops cost nothing again until the next
 // watch. Inside an InterceptionScope nothing changes (pre_use waits and fetches itself).
+// The key and torch's thread-local state: autograd runs each node of a backward with the thread-local
+// state the backward started with, and puts it back after the node, so a key switched off inside a
+// node (the watch ending in a plain backward on a watching thread) comes back on when the node ends,
+// with nothing on this thread holding it. Such a key is *stale*: the thread remembers that it switched
+// the key on (key ours), and the fallback switches a stale key off again at its next op and runs that
+// op as if unseen. A key a thread did not switch on itself (autograd's workers inherit it from the
+// thread that called backward) is used as in a scope; a listener that is not inside an iteration
+// treats such a use as an op outside the scopes (ChunkedModel: pre_use between iterations).
 // Not covered: other threads (for a write: they call HybridAdam::synchronize() first) and reads that
 // are no op (a tensor's data_ptr(); torch::save of a CPU tensor copies its bytes directly).
 // Thread-safe; the hazard count is process-wide, the watch is per thread.
 void outside_hazard_begin();
+// Ferry's own ops on the chunks (an optimizer step's copies, a checkpoint's reads) are never uses of a
+// parameter, whatever the phase: a public entry point of ferry that may run between forward() and
+// backward() holds an OwnOps (a count per thread), and a listener asks in_own_ops() before it calls an
+// op outside the scopes a use. Scopes opened inside one (backward_step()'s backward()) intercept as
+// usual: OwnOps switches nothing off.
+class OwnOps {
+ public:
+  OwnOps();
+  ~OwnOps();
+  OwnOps(const OwnOps&) = delete;
+  OwnOps& operator=(const OwnOps&) = delete;
+};
+bool in_own_ops();
 void outside_hazard_end();
 int64_t outside_hazards();
 void watch_outside_uses();

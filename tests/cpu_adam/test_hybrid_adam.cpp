@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <functional>
+#include <future>
 #include <map>
 #include <thread>
 
@@ -1139,6 +1140,153 @@ TEST(HybridAdam, OpsBetweenStepsWaitForTheUpdatesLeftRunning) {
 // backward, after that chunk's norm was taken (nothing irreversible had happened: the step takes the
 // norm again), and stays bit-identical to backward() + step(). The eager one refuses it
 // (PipelinedStepRefusesALateGradient).
+// Note [Ops outside the scopes], the key and torch's thread-local state: a plain backward (another
+// model's: a teacher, a discriminator, a probe) on the thread that ran step(), while the updates the
+// step left running still run. A function in it waits for them (it holds the worker until then), so
+// the watch ends inside one of autograd's nodes, which puts the key back when the node ends. With
+// nothing holding that key, every later op of the thread went through the fallback as if in a scope:
+// reads of parameters between steps ran their pre-use hooks outside any iteration (the scheduler saw
+// accesses off its trace), and in a run with ops between forward() and backward() the next step()'s
+// own chunk copies did too and failed ("holds its gradient"). Now the thread's ops after it are not
+// seen at all, and the losses, the values read and the final state are bit-identical to the same
+// training without the plain backward.
+std::promise<void>* g_release_worker = nullptr;
+HybridAdam* g_sync_adam = nullptr;
+int g_hazards_seen = -1;
+struct WaitForTheUpdates : torch::autograd::Function<WaitForTheUpdates> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+    g_hazards_seen = static_cast<int>(outside_hazards());
+    g_release_worker->set_value();
+    g_sync_adam->synchronize();
+    for (int i = 0; i < 10000 && outside_hazards() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return {g[0] * 2};  // the thread's first op with no hazard left: the watch ends inside this node
+  }
+};
+
+TEST(HybridAdam, APlainBackwardOnTheStepsThreadLeavesTheModelAlone) {
+  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+  options.device_state_chunks = 2;
+  const auto nets = twins(53);
+  TinyLm a_net = nets.first, b_net = nets.second;
+  ChunkedModel a(a_net.ptr(), sim_config(budget_for(3, 2)));
+  ChunkedModel b(b_net.ptr(), sim_config(budget_for(3, 2)));
+  HybridAdam a_adam(a, options), b_adam(b, options);
+  torch::manual_seed(54);
+  torch::nn::Linear other(8, 8);  // a plain module, trained beside the wrapped one
+  int64_t deferred = 0;
+  for (int step = 0; step < 6; ++step) {
+    const std::string when = "step " + std::to_string(step);
+    const Batch x = batch(step);
+    auto train = [&](ChunkedModel& m, TinyLm& net, HybridAdam& adam, std::promise<void>* hold) {
+      const torch::Tensor loss = m.forward([&] { return lm_loss(net, x.idx, x.target); });
+      m.backward(loss);
+      std::shared_future<void> released;
+      if (hold) {  // the worker waits for the plain backward: the updates queued behind it are still to run
+        released = hold->get_future().share();
+        adam.run_on_worker([released] { released.wait(); });
+      }
+      const StepResult r = adam.step();
+      adam.zero_grad();
+      return std::make_pair(r, loss.detach());
+    };
+    const auto [ra, la] = train(a, a_net, a_adam, nullptr);
+    std::promise<void> hold;
+    const auto [rb, lb] = train(b, b_net, b_adam, &hold);
+    ASSERT_TRUE(torch::equal(la, lb)) << when << ": the loss";
+    deferred += rb.deferred_chunks;
+    // The plain model's training step on the same thread.
+    g_release_worker = &hold;
+    g_sync_adam = &b_adam;
+    g_hazards_seen = -1;
+    const torch::Tensor in = torch::randn({4, 8}, torch::requires_grad());
+    WaitForTheUpdates::apply(other->forward(in)).pow(2).sum().backward();
+    if (g_hazards_seen < 0) hold.set_value();  // the function did not run: never leave the worker waiting
+    g_release_worker = nullptr;
+    if (rb.deferred_chunks > 0) EXPECT_GT(g_hazards_seen, 0) << when << ": the updates must still run then";
+    EXPECT_EQ(outside_hazards(), 0) << when;
+    other->zero_grad();
+    // Reads between steps, on the same thread: plain ops, not seen at all (the key is off).
+    auto a_params = a_net->named_parameters(), b_params = b_net->named_parameters();
+    const int64_t ops = interception_counters().ops;
+    for (const auto& item : a_params) {
+      EXPECT_TRUE(torch::equal(b_params[item.key()].clone(), item.value())) << when << ": " << item.key();
+    }
+    EXPECT_EQ(interception_counters().ops, ops) << when << ": the thread's ops went through the fallback";
+  }
+  EXPECT_GT(deferred, 0) << "the steps should leave host updates running";
+  ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, "after 6 steps"));
+}
+
+// Note [Between forward and backward]: between forward() and backward() the thread that ran forward()
+// watches, and its ops on parameters are uses; ferry's own calls there are not (OwnOps). The common
+// `loss = forward; opt.zero_grad(); loss.backward(); opt.step()` order, backward_step() on a forward's
+// loss, an evaluation forward followed by reads, a checkpoint or (with accumulated gradients) the step:
+// the same losses and final state, bit for bit, as the same training with those calls between
+// iterations.
+TEST(HybridAdam, OptimizerCallsBetweenForwardAndBackwardAreNotUses) {
+  for (bool accumulate : {false, true}) {
+    SCOPED_TRACE(accumulate ? "accumulate_grads" : "grads in the slots");
+    HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+    options.device_state_chunks = 1;
+    options.accumulate_grads = accumulate;
+    const auto nets = twins(61);
+    TinyLm a_net = nets.first, b_net = nets.second;
+    ChunkedModel a(a_net.ptr(), sim_config(budget_for(3, 1, accumulate ? 4 : 3)));
+    ChunkedModel b(b_net.ptr(), sim_config(budget_for(3, 1, accumulate ? 4 : 3)));
+    HybridAdam a_adam(a, options), b_adam(b, options);
+    const std::string dir = temp_dir("between");
+    for (int step = 0; step < 6; ++step) {
+      const std::string when = "step " + std::to_string(step);
+      const Batch x = batch(step);
+      auto loss_a = [&] { return lm_loss(a_net, x.idx, x.target); };
+      auto loss_b = [&] { return lm_loss(b_net, x.idx, x.target); };
+      // a: every optimizer call between iterations.
+      a_adam.zero_grad();
+      if (accumulate) a.backward(a.forward(loss_a));  // a first micro-batch
+      const torch::Tensor la = a.forward(loss_a);
+      if (step % 2 == 0) {
+        a.backward(la);
+        a_adam.step();
+      } else {
+        a_adam.backward_step(la);
+      }
+      // b: zero_grad() and backward_step() between forward() and backward().
+      if (accumulate) {
+        const torch::Tensor first = b.forward(loss_b);
+        b_adam.zero_grad();
+        b.backward(first);
+      }
+      const torch::Tensor lb = b.forward(loss_b);
+      if (!accumulate) b_adam.zero_grad();
+      if (step % 2 == 0) {
+        b.backward(lb);
+        if (accumulate) {  // an evaluation forward before the step (the accumulated gradients left the slots)
+          torch::NoGradGuard no_grad;
+          (void)b.forward(loss_b);
+        }
+        const int64_t uses = interception_counters().ops_with_params;
+        b_adam.step();  // its chunk copies are ferry's own ops, never uses (they were, without OwnOps)
+        EXPECT_EQ(interception_counters().ops_with_params, uses) << when;
+      } else {
+        b_adam.backward_step(lb);
+      }
+      ASSERT_TRUE(torch::equal(la, lb)) << when << ": the loss";
+      // An evaluation forward, then reads and a checkpoint before the next training forward.
+      torch::NoGradGuard no_grad;
+      const torch::Tensor ea = a.forward(loss_a);
+      a.end_iteration();
+      const torch::Tensor eb = b.forward(loss_b);
+      EXPECT_TRUE(torch::equal(ea, eb)) << when << ": the evaluation";
+      EXPECT_TRUE(torch::equal(b_adam.master(0), a_adam.master(0))) << when;
+      EXPECT_TRUE(torch::equal(b.param_values(0).clone(), a.param_values(0))) << when;
+      if (step == 3) b_adam.save(dir);
+    }
+    ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, "after 6 steps"));
+    remove_checkpoint(dir);
+  }
+}
+
 TEST(HybridAdam, AccumulatedTwoPhaseStepTakesALateGradient) {
   HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
   options.device_state_chunks = 2;

@@ -11,7 +11,10 @@
 #include <fstream>
 #include <torch/torch.h>
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
 #include <chrono>
+#include <utility>
 #include <functional>
 #include <thread>
 
@@ -180,6 +183,20 @@ auto tiny_gpt_loss(int64_t V, int64_t T) {
     auto logits = m->forward(idx);
     return torch::nn::functional::cross_entropy(logits.view({-1, V}), idx.view({-1}));
   };
+}
+
+// Two TinyGpts with the same initial values: a reference and one to wrap.
+std::pair<TinyGpt, TinyGpt> gpt_twins(uint64_t seed, int64_t V, int64_t D, int64_t L, int64_t T) {
+  torch::manual_seed(seed);
+  TinyGpt ref(V, D, L, T);
+  torch::manual_seed(seed);
+  TinyGpt net(V, D, L, T);
+  return {ref, net};
+}
+
+// Where a parameter's chunk is.
+Location location_of(ChunkedModel& model, int64_t param) {
+  return model.store().location(model.param_chunk(model.layout().slots()[param].chunk));
 }
 
 // ---- tests
@@ -449,10 +466,8 @@ TEST(ChunkedModel, Bf16AcceptsFloatInputsWithoutHandCasts) {
 // a null storage, "out of bounds for storage of size 0").
 TEST(ChunkedModel, ParametersAreUsableOutsideFerrysScopes) {
   const int64_t V = 64, D = 32, L = 2, T = 8;
-  torch::manual_seed(9);
-  TinyGpt ref(V, D, L, T);
-  torch::manual_seed(9);
-  TinyGpt net(V, D, L, T);
+  const auto twins = gpt_twins(9, V, D, L, T);
+  TinyGpt ref = twins.first, net = twins.second;
   const int64_t chunk = 8 << 10;
   ChunkedModel model(net.ptr(), tiny_config(chunk, 3 * largest_chunk_bytes(*net, chunk)));
   const auto idx = torch::randint(V, {2, T}, torch::kLong);
@@ -490,6 +505,89 @@ TEST(ChunkedModel, ParametersAreUsableOutsideFerrysScopes) {
   }
   EXPECT_TRUE(torch::equal(model.forward([&] { return net->forward(idx); }), ref->forward(idx)));
   model.end_iteration();
+}
+
+// Note [Between forward and backward]: a loss term added after forward() (an L2 penalty on the tied
+// embedding and on the first block's MLP weight) and a weight read between forward() and backward() are
+// uses, as inside forward(): the losses and gradients equal the unwrapped model's, an evicted chunk
+// comes to the device for the op (before, the op read the host alias; on CUDA a chunk whose eviction
+// copy was in flight had no memory), the trace holds those uses (no iteration after the warm-up
+// diverges), and once the iteration is over the same op is a plain op again.
+TEST(ChunkedModel, OpsBetweenForwardAndBackwardAreUses) {
+  const int64_t V = 64, D = 32, L = 2, T = 8;
+  const auto twins = gpt_twins(5, V, D, L, T);
+  TinyGpt ref = twins.first, net = twins.second;
+  const int64_t chunk = 8 << 10;
+  ChunkedModel model(net.ptr(), tiny_config(chunk, 3 * largest_chunk_bytes(*net, chunk)));
+  auto loss_of = tiny_gpt_loss(V, T);
+  auto penalty = [](TinyGpt& m) { return 1e-3 * (m->wte->weight.pow(2).sum() + m->blocks[0]->fc->weight.pow(2).sum()); };
+  int64_t fc0 = -1;
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    if (model.param_name(p) == "h0.fc.weight") fc0 = p;
+  }
+  ASSERT_GE(fc0, 0);
+  auto fc0_location = [&] { return location_of(model, fc0); };
+  int64_t evicted = 0, brought = 0;
+  for (int it = 0; it < 4; ++it) {
+    zero_grads(*ref);
+    zero_grads(*net);
+    const auto ref_loss = loss_of(ref) + penalty(ref);
+    ref_loss.backward();
+    auto loss = model.forward([&] { return loss_of(net); });
+    const bool was_evicted = fc0_location() != Location::kDevice;
+    loss = loss + penalty(net);
+    evicted += was_evicted;
+    brought += was_evicted && fc0_location() == Location::kDevice;
+    EXPECT_EQ(net->blocks[1]->proj->weight.norm().item<float>(), ref->blocks[1]->proj->weight.norm().item<float>());
+    model.backward(loss);
+    const std::string what = "iteration " + std::to_string(it);
+    expect_close(loss, ref_loss, what + " loss");
+    auto pr = ref->named_parameters(), pn = net->named_parameters();
+    for (const auto& item : pr) expect_close(pn[item.key()].grad(), item.value().grad(), what + " grad of " + item.key());
+    const IterationStats s = model.last_iteration();
+    if (it >= 1) {
+      EXPECT_FALSE(s.diverged) << what;
+    }
+    EXPECT_LE(s.device_peak_bytes, 3 * largest_chunk_bytes(*net, chunk)) << what;
+  }
+  ASSERT_GT(evicted, 0) << "the test needs h0.fc.weight's chunk evicted by the end of forward at least once";
+  EXPECT_EQ(brought, evicted) << "the loss term's op should bring the chunk to the device";
+  // Between iterations the same op is a plain op again: it moves nothing.
+  const Location before = fc0_location();
+  (void)penalty(net).item<double>();
+  EXPECT_EQ(fc0_location(), before);
+}
+
+// A key an autograd worker inherited from a watching thread (a plain backward started while updates
+// left running behind a step still run: on CUDA its device thread gets the key) reaches pre_use
+// between iterations. It is an op outside the scopes there, checked and not a use: before, it brought
+// the chunk to the device and recorded an access outside any iteration.
+TEST(ChunkedModel, AnInheritedKeyBetweenIterationsIsNoUse) {
+  const int64_t V = 64, D = 32, L = 2, T = 8;
+  const auto twins = gpt_twins(6, V, D, L, T);
+  TinyGpt ref = twins.first, net = twins.second;
+  const int64_t chunk = 8 << 10;
+  ChunkedModel model(net.ptr(), tiny_config(chunk, 3 * largest_chunk_bytes(*net, chunk)));
+  auto loss_of = tiny_gpt_loss(V, T);
+  for (int it = 0; it < 2; ++it) compare_iteration(ref, net, model, loss_of, "iteration " + std::to_string(it));
+  std::vector<int64_t> evicted;
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    if (location_of(model, p) == Location::kHost) evicted.push_back(p);
+  }
+  ASSERT_FALSE(evicted.empty()) << "the test needs evicted parameters";
+  auto ref_params = ref->named_parameters();
+  std::thread([&] {
+    c10::impl::tls_set_dispatch_key_included(kInterceptKey, true);  // as autograd's workers get it
+    for (int64_t p : evicted) {
+      EXPECT_TRUE(torch::equal(model.param(p) * 2, ref_params[model.param_name(p)] * 2)) << model.param_name(p);
+    }
+    c10::impl::tls_set_dispatch_key_included(kInterceptKey, false);
+  }).join();
+  for (int64_t p : evicted) {
+    EXPECT_EQ(location_of(model, p), Location::kHost) << model.param_name(p) << ": moved by an op between iterations";
+  }
+  compare_iteration(ref, net, model, loss_of, "iteration 2");
+  EXPECT_FALSE(model.last_iteration().diverged);
 }
 
 // state_dict() holds every parameter and buffer (BatchNorm statistics included); load_state_dict() of it

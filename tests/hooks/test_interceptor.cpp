@@ -1,7 +1,8 @@
 // The interception fallback on its own (hooks/interceptor.h), with a listener that records its calls:
 // which ops it sees inside an InterceptionScope, and Note [Ops outside the scopes]: a watching thread's ops
-// outside scopes are checked for the storage they use, other threads' are not, the watch ends at the
-// first op after the hazards are over, and a scope never switches off a key it did not switch on.
+// outside scopes are checked for the storage they use (or are uses, where the listener says so), other
+// threads' are not, the watch ends at the first op after the hazards are over (also inside a backward,
+// which puts the key back when its node ends), and a scope never switches off a key it did not switch on.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -21,12 +22,14 @@ namespace {
 struct Recorder final : UseListener {
   void pre_use(int64_t param) override { calls.push_back("pre " + std::to_string(param)); }
   void post_use(int64_t param) override { calls.push_back("post " + std::to_string(param)); }
-  void before_outside_use(int64_t param) override {
+  Outside before_outside_use(int64_t param) override {
     calls.push_back("outside " + std::to_string(param));
     if (fail) throw std::runtime_error("the background write failed");
+    return in_iteration ? Outside::kUse : Outside::kChecked;
   }
   std::vector<std::string> calls;
   bool fail = false;
+  bool in_iteration = false;  // before_outside_use says kUse
 };
 
 using Calls = std::vector<std::string>;
@@ -136,6 +139,60 @@ TEST(Interceptor, TheWatchEndingInsideAScopeKeepsTheScopesKey) {
   r.recorder.calls.clear();
   (void)r.buffer.sum();
   EXPECT_TRUE(r.recorder.calls.empty());
+  EXPECT_FALSE(key_included());
+}
+
+// A listener inside an iteration (ChunkedModel between forward() and backward()) calls a watching
+// thread's op on its storage a use: pre/post use around it, as in a scope.
+TEST(Interceptor, AnOpOutsideTheScopesIsAUseWhereTheListenerSaysSo) {
+  Registered r;
+  const torch::Tensor w7 = r.buffer.narrow(0, 2, 4), w9 = r.buffer.narrow(0, 8, 4);  // made unwatched
+  r.recorder.in_iteration = true;
+  outside_hazard_begin();
+  watch_outside_uses();
+  (void)w9.sum();
+  EXPECT_EQ(r.recorder.calls, (Calls{"outside 9", "pre 9", "post 9"}));
+  r.recorder.calls.clear();
+  (void)torch::ones({3}).sum();  // no parameter: nothing to ask
+  EXPECT_TRUE(r.recorder.calls.empty());
+  r.recorder.in_iteration = false;
+  (void)w7.sum();
+  EXPECT_EQ(r.recorder.calls, (Calls{"outside 7"}));
+  outside_hazard_end();
+  (void)r.buffer.sum();
+  EXPECT_FALSE(key_included());
+}
+
+// Autograd runs each node of a backward with the thread-local state the backward started with and puts
+// it back after the node. A watch that ends inside a plain backward (its hazard ends while the backward
+// runs) had its key put back on with nothing holding it: every later op of the thread went through the
+// fallback as if in a scope, so ferry's own copies in the next step() ran its pre_use hooks (and failed).
+struct EndTheHazard : torch::autograd::Function<EndTheHazard> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+    outside_hazard_end();
+    return {g[0] * 2};  // the thread's first op with no hazard left: the watch ends inside this node
+  }
+};
+
+TEST(Interceptor, AWatchEndingInsideABackwardLeavesNoKeyBehind) {
+  Registered r;
+  outside_hazard_begin();
+  watch_outside_uses();
+  const torch::Tensor x = torch::ones({4}, torch::requires_grad());
+  (EndTheHazard::apply(x * 3) * 5).sum().backward();
+  EXPECT_FALSE(watching_outside_uses());
+  EXPECT_TRUE(torch::equal(x.grad(), torch::full({4}, 30.0f)));
+  r.recorder.calls.clear();
+  (void)r.buffer.narrow(0, 8, 4).sum();  // the key torch put back is stale: switched off, the op unseen
+  EXPECT_TRUE(r.recorder.calls.empty());
+  EXPECT_FALSE(key_included());
+  // A scope afterwards has its hooks and takes its key with it.
+  {
+    InterceptionScope scope;
+    (void)r.buffer.narrow(0, 8, 4).sum();
+  }
+  EXPECT_EQ(distinct(r.recorder.calls), (Calls{"pre 9", "post 9"}));
   EXPECT_FALSE(key_included());
 }
 
