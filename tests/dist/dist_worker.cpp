@@ -26,6 +26,8 @@
 // --touch-between-steps=1: after every step, an op on every parameter of the module (a copy, as a user
 // logging weights would): counted as read (touched_ok; with sharded parameters the value checked against
 // the master) or refused with ferry's error (touched_refused).
+// --loss-term-after-forward=1: after each model.forward(), an L2 term on up.weight added to the loss and
+// head.weight read (Note [Between forward and backward]: uses, gathered on every rank as in forward).
 // --precision=... and every other ferry option. Prints one line "FERRY_DIST_RESULT key=value ...".
 #include <torch/torch.h>
 
@@ -103,6 +105,7 @@ int run(int argc, char** argv) {
   const int eval_every = std::stoi(option(rest, "eval-every", "0"));
   const int stall_ms = std::stoi(option(rest, "stall-ms", "0"));
   const bool touch = option(rest, "touch-between-steps", "0") == "1";
+  const bool term_after_forward = option(rest, "loss-term-after-forward", "0") == "1";
   TORCH_CHECK(emulate == 1 || config.world_size == 1, "--emulate-world is for the single-process reference");
   TORCH_CHECK(batch % (config.world_size * micro) == 0, "batch must split evenly over ranks and micro-batches");
 
@@ -173,6 +176,10 @@ int run(int argc, char** argv) {
         return sum / (emulate * micro);
       });
       forward_end_bytes = present_param_bytes();
+      if (term_after_forward) {  // between forward() and backward(): uses, as in forward
+        loss = loss + 1e-3 * net->up->weight.pow(2).sum() / micro;
+        TORCH_CHECK(std::isfinite(net->head->weight.sum().item<double>()), "head.weight read between forward and backward");
+      }
       loss_sum += loss.item<double>();
       if (m + 1 < micro) {
         model.backward(loss);

@@ -261,6 +261,13 @@ TEST(Dist, EvaluationForwardsBetweenStepsLeaveTheTrainingAsInOneProcess) {
   expect_equals_one_process(2, {"--eval-every=2"});
 }
 
+// Note [Between forward and backward] at N > 1: a loss term on a sharded weight added after forward()
+// and a weight read there are uses: each rank gathers the group again (every group was given up after
+// forward), and the training equals one process's with the same term.
+TEST(Dist, LossTermsAfterForwardGatherAndEqualOneProcess) {
+  expect_equals_one_process(2, {"--loss-term-after-forward=1"});
+}
+
 // zero_grad() after backward discards the gradients: the chunks this rank does not own get their
 // values back from their owners.
 TEST(Dist, DiscardedGradientsLeaveTheParametersAsTheyWere) { expect_equals_one_process(2, {"--discard-step=2"}); }
@@ -389,7 +396,9 @@ TEST(Dist, OpsOnParametersBetweenStepsReadOrFailClearly) {
       EXPECT_EQ(rep["touched_refused"], 0);
       EXPECT_EQ(t["loss"], u["loss"]) << "rank " << r;
       EXPECT_EQ(t["grad_norm"], u["grad_norm"]) << "rank " << r;
-      if (!sync) EXPECT_GT(t["deferred"], 0) << "rank " << r << ": updates left running";
+      if (!sync) {
+        EXPECT_GT(t["deferred"], 0) << "rank " << r << ": updates left running";
+      }
     }
   }
 }
