@@ -125,7 +125,9 @@ HybridAdam::~HybridAdam() {
     log::error("ferry: an update HybridAdam left running failed: ", e.what());
   }
   try {
-    if (model_.phase() == ModelPhase::kIdle) {
+    // Between forward() and backward() too (an evaluation forward not ended): the model must not call
+    // this object once it is gone.
+    if (model_.phase() == ModelPhase::kIdle || model_.phase() == ModelPhase::kForwardDone) {
       {
         std::lock_guard<std::mutex> lock(mutex_);
         if (grads_landed_) discard_grads_locked();  // the parameters get their values back

@@ -279,14 +279,16 @@ at::Tensor ChunkedModel::param_values(int64_t index) {
 }
 
 void ChunkedModel::set_layout_listener(LayoutListener* listener) {
-  TORCH_CHECK(phase_.load() == ModelPhase::kIdle, "ferry: set_layout_listener() inside an iteration (phase ",
-              to_string(phase_.load()), ")");
+  const ModelPhase phase = phase_.load();
+  TORCH_CHECK(phase == ModelPhase::kIdle || (!listener && phase == ModelPhase::kForwardDone),
+              "ferry: set_layout_listener() inside an iteration (phase ", to_string(phase), ")");
   layout_listener_ = listener;
 }
 
 void ChunkedModel::set_grad_sink(GradSink* sink) {
-  TORCH_CHECK(phase_.load() == ModelPhase::kIdle, "ferry: set_grad_sink() inside an iteration (phase ",
-              to_string(phase_.load()), ")");
+  const ModelPhase phase = phase_.load();
+  TORCH_CHECK(phase == ModelPhase::kIdle || (!sink && phase == ModelPhase::kForwardDone),
+              "ferry: set_grad_sink() inside an iteration (phase ", to_string(phase), ")");
   TORCH_CHECK(!materialized_, "ferry: set_grad_sink() on a materialized ChunkedModel");
   grad_sink_ = sink;
   install_grad_hooks(sink != nullptr);
@@ -375,7 +377,7 @@ void ChunkedModel::transition(ModelPhase to) {
   TORCH_CHECK(legal(from, to), "ferry: ChunkedModel cannot go from ", to_string(from), " to ", to_string(to),
               to == ModelPhase::kBackward ? " (call backward() once after each forward())" : "");
   phase_.store(to);
-  hold_forward_done_hazard(to == ModelPhase::kForwardDone && !materialized_);
+  hold_forward_done_hazard(to == ModelPhase::kForwardDone && training_forward_ && !materialized_);
 }
 
 // Note [Between forward and backward]
@@ -383,7 +385,9 @@ void ChunkedModel::transition(ModelPhase to) {
 // forward() and backward(): ops outside ferry's scopes, inside an iteration. They used to run on the
 // storage as they found it: on the host alias or, on CUDA, a chunk whose eviction copy was still in
 // flight (no memory), and nothing traced them. While the model is between forward() and backward()
-// it holds an outside-use hazard and the thread that ran forward() watches (Note [Ops outside the
+// (a forward under grad mode: one under NoGradGuard, an evaluation, waits for no backward, and ops after
+// it are as between iterations: D35, D57) it holds an outside-use hazard and the thread that ran
+// forward() watches (Note [Ops outside the
 // scopes], interceptor.h); an op there that uses a parameter is a use like those inside forward():
 // pre_use brings the chunk to the device (at N > 1 gathers it: every rank must run the op, as every
 // rank runs forward), the trace records it (the warm-up iteration's trace has it too), inputs are cast
@@ -393,10 +397,15 @@ void ChunkedModel::transition(ModelPhase to) {
 // about 0.3 us: D57's measurement). A pre_use that reaches the model between iterations (a key an
 // autograd worker inherited from a watching thread) is an op outside the scopes: checked, not used.
 ChunkedModel::Outside ChunkedModel::before_outside_use(int64_t param) {
-  if (phase_.load() == ModelPhase::kForwardDone) {
+  const ModelPhase phase = phase_.load();
+  if (phase == ModelPhase::kForwardDone) {
     // The user's ops are uses; ferry's own (an optimizer call's copies) run on what the store holds.
     return in_own_ops() ? Outside::kChecked : Outside::kUse;
   }
+  // Inside forward() or backward() but outside their scope, the driving thread runs only ferry's own ops
+  // (begin_forward before the scope, backward_finished's moves after it): the store's business, where a
+  // chunk on its way (no memory yet) is no error.
+  if (phase != ModelPhase::kIdle) return Outside::kChecked;
   check_outside_use(param);
   return Outside::kChecked;
 }
@@ -450,6 +459,8 @@ void ChunkedModel::begin_forward() {
 }
 
 void ChunkedModel::end_forward() {
+  // Note [Between forward and backward]: only a forward that built a graph waits for a backward.
+  training_forward_ = c10::GradMode::is_enabled();
   transition(ModelPhase::kForwardDone);
   marks_[kForwardEnd]->record();
   forward_marked_ = true;

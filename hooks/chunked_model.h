@@ -22,11 +22,12 @@
 //    optimizer's synchronize() first. With sharded parameters (N > 1) a chunk another rank owns has no
 //    memory here between its uses: an op on the driving thread fails naming state_dict() (never a
 //    crash); other threads must not touch it. param_values() and state_dict() always wait.
-//  - Between forward() and backward() an op on the thread that ran forward() and uses a parameter is a
-//    use as inside forward(): traced, its chunk brought to the device (at N > 1 gathered: every rank
-//    runs it, as it runs forward), inputs cast to the compute dtype (Note [Between forward and
-//    backward]): a loss term such as `loss + 1e-4 * net->fc->weight.pow(2).sum()` after forward()
-//    trains as in the unwrapped model. Other threads must not touch parameters inside an iteration.
+//  - Between forward() (under grad mode) and backward() an op on the thread that ran forward() and uses
+//    a parameter is a use as inside forward(): traced, its chunk brought to the device (at N > 1
+//    gathered: every rank runs it, as it runs forward), inputs cast to the compute dtype (Note [Between
+//    forward and backward]): a loss term such as `loss + 1e-4 * net->fc->weight.pow(2).sum()` after
+//    forward() trains as in the unwrapped model. After a forward under NoGradGuard (an evaluation) ops
+//    are as between iterations. Other threads must not touch parameters inside an iteration.
 //  - Gradients: without a GradSink, .grad tensors are made by autograd as usual (device tensors, not
 //    chunked). With one (HybridAdam installs itself), each parameter's gradient is taken as soon as
 //    autograd has accumulated it (a post-accumulate-grad hook) and .grad is reset, so no device
@@ -162,7 +163,8 @@ class ChunkedModel final : private UseListener {
   // The factor backward() multiplies the loss by (fp16 loss scaling; HybridAdam sets it). > 0.
   void set_loss_scale(double scale);
   double loss_scale() const { return loss_scale_; }
-  // Routes gradients to `sink` (null: back to autograd's .grad). Not inside an iteration.
+  // Routes gradients to `sink` (null: back to autograd's .grad). Not inside an iteration (null also
+  // between forward() and backward(): an optimizer destroyed there detaches).
   void set_grad_sink(GradSink* sink);
   // Sharded parameters (dist/param_shards.h; HybridAdam installs them at world size > 1; null: none).
   // Once the layout is final (layout_final()); between iterations. While any chunk is remote,
@@ -321,6 +323,7 @@ class ChunkedModel final : private UseListener {
   std::shared_ptr<RemoteChunks> remote_;
   bool remote_hazard_ = false;  // hold_remote_hazard
   bool forward_done_hazard_ = false;  // hold_forward_done_hazard
+  bool training_forward_ = false;     // the last forward ran under grad mode (end_forward)
   std::vector<TensorId> tensor_of_param_;
   std::vector<ChunkId> chunk_of_param_;
   std::vector<const c10::StorageImpl*> registered_;

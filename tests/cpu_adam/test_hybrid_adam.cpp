@@ -1203,7 +1203,9 @@ TEST(HybridAdam, APlainBackwardOnTheStepsThreadLeavesTheModelAlone) {
     WaitForTheUpdates::apply(other->forward(in)).pow(2).sum().backward();
     if (g_hazards_seen < 0) hold.set_value();  // the function did not run: never leave the worker waiting
     g_release_worker = nullptr;
-    if (rb.deferred_chunks > 0) EXPECT_GT(g_hazards_seen, 0) << when << ": the updates must still run then";
+    if (rb.deferred_chunks > 0) {
+      EXPECT_GT(g_hazards_seen, 0) << when << ": the updates must still run then";
+    }
     EXPECT_EQ(outside_hazards(), 0) << when;
     other->zero_grad();
     // Reads between steps, on the same thread: plain ops, not seen at all (the key is off).
@@ -1221,9 +1223,11 @@ TEST(HybridAdam, APlainBackwardOnTheStepsThreadLeavesTheModelAlone) {
 // Note [Between forward and backward]: between forward() and backward() the thread that ran forward()
 // watches, and its ops on parameters are uses; ferry's own calls there are not (OwnOps). The common
 // `loss = forward; opt.zero_grad(); loss.backward(); opt.step()` order, backward_step() on a forward's
-// loss, an evaluation forward followed by reads, a checkpoint or (with accumulated gradients) the step:
-// the same losses and final state, bit for bit, as the same training with those calls between
-// iterations.
+// loss, (with accumulated gradients) the step after a forward under grad mode whose backward never
+// comes, and an evaluation forward followed by reads and a checkpoint: the same losses and final state,
+// bit for bit, as the same training with those calls between iterations. An optimizer destroyed after
+// an evaluation forward detaches from the model (it did not: the model's destructor called the dead
+// optimizer; the sanitizer build caught it).
 TEST(HybridAdam, OptimizerCallsBetweenForwardAndBackwardAreNotUses) {
   for (bool accumulate : {false, true}) {
     SCOPED_TRACE(accumulate ? "accumulate_grads" : "grads in the slots");
@@ -1261,10 +1265,9 @@ TEST(HybridAdam, OptimizerCallsBetweenForwardAndBackwardAreNotUses) {
       if (!accumulate) b_adam.zero_grad();
       if (step % 2 == 0) {
         b.backward(lb);
-        if (accumulate) {  // an evaluation forward before the step (the accumulated gradients left the slots)
-          torch::NoGradGuard no_grad;
-          (void)b.forward(loss_b);
-        }
+        // With accumulated gradients (they left the slots): a validation forward under grad mode, as many
+        // loops run it, whose backward never comes, then the step: ferry's own ops while the thread watches.
+        if (accumulate) (void)b.forward(loss_b);
         const int64_t uses = interception_counters().ops_with_params;
         b_adam.step();  // its chunk copies are ferry's own ops, never uses (they were, without OwnOps)
         EXPECT_EQ(interception_counters().ops_with_params, uses) << when;
