@@ -385,10 +385,10 @@ void ChunkedModel::transition(ModelPhase to) {
 // forward() and backward(): ops outside ferry's scopes, inside an iteration. They used to run on the
 // storage as they found it: on the host alias or, on CUDA, a chunk whose eviction copy was still in
 // flight (no memory), and nothing traced them. While the model is between forward() and backward()
-// (a forward under grad mode: one under NoGradGuard, an evaluation, waits for no backward, and ops after
-// it are as between iterations: D35, D57) it holds an outside-use hazard and the thread that ran
-// forward() watches (Note [Ops outside the
-// scopes], interceptor.h); an op there that uses a parameter is a use like those inside forward():
+// (after a forward under grad mode: one under NoGradGuard, an evaluation, waits for no backward, and
+// ops after it are as between iterations, D35 and D57, also where the thread watches for another
+// hazard) it holds an outside-use hazard and the thread that ran forward() watches (Note [Ops outside
+// the scopes], interceptor.h); an op there that uses a parameter is a use like those inside forward():
 // pre_use brings the chunk to the device (at N > 1 gathers it: every rank must run the op, as every
 // rank runs forward), the trace records it (the warm-up iteration's trace has it too), inputs are cast
 // to the compute dtype, and post_use holds the chunk after forward. The hazard ends when the model
@@ -398,14 +398,15 @@ void ChunkedModel::transition(ModelPhase to) {
 // autograd worker inherited from a watching thread) is an op outside the scopes: checked, not used.
 ChunkedModel::Outside ChunkedModel::before_outside_use(int64_t param) {
   const ModelPhase phase = phase_.load();
-  if (phase == ModelPhase::kForwardDone) {
+  if (phase == ModelPhase::kForwardDone && forward_done_hazard_) {
     // The user's ops are uses; ferry's own (an optimizer call's copies) run on what the store holds.
     return in_own_ops() ? Outside::kChecked : Outside::kUse;
   }
   // Inside forward() or backward() but outside their scope, the driving thread runs only ferry's own ops
   // (begin_forward before the scope, backward_finished's moves after it): the store's business, where a
   // chunk on its way (no memory yet) is no error.
-  if (phase != ModelPhase::kIdle) return Outside::kChecked;
+  if (phase == ModelPhase::kForward || phase == ModelPhase::kBackward) return Outside::kChecked;
+  // Between iterations, and after an evaluation forward (no backward comes): as between iterations.
   check_outside_use(param);
   return Outside::kChecked;
 }

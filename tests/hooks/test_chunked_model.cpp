@@ -556,6 +556,19 @@ TEST(ChunkedModel, OpsBetweenForwardAndBackwardAreUses) {
   const Location before = fc0_location();
   (void)penalty(net).item<double>();
   EXPECT_EQ(fc0_location(), before);
+  // After a forward under NoGradGuard (an evaluation) no backward comes: the op is as between
+  // iterations, also while the thread watches for another hazard (an update left running, sharding):
+  // not a use the trace lacks.
+  outside_hazard_begin();
+  watch_outside_uses();
+  {
+    torch::NoGradGuard no_grad;
+    (void)model.forward([&] { return loss_of(net); });
+  }
+  (void)net->wpe->weight.sum().item<double>();  // the trace has the penalty's uses here, not this one
+  model.end_iteration();
+  outside_hazard_end();
+  EXPECT_FALSE(model.last_iteration().diverged) << "the evaluation's iteration";
 }
 
 // A key an autograd worker inherited from a watching thread (a plain backward started while updates
