@@ -1136,10 +1136,6 @@ TEST(HybridAdam, OpsBetweenStepsWaitForTheUpdatesLeftRunning) {
   ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, "after 8 steps"));
 }
 
-// The two-phase step with micro-batches takes a gradient its chunk did not have in the previous
-// backward, after that chunk's norm was taken (nothing irreversible had happened: the step takes the
-// norm again), and stays bit-identical to backward() + step(). The eager one refuses it
-// (PipelinedStepRefusesALateGradient).
 // Note [Ops outside the scopes], the key and torch's thread-local state: a plain backward (another
 // model's: a teacher, a discriminator, a probe) on the thread that ran step(), while the updates the
 // step left running still run. A function in it waits for them (it holds the worker until then), so
@@ -1290,6 +1286,10 @@ TEST(HybridAdam, OptimizerCallsBetweenForwardAndBackwardAreNotUses) {
   }
 }
 
+// The two-phase step with micro-batches takes a gradient its chunk did not have in the previous
+// backward, after that chunk's norm was taken (nothing irreversible had happened: the step takes the
+// norm again), and stays bit-identical to backward() + step(). The eager one refuses it
+// (PipelinedStepRefusesALateGradient).
 TEST(HybridAdam, AccumulatedTwoPhaseStepTakesALateGradient) {
   HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
   options.device_state_chunks = 2;

@@ -512,7 +512,8 @@ TEST(ChunkedModel, ParametersAreUsableOutsideFerrysScopes) {
 // uses, as inside forward(): the losses and gradients equal the unwrapped model's, an evicted chunk
 // comes to the device for the op (before, the op read the host alias; on CUDA a chunk whose eviction
 // copy was in flight had no memory), the trace holds those uses (no iteration after the warm-up
-// diverges), and once the iteration is over the same op is a plain op again.
+// diverges), and once the iteration is over the same op is a plain op again, as it is after an
+// evaluation forward (no backward comes), also while the thread watches for another hazard.
 TEST(ChunkedModel, OpsBetweenForwardAndBackwardAreUses) {
   const int64_t V = 64, D = 32, L = 2, T = 8;
   const auto twins = gpt_twins(5, V, D, L, T);
