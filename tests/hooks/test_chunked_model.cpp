@@ -425,7 +425,8 @@ TEST(ChunkedModel, ForwardOnlyFirstIterationIsHandledOnPurpose) {
 }
 
 // bf16 compute with float inputs and no hand casts: the same result, bit for bit, as the unwrapped bf16
-// model fed inputs cast by hand; the input's gradient comes back in its own dtype.
+// model fed inputs cast by hand; the input's gradient comes back in its own dtype. The same for a loss
+// term added after forward() (an op between forward and backward is a use, cast as inside forward).
 TEST(ChunkedModel, Bf16AcceptsFloatInputsWithoutHandCasts) {
   auto make = [] {
     torch::manual_seed(12);
@@ -439,17 +440,30 @@ TEST(ChunkedModel, Bf16AcceptsFloatInputsWithoutHandCasts) {
   c.precision = Precision::kBf16;
   ChunkedModel model(net.ptr(), c);
   const auto x = torch::randn({6, 16}, torch::requires_grad());
-  for (int it = 0; it < 2; ++it) {
+  // From the third iteration on, a loss term after forward() (Note [Between forward and backward]): an
+  // fp32 tensor meets the head's weight there too, and is cast as inside forward().
+  const auto scale = torch::full({4, 32}, 0.5);
+  auto head_weight = [](torch::nn::Sequential& m) { return m->named_parameters()["3.weight"]; };
+  for (int it = 0; it < 4; ++it) {
+    const bool term = it >= 2;
     const auto y = model.forward([&] { return net->forward(x); });
     EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
     EXPECT_TRUE(torch::equal(y, ref->forward(x.detach().to(torch::kBFloat16)))) << "iteration " << it;
-    model.backward(y.to(torch::kFloat).pow(2).sum());
+    auto loss = y.to(torch::kFloat).pow(2).sum();
+    if (term) {
+      const auto t = (head_weight(net) * scale).sum();
+      EXPECT_EQ(t.scalar_type(), torch::kBFloat16) << "the fp32 factor is cast, as inside forward()";
+      loss = loss + t.to(torch::kFloat);
+    }
+    model.backward(loss);
     ASSERT_TRUE(x.grad().defined());
     EXPECT_EQ(x.grad().scalar_type(), torch::kFloat) << "the cast is part of the graph";
     // Backward ops are not cast (LayerNorm's backward takes its fp32 mean/rstd): gradients are the
     // reference's, bit for bit.
     const auto xr = x.detach().to(torch::kBFloat16).requires_grad_();
-    ref->forward(xr).to(torch::kFloat).pow(2).sum().backward();
+    auto ref_loss = ref->forward(xr).to(torch::kFloat).pow(2).sum();
+    if (term) ref_loss = ref_loss + (head_weight(ref) * scale.to(torch::kBFloat16)).sum().to(torch::kFloat);
+    ref_loss.backward();
     auto ref_params = ref->named_parameters();
     for (const auto& item : net->named_parameters()) {
       EXPECT_TRUE(torch::equal(item.value().grad(), ref_params[item.key()].grad())) << item.key();
