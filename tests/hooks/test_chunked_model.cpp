@@ -185,14 +185,21 @@ auto tiny_gpt_loss(int64_t V, int64_t T) {
   };
 }
 
-// Two TinyGpts with the same initial values: a reference and one to wrap.
-std::pair<TinyGpt, TinyGpt> gpt_twins(uint64_t seed, int64_t V, int64_t D, int64_t L, int64_t T) {
-  torch::manual_seed(seed);
-  TinyGpt ref(V, D, L, T);
-  torch::manual_seed(seed);
-  TinyGpt net(V, D, L, T);
-  return {ref, net};
-}
+// A TinyGpt (V 64, D 32, 2 layers, T 8) wrapped in 8 KiB chunks under a budget of 3 of its largest
+// (evictions every iteration), beside its unwrapped twin with the same initial values.
+struct EvictedGpt {
+  static constexpr int64_t V = 64, D = 32, L = 2, T = 8, kChunk = 8 << 10;
+  explicit EvictedGpt(uint64_t seed)
+      : ref(seeded(seed)), net(seeded(seed)), budget(3 * largest_chunk_bytes(*net, kChunk)),
+        model(net.ptr(), tiny_config(kChunk, budget)) {}
+  static TinyGpt seeded(uint64_t seed) {
+    torch::manual_seed(seed);
+    return TinyGpt(V, D, L, T);
+  }
+  TinyGpt ref, net;
+  int64_t budget;
+  ChunkedModel model;
+};
 
 // Where a parameter's chunk is.
 Location location_of(ChunkedModel& model, int64_t param) {
@@ -479,11 +486,10 @@ TEST(ChunkedModel, Bf16AcceptsFloatInputsWithoutHandCasts) {
 // weight, its norm, an eval forward outside model.forward(), torch::save of the module (these crashed:
 // a null storage, "out of bounds for storage of size 0").
 TEST(ChunkedModel, ParametersAreUsableOutsideFerrysScopes) {
-  const int64_t V = 64, D = 32, L = 2, T = 8;
-  const auto twins = gpt_twins(9, V, D, L, T);
-  TinyGpt ref = twins.first, net = twins.second;
-  const int64_t chunk = 8 << 10;
-  ChunkedModel model(net.ptr(), tiny_config(chunk, 3 * largest_chunk_bytes(*net, chunk)));
+  EvictedGpt gpt(9);
+  const int64_t V = EvictedGpt::V, T = EvictedGpt::T;
+  TinyGpt ref = gpt.ref, net = gpt.net;
+  ChunkedModel& model = gpt.model;
   const auto idx = torch::randint(V, {2, T}, torch::kLong);
   for (int it = 0; it < 3; ++it) {
     model.backward(model.forward([&] { return net->forward(idx).pow(2).mean(); }));
@@ -507,7 +513,7 @@ TEST(ChunkedModel, ParametersAreUsableOutsideFerrysScopes) {
   std::stringstream archive;
   torch::save(net, archive);
   torch::manual_seed(123);
-  TinyGpt loaded(V, D, L, T);
+  TinyGpt loaded(V, EvictedGpt::D, EvictedGpt::L, T);
   torch::load(loaded, archive);
   auto loaded_params = loaded->named_parameters();
   for (const auto& item : ref_params) EXPECT_TRUE(torch::equal(loaded_params[item.key()], item.value())) << item.key();
@@ -529,11 +535,10 @@ TEST(ChunkedModel, ParametersAreUsableOutsideFerrysScopes) {
 // diverges), and once the iteration is over the same op is a plain op again, as it is after an
 // evaluation forward (no backward comes), also while the thread watches for another hazard.
 TEST(ChunkedModel, OpsBetweenForwardAndBackwardAreUses) {
-  const int64_t V = 64, D = 32, L = 2, T = 8;
-  const auto twins = gpt_twins(5, V, D, L, T);
-  TinyGpt ref = twins.first, net = twins.second;
-  const int64_t chunk = 8 << 10;
-  ChunkedModel model(net.ptr(), tiny_config(chunk, 3 * largest_chunk_bytes(*net, chunk)));
+  EvictedGpt gpt(5);
+  const int64_t V = EvictedGpt::V, T = EvictedGpt::T;
+  TinyGpt ref = gpt.ref, net = gpt.net;
+  ChunkedModel& model = gpt.model;
   auto loss_of = tiny_gpt_loss(V, T);
   auto penalty = [](TinyGpt& m) { return 1e-3 * (m->wte->weight.pow(2).sum() + m->blocks[0]->fc->weight.pow(2).sum()); };
   int64_t fc0 = -1;
@@ -563,7 +568,7 @@ TEST(ChunkedModel, OpsBetweenForwardAndBackwardAreUses) {
     if (it >= 1) {
       EXPECT_FALSE(s.diverged) << what;
     }
-    EXPECT_LE(s.device_peak_bytes, 3 * largest_chunk_bytes(*net, chunk)) << what;
+    EXPECT_LE(s.device_peak_bytes, gpt.budget) << what;
   }
   ASSERT_GT(evicted, 0) << "the test needs h0.fc.weight's chunk evicted by the end of forward at least once";
   EXPECT_EQ(brought, evicted) << "the loss term's op should bring the chunk to the device";
@@ -591,11 +596,10 @@ TEST(ChunkedModel, OpsBetweenForwardAndBackwardAreUses) {
 // between iterations. It is an op outside the scopes there, checked and not a use: before, it brought
 // the chunk to the device and recorded an access outside any iteration.
 TEST(ChunkedModel, AnInheritedKeyBetweenIterationsIsNoUse) {
-  const int64_t V = 64, D = 32, L = 2, T = 8;
-  const auto twins = gpt_twins(6, V, D, L, T);
-  TinyGpt ref = twins.first, net = twins.second;
-  const int64_t chunk = 8 << 10;
-  ChunkedModel model(net.ptr(), tiny_config(chunk, 3 * largest_chunk_bytes(*net, chunk)));
+  EvictedGpt gpt(6);
+  const int64_t V = EvictedGpt::V, T = EvictedGpt::T;
+  TinyGpt ref = gpt.ref, net = gpt.net;
+  ChunkedModel& model = gpt.model;
   auto loss_of = tiny_gpt_loss(V, T);
   for (int it = 0; it < 2; ++it) compare_iteration(ref, net, model, loss_of, "iteration " + std::to_string(it));
   std::vector<int64_t> evicted;
