@@ -80,6 +80,7 @@ class Chunk {
   // The copy that fills the current payload, if one may still be running. While a host->device copy
   // is pending, the chunk keeps its host buffer (the copy reads it); the store frees it afterwards.
   std::unique_ptr<CopyTicket>& pending() { return pending_; }
+  const CopyTicket* pending() const { return pending_.get(); }
 
   // Slots: tensor ids packed in this chunk, and how many are in each state.
   std::vector<TensorId>& tensors() { return tensors_; }

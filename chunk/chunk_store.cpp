@@ -157,13 +157,22 @@ TierShortfall ChunkStore::shortfall(Tier t, int64_t bytes, ChunkId incoming) con
       if (!c->has_device_memory()) continue;
       if (c->state() == ChunkState::kCompute) {
         s.in_compute += c->nbytes();
-      } else if (!c->pending() && c->id() != incoming) {
+      } else if (evictable(*c) && c->id() != incoming) {
         s.evictable += c->nbytes();
       }
     }
   }
   s.what = describe_incoming(incoming);
   return s;
+}
+
+bool ChunkStore::evictable(const Chunk& chunk) {
+  if (chunk.state() == ChunkState::kCompute) return false;
+  // A copy in flight that compute has not been ordered after yet (a prefetch just issued, a reversed
+  // eviction) is no candidate; one the chunk's use has been ordered after is as good as done
+  // (Note [In flight but used]).
+  const CopyTicket* ticket = chunk.pending();
+  return ticket == nullptr || ticket->ordered_before_compute;
 }
 
 void ChunkStore::evict_for_locked(int64_t bytes, ChunkId incoming, bool must) {
@@ -175,15 +184,13 @@ void ChunkStore::evict_for_locked(int64_t bytes, ChunkId incoming, bool must) {
   request.incoming = incoming;
   request.now = tick_;
   request.demand = must;
-  int64_t evictable = 0;
+  int64_t candidate_bytes = 0;
   for (const auto& c : chunks_) {
-    if (!c->has_device_memory() || c->state() == ChunkState::kCompute || c->pending() || c->id() == incoming) {
-      continue;
-    }
+    if (!c->has_device_memory() || !evictable(*c) || c->id() == incoming) continue;
     request.candidates.push_back({c->id(), c->nbytes(), c->last_use});
-    evictable += c->nbytes();
+    candidate_bytes += c->nbytes();
   }
-  if (evictable < request.bytes_needed) return;
+  if (candidate_bytes < request.bytes_needed) return;
   const std::vector<ChunkId> victims = policy_->choose(request);
   std::unordered_set<ChunkId> allowed, seen;
   for (const auto& c : request.candidates) allowed.insert(c.chunk);
@@ -223,15 +230,16 @@ bool ChunkStore::make_room(Tier t, int64_t bytes, ChunkId incoming, bool must) {
   } else {
     evict_for_locked(bytes, incoming, must);
     if (!fits() && must) {
-      // Chunks whose copy is still in flight are no candidates (a prefetch just issued, a reversed
-      // eviction). When only they stand between us and an OutOfMemoryError, wait for their copies
-      // (the host waits; counted in wait_ns) and choose again: on CUDA copies finish, while the
-      // synchronous simulated engine never gets here.
+      // Chunks whose copy is still in flight and not yet used are no candidates (a prefetch just
+      // issued, a reversed eviction). When only they stand between us and an OutOfMemoryError, wait
+      // for their copies (the host waits; counted in wait_ns) and choose again: on CUDA copies finish,
+      // while the synchronous simulated engine never gets here.
       bool waited = false;
       const std::vector<ChunkId> pending = pending_;
       for (ChunkId id : pending) {
         Chunk& c = *chunks_[id];
-        if (c.location() == Location::kDevice && c.state() != ChunkState::kCompute && id != incoming) {
+        if (c.location() == Location::kDevice && c.state() != ChunkState::kCompute && !evictable(c) &&
+            id != incoming) {
           finish_pending(c, /*block=*/true);
           waited = true;
         }
@@ -292,9 +300,15 @@ bool ChunkStore::start_move(Chunk& chunk, Location to, bool must) {
   }
   const CopyTiming timing = tracing && timed_copies_.size() + pending_.size() < kMaxTimedCopies ? CopyTiming::kTimed
                                                                                                 : CopyTiming::kUntimed;
+  // A copy still in flight is superseded by the new one (which runs after it on the copy stream); the
+  // trace keeps it.
+  auto supersede = [&] {
+    if (chunk.pending()) keep_for_trace(chunk, *chunk.pending());
+  };
   if (to == Location::kDevice) {
     if (!give_device_memory(chunk, must)) return false;
     // Runs after any pending device->host copy into the host buffer (same copy stream).
+    supersede();
     chunk.pending() = engine_->copy(chunk.device_flat(), chunk.host_flat(), timing);
     chunk.set_location(Location::kDevice);
     ++moves_.h2d_count;
@@ -303,6 +317,7 @@ bool ChunkStore::start_move(Chunk& chunk, Location to, bool must) {
     if (!chunk.has_host_buffer() && !give_host_buffer(chunk, must)) return false;
     // A host buffer still attached is the source of a pending host->device copy: this copy runs after
     // it on the copy stream, so it may overwrite it.
+    supersede();
     chunk.pending() = engine_->copy(chunk.host_flat(), chunk.device_flat(), timing);
     chunk.free_device_memory();
     discharge(Tier::kDevice, chunk);
@@ -416,7 +431,10 @@ void ChunkStore::ready_for_use(Chunk& chunk) {
   if (!chunk.pending()) return;
   switch (chunk.location()) {
     case Location::kHost: finish_pending(chunk, /*block=*/true); return;
-    case Location::kDevice: chunk.pending()->order_before_compute(); return;
+    case Location::kDevice:
+      chunk.pending()->order_before_compute();
+      chunk.pending()->ordered_before_compute = true;
+      return;
     case Location::kNone: return;
   }
 }

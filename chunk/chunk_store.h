@@ -17,7 +17,8 @@
 //  - Budgets: a tier's bytes are the sum of its chunks' payload sizes (device: allocated storages; host:
 //    host buffers, including those still read by a pending copy). A budget of 0 means no limit. Making
 //    room on the device asks the EvictionPolicy with the legal candidates: resident on the device, not
-//    in COMPUTE, no copy pending. The host tier has no lower tier: making room there only waits for
+//    in COMPUTE, no copy pending that compute has not been ordered after (Note [In flight but used]).
+//    The host tier has no lower tier: making room there only waits for
 //    pending host->device copies, whose host buffers then go. If room cannot be made: OutOfMemoryError.
 //
 // Invariants (checked; the property test drives random sequences against them)
@@ -25,6 +26,19 @@
 //  - A chunk with a tensor in COMPUTE never moves and is never evicted.
 //  - A payload is only read or written by ferry after the copy that fills it completed (host) or is
 //    ordered before the reader (device compute stream).
+//
+// Note [In flight but used]
+// On CUDA the host runs ahead of the GPU, and it learns that a copy is done only by querying its event.
+// A chunk's host->device copy that a use has ordered the compute stream after (access) is, for the
+// host, still pending until a later poll sees its event, which can be much later: the copy stream
+// waits for the compute enqueued before each copy (CudaCopyEngine), and the host is ahead of that. Such a chunk used to be no eviction
+// candidate, so under a tight budget the host waited for those copies before it could make room (a
+// sync that drains the queue of launched kernels; the deferred engine with host_lags counts them on the
+// CPU). It is now a candidate like a chunk whose copy is known done: its eviction's device->host copy
+// runs after the host->device one on the copy stream and after the compute that used it, and reuses
+// the host buffer the first copy read. Only a copy no use has ordered after yet (a prefetch just
+// issued; a chunk brought back before its eviction finished) stays out: evicting it would undo work
+// the policy has not seen used.
 //
 // Contract: all public methods take the store's mutex, so the store may be used from autograd's
 // threads; the eviction policy is called with it held. Tensors bound with bind() may outlive the store
@@ -286,6 +300,9 @@ class ChunkStore {
   // One eviction round on the device tier: asks the policy for victims among the candidates and moves
   // them to the host; moves nothing if the candidates (or the policy's answer) cannot make the room.
   void evict_for_locked(int64_t bytes, ChunkId incoming, bool must);
+  // Whether a chunk with device memory may leave the device now (not in COMPUTE; no copy in flight
+  // that compute has not been ordered after).
+  static bool evictable(const Chunk& chunk);
   TierShortfall shortfall(Tier t, int64_t bytes, ChunkId incoming) const;
   // Starts a move; returns false only when !must and room could not be made.
   bool start_move(Chunk& chunk, Location to, bool must);

@@ -64,6 +64,12 @@ class CopyTicket {
   // own account of the copy; an engine that cannot time leaves them null.
   std::unique_ptr<StreamMark> started, finished;
 
+  // Set by the ChunkStore once it has ordered compute after this copy (a host->device copy the chunk's
+  // first use since has waited for on the GPU): the chunk is then resident for every purpose but the
+  // host's knowledge that the copy is done, and may be evicted (its device->host copy runs after this
+  // one on the copy stream) instead of the host waiting for it.
+  bool ordered_before_compute = false;
+
   // Set by the ChunkStore while the event trace is on: when the copy was issued and its trace name.
   // For an untimed copy, the store records its in-flight interval (issued -> completion as the host
   // observed it: an upper bound on CUDA, where completion is seen at the next poll or wait).

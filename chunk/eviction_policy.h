@@ -2,7 +2,8 @@
 // Which chunks leave a tier when room is needed: the policy interface, and LRU.
 //
 // The ChunkStore (mechanism) asks the policy only when a tier's budget would be exceeded, with the
-// candidates it may legally move (resident in that tier, not in COMPUTE, not being moved) and the bytes
+// candidates it may legally move (resident in that tier, not in COMPUTE, not being moved unless a use
+// has been ordered after the copy: Note [In flight but used], chunk_store.h) and the bytes
 // it needs. The policy returns chunks to move out, in order; the store moves them until enough is free.
 // The scheduler (scheduler/) adds OPT/Belady from the traced access order; LRU here needs no trace.
 //

@@ -6,6 +6,13 @@
 // caching allocator. So the ChunkStore's pending-copy paths, which the synchronous simulated engine
 // never takes, run in CPU tests, under ASan too. Thread-safe (a recursive mutex): the optimizer's worker
 // waits for copies while the training thread queues others and frees device memory.
+// The host learns that a copy is done as CUDA's does (`host_lags`, the default): by waiting for it or
+// a later copy, or on a lucky poll. A copy that ran because a later one was ordered before compute
+// stays pending to the host, as a CUDA copy does while the host runs ahead of the GPU (its event query
+// says "not yet"): evictions issued late in a forward are still in flight when it returns, and a used
+// chunk's host->device copy can still be pending when room is made. With host_lags = false a copy is
+// known done as soon as it has run (the engine's behaviour before 2026-11-24, kept for the property
+// test).
 // One model at a time: frees reach the newest engine through a process-wide pointer, so a second
 // ChunkedModel with its own engine would free the first one's memory while the first's copies are
 // still queued (they then read freed memory: seen as garbage gradients). A repack's old and new store
@@ -14,6 +21,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -44,7 +52,7 @@ class DeferredAllocator final : public c10::Allocator {
 
 class DeferredCopyEngine final : public CopyEngine {
  public:
-  DeferredCopyEngine(uint64_t seed, int poll_one_in);
+  DeferredCopyEngine(uint64_t seed, int poll_one_in, bool host_lags = true);
   ~DeferredCopyEngine() override;
 
   const char* name() const override { return "deferred-test"; }
@@ -61,17 +69,25 @@ class DeferredCopyEngine final : public CopyEngine {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     while (!queue_.empty() && done_seq_ < seq) run_one();
   }
+  // The host waits for copy `seq`: it has run, and the host knows it.
+  void wait(uint64_t seq) {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    run_until(seq);
+    seen_seq_ = std::max(seen_seq_, seq);  // one stream: the copies before it are done too
+  }
   bool is_done(uint64_t seq) const {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     return done_seq_ >= seq;
   }
   bool poll(uint64_t seq) {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
-    if (!is_done(seq) && poll_one_in_ > 0 &&
+    if (host_lags_ && seen_seq_ >= seq) return true;
+    if ((host_lags_ || !is_done(seq)) && poll_one_in_ > 0 &&
         std::uniform_int_distribution<int>(1, poll_one_in_)(rng_) == 1) {
-      run_until(seq);
+      wait(seq);
+      return true;
     }
-    return is_done(seq);
+    return !host_lags_ && is_done(seq);
   }
   void defer_free(void* p) {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
@@ -98,6 +114,8 @@ class DeferredCopyEngine final : public CopyEngine {
   mutable std::recursive_mutex mutex_;
   std::mt19937_64 rng_;
   int poll_one_in_;
+  bool host_lags_;
+  uint64_t seen_seq_ = 0;  // host_lags_: the host knows the copies up to this one are done
   DeferredAllocator allocator_;
   std::deque<Job> queue_;
   std::vector<void*> deferred_frees_;
@@ -109,7 +127,7 @@ class DeferredTicket final : public CopyTicket {
  public:
   DeferredTicket(DeferredCopyEngine* engine, uint64_t seq) : engine_(engine), seq_(seq) {}
   bool done() override { return engine_->poll(seq_); }
-  void wait() override { engine_->run_until(seq_); }
+  void wait() override { engine_->wait(seq_); }
   void order_before_compute() override { engine_->run_until(seq_); }
 
  private:
@@ -136,8 +154,8 @@ inline void DeferredAllocator::free_now(void* ctx) {
   }
 }
 
-inline DeferredCopyEngine::DeferredCopyEngine(uint64_t seed, int poll_one_in)
-    : rng_(seed), poll_one_in_(poll_one_in), allocator_(this) {
+inline DeferredCopyEngine::DeferredCopyEngine(uint64_t seed, int poll_one_in, bool host_lags)
+    : rng_(seed), poll_one_in_(poll_one_in), host_lags_(host_lags), allocator_(this) {
   deferred_engine_instance() = this;
 }
 

@@ -484,6 +484,22 @@ TEST(ChunkStore, SettleMakesEvictedChunksReadable) {
   EXPECT_TRUE(torch::equal(w, torch::arange(64, torch::kFloat)));
 }
 
+// Three 1 KiB chunks on the host, one tensor each, chunk i holding i + 1, in a store whose device
+// holds two.
+struct ThreeChunks {
+  explicit ThreeChunks(std::unique_ptr<CopyEngine> engine) : store(simulated(2 * 1024), std::move(engine)) {
+    for (int i = 0; i < 3; ++i) {
+      c.push_back(store.add_chunk(ChunkRole::kParam, at::kFloat, 256, Location::kHost));
+      t.push_back(store.add_tensor(c.back(), 0, {256}));
+      store.view(t.back()).fill_(static_cast<float>(i + 1));
+    }
+    store.synchronize();
+  }
+  ChunkStore store;
+  std::vector<ChunkId> c;
+  std::vector<TensorId> t;
+};
+
 // On CUDA a prefetch returns with its copy in flight, and such a chunk is no eviction candidate. When
 // every chunk on the device is in that state, a chunk that must come in waits for those copies and
 // then evicts, rather than failing with "0 B evictable" (seen on an H100 in
@@ -491,15 +507,10 @@ TEST(ChunkStore, SettleMakesEvictedChunksReadable) {
 TEST(ChunkStore, AccessWaitsForInFlightCopiesBeforeGivingUp) {
   auto engine = std::make_unique<test::DeferredCopyEngine>(11, /*poll_one_in=*/0);
   test::DeferredCopyEngine* raw = engine.get();
-  ChunkStore store(simulated(2 * 1024), std::move(engine));
-  std::vector<TensorId> t;
-  std::vector<ChunkId> c;
-  for (int i = 0; i < 3; ++i) {
-    c.push_back(store.add_chunk(ChunkRole::kParam, at::kFloat, 256, Location::kHost));
-    t.push_back(store.add_tensor(c.back(), 0, {256}));
-    store.view(t.back()).fill_(static_cast<float>(i + 1));
-  }
-  store.synchronize();
+  ThreeChunks three(std::move(engine));
+  ChunkStore& store = three.store;
+  const std::vector<ChunkId>& c = three.c;
+  const std::vector<TensorId>& t = three.t;
   EXPECT_TRUE(store.prefetch(c[0]));
   EXPECT_TRUE(store.prefetch(c[1]));
   EXPECT_TRUE(store.chunk_info(c[0]).copy_pending);
@@ -514,6 +525,34 @@ TEST(ChunkStore, AccessWaitsForInFlightCopiesBeforeGivingUp) {
   // Nothing was lost: every chunk still holds its values.
   for (int i = 0; i < 3; ++i) {
     EXPECT_TRUE(torch::equal(store.view(t[i]), torch::full({256}, static_cast<float>(i + 1)))) << i;
+  }
+}
+
+// Note [In flight but used]: on CUDA the host learns late that a chunk's host->device copy is done,
+// although compute was ordered after it at the chunk's use. Such a chunk is evicted like a settled one:
+// making room waits for nothing (it used to wait for those copies, a sync per eviction), and what
+// compute wrote into the chunk reaches the host (the eviction's copy runs after the first one).
+TEST(ChunkStore, AUsedChunkIsEvictedWhileTheHostHasNotSeenItsCopyDone) {
+  auto engine = std::make_unique<test::DeferredCopyEngine>(13, /*poll_one_in=*/0, /*host_lags=*/true);
+  ThreeChunks three(std::move(engine));
+  ChunkStore& store = three.store;
+  const std::vector<ChunkId>& c = three.c;
+  const std::vector<TensorId>& t = three.t;
+  const int64_t waits_before = store.stats().moves.wait_count;
+  for (int i = 0; i < 2; ++i) {
+    store.access(t[i]).mul_(10);  // compute writes the chunk
+    store.release(t[i], TensorState::kHold);
+    EXPECT_TRUE(store.chunk_info(c[i]).copy_pending) << "the host has not seen chunk " << i << "'s copy done";
+  }
+  const auto v = store.access(t[2]);  // must evict one of the two
+  EXPECT_TRUE(torch::equal(v, torch::full({256}, 3.0f)));
+  store.release(t[2], TensorState::kHold);
+  EXPECT_EQ(store.stats().moves.evictions, 1);
+  EXPECT_EQ(store.stats().moves.wait_count, waits_before) << "making room waited for a copy a use was ordered after";
+  EXPECT_EQ(store.stats().moves.sync_count, 0);
+  EXPECT_LE(store.stats().device.current_bytes, 2 * 1024);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(torch::equal(store.view(t[i]), torch::full({256}, (i + 1) * (i < 2 ? 10.0f : 1.0f)))) << i;
   }
 }
 
