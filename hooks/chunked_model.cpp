@@ -465,6 +465,10 @@ void ChunkedModel::end_forward() {
   transition(ModelPhase::kForwardDone);
   marks_[kForwardEnd]->record();
   forward_marked_ = true;
+  // After an evaluation, ops run unseen, as between iterations: every parameter must be readable now,
+  // not when end_iteration() or the next forward settles (D35, D59: on CUDA a chunk evicted late in
+  // the forward has no memory until its copy is done).
+  if (!training_forward_) store_->settle();
 }
 
 PhaseSeconds ChunkedModel::last_phase_seconds() const {

@@ -178,7 +178,9 @@ class ChunkedModel final : private UseListener {
   // The one listener told of repacks (null: none). Not inside an iteration.
   void set_layout_listener(LayoutListener* listener);
   LayoutListener* layout_listener() const { return layout_listener_; }
-  // Ends an iteration that had no backward (evaluation); forward() also does it implicitly.
+  // Ends an iteration that had no backward (evaluation); forward() also does it implicitly. A forward
+  // under NoGradGuard already settled the chunks (every parameter readable, D59); this ends its
+  // iteration (the scheduler's, and at N > 1 gives up the groups it gathered).
   void end_iteration();
   // Gives every parameter plain device memory again and detaches it from ferry (the destructor).
   void materialize() { materialize(/*fetch_remote=*/true); }

@@ -21,6 +21,7 @@
 #include "ferry/chunk/out_of_memory.h"
 #include "ferry/common/event_trace.h"
 #include "ferry/hooks/chunked_model.h"
+#include "chunk/deferred_copy_engine.h"
 #include "test_util.h"
 #include "trace_check.h"
 
@@ -189,9 +190,9 @@ auto tiny_gpt_loss(int64_t V, int64_t T) {
 // (evictions every iteration), beside its unwrapped twin with the same initial values.
 struct EvictedGpt {
   static constexpr int64_t V = 64, D = 32, L = 2, T = 8, kChunk = 8 << 10;
-  explicit EvictedGpt(uint64_t seed)
+  explicit EvictedGpt(uint64_t seed, ChunkedModelOptions options = {})
       : ref(seeded(seed)), net(seeded(seed)), budget(3 * largest_chunk_bytes(*net, kChunk)),
-        model(net.ptr(), tiny_config(kChunk, budget)) {}
+        model(net.ptr(), tiny_config(kChunk, budget), std::move(options)) {}
   static TinyGpt seeded(uint64_t seed) {
     torch::manual_seed(seed);
     return TinyGpt(V, D, L, T);
@@ -200,6 +201,14 @@ struct EvictedGpt {
   int64_t budget;
   ChunkedModel model;
 };
+
+// Options whose copy engine keeps copies in flight as CUDA's do, the host learning late that they are
+// done (tests/chunk/deferred_copy_engine.h): one such model per process at a time.
+ChunkedModelOptions lagging_copies(uint64_t seed) {
+  ChunkedModelOptions options;
+  options.copy_engine = [seed] { return std::make_unique<test::DeferredCopyEngine>(seed, /*poll_one_in=*/0, /*host_lags=*/true); };
+  return options;
+}
 
 // Where a parameter's chunk is.
 Location location_of(ChunkedModel& model, int64_t param) {
@@ -527,6 +536,37 @@ TEST(ChunkedModel, ParametersAreUsableOutsideFerrysScopes) {
   model.end_iteration();
 }
 
+// An evaluation forward (under NoGradGuard) waits for no backward, so ops after it run unseen, as
+// between iterations (Note [Between forward and backward]); the model must then be readable everywhere,
+// as an idle one is (D35), before end_iteration() or the next forward settles the iteration. On a copy
+// engine whose copies stay pending, as CUDA's do, a chunk evicted during that forward had no memory
+// until then: a null storage (on CUDA, an illegal address in the next kernel that reads it).
+TEST(ChunkedModel, AnEvaluationForwardLeavesEveryParameterReadable) {
+  EvictedGpt gpt(11, lagging_copies(3));
+  const int64_t V = EvictedGpt::V, T = EvictedGpt::T;
+  TinyGpt ref = gpt.ref, net = gpt.net;
+  ChunkedModel& model = gpt.model;
+  const auto idx = torch::randint(V, {2, T}, torch::kLong);
+  model.backward(model.forward([&] { return net->forward(idx).pow(2).mean(); }));  // the warm-up
+  zero_grads(*net);
+  auto ref_params = ref->named_parameters();
+  for (int it = 0; it < 2; ++it) {
+    torch::NoGradGuard no_grad;
+    const int64_t evictions_before = model.store().stats().moves.d2h_count;
+    const auto y = model.forward([&] { return net->forward(idx); });
+    ASSERT_GT(model.store().stats().moves.d2h_count, evictions_before) << "the test needs evictions in the forward";
+    EXPECT_EQ(model.phase(), ModelPhase::kForwardDone);
+    for (int64_t p = 0; p < model.num_params(); ++p) {
+      const auto& w = model.param(p);
+      ASSERT_TRUE(w.storage().data() != nullptr && w.storage().nbytes() > 0)
+          << model.param_name(p) << " has no memory after evaluation forward " << it;
+      EXPECT_TRUE(torch::equal(w, ref_params[model.param_name(p)])) << model.param_name(p);
+    }
+    EXPECT_TRUE(torch::equal(y, ref->forward(idx))) << "evaluation " << it;
+  }
+  model.end_iteration();
+}
+
 // Note [Between forward and backward]: a loss term added after forward() (an L2 penalty on the tied
 // embedding and on the first block's MLP weight) and a weight read between forward() and backward() are
 // uses, as inside forward(): the losses and gradients equal the unwrapped model's, an evicted chunk
@@ -535,7 +575,7 @@ TEST(ChunkedModel, ParametersAreUsableOutsideFerrysScopes) {
 // diverges), and once the iteration is over the same op is a plain op again, as it is after an
 // evaluation forward (no backward comes), also while the thread watches for another hazard.
 TEST(ChunkedModel, OpsBetweenForwardAndBackwardAreUses) {
-  EvictedGpt gpt(5);
+  EvictedGpt gpt(5, lagging_copies(5));
   const int64_t V = EvictedGpt::V, T = EvictedGpt::T;
   TinyGpt ref = gpt.ref, net = gpt.net;
   ChunkedModel& model = gpt.model;

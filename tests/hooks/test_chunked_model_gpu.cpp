@@ -162,5 +162,34 @@ TEST(ChunkedModelGpu, OpsBetweenForwardAndBackwardAreUses) {
   }
 }
 
+// D59: after an evaluation forward under evictions, before end_iteration(), every parameter has
+// memory (its chunk on the device, or aliased on the host once its eviction's copy is done) and the
+// values equal the unwrapped model's. Before the settle in end_forward, a chunk evicted late in the
+// forward had a null storage there (reproduced on the CPU's lagging engine).
+TEST(ChunkedModelGpu, AnEvaluationForwardLeavesEveryParameterReadable) {
+  FERRY_REQUIRE_GPU();
+  const int64_t d = 256, layers = 6;
+  const auto twins = stack_twins(3, d, layers);
+  Stack ref = twins.first, net = twins.second;
+  const int64_t chunk = d * d * 2 + 4096;
+  ChunkedModel model(net.ptr(), cuda_config(chunk, 3 * chunk, Precision::kBf16));
+  auto x = torch::randn({8, 32, d}, torch::device(torch::kCUDA).dtype(torch::kBFloat16));
+  model.backward(model.forward([&] { return net->forward(x); }));  // the warm-up
+  for (auto& p : net->parameters()) p.mutable_grad().reset();
+  auto ref_params = ref->named_parameters();
+  for (int it = 0; it < 2; ++it) {
+    torch::NoGradGuard no_grad;
+    const auto y = model.forward([&] { return net->forward(x); });
+    for (int64_t p = 0; p < model.num_params(); ++p) {
+      const auto& w = model.param(p);
+      ASSERT_TRUE(w.storage().data() != nullptr) << model.param_name(p) << " has no memory after evaluation " << it;
+      EXPECT_TRUE(torch::equal(w.cpu(), ref_params[model.param_name(p)].cpu())) << model.param_name(p);
+    }
+    const auto y_ref = ref->forward(x);
+    EXPECT_TRUE(torch::allclose(y, y_ref, 1e-2, 1e-3)) << y.item<float>() << " vs " << y_ref.item<float>();
+  }
+  model.end_iteration();
+}
+
 }  // namespace
 }  // namespace ferry
