@@ -17,6 +17,7 @@
 #include "ferry/cpu_adam/loss_scaler.h"
 #include "ferry/chunk/chunk_store.h"
 #include "ferry/chunk/layout.h"
+#include "ferry/chunk/stream_model_engine.h"
 #include "ferry/dist/communicator.h"
 #include "ferry/dist/process_group.h"
 #include "ferry/hooks/checkpoint.h"

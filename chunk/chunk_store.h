@@ -33,8 +33,8 @@
 // host, still pending until a later poll sees its event, which can be much later: the copy stream
 // waits for the compute enqueued before each copy (CudaCopyEngine), and the host is ahead of that. Such a chunk used to be no eviction
 // candidate, so under a tight budget the host waited for those copies before it could make room (a
-// sync that drains the queue of launched kernels; the deferred engine with host_lags counts them on the
-// CPU). It is now a candidate like a chunk whose copy is known done: its eviction's device->host copy
+// sync that drains the queue of launched kernels; the stream-model engine, stream_model_engine.h, counts
+// them on the CPU). It is now a candidate like a chunk whose copy is known done: its eviction's device->host copy
 // runs after the host->device one on the copy stream and after the compute that used it, and reuses
 // the host buffer the first copy read. Only a copy no use has ordered after yet (a prefetch just
 // issued; a chunk brought back before its eviction finished) stays out: evicting it would undo work

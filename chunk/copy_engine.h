@@ -11,6 +11,8 @@
 //    copy is done even if its owner frees it right away.
 //  - Simulated: the "device" is host memory from the CPU allocator; copies are plain synchronous
 //    copies that are done when copy() returns. Everything above runs unchanged, in CI.
+//  - Simulated stream (stream_model_engine.h): the simulated device with copies queued as on a CUDA
+//    copy stream, the host learning late that they are done; for tests and bench_gpt --copies=stream.
 //
 // Contract: not thread-safe by itself (the ChunkStore serializes calls). Tensors passed to copy() are
 // kept alive by the ticket until it is destroyed.

@@ -61,6 +61,7 @@ struct Args {
   int64_t reshard_gap = 16;
   double max_grad_norm = 0;  // global-norm clipping (ferry and the baseline); 0: none
   int64_t micro_batches = 1;  // gradient accumulation: backward passes per step, batch / micro_batches rows each
+  std::string copies = "sync";  // simulated device: "sync" copies, or "stream" (chunk/stream_model_engine.h)
 };
 
 // Whether the host updates after backward run behind the next forward (Note [Update behind the next
@@ -189,6 +190,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     };
   }
   ferry::ChunkedModelOptions model_options;
+  if (a.copies == "stream") model_options.copy_engine = [] { return std::make_unique<ferry::StreamModelCopyEngine>(); };
   model_options.scheduler.reshard_after_forward = !a.keep_gathered;
   model_options.scheduler.reshard_min_gap = a.reshard_gap;
   ferry::ChunkedModel model(net, config, std::move(model_options));
@@ -590,6 +592,9 @@ int run(int argc, char** argv) {
       .add_flag("keep-gathered", &a.keep_gathered, "world size > 1: keep gathered groups from forward to the step")
       .add("reshard-gap", &a.reshard_gap, "world size > 1: give a group up after forward if its next use is at "
            "least this many trace positions later (default 16)", 0)
+      .add("copies", &a.copies, "simulated device: sync (copies done when issued; the default) or stream (queued "
+           "as on a CUDA copy stream, the host learning late that they are done: syncs_per_step then counts "
+           "what a GPU would wait for, an upper bound)")
       .add("commit", &a.commit, "commit id recorded in the JSON")
       .add("trace", &a.trace, "Chrome trace of the last measured step into FILE.json (FILE-rankR.json per rank)")
       .add("profile", &a.profile, "torch profiler (Kineto: operators and CUDA kernels) over the baseline's last "
@@ -609,6 +614,13 @@ int run(int argc, char** argv) {
   // The baseline is one process's; a multi-process run measures ferry only.
   a.baseline = !no_baseline && world == 1;
   const bool cuda = ferry::resolve_device_kind(config.device) == ferry::DeviceKind::kCuda;
+  if (a.copies != "sync" && a.copies != "stream") {
+    throw ferry::cli::UsageError("--copies must be sync or stream, got '" + a.copies + "'");
+  }
+  if (cuda && a.copies != "sync") {
+    throw ferry::cli::UsageError("--copies=" + a.copies + " models a copy stream on the simulated device; on CUDA the "
+                                 "copies are the GPU's (drop --copies, or use --device=simulated)");
+  }
   std::ostringstream out;
   out.precision(6);
   out << "{\n  \"benchmark\": \"gpt\",\n  \"commit\": \"" << a.commit << "\",\n  \"env\": "
@@ -619,7 +631,8 @@ int run(int argc, char** argv) {
       << ", \"steps\": " << a.steps << ", \"checkpoint_activations\": " << (a.checkpoint ? "true" : "false")
       << ", \"trace\": \"" << a.trace << "\", \"step\": \"" << (a.unpipelined ? "unpipelined" : "pipelined")
       << "\", \"max_grad_norm\": " << a.max_grad_norm << ", \"micro_batches\": " << a.micro_batches
-      << ", \"update_behind_forward\": " << (behind_forward_option(a, world) ? "true" : "false") << "},\n";
+      << ", \"update_behind_forward\": " << (behind_forward_option(a, world) ? "true" : "false")
+      << ", \"copies\": \"" << (cuda ? "cuda" : a.copies) << "\"},\n";
 
   if (a.find_max) {
     std::vector<gpt::GptConfig> presets;

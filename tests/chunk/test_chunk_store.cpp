@@ -8,7 +8,7 @@
 #include <string>
 #include <thread>
 
-#include "deferred_copy_engine.h"
+#include "ferry/chunk/stream_model_engine.h"
 #include "test_util.h"
 #include "ferry/chunk/chunk_store.h"
 
@@ -374,17 +374,17 @@ TEST(ChunkStore, PolicyAnswersAreChecked) {
 // Pending copies: with a copy engine that defers copies like a stream, a chunk evicted and brought
 // back before its copy ran, reversed moves, and host views all see the right bytes.
 TEST(ChunkStore, PendingCopiesAreOrderedAndWaitedFor) {
-  auto engine = std::make_unique<test::DeferredCopyEngine>(7, /*poll_one_in=*/0);
-  test::DeferredCopyEngine* raw = engine.get();
+  auto engine = std::make_unique<StreamModelCopyEngine>();
   ChunkStore store(simulated(), std::move(engine));
   const ChunkId c = store.add_chunk(ChunkRole::kParam, at::kFloat, 256, Location::kHost);
   const TensorId t = store.add_tensor(c, 0, {256});
   store.view(t).copy_(torch::arange(256, torch::kFloat));
+  const int64_t copies_before = StreamModelCopyEngine::copies_run();
   store.move_async(c, Location::kDevice);
   store.move_async(c, Location::kHost);    // reverses before the first copy ran
   store.move_async(c, Location::kDevice);  // and again
   EXPECT_TRUE(store.chunk_info(c).copy_pending);
-  EXPECT_EQ(raw->copies_run(), 0);
+  EXPECT_EQ(StreamModelCopyEngine::copies_run(), copies_before);
   const auto v = store.access(t);          // orders "compute" after the copies
   EXPECT_TRUE(torch::equal(v, torch::arange(256, torch::kFloat)));
   v.mul_(2);
@@ -403,7 +403,7 @@ TEST(ChunkStore, PendingCopiesAreOrderedAndWaitedFor) {
 // device fail naming the lock, prefetch declines, its payload cannot be released) until unlocked.
 // Syncs: a synchronous move to the host is one, whatever the engine; a background wait is counted apart.
 TEST(ChunkStore, HostLockKeepsAChunkOnTheHostAndSyncsAreCounted) {
-  auto engine = std::make_unique<test::DeferredCopyEngine>(9, /*poll_one_in=*/0);
+  auto engine = std::make_unique<StreamModelCopyEngine>();
   ChunkStore store(simulated(), std::move(engine));
   const ChunkId c = store.add_chunk(ChunkRole::kParam, at::kFloat, 256, Location::kDevice);
   const TensorId t = store.add_tensor(c, 0, {256});
@@ -470,7 +470,7 @@ TEST(ChunkStore, SharedDeviceAccountantCountsEveryStoreByRole) {
 // While an eviction's copy is in flight the storage has no memory (the host payload is not complete);
 // settle() completes such copies, after which the storage aliases the host payload.
 TEST(ChunkStore, SettleMakesEvictedChunksReadable) {
-  auto engine = std::make_unique<test::DeferredCopyEngine>(5, /*poll_one_in=*/0);
+  auto engine = std::make_unique<StreamModelCopyEngine>();
   ChunkStore store(simulated(), std::move(engine));
   const ChunkId c = store.add_chunk(ChunkRole::kParam, at::kFloat, 64, Location::kDevice);
   const TensorId t = store.add_tensor(c, 0, {64});
@@ -503,10 +503,9 @@ struct ThreeChunks {
 // On CUDA a prefetch returns with its copy in flight, and such a chunk is no eviction candidate. When
 // every chunk on the device is in that state, a chunk that must come in waits for those copies and
 // then evicts, rather than failing with "0 B evictable" (seen on an H100 in
-// ChunkedModelGpu.PrefetchOverlapsCopiesWithCompute). The deferred engine runs no copy until waited on.
+// ChunkedModelGpu.PrefetchOverlapsCopiesWithCompute). The stream-model engine runs no copy until waited on.
 TEST(ChunkStore, AccessWaitsForInFlightCopiesBeforeGivingUp) {
-  auto engine = std::make_unique<test::DeferredCopyEngine>(11, /*poll_one_in=*/0);
-  test::DeferredCopyEngine* raw = engine.get();
+  auto engine = std::make_unique<StreamModelCopyEngine>();
   ThreeChunks three(std::move(engine));
   ChunkStore& store = three.store;
   const std::vector<ChunkId>& c = three.c;
@@ -515,9 +514,9 @@ TEST(ChunkStore, AccessWaitsForInFlightCopiesBeforeGivingUp) {
   EXPECT_TRUE(store.prefetch(c[1]));
   EXPECT_TRUE(store.chunk_info(c[0]).copy_pending);
   EXPECT_TRUE(store.chunk_info(c[1]).copy_pending);
-  const int64_t copies_before = raw->copies_run();
+  const int64_t copies_before = StreamModelCopyEngine::copies_run();
   const auto v = store.access(t[2]);  // must: waits for the two prefetches, evicts one, brings chunk 2
-  EXPECT_GE(raw->copies_run(), copies_before + 2);
+  EXPECT_GE(StreamModelCopyEngine::copies_run(), copies_before + 2);
   EXPECT_TRUE(torch::equal(v, torch::full({256}, 3.0f)));
   store.release(t[2], TensorState::kHold);
   EXPECT_EQ(store.stats().moves.evictions, 1);
@@ -533,7 +532,7 @@ TEST(ChunkStore, AccessWaitsForInFlightCopiesBeforeGivingUp) {
 // making room waits for nothing (it used to wait for those copies, a sync per eviction), and what
 // compute wrote into the chunk reaches the host (the eviction's copy runs after the first one).
 TEST(ChunkStore, AUsedChunkIsEvictedWhileTheHostHasNotSeenItsCopyDone) {
-  auto engine = std::make_unique<test::DeferredCopyEngine>(13, /*poll_one_in=*/0, /*host_lags=*/true);
+  auto engine = std::make_unique<StreamModelCopyEngine>();
   ThreeChunks three(std::move(engine));
   ChunkStore& store = three.store;
   const std::vector<ChunkId>& c = three.c;

@@ -1,6 +1,6 @@
 // Randomized property test of the ChunkStore: random access/release/move/prefetch/view sequences under
-// random budgets, on the synchronous simulated engine and on a deferred engine that models a copy
-// stream (its host seeing completions as they run, or late, as CUDA's does). After every operation: no budget is exceeded, tier bytes match the chunks' locations, no chunk
+// random budgets, on the synchronous simulated engine and on the stream-model engine
+// (chunk/stream_model_engine.h; its host seeing completions as they run, or late, as CUDA's does). After every operation: no budget is exceeded, tier bytes match the chunks' locations, no chunk
 // in COMPUTE has moved, chunk states agree with a reference model; every few operations (and at the
 // end) every tensor holds exactly the values the model says.
 #include <gtest/gtest.h>
@@ -9,7 +9,7 @@
 #include <map>
 #include <random>
 
-#include "deferred_copy_engine.h"
+#include "ferry/chunk/stream_model_engine.h"
 #include "ferry/chunk/chunk_store.h"
 
 namespace ferry {
@@ -88,7 +88,8 @@ void run(uint64_t seed, Engine kind) {
   options.host_budget_bytes = host_budget;
   std::unique_ptr<CopyEngine> engine;
   if (kind != Engine::kSimulated) {
-    engine = std::make_unique<test::DeferredCopyEngine>(seed, /*poll_one_in=*/8, kind == Engine::kDeferredHostLags);
+    engine = std::make_unique<StreamModelCopyEngine>(
+        StreamModelOptions{/*host_lags=*/kind == Engine::kDeferredHostLags, /*poll_one_in=*/8, /*seed=*/seed});
   }
   ChunkStore store(options, std::move(engine));
 

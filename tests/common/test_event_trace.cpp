@@ -5,7 +5,7 @@
 #include <chrono>
 #include <thread>
 
-#include "chunk/deferred_copy_engine.h"
+#include "ferry/chunk/stream_model_engine.h"
 #include "ferry/chunk/chunk_store.h"
 #include "ferry/common/event_trace.h"
 #include "trace_check.h"
@@ -44,11 +44,11 @@ TEST(EventTrace, RecordsMovesEvictionsAndCountersOnlyWhenOn) {
 }
 
 // On CUDA a move's span times only the enqueue; the copy itself is recorded as an "in flight" interval
-// from issue to completion. The deferred engine (copies run only when waited on) shows it on the CPU.
+// from issue to completion. The stream-model engine (copies run only when waited on) shows it on the CPU.
 TEST(EventTrace, RecordsCopiesInFlightUntilTheyComplete) {
   ChunkStoreOptions o;
   o.device = DeviceKind::kSimulated;
-  auto engine = std::make_unique<test::DeferredCopyEngine>(3, /*poll_one_in=*/0);
+  auto engine = std::make_unique<StreamModelCopyEngine>();
   ChunkStore store(o, std::move(engine));
   const ChunkId a = store.add_chunk(ChunkRole::kParam, at::kFloat, 1024, Location::kHost);
   trace::start();

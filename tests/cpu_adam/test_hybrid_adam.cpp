@@ -19,7 +19,7 @@
 #include <thread>
 
 #include "adam_reference.h"
-#include "chunk/deferred_copy_engine.h"
+#include "ferry/chunk/stream_model_engine.h"
 #include "ferry/cpu_adam/hybrid_adam.h"
 #include "ferry/hooks/chunked_model.h"
 #include "ferry/hooks/interceptor.h"
@@ -952,7 +952,9 @@ void expect_update_behind_forward_exact(const BehindCase& bc) {
   TinyLm b_net(kVocab, kDim);
   ChunkedModelOptions b_options;
   if (bc.pending_copies) {
-    b_options.copy_engine = [] { return std::make_unique<test::DeferredCopyEngine>(5, /*poll_one_in=*/3); };
+    b_options.copy_engine = [] {
+      return std::make_unique<StreamModelCopyEngine>(StreamModelOptions{/*host_lags=*/true, /*poll_one_in=*/3, /*seed=*/5});
+    };
   }
   ChunkedModel a(a_net.ptr(), sim_config(budget_for(bc.param_chunks, bc.state_chunks, roles), bc.precision));
   ChunkedModel b(b_net.ptr(), sim_config(budget_for(bc.param_chunks, bc.state_chunks, roles), bc.precision),
@@ -1020,7 +1022,7 @@ TEST(HybridAdam, UpdateBehindForwardIsBitIdenticalWithMicroBatches) {
   expect_update_behind_forward_exact({Precision::kBf16, 3});
 }
 
-// The same with b's copies pending until waited for or polled (DeferredCopyEngine, polled at random),
+// The same with b's copies pending until waited for or polled (StreamModelCopyEngine, polled at random),
 // as CUDA's are: the moves of the next forward, prefetches of chunks whose update has just unlocked
 // them among them, complete only when something waits or orders compute after them.
 TEST(HybridAdam, UpdateBehindForwardIsBitIdenticalWithPendingCopies) {
@@ -1348,7 +1350,7 @@ StepCounts steady_step_counts(bool pipelined) {
   torch::manual_seed(43);
   TinyLm net(kVocab, kDim);
   ChunkedModelOptions model_options;
-  model_options.copy_engine = [] { return std::make_unique<test::DeferredCopyEngine>(5, /*poll_one_in=*/0); };
+  model_options.copy_engine = [] { return std::make_unique<StreamModelCopyEngine>(); };
   ChunkedModel model(net.ptr(), sim_config(budget_for(3, 2), Precision::kBf16), std::move(model_options));
   HybridAdam adam(model, options);
   StepCounts counts;

@@ -21,7 +21,7 @@
 #include "ferry/chunk/out_of_memory.h"
 #include "ferry/common/event_trace.h"
 #include "ferry/hooks/chunked_model.h"
-#include "chunk/deferred_copy_engine.h"
+#include "ferry/chunk/stream_model_engine.h"
 #include "test_util.h"
 #include "trace_check.h"
 
@@ -203,10 +203,10 @@ struct EvictedGpt {
 };
 
 // Options whose copy engine keeps copies in flight as CUDA's do, the host learning late that they are
-// done (tests/chunk/deferred_copy_engine.h): one such model per process at a time.
-ChunkedModelOptions lagging_copies(uint64_t seed) {
+// done (chunk/stream_model_engine.h).
+ChunkedModelOptions lagging_copies() {
   ChunkedModelOptions options;
-  options.copy_engine = [seed] { return std::make_unique<test::DeferredCopyEngine>(seed, /*poll_one_in=*/0, /*host_lags=*/true); };
+  options.copy_engine = [] { return std::make_unique<StreamModelCopyEngine>(); };
   return options;
 }
 
@@ -542,7 +542,7 @@ TEST(ChunkedModel, ParametersAreUsableOutsideFerrysScopes) {
 // engine whose copies stay pending, as CUDA's do, a chunk evicted during that forward had no memory
 // until then: a null storage (on CUDA, an illegal address in the next kernel that reads it).
 TEST(ChunkedModel, AnEvaluationForwardLeavesEveryParameterReadable) {
-  EvictedGpt gpt(11, lagging_copies(3));
+  EvictedGpt gpt(11, lagging_copies());
   const int64_t V = EvictedGpt::V, T = EvictedGpt::T;
   TinyGpt ref = gpt.ref, net = gpt.net;
   ChunkedModel& model = gpt.model;
@@ -575,7 +575,7 @@ TEST(ChunkedModel, AnEvaluationForwardLeavesEveryParameterReadable) {
 // diverges), and once the iteration is over the same op is a plain op again, as it is after an
 // evaluation forward (no backward comes), also while the thread watches for another hazard.
 TEST(ChunkedModel, OpsBetweenForwardAndBackwardAreUses) {
-  EvictedGpt gpt(5, lagging_copies(5));
+  EvictedGpt gpt(5, lagging_copies());
   const int64_t V = EvictedGpt::V, T = EvictedGpt::T;
   TinyGpt ref = gpt.ref, net = gpt.net;
   ChunkedModel& model = gpt.model;

@@ -165,7 +165,7 @@ TEST(ChunkedModelGpu, OpsBetweenForwardAndBackwardAreUses) {
 // D59: after an evaluation forward under evictions, before end_iteration(), every parameter has
 // memory (its chunk on the device, or aliased on the host once its eviction's copy is done) and the
 // values equal the unwrapped model's. Before the settle in end_forward, a chunk evicted late in the
-// forward had a null storage there (reproduced on the CPU's lagging engine).
+// forward had a null storage there (reproduced on the CPU by the stream-model engine).
 TEST(ChunkedModelGpu, AnEvaluationForwardLeavesEveryParameterReadable) {
   FERRY_REQUIRE_GPU();
   const int64_t d = 256, layers = 6;
