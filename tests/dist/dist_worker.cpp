@@ -28,6 +28,8 @@
 // the master) or refused with ferry's error (touched_refused).
 // --loss-term-after-forward=1: after each model.forward(), an L2 term on up.weight added to the loss and
 // head.weight read (Note [Between forward and backward]: uses, gathered on every rank as in forward).
+// --copies=stream: the parameter stores copy on the stream-model engine (chunk/stream_model_engine.h:
+// copies pending until waited for, as on CUDA) instead of the synchronous one.
 // --precision=... and every other ferry option. Prints one line "FERRY_DIST_RESULT key=value ...".
 #include <torch/torch.h>
 
@@ -42,6 +44,7 @@
 #include <thread>
 #include <vector>
 
+#include "ferry/chunk/stream_model_engine.h"
 #include "ferry/common/config.h"
 #include "ferry/common/logging.h"
 #include "ferry/cpu_adam/hybrid_adam.h"
@@ -117,6 +120,9 @@ int run(int argc, char** argv) {
   model_options.scheduler.reshard_min_gap = std::stoll(option(rest, "reshard-gap", "0"));
   model_options.scheduler.reshard_after_forward = option(rest, "reshard", "1") == "1";
   model_options.scheduler.warmup_iterations = std::stoi(option(rest, "warmup-iterations", "1"));
+  const std::string copies = option(rest, "copies", "sync");
+  TORCH_CHECK(copies == "sync" || copies == "stream", "--copies must be sync or stream, got ", copies);
+  if (copies == "stream") model_options.copy_engine = [] { return std::make_unique<ferry::StreamModelCopyEngine>(); };
   ferry::ChunkedModel model(net.ptr(), config, std::move(model_options));
   ferry::AdamOptions adam_options;
   adam_options.lr = 1e-2;

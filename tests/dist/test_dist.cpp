@@ -268,6 +268,14 @@ TEST(Dist, LossTermsAfterForwardGatherAndEqualOneProcess) {
   expect_equals_one_process(2, {"--loss-term-after-forward=1"});
 }
 
+// Every rank's parameter copies on the stream-model engine (copies pending until waited for, the host
+// learning late that they are done, as on CUDA): gathers, evictions late in forward, evaluation
+// forwards and clipping still train as one process does. (The whole suite passed this way once, by
+// hand, on 2026-11-24; this case keeps the combination in it.)
+TEST(Dist, CopiesPendingAsOnCudaLeaveTheTrainingAsInOneProcess) {
+  expect_equals_one_process(2, {"--copies=stream", "--eval-every=2", "--clip=0.5"});
+}
+
 // zero_grad() after backward discards the gradients: the chunks this rank does not own get their
 // values back from their owners.
 TEST(Dist, DiscardedGradientsLeaveTheParametersAsTheyWere) { expect_equals_one_process(2, {"--discard-step=2"}); }
