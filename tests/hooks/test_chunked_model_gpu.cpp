@@ -62,14 +62,26 @@ void expect_bf16_grads_close(Stack& ref, Stack& net) {
   }
 }
 
+// A bf16 Stack (d 256, 6 layers) wrapped with about one Linear weight (bf16) per chunk under a budget of
+// 3 chunks (evictions every iteration), beside its unwrapped bf16 twin, and an input on the GPU.
+struct EvictedStack {
+  static constexpr int64_t d = 256, layers = 6, chunk = d * d * 2 + 4096;
+  explicit EvictedStack(uint64_t seed)
+      : twins(stack_twins(seed, d, layers)),
+        model(twins.second.ptr(), cuda_config(chunk, 3 * chunk, Precision::kBf16)),
+        x(torch::randn({8, 32, d}, torch::device(torch::kCUDA).dtype(torch::kBFloat16))) {}
+  std::pair<Stack, Stack> twins;  // the reference, the wrapped one
+  ChunkedModel model;
+  torch::Tensor x;
+};
+
 TEST(ChunkedModelGpu, Bf16MatchesTheUnwrappedBf16ModelUnderEvictions) {
   FERRY_REQUIRE_GPU();
-  const int64_t d = 256, layers = 6;
-  const auto twins = stack_twins(1, d, layers);
-  Stack ref = twins.first, net = twins.second;
-  const int64_t chunk = d * d * 2 + 4096;  // one Linear weight (bf16) per chunk, roughly
-  ChunkedModel model(net.ptr(), cuda_config(chunk, 3 * chunk, Precision::kBf16));
-  auto x = torch::randn({8, 32, d}, torch::device(torch::kCUDA).dtype(torch::kBFloat16));
+  EvictedStack stack(1);
+  Stack ref = stack.twins.first, net = stack.twins.second;
+  ChunkedModel& model = stack.model;
+  const auto& x = stack.x;
+  const int64_t chunk = EvictedStack::chunk;
   int64_t evictions = 0;
   for (int it = 0; it < 3; ++it) {
     for (auto& p : ref->parameters()) p.mutable_grad().reset();
@@ -138,12 +150,11 @@ TEST(ChunkedModelGpu, PrefetchOverlapsCopiesWithCompute) {
 // brought back, and the gradients are the unwrapped model's.
 TEST(ChunkedModelGpu, OpsBetweenForwardAndBackwardAreUses) {
   FERRY_REQUIRE_GPU();
-  const int64_t d = 256, layers = 6;
-  const auto twins = stack_twins(2, d, layers);
-  Stack ref = twins.first, net = twins.second;
-  const int64_t chunk = d * d * 2 + 4096;
-  ChunkedModel model(net.ptr(), cuda_config(chunk, 3 * chunk, Precision::kBf16));
-  auto x = torch::randn({8, 32, d}, torch::device(torch::kCUDA).dtype(torch::kBFloat16));
+  EvictedStack stack(2);
+  Stack ref = stack.twins.first, net = stack.twins.second;
+  ChunkedModel& model = stack.model;
+  const auto& x = stack.x;
+  const int64_t chunk = EvictedStack::chunk;
   auto penalty = [](Stack& m) { return 1e-3 * m->fc[0]->weight.to(torch::kFloat).pow(2).sum(); };
   for (int it = 0; it < 3; ++it) {
     for (auto& p : ref->parameters()) p.mutable_grad().reset();
@@ -168,12 +179,10 @@ TEST(ChunkedModelGpu, OpsBetweenForwardAndBackwardAreUses) {
 // forward had a null storage there (reproduced on the CPU by the stream-model engine).
 TEST(ChunkedModelGpu, AnEvaluationForwardLeavesEveryParameterReadable) {
   FERRY_REQUIRE_GPU();
-  const int64_t d = 256, layers = 6;
-  const auto twins = stack_twins(3, d, layers);
-  Stack ref = twins.first, net = twins.second;
-  const int64_t chunk = d * d * 2 + 4096;
-  ChunkedModel model(net.ptr(), cuda_config(chunk, 3 * chunk, Precision::kBf16));
-  auto x = torch::randn({8, 32, d}, torch::device(torch::kCUDA).dtype(torch::kBFloat16));
+  EvictedStack stack(3);
+  Stack ref = stack.twins.first, net = stack.twins.second;
+  ChunkedModel& model = stack.model;
+  const auto& x = stack.x;
   model.backward(model.forward([&] { return net->forward(x); }));  // the warm-up
   for (auto& p : net->parameters()) p.mutable_grad().reset();
   auto ref_params = ref->named_parameters();
