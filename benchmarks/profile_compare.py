@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Where two runs of the same step differ: two torch-profiler Chrome traces (bench_gpt --profile and
-benchmarks/peers/gpt_peer.py --profile), phase by phase (the phase.* scopes both write, each ending after
-a device sync). Per phase: wall time, GPU busy time (union of kernel, memcpy and memset intervals), the
-idle rest, the number of kernels and of operators launched, then the kernels whose total time differs
-most. With no GPU events (a CPU run) the operators take the kernels' place.
+"""Where two runs of the same step differ: two torch-profiler Chrome traces (bench_gpt --profile or
+--profile-ferry, and benchmarks/peers/gpt_peer.py --profile), phase by phase (the phase.* scopes they
+write, each ending after a device sync), and the whole step (first phase's start to last phase's end).
+Per phase: wall time, GPU busy time (union of kernel, memcpy and memset intervals), the idle rest, the
+number of kernels and of operators launched (an operator recorded inside one of the same name, a
+re-dispatch, counts once), the kernels whose total time differs most, and those run a different number
+of times. With no GPU events (a CPU run) the operators take the kernels' place.
 
     python3 benchmarks/profile_compare.py A.json B.json [--labels=cpp,python] [--top=12] [--json]
 """
@@ -22,6 +24,9 @@ def load(path):
               if e.get("cat") == "user_annotation" and e.get("name", "").startswith("phase.")}
     if not phases:
         sys.exit(f"profile_compare: {path} has no phase.* scopes (was it written by --profile?)")
+    # The whole step, from its first phase's start to its last one's end: what two runs whose steps are
+    # cut into different phases (ferry's pipelined backward_step) still have in common.
+    phases["step"] = (min(lo for lo, _ in phases.values()), max(hi for _, hi in phases.values()))
     return events, phases
 
 
@@ -40,19 +45,42 @@ def shorten(name, width=70):
     return name if len(name) <= width else name[:width - 3] + "..."
 
 
+def outermost(ops):
+    """The operators less their re-dispatches: an operator recorded inside one of the same name on the
+    same thread is the same call run again (ferry's interceptor runs each op it sees once more, below
+    its dispatch key), and would count it and its time twice."""
+    kept = []
+    by_thread = collections.defaultdict(list)
+    for e in ops:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
+        enclosing = []
+        for e in thread:
+            while enclosing and e["ts"] + e["dur"] > enclosing[-1]["ts"] + enclosing[-1]["dur"]:
+                enclosing.pop()
+            if not (enclosing and enclosing[-1]["name"] == e["name"]):
+                kept.append(e)
+            enclosing.append(e)
+    return kept
+
+
 def phase_stats(events, lo, hi):
     gpu = [e for e in events if e.get("cat") in GPU_CATS and lo <= e["ts"] < hi]
-    ops = [e for e in events if e.get("cat") == "cpu_op" and lo <= e["ts"] < hi]
+    ops = outermost([e for e in events if e.get("cat") == "cpu_op" and lo <= e["ts"] < hi])
     rows = gpu if gpu else ops
     per_name = collections.defaultdict(float)
+    count = collections.Counter()
     for e in rows:
         per_name[e["name"]] += e["dur"]
+        count[e["name"]] += 1
     return {
         "wall_ms": (hi - lo) / 1e3,
         "gpu_busy_ms": busy([(e["ts"], e["ts"] + e["dur"]) for e in gpu]) / 1e3,
         "kernels": len(gpu),
         "operators": len(ops),
         "by_name_ms": {k: v / 1e3 for k, v in per_name.items()},
+        "by_name_count": dict(count),
         "unit": "kernel" if gpu else "operator",
     }
 
@@ -82,10 +110,18 @@ def main():
         for n in diff[:args.top]:
             va, vb = sa["by_name_ms"].get(n, 0.0), sb["by_name_ms"].get(n, 0.0)
             print(f"    {va:8.2f} {vb:8.2f} {va - vb:+8.2f}  {shorten(n)}")
-        report[phase] = {la: {k: v for k, v in sa.items() if k != "by_name_ms"},
-                         lb: {k: v for k, v in sb.items() if k != "by_name_ms"},
+        ca, cb = sa["by_name_count"], sb["by_name_count"]
+        counted = sorted((n for n in names if ca.get(n, 0) != cb.get(n, 0)),
+                         key=lambda n: (-abs(ca.get(n, 0) - cb.get(n, 0)), n))
+        if counted:
+            print(f"  {sa['unit']}s run a different number of times ({la} {lb}):")
+            for n in counted[:args.top]:
+                print(f"    {ca.get(n, 0):8d} {cb.get(n, 0):8d} {ca.get(n, 0) - cb.get(n, 0):+8d}  {shorten(n)}")
+        report[phase] = {la: {k: v for k, v in sa.items() if not k.startswith("by_name")},
+                         lb: {k: v for k, v in sb.items() if not k.startswith("by_name")},
                          "largest_differences_ms": [[n, sa["by_name_ms"].get(n, 0.0), sb["by_name_ms"].get(n, 0.0)]
-                                                    for n in diff[:args.top]]}
+                                                    for n in diff[:args.top]],
+                         "count_differences": [[n, ca.get(n, 0), cb.get(n, 0)] for n in counted[:args.top]]}
     if args.json:
         print(json.dumps(report, indent=1))
 

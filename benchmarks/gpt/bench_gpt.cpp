@@ -5,6 +5,7 @@
 //   bench_gpt [--preset=small] [--batch=8] [--seq=256] [--steps=5] [--warmup-steps=2]
 //             [--checkpoint-activations] [--no-baseline] [--find-max] [--trace=FILE.json] [--commit=SHA]
 //             [--unpipelined] [--replicate-params] [--keep-gathered] [--reshard-gap=16]
+//             [--profile=FILE.json] [--profile-ferry=FILE.json]
 //             + ferry options   (--trace: a Chrome trace of the last measured step)
 //
 // The step is HybridAdam::backward_step (the pipelined step, Note [Pipelined step]); --unpipelined runs
@@ -43,6 +44,7 @@
 #include <chrono>
 #include <iostream>
 #include <random>
+#include <set>
 #include <sstream>
 
 #include "gpt.h"
@@ -53,7 +55,7 @@ using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 struct Args {
-  std::string preset = "small", commit = "unknown", trace, profile;
+  std::string preset = "small", commit = "unknown", trace, profile, profile_ferry;
   int64_t batch = 8, seq = 256, steps = 5, warmup_steps = 2;
   bool checkpoint = false, baseline = true, find_max = false, init_scope = false, unpipelined = false;
   bool sync_update = false;  // HybridAdamOptions::update_behind_forward off
@@ -62,6 +64,41 @@ struct Args {
   double max_grad_norm = 0;  // global-norm clipping (ferry and the baseline); 0: none
   int64_t micro_batches = 1;  // gradient accumulation: backward passes per step, batch / micro_batches rows each
   std::string copies = "sync";  // simulated device: "sync" copies, or "stream" (chunk/stream_model_engine.h)
+};
+
+// The torch profiler (Kineto: operators, and CUDA kernels on CUDA) over one step; each phase of the step
+// in a user scope "phase.NAME" that ends after the phase's device sync, so that the profile attributes
+// kernels by time (benchmarks/profile_compare.py reads them).
+class StepProfile {
+ public:
+  StepProfile(std::string path, bool cuda) : path_(std::move(path)) {
+    if (path_.empty()) return;
+    namespace prof = torch::profiler::impl;
+    const prof::ProfilerConfig config(prof::ProfilerState::KINETO);
+    std::set<prof::ActivityType> activities{prof::ActivityType::CPU};
+    if (cuda) activities.insert(prof::ActivityType::CUDA);
+    torch::autograd::profiler::prepareProfiler(config, activities);
+    torch::autograd::profiler::enableProfiler(config, activities);
+  }
+  StepProfile(const StepProfile&) = delete;
+  StepProfile& operator=(const StepProfile&) = delete;
+  // Writes the profile; `what` names the step in the progress line.
+  void save(const std::string& what) {
+    if (path_.empty()) return;
+    torch::autograd::profiler::disableProfiler()->save(path_);
+    std::cerr << "bench_gpt: wrote the profile of " << what << " to " << path_ << "\n";
+    path_.clear();
+  }
+  ~StepProfile() {
+    if (path_.empty()) return;
+    try {  // not saved (an exception left the step): the profiler is still switched off
+      torch::autograd::profiler::disableProfiler();
+    } catch (...) {
+    }
+  }
+
+ private:
+  std::string path_;
 };
 
 // Whether the host updates after backward run behind the next forward (Note [Update behind the next
@@ -218,8 +255,11 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   std::cerr << "bench_gpt: built in " << r.construction_s << " s, RSS peak " << ferry::format_bytes(rss_peak_bytes())
             << ", chunk size " << ferry::format_bytes(model.chunk_size_bytes()) << ", waste " << r.waste * 100 << "%\n";
   r.chunks = model.layout().num_chunks();
-  for (int64_t s = 0; s < a.warmup_steps + a.steps; ++s) {
-    const bool measured = s >= a.warmup_steps;
+  // A profiled step is one more, after the measured ones: the profiler's cost stays out of the means.
+  const bool profiling = !a.profile_ferry.empty();
+  for (int64_t s = 0; s < a.warmup_steps + a.steps + (profiling ? 1 : 0); ++s) {
+    const bool profiled = profiling && s == a.warmup_steps + a.steps;
+    const bool measured = s >= a.warmup_steps && !profiled;
     if (measured && s == a.warmup_steps) {
       model.store().reset_peak_stats();
       adam.state_store().reset_peak_stats();
@@ -229,6 +269,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     }
     const bool tracing = !a.trace.empty() && s == a.warmup_steps + a.steps - 1;  // the last measured step
     if (tracing) ferry::trace::start();
+    StepProfile profile(profiled ? a.profile_ferry : std::string(), cuda);
     sync(cuda);
     const ferry::MoveStats moves_before = sum_moves(model.store().stats().moves, adam.state_store().stats().moves);
     const ferry::dist::CommStats comm_before = comm ? comm->stats() : ferry::dist::CommStats{};
@@ -244,16 +285,22 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
       auto [x, y] = batch_of(a, gc.vocab, rng, device);
       const int64_t before_forward = allocated_bytes(cuda);
       auto t0 = Clock::now();
-      loss = model.forward([&] { return gpt::GptImpl::loss(net->forward(x), y) / a.micro_batches; });
-      sync(cuda);
+      {
+        RECORD_USER_SCOPE("phase.forward");
+        loss = model.forward([&] { return gpt::GptImpl::loss(net->forward(x), y) / a.micro_batches; });
+        sync(cuda);
+      }
       f += since(t0);
       present_after_forward = std::max(present_after_forward, present_param_bytes(model));
       activations = std::max(activations, allocated_bytes(cuda) - before_forward);
       loss_sum = loss_sum.defined() ? loss_sum + loss.detach() : loss.detach();
       if (k + 1 == a.micro_batches) break;
       auto t1 = Clock::now();
-      model.backward(loss);
-      sync(cuda);
+      {
+        RECORD_USER_SCOPE("phase.backward");
+        model.backward(loss);
+        sync(cuda);
+      }
       b += since(t1);
       const ferry::IterationStats it = model.last_iteration();
       moved += static_cast<double>(it.h2d_bytes + it.d2h_bytes);
@@ -264,18 +311,28 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     auto t1 = Clock::now();
     ferry::StepResult step;
     if (a.unpipelined) {
-      model.backward(loss);
-      sync(cuda);
+      {
+        RECORD_USER_SCOPE("phase.backward");
+        model.backward(loss);
+        sync(cuda);
+      }
       b += since(t1);
       present_after_backward = std::max(present_after_backward, present_param_bytes(model));
       auto t2 = Clock::now();
-      step = adam.step();
-      adam.zero_grad();
-      sync(cuda);
+      {
+        RECORD_USER_SCOPE("phase.optimizer");
+        step = adam.step();
+        adam.zero_grad();
+        sync(cuda);
+      }
       o_s = since(t2);
     } else {
-      step = adam.backward_step(loss);
-      sync(cuda);
+      {
+        // Backward and the optimizer interleaved: one phase (profile_compare.py's "step" spans them all).
+        RECORD_USER_SCOPE("phase.backward_step");
+        step = adam.backward_step(loss);
+        sync(cuda);
+      }
       const double total = since(t1);
       // Backward as the device ran it (the host's backward() returns while its kernels still run, and
       // the step's first wait would be charged to the optimizer); the optimizer is the rest of the step.
@@ -289,6 +346,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
       r.first_step_s = r.startup_s - r.construction_s;
       r.repack_s = model.last_repack_seconds();  // the warm-up's (0 with repack_after_warmup off)
     }
+    profile.save("ferry step " + std::to_string(s));
     if (tracing) {
       model.trace_last_phases();  // forward and backward as the GPU ran them, on a "device" track
       ferry::trace::stop();
@@ -299,7 +357,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     wait_s += static_cast<double>(it.wait_ns) * 1e-9;
     evictions += it.evictions;
     const double l = loss_sum.item<double>();
-    std::cerr << "bench_gpt: ferry step " << s << (measured ? "" : " (warm-up)") << ": fwd " << f << " s, bwd " << b
+    std::cerr << "bench_gpt: ferry step " << s << (profiled ? " (profiled)" : measured ? "" : " (warm-up)") << ": fwd " << f << " s, bwd " << b
               << " s, opt " << o_s << " s, loss " << l << ", moved " << ferry::format_bytes(static_cast<int64_t>(moved))
               << "\n";
     if (!measured) continue;
@@ -403,17 +461,10 @@ StepTimes run_baseline(const Args& a, const gpt::GptConfig& gc, bool cuda, doubl
   };
   std::mt19937_64 rng(7);
   StepTimes t;
-  namespace kineto = torch::autograd::profiler;
-  namespace prof = torch::profiler::impl;
-  const prof::ProfilerConfig profiler_config(prof::ProfilerState::KINETO);
-  std::set<prof::ActivityType> activities{prof::ActivityType::CPU};
-  if (cuda) activities.insert(prof::ActivityType::CUDA);
-  for (int64_t s = 0; s < a.warmup_steps + a.steps; ++s) {
-    const bool profiled = !a.profile.empty() && s + 1 == a.warmup_steps + a.steps;
-    if (profiled) {
-      kineto::prepareProfiler(profiler_config, activities);
-      kineto::enableProfiler(profiler_config, activities);
-    }
+  const bool profiling = !a.profile.empty();  // one more step, after the measured ones, as in run_ferry
+  for (int64_t s = 0; s < a.warmup_steps + a.steps + (profiling ? 1 : 0); ++s) {
+    const bool profiled = profiling && s == a.warmup_steps + a.steps;
+    StepProfile profile(profiled ? a.profile : std::string(), cuda);
     sync(cuda);
     double f = 0, b = 0, loss_sum = 0;
     for (int64_t k = 0; k < a.micro_batches; ++k) {  // gradients accumulate in .grad
@@ -452,13 +503,11 @@ StepTimes run_baseline(const Args& a, const gpt::GptConfig& gc, bool cuda, doubl
       sync(cuda);
     }
     const double o = since(t2);
-    if (profiled) {
-      kineto::disableProfiler()->save(a.profile);
-      std::cerr << "bench_gpt: wrote the profile of baseline step " << s << " to " << a.profile << "\n";
-    }
-    *loss_out = loss_sum;
-    std::cerr << "bench_gpt: baseline step " << s << ": fwd " << f << " s, bwd " << b << " s, opt " << o << " s\n";
-    if (s < a.warmup_steps) continue;
+    profile.save("baseline step " + std::to_string(s));
+    if (!profiled) *loss_out = loss_sum;  // the last measured step's, as ferry's loss_last
+    std::cerr << "bench_gpt: baseline step " << s << (profiled ? " (profiled)" : "") << ": fwd " << f << " s, bwd "
+              << b << " s, opt " << o << " s\n";
+    if (s < a.warmup_steps || profiled) continue;
     t.forward += f / a.steps;
     t.backward += b / a.steps;
     t.optimizer += o / a.steps;
@@ -597,8 +646,11 @@ int run(int argc, char** argv) {
            "what a GPU would wait for, an upper bound)")
       .add("commit", &a.commit, "commit id recorded in the JSON")
       .add("trace", &a.trace, "Chrome trace of the last measured step into FILE.json (FILE-rankR.json per rank)")
-      .add("profile", &a.profile, "torch profiler (Kineto: operators and CUDA kernels) over the baseline's last "
-           "measured step into FILE.json (benchmarks/profile_compare.py compares it with the Python peer's)");
+      .add("profile", &a.profile, "torch profiler (Kineto: operators and CUDA kernels) over one more baseline "
+           "step after the measured ones, into FILE.json (benchmarks/profile_compare.py compares it with the Python "
+           "peer's)")
+      .add("profile-ferry", &a.profile_ferry, "the same for ferry's step (profile_compare.py compares it with the "
+           "baseline's: --unpipelined gives both the same three phases)");
   options.parse(rest);
   if (a.batch % a.micro_batches != 0) {
     throw ferry::cli::UsageError("--batch (" + std::to_string(a.batch) + ") must be a multiple of --micro-batches (" +
