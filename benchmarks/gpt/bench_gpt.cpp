@@ -66,15 +66,15 @@ struct Args {
   std::string copies = "sync";  // simulated device: "sync" copies, or "stream" (chunk/stream_model_engine.h)
 };
 
-// The torch profiler (Kineto: operators, and CUDA kernels on CUDA) over one step; each phase of the step
-// in a user scope "phase.NAME" that ends after the phase's device sync, so that the profile attributes
-// kernels by time (benchmarks/profile_compare.py reads them).
+// The torch profiler (Kineto: operators with their input shapes and strides, and CUDA kernels on CUDA)
+// over one step; each phase of the step in a user scope "phase.NAME" that ends after the phase's device
+// sync, so that the profile attributes kernels by time (benchmarks/profile_compare.py reads them).
 class StepProfile {
  public:
   StepProfile(std::string path, bool cuda) : path_(std::move(path)) {
     if (path_.empty()) return;
     namespace prof = torch::profiler::impl;
-    const prof::ProfilerConfig config(prof::ProfilerState::KINETO);
+    const prof::ProfilerConfig config(prof::ProfilerState::KINETO, /*report_input_shapes=*/true);
     std::set<prof::ActivityType> activities{prof::ActivityType::CPU};
     if (cuda) activities.insert(prof::ActivityType::CUDA);
     torch::autograd::profiler::prepareProfiler(config, activities);
