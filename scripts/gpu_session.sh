@@ -9,7 +9,9 @@
 # 3. packs everything into $OUT/results.tgz (the device tool brings back at most 8 files).
 # Stages see BUILD (the build directory), RES (the results directory) and COMMIT (FERRY_COMMIT, or
 # `git rev-parse` where .git travelled, else "unknown": the device gets the working tree without .git)
-# in their environment. Stage files for the open measurements live in scripts/gpu_stages/.
+# in their environment. Stage files for the open measurements live in scripts/gpu_stages/;
+# scripts/gpu_dryrun.py runs their stages shrunk on the CPU (ctest gpu_stages_dryrun), so that no
+# stage is lost on the GPU to a misspelt option.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 stages=${1:?usage: scripts/gpu_session.sh STAGES_FILE}
