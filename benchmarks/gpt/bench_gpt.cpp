@@ -357,9 +357,9 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     wait_s += static_cast<double>(it.wait_ns) * 1e-9;
     evictions += it.evictions;
     const double l = loss_sum.item<double>();
-    std::cerr << "bench_gpt: ferry step " << s << (profiled ? " (profiled)" : measured ? "" : " (warm-up)") << ": fwd " << f << " s, bwd " << b
-              << " s, opt " << o_s << " s, loss " << l << ", moved " << ferry::format_bytes(static_cast<int64_t>(moved))
-              << "\n";
+    std::cerr << "bench_gpt: ferry step " << s << (profiled ? " (profiled)" : measured ? "" : " (warm-up)") << ": fwd "
+              << f << " s, bwd " << b << " s, opt " << o_s << " s, loss " << l << ", moved "
+              << ferry::format_bytes(static_cast<int64_t>(moved)) << "\n";
     if (!measured) continue;
     r.param_bytes_peak = std::max({r.param_bytes_peak, present_after_forward, present_after_backward});
     if (adam.param_shards()) {
@@ -650,16 +650,19 @@ int run(int argc, char** argv) {
            "step after the measured ones, into FILE.json (benchmarks/profile_compare.py compares it with the Python "
            "peer's)")
       .add("profile-ferry", &a.profile_ferry, "the same for ferry's step (profile_compare.py compares it with the "
-           "baseline's: --unpipelined gives both the same three phases)");
+           "baseline's: --unpipelined gives both the same three phases; FILE-rankR.json per rank)");
   options.parse(rest);
   if (a.batch % a.micro_batches != 0) {
     throw ferry::cli::UsageError("--batch (" + std::to_string(a.batch) + ") must be a multiple of --micro-batches (" +
                                  std::to_string(a.micro_batches) + ")");
   }
-  if (config.world_size > 1 && !a.trace.empty()) {  // one file per rank
-    const auto dot = a.trace.rfind('.');
+  if (config.world_size > 1) {  // one file per rank
     const std::string suffix = "-rank" + std::to_string(config.rank);
-    a.trace = dot == std::string::npos ? a.trace + suffix : a.trace.substr(0, dot) + suffix + a.trace.substr(dot);
+    for (std::string* path : {&a.trace, &a.profile_ferry}) {
+      if (path->empty()) continue;
+      const auto dot = path->rfind('.');
+      *path = dot == std::string::npos ? *path + suffix : path->substr(0, dot) + suffix + path->substr(dot);
+    }
   }
   const std::shared_ptr<ferry::dist::Communicator> comm = ferry::dist::connect(config);  // null: world size 1
   const int world = config.world_size;

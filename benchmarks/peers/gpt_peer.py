@@ -101,8 +101,8 @@ def main():
     ap.add_argument("--checkpoint-activations", action="store_true")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--commit", default="unknown")
-    ap.add_argument("--profile", default="", help="torch profiler over the last measured step into FILE.json "
-                    "(benchmarks/profile_compare.py compares it with bench_gpt --profile)")
+    ap.add_argument("--profile", default="", help="torch profiler over one more step after the measured ones into "
+                    "FILE.json (benchmarks/profile_compare.py compares it with bench_gpt --profile)")
     a = ap.parse_args()
     hidden, layers, heads, seq = PRESETS[a.preset]
     if a.seq > seq:
@@ -148,13 +148,15 @@ def main():
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    for s in range(a.warmup_steps + a.steps):
+    # A profiled step is one more, after the measured ones (as in bench_gpt): the profiler's cost is in no mean.
+    for s in range(a.warmup_steps + a.steps + (1 if a.profile else 0)):
         x = torch.randint(VOCAB, (a.batch, a.seq), generator=g)
         y = torch.roll(x, -1, 1)
         x, y = x.to(dev), y.to(dev)
-        profiled = a.profile and s + 1 == a.warmup_steps + a.steps
+        profiled = bool(a.profile) and s == a.warmup_steps + a.steps
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] +
-                                      ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])) if profiled else None
+                                      ([torch.profiler.ProfilerActivity.CUDA] if cuda else []),
+                                      record_shapes=True) if profiled else None
         if prof:
             prof.__enter__()
         sync()
@@ -182,9 +184,10 @@ def main():
         if startup_s is None:
             startup_s = t3 - T_START
         lv = loss.item()
-        print(f"gpt_peer: {a.mode} step {s}{' (warm-up)' if s < a.warmup_steps else ''}: fwd {t1 - t0:.3f} s, "
+        what = " (profiled)" if profiled else " (warm-up)" if s < a.warmup_steps else ""
+        print(f"gpt_peer: {a.mode} step {s}{what}: fwd {t1 - t0:.3f} s, "
               f"bwd {t2 - t1:.3f} s, opt {t3 - t2:.3f} s, loss {lv:.4f}", file=sys.stderr)
-        if s < a.warmup_steps:
+        if s < a.warmup_steps or profiled:
             continue
         loss_first = lv if loss_first is None else loss_first
         loss_last = lv
