@@ -3,16 +3,18 @@
 misspelt option, a renamed binary or a path that does not exist (scripts/gpu_session.sh runs them
 for real on a GPU; each stage has one chance there).
 
-    scripts/gpu_dryrun.py --build=BUILD_DIR [--timeout=120] STAGES_FILE...
+    scripts/gpu_dryrun.py --build=BUILD_DIR [--timeout=120] [--keep=DIR] STAGES_FILE...
 
 Every stage's command is rewritten: the CUDA device becomes the simulated one (ferry's binaries) or
 the CPU (the Python peers), NCCL becomes Gloo, the preset tiny, the batch 2 x 32 tokens, one warm-up
 and one measured step, no loss expectation, and bench_device_adam's sizes a few thousand elements.
 `python3` is the interpreter that runs this script (it needs torch). Everything else, options
 included, runs as written, with BUILD, RES (a temporary results folder)
-and COMMIT set as gpu_session.sh sets them. What this does not check: anything CUDA does (kernels,
-memory, NCCL) and whether the stage fits its time limit on the GPU. Prints one line per stage and
-exits 1 if any stage fails.
+and COMMIT set as gpu_session.sh sets them; like it, each stage's stdout goes to RES/NAME.out, its
+stderr to RES/NAME.log and its exit status to RES/stages.tsv (--keep=DIR: RES is DIR, kept, for
+scripts/gpu_unpack.py). What this does not check: anything CUDA does (kernels, memory, NCCL) and
+whether the stage fits its time limit on the GPU. Prints one line per stage and exits 1 if any stage
+fails.
 """
 import argparse
 import os
@@ -20,6 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 # (pattern, replacement) applied in order to every stage's command.
 REWRITES = [
@@ -66,12 +69,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", required=True, help="the build directory (BUILD in the stages)")
     ap.add_argument("--timeout", type=int, default=120, help="seconds per shrunk stage (default 120)")
+    ap.add_argument("--keep", default="", help="results folder to keep (RES); default: a temporary one")
     ap.add_argument("stage_files", nargs="+")
     args = ap.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     failed = 0
     seen = {}  # shrunk command -> the stage that ran it (several presets shrink to the same run)
-    with tempfile.TemporaryDirectory(prefix="ferry-gpu-dryrun-") as res:
+    names = set()
+    with tempfile.TemporaryDirectory(prefix="ferry-gpu-dryrun-") as tmp:
+        res = os.path.abspath(args.keep) if args.keep else tmp
+        os.makedirs(res, exist_ok=True)
         env = dict(os.environ, BUILD=os.path.abspath(args.build), RES=res, COMMIT="dryrun")
         for path in args.stage_files:
             for name, _, cmd in stages(path):
@@ -81,13 +88,22 @@ def main():
                     print(f"gpu_dryrun: same {label} (shrinks to {seen[small]}'s run)", flush=True)
                     continue
                 seen[small] = label
-                try:
-                    run = subprocess.run(["bash", "-c", small], cwd=root, env=env, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.PIPE, text=True, timeout=args.timeout)
-                    ok, why = run.returncode == 0, f"exit {run.returncode}"
-                    tail = run.stderr.strip().splitlines()[-3:]
-                except subprocess.TimeoutExpired:
-                    ok, why, tail = False, f"over {args.timeout} s", []
+                if name in names:  # the same stage name in two files: RES holds one NAME.out per name
+                    name = f"{os.path.splitext(os.path.basename(path))[0]}-{name}"
+                names.add(name)
+                start = time.time()
+                out_path, log_path = os.path.join(res, name + ".out"), os.path.join(res, name + ".log")
+                with open(out_path, "w") as out, open(log_path, "w") as err:
+                    try:
+                        rc = subprocess.run(["bash", "-c", small], cwd=root, env=env, stdout=out, stderr=err,
+                                            timeout=args.timeout).returncode
+                        ok, why = rc == 0, f"exit {rc}"
+                    except subprocess.TimeoutExpired:
+                        rc, ok, why = 124, False, f"over {args.timeout} s"
+                with open(os.path.join(res, "stages.tsv"), "a") as tsv:
+                    tsv.write(f"{name}\t{rc}\t{round(time.time() - start)}\n")
+                with open(log_path, errors="replace") as err:
+                    tail = err.read().strip().splitlines()[-3:]
                 print(f"gpu_dryrun: {'ok  ' if ok else 'FAIL'} {label} ({why})", flush=True)
                 if not ok:
                     failed += 1

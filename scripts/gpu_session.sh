@@ -6,7 +6,9 @@
 # 2. each line of STAGES_FILE, "NAME SECONDS COMMAND...", run by bash under `timeout SECONDS` (cut to
 #    what is left of the call's deadline, FERRY_DEADLINE seconds, default 570), stdout to NAME.out and
 #    stderr to NAME.log; blank lines and lines starting with '#' are skipped;
-# 3. packs everything into $OUT/results.tgz (the device tool brings back at most 8 files).
+# 3. packs everything into $OUT/results.tgz (the device tool brings back at most 8 files), with
+#    stages.tsv (each step's exit status and seconds) and commit.txt; scripts/gpu_unpack.py files it
+#    under benchmarks/results/.
 # Stages see BUILD (the build directory), RES (the results directory) and COMMIT (FERRY_COMMIT, or
 # `git rev-parse` where .git travelled, else "unknown": the device gets the working tree without .git)
 # in their environment. Stage files for the open measurements live in scripts/gpu_stages/;
@@ -20,22 +22,29 @@ deadline=$((SECONDS + ${FERRY_DEADLINE:-570}))
 export RES=/tmp/ferry-gpu-results BUILD=$root/build-gpu
 export COMMIT=${FERRY_COMMIT:-$(git -C "$root" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 rm -rf "$RES" && mkdir -p "$RES"
-pack() { git -C "$root" rev-parse HEAD > "$RES/commit.txt" 2>/dev/null; tar czf "$out/results.tgz" -C "$RES" .; }
+pack() { echo "$COMMIT" > "$RES/commit.txt"; tar czf "$out/results.tgz" -C "$RES" .; }
+# One line per step, "NAME<TAB>EXIT<TAB>SECONDS" (EXIT "skipped" when no time was left): what
+# scripts/gpu_unpack.py reports beside the files.
+record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$RES/stages.tsv"; }
 trap pack EXIT
 cd "$root"
 if [[ ${FERRY_SKIP_BUILD:-0} != 1 ]]; then
   timeout $((deadline - SECONDS - 60)) scripts/gpu_check.sh "$RES/check"
-  echo "[gpu_session] gpu_check exit $? after $SECONDS s"
+  rc=$?
+  echo "[gpu_session] gpu_check exit $rc after $SECONDS s"
+  record gpu_check "$rc" "$SECONDS"
 fi
 while IFS= read -r line || [[ -n $line ]]; do
   [[ -z ${line// } || $line == \#* ]] && continue
   read -r name t cmd <<<"$line"
   left=$((deadline - SECONDS - 10))
-  if ((left < 15)); then echo "[gpu_session] $name: skipped, ${left}s left"; continue; fi
+  if ((left < 15)); then echo "[gpu_session] $name: skipped, ${left}s left"; record "$name" skipped 0; continue; fi
   ((t > left)) && t=$left
   echo "[gpu_session] $name (limit ${t}s): $cmd"
   start=$SECONDS
   timeout --kill-after=5 "$t" bash -c "$cmd" > "$RES/$name.out" 2> "$RES/$name.log"
-  echo "[gpu_session] $name exit $? after $((SECONDS - start)) s"
+  rc=$?
+  echo "[gpu_session] $name exit $rc after $((SECONDS - start)) s"
+  record "$name" "$rc" "$((SECONDS - start))"
   tail -4 "$RES/$name.log"
 done < "$stages"
