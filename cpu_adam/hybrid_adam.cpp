@@ -6,6 +6,7 @@
 #include <ATen/ops/logical_not.h>
 #include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/stack.h>
+#include <ATen/ops/where.h>
 #include <c10/util/Exception.h>
 
 #include <ATen/ops/zeros.h>
@@ -150,6 +151,7 @@ void HybridAdam::check_idle(const char* what) const {
 void HybridAdam::settle(const char* what) {
   check_idle(what);
   await_params();
+  model_.take_writes(what);  // Note [Writes to parameters]: what was written is in the masters first
 }
 
 void HybridAdam::synchronize() { await_params(); }
@@ -1065,6 +1067,32 @@ StepResult HybridAdam::step() {
   settle("step()");
   std::lock_guard<std::mutex> lock(mutex_);
   return step_locked();
+}
+
+// Note [Writes to parameters] (hooks/chunked_model.h). Every slot holds its value here. A replacement
+// is taken whole, at its own precision; an in-place write where the slot differs from the master
+// rounded to the compute dtype (in fp32, everywhere: the slot is the master's copy). Another rank's
+// chunk (sharded state): its owner takes the write, and the values come from it after the step.
+void HybridAdam::values_written(const std::vector<WrittenParam>& written) {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
+  for (const WrittenParam& w : written) await_param(w.param);  // an update left running writes the master
+  std::lock_guard<std::mutex> lock(mutex_);
+  sync_layout_locked();
+  for (const WrittenParam& w : written) {
+    if (!owned(model_.layout().slots()[w.param].chunk)) continue;
+    at::Tensor master = state_->view(kMasterRole, w.param);
+    if (w.replacement.defined()) {
+      master.copy_(w.replacement);
+      continue;
+    }
+    const at::Tensor value = model_.param_values(w.param).to(master.device());
+    if (value.scalar_type() == at::kFloat) {
+      master.copy_(value);
+      continue;
+    }
+    const at::Tensor changed = value.ne(master.to(value.scalar_type()));
+    master.copy_(at::where(changed, value.to(at::kFloat), master));
+  }
 }
 
 HybridAdam::ChunkNorms HybridAdam::grad_norms_locked(bool pipelined) {

@@ -420,6 +420,8 @@ class HybridAdam final : private GradSink, private LayoutListener {
   void backward_finished(bool aborted) override;
   void await_param(int64_t param) override;
   void await_params() override;
+  // Note [Writes to parameters] (hooks/chunked_model.h): the masters take what the user wrote.
+  void values_written(const std::vector<WrittenParam>& written) override;
   // await_param for layout chunk c (also the send guard of the sharded parameters' gathers, called
   // under ParamShards' lock: it takes deferred_mutex_ only).
   void await_chunk(int64_t c);

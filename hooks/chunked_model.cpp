@@ -189,7 +189,64 @@ void ChunkedModel::build(const std::vector<int64_t>& order) {
   tensor_of_param_ = std::move(tensor_of_param);
   chunk_of_param_ = std::move(chunk_of_param);
   register_storages();
+  remember_bindings();
 }
+
+// Note [Writes to parameters]
+void ChunkedModel::remember_bindings() {
+  const size_t n = params_.size();
+  bound_storage_.resize(n);
+  bound_offset_.resize(n);
+  bound_version_.resize(n);
+  for (size_t p = 0; p < n; ++p) {
+    const at::Tensor& t = params_[p];
+    bound_storage_[p] = t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
+    bound_offset_[p] = t.storage_offset();
+    bound_version_[p] = t._version();
+  }
+}
+
+void ChunkedModel::take_writes(const char* where) {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
+  TORCH_CHECK(!materialized_, "ferry: take_writes() on a materialized ChunkedModel");
+  std::vector<WrittenParam> written;
+  for (int64_t p = 0; p < num_params(); ++p) {
+    at::Tensor& t = params_[p];
+    const bool replaced = !t.has_storage() || t.storage().unsafeGetStorageImpl() != bound_storage_[p] ||
+                          t.storage_offset() != bound_offset_[p] || t.scalar_type() != dtype_ ||
+                          t.device() != store_->device() || !t.is_contiguous();
+    if (!replaced && t._version() == bound_version_[p]) continue;
+    TORCH_CHECK(!grad_in_slot_[p], "ferry: ", where, ": parameter ", names_[p], " was written after backward(), "
+                "while its slot held its gradient (Note [Gradient in the parameter slot]): the write went into the "
+                "gradient. Write parameters before forward() or after the optimizer's step; zero_grad() discards "
+                "the gradients (and the write)");
+    if (!replaced) {
+      written.push_back({p, at::Tensor()});
+      continue;
+    }
+    TORCH_CHECK(t.sizes() == at::IntArrayRef(shapes_[p]), "ferry: ", where, ": parameter ", names_[p], " was given "
+                "a tensor of shape ", t.sizes(), " (set_(), set_data() or torch::load); its shape is ",
+                at::IntArrayRef(shapes_[p]), " (ChunkedModel's chunks hold every parameter at its shape: wrap the "
+                "module again to change one)");
+    TORCH_CHECK(at::isFloatingType(t.scalar_type()), "ferry: ", where, ": parameter ", names_[p], " was given a "
+                "tensor of dtype ", t.scalar_type(), "; a floating dtype is needed");
+    const at::Tensor replacement = t.detach();  // keeps the given storage; the parameter views its slot again
+    store_->bind(tensor_of_param_[p], t, replacement);
+    written.push_back({p, replacement});
+  }
+  if (written.empty()) return;
+  log::info("ferry: ", written.size(), " parameter(s) written (", names_[written.front().param],
+            written.size() > 1 ? ", ..." : "", "), taken in before ", where,
+            grad_sink_ ? ", into the optimizer's state too" : "");
+  for (const WrittenParam& w : written) release_initial_value(w.param);  // the write is the value now
+  if (grad_sink_) grad_sink_->values_written(written);
+  remember_bindings();
+}
+
+at::Tensor ChunkedModel::initial_value(int64_t index) const {
+  return index < static_cast<int64_t>(initial_values_.size()) ? initial_values_[index] : at::Tensor();
+}
+
 
 void ChunkedModel::register_storages() {
   std::unordered_map<const c10::StorageImpl*, std::vector<ParamRange>> by_storage;
@@ -219,6 +276,7 @@ std::shared_ptr<StateChunks> ChunkedModel::attach_state(std::vector<ChunkRole> r
   const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   TORCH_CHECK(phase_.load() == ModelPhase::kIdle || phase_.load() == ModelPhase::kForwardDone,
               "ferry: attach_state() inside an iteration");
+  take_writes("attach_state()");  // the state starts from what was written before it (Note [Writes to parameters])
   ChunkStoreOptions options = ChunkStoreOptions::from(config_);
   options.device_budget_bytes = 0;  // groups are placed by the optimizer, admitted by the scheduler
   options.host_budget_bytes = 0;
@@ -452,6 +510,7 @@ void ChunkedModel::begin_forward() {
     transition(ModelPhase::kIdle);  // the previous forward had no backward (evaluation)
     finish_iteration(false, /*forward_only=*/true);
   }
+  take_writes("forward()");  // Note [Writes to parameters]
   transition(ModelPhase::kForward);
   scheduler_->begin_iteration();
   in_iteration_ = true;
@@ -462,6 +521,7 @@ void ChunkedModel::begin_forward() {
 void ChunkedModel::end_forward() {
   // Note [Between forward and backward]: only a forward that built a graph waits for a backward.
   training_forward_ = c10::GradMode::is_enabled();
+  take_writes("the end of forward()");  // a write inside forward (Note [Writes to parameters])
   transition(ModelPhase::kForwardDone);
   marks_[kForwardEnd]->record();
   forward_marked_ = true;
@@ -499,6 +559,7 @@ void ChunkedModel::trace_last_phases() const {
 void ChunkedModel::backward(const at::Tensor& loss) {
   TORCH_CHECK(loss.defined() && loss.numel() == 1, "ferry: backward() needs a defined scalar loss, got ",
               loss.defined() ? loss.sizes().vec() : std::vector<int64_t>{});
+  take_writes("backward()");  // a write between forward() and backward() (Note [Writes to parameters])
   transition(ModelPhase::kBackward);
   scheduler_->begin_backward();
   trace::Span span("model", "backward");
@@ -599,6 +660,11 @@ void ChunkedModel::materialize(bool fetch_remote) {
   if (materialized_) return;
   TORCH_CHECK(phase_.load() == ModelPhase::kIdle || phase_.load() == ModelPhase::kForwardDone,
               "ferry: materialize() inside forward/backward");
+  try {  // a parameter given new storage keeps those values (Note [Writes to parameters])
+    take_writes("materialize()");
+  } catch (const std::exception& e) {  // the parameters get their memory back all the same
+    log::warn("ferry: materialize(): ", e.what());
+  }
   if (grad_sink_) grad_sink_->await_params();
   if (remote_ && remote_->any_remote()) {
     if (fetch_remote) {
@@ -641,6 +707,7 @@ NamedTensors ChunkedModel::state_dict() {
   TORCH_CHECK(phase_.load() == ModelPhase::kIdle, "ferry: state_dict() is for between iterations (the model is in ",
               to_string(phase_.load()), ")");
   if (grad_sink_) grad_sink_->await_params();
+  take_writes("state_dict()");  // Note [Writes to parameters]
   check_no_grad_in_slots("state_dict()");
   const bool fetched = remote_ && remote_->any_remote();
   if (fetched) remote_->fetch_all();  // a collective: every rank calls state_dict()
@@ -684,6 +751,7 @@ void ChunkedModel::load_state_dict(const NamedTensors& values) {
   }
   at::NoGradGuard no_grad;
   if (grad_sink_) grad_sink_->await_params();
+  take_writes("load_state_dict()");  // a parameter given new storage views its slot again, which is loaded
   if (remote_ && remote_->any_remote()) remote_->fetch_all();  // a collective: every rank loads
   for (int64_t p = 0; p < num_params(); ++p) param_values(p).copy_(*given.at(names_[p]));
   for (auto& b : buffers) {

@@ -15,7 +15,9 @@
 //
 // Contract
 //  - Between iterations the module is an ordinary module: any op may read or write its parameters
-//    (off the device their storage aliases the host payload, chunk/chunk.h). An update the optimizer
+//    (off the device their storage aliases the host payload, chunk/chunk.h); a write, in place or by
+//    new storage (torch::load), is taken in before the next use, into the optimizer's masters too
+//    (Note [Writes to parameters]). An update the optimizer
 //    left running behind its step (Note [Update behind the next forward], cpu_adam/hybrid_adam.h) may
 //    still write a chunk then: ops on the thread that ran the step wait for it (Note [Ops outside the
 //    scopes], hooks/interceptor.h); other threads, and reads that are no op (data_ptr()), call the
@@ -86,6 +88,41 @@ struct ChunkedModelOptions {
 // the optimizer empties the slots chunk by chunk during backward and gives the values back
 // (Note [Accumulation per chunk], cpu_adam/hybrid_adam.h).
 
+// Note [Writes to parameters]
+// Users write parameters: pretrained weights loaded after the optimizer was built (a copy_, or
+// torch::load, which gives each parameter the loaded tensor's storage with set_()), a clamp after each
+// step (a WGAN critic), a clamp or renormalisation inside forward, an EMA swap. The optimizer keeps
+// its own fp32 copy (HybridAdam's masters) and wrote it back at every step, so every such write was
+// lost at the next step, silently; torch::load also left the parameter outside its chunk for good.
+// ChunkedModel remembers each parameter's storage, offset and version counter (every in-place op on
+// the tensor or on a view of it bumps that counter; ferry's own writes go through other tensors of the
+// chunk and do not) and looks again where a write can first matter: before forward(), at the end of
+// forward() (a write inside it), before backward() (a write between them), when an optimizer
+// attaches its state (a write before it was built) and before anything reads the values or the
+// optimizer's state (take_writes). A parameter with other
+// storage, offset, shape or dtype was replaced: its values (converted to the compute dtype) go into its
+// slot and the tensor views its slot again (same TensorImpl); a shape that differs is refused. Each
+// write is then told to the GradSink (values_written) while every slot holds its value: HybridAdam
+// takes a replacement's values whole (full precision: an fp32 checkpoint loaded into a bf16 model
+// gives exact masters) and an in-place write element by element, where the slot no longer equals the
+// master rounded to the compute dtype (a bf16 element the write left alone keeps its master's low
+// bits; a written one gets the written value). Cost when nothing was written: a loop over the
+// parameters comparing three numbers, three times per iteration. Not seen: writes that bump no
+// counter (through `.data()` or a raw pointer), on any thread.
+// A write after backward() and before the optimizer's step lands in the gradient the slot holds then
+// (Note [Gradient in the parameter slot]): the step refuses it, naming the parameter. The model's and
+// the optimizer's reads (state_dict(), save(), the masters) take writes in first, so a checkpoint
+// written right after a write holds it.
+
+// A parameter the user wrote since the model last looked (Note [Writes to parameters]): in place, its
+// slot now holding what was written (`replacement` undefined); or by giving the tensor other storage
+// (`set_()`, `set_data()`, torch::load), `replacement` then being that tensor, as given (any floating
+// dtype, its full precision), the slot holding it in the compute dtype.
+struct WrittenParam {
+  int64_t param = -1;
+  at::Tensor replacement;
+};
+
 // Receives each parameter's gradient during backward (on autograd's thread), already multiplied by the
 // loss scale. The tensor is only valid during the call. For one landing the calls come in this order:
 // before_landing, (the model writes the slot), land_grad, (the model releases the slot), after_landing.
@@ -112,6 +149,10 @@ class GradSink {
   // an iteration, where the warm-up repack runs). Both must be cheap when nothing is running.
   virtual void await_param(int64_t /*param*/) {}
   virtual void await_params() {}
+  // Parameters the user wrote (Note [Writes to parameters]), told before the model uses them again and
+  // while every slot holds its value: an optimizer whose own copy of the values is the truth (fp32
+  // masters) takes the writes into it, so that its next update starts from what was written.
+  virtual void values_written(const std::vector<WrittenParam>& /*written*/) {}
 };
 
 // Told when the parameters have been repacked into a new layout: between iterations, at the end of
@@ -243,9 +284,8 @@ class ChunkedModel final : private UseListener {
   // an undefined tensor when the compute copy holds it exactly (fp32) or it was released. Kept until
   // release_initial_values() or the end of the first training iteration, so that an optimizer
   // attached before training starts its fp32 masters from the unrounded values.
-  at::Tensor initial_value(int64_t index) const {
-    return index < static_cast<int64_t>(initial_values_.size()) ? initial_values_[index] : at::Tensor();
-  }
+  // Undefined also once the parameter was written (Note [Writes to parameters]): the write is its value.
+  at::Tensor initial_value(int64_t index) const;
   void release_initial_values() { initial_values_.clear(); initial_values_.shrink_to_fit(); }
   void release_initial_value(int64_t index) {
     if (index < static_cast<int64_t>(initial_values_.size())) initial_values_[index] = at::Tensor();
@@ -270,6 +310,13 @@ class ChunkedModel final : private UseListener {
   // stream"). Between iterations; blocks until the work has run. A no-op when not recording.
   void trace_last_phases() const;
   ModelPhase phase() const { return phase_.load(); }
+  // Note [Writes to parameters]: takes in what was written into the parameters since ferry last looked
+  // (`where` names the caller in messages). ChunkedModel calls it before forward(), at its end, before
+  // backward(), state_dict(), load_state_dict(), materialize() and attach_state(); HybridAdam before
+  // its steps and its reads of the state. Not inside forward() or backward(). Fails, naming the
+  // parameter, for a write into a slot that holds a gradient (after backward(), before the step) or a
+  // replacement of another shape.
+  void take_writes(const char* where);
 
  private:
   void pre_use(int64_t param) override;
@@ -292,6 +339,9 @@ class ChunkedModel final : private UseListener {
   void build(const std::vector<int64_t>& order);
   void register_storages();
   void unregister_storages();
+  // Note [Writes to parameters]: what each parameter's tensor looks like now that ferry has bound or
+  // checked it (storage, offset, version counter).
+  void remember_bindings();
   void install_grad_hooks(bool on);
   friend struct GradLandingHook;
   void land_grad(int64_t param, const at::Tensor& variable);
@@ -316,6 +366,10 @@ class ChunkedModel final : private UseListener {
   std::vector<std::vector<int64_t>> shapes_;
   std::vector<int64_t> numels_;
   std::vector<at::Tensor> initial_values_;  // see initial_value()
+  // Note [Writes to parameters], per parameter as remember_bindings() saw it.
+  std::vector<const c10::StorageImpl*> bound_storage_;
+  std::vector<int64_t> bound_offset_;
+  std::vector<int64_t> bound_version_;
   ChunkLayout layout_;
   std::shared_ptr<DeviceAccountant> accountant_ = std::make_shared<DeviceAccountant>();
   std::unique_ptr<ChunkStore> store_;

@@ -23,7 +23,7 @@
 // forward]; --sync-update: before the step returns), and the schedule floor says so.
 // It also measures the interception overhead in ns per op (an op on a managed parameter inside
 // ChunkedModel's scope against the same op on a plain tensor; and ops outside the scopes on a thread that
-// watches, D57).
+// watches, D57), and one look for writes to the parameters ("take_writes_us", D60).
 // --find-max: the largest preset (in parameter count) that trains 3 steps within the given budgets.
 // Under torchrun (world size > 1) the parameter chunks are sharded (Note [Sharded parameters]);
 // --replicate-params keeps every chunk on every rank, --keep-gathered keeps a gathered group to the step
@@ -153,6 +153,9 @@ struct FerryResult {
   double moved_bytes = 0, moved_over_optimal = 0, device_peak = 0, host_peak = 0, pinned_peak = 0;
   double state_device = 0, state_host = 0, loss_first = 0, loss_last = 0, activation_bytes = 0;
   int64_t chunks = 0, device_state_chunks = 0, evictions = 0;
+  // Note [Writes to parameters]: one look for writes over every parameter tensor, none written (us).
+  double take_writes_us = 0;
+  int64_t param_tensors = 0;
   // Memory, per parameter and in bytes: at the end of the run (steady state), host and device tiers of
   // both stores (parameter chunks + optimizer state; packing waste included).
   double host_bytes_per_param = 0, device_bytes_per_param = 0, waste = 0, chunk_size_bytes = 0;
@@ -255,6 +258,13 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   std::cerr << "bench_gpt: built in " << r.construction_s << " s, RSS peak " << ferry::format_bytes(rss_peak_bytes())
             << ", chunk size " << ferry::format_bytes(model.chunk_size_bytes()) << ", waste " << r.waste * 100 << "%\n";
   r.chunks = model.layout().num_chunks();
+  {
+    const int reps = 1000;
+    const auto t0 = Clock::now();
+    for (int i = 0; i < reps; ++i) model.take_writes("bench_gpt");
+    r.take_writes_us = since(t0) * 1e6 / reps;
+    r.param_tensors = model.num_params();
+  }
   // A profiled step is one more, after the measured ones: the profiler's cost stays out of the means.
   const bool profiling = !a.profile_ferry.empty();
   for (int64_t s = 0; s < a.warmup_steps + a.steps + (profiling ? 1 : 0); ++s) {
@@ -747,6 +757,7 @@ int run(int argc, char** argv) {
   out << "  \"ferry\": {\"time\": " << json_times(f.mean) << ", \"phase_clock\": \""
       << (a.unpipelined ? "host, synced per phase" : "backward on the device, optimizer the rest") << "\""
       << ", \"tokens_per_s\": " << tokens / f.mean.total
+      << ", \"take_writes_us\": " << f.take_writes_us << ", \"param_tensors\": " << f.param_tensors
       << ", \"tflops_6n\": " << 6 * n * tokens / f.mean.total / 1e12 << ", \"tflops_8n\": "
       << 8 * n * tokens / f.mean.total / 1e12 << ", \"device_peak_bytes\": " << f.device_peak
       << ", \"host_peak_bytes\": " << f.host_peak << ", \"pinned_peak_bytes\": " << f.pinned_peak

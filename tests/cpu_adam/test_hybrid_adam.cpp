@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -1136,6 +1137,158 @@ TEST(HybridAdam, OpsBetweenStepsWaitForTheUpdatesLeftRunning) {
   a.end_iteration();
   b.end_iteration();
   ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, "after 8 steps"));
+}
+
+// Note [Writes to parameters] (hooks/chunked_model.h): what users write into parameters reaches the
+// masters, so the next step updates from it, as torch's optimizers do. The unwrapped twin gets the same
+// writes and is updated by ferry's CpuAdam parameter by parameter (the same kernel on the same values:
+// bit-identical, D30). Writes: before the optimizer exists (pretrained weights loaded late), in place on
+// every parameter, a copy_ into one, new storage for one (set_, as torch::load does), and a clamp inside
+// forward; the step is the pipelined one, state split and evictions every step. Before the masters took
+// writes, the first write was lost at the next step and every later loss differed.
+TEST(HybridAdam, WritesToParametersReachTheMasters) {
+  const auto nets = twins(71);
+  TinyLm ref = nets.first, net = nets.second;
+  ChunkedModel model(net.ptr(), sim_config(budget_for(3, 2)));
+  auto write = [](TinyLm& m, int kind, int step) {
+    torch::NoGradGuard no_grad;
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(500 + step);
+    switch (kind) {
+      case 0:
+        for (auto& p : m->parameters()) p.mul_(0.9);
+        break;
+      case 1:
+        m->fc[0]->weight.copy_(torch::randn(m->fc[0]->weight.sizes(), gen) * 0.05);
+        break;
+      default:  // new storage, as torch::load gives it
+        m->out[1]->weight.set_(torch::randn(m->out[1]->weight.sizes(), gen) * 0.05);
+    }
+  };
+  write(ref, 0, -1);  // before HybridAdam is built: its masters start from these values
+  write(net, 0, -1);
+  HybridAdamOptions options(adamw());
+  options.device_state_chunks = 2;
+  HybridAdam adam(model, options);
+  CpuAdam ref_adam(adamw(), CpuAdamConfig::from(model.config()));
+  std::vector<std::array<torch::Tensor, 3>> ref_state;  // param, exp_avg, exp_avg_sq
+  for (auto& p : ref->parameters()) ref_state.push_back({p, torch::zeros_like(p), torch::zeros_like(p)});
+  // A clamp inside forward, in both (a WGAN critic's weight clipping).
+  for (TinyLm* m : {&ref, &net}) {
+    TinyLm& mm = *m;
+    mm->after_embedding = [&mm](const torch::Tensor& x) {
+      torch::NoGradGuard no_grad;
+      mm->out[0]->bias.clamp_(-0.01, 0.01);
+      return x;
+    };
+  }
+  int64_t evictions = 0;
+  for (int step = 0; step < 6; ++step) {
+    const Batch x = batch(step);
+    for (auto& r : ref_state) r[0].mutable_grad().reset();
+    const torch::Tensor loss_ref = lm_loss(ref, x.idx, x.target);
+    loss_ref.backward();
+    ref_adam.advance_step(0);
+    for (auto& r : ref_state) ref_adam.update(0, r[0].detach(), r[0].grad(), r[1], r[2]);
+    const torch::Tensor loss = model.forward([&] { return lm_loss(net, x.idx, x.target); });
+    adam.backward_step(loss);
+    evictions += model.last_iteration().evictions;
+    ASSERT_TRUE(torch::equal(loss, loss_ref)) << "step " << step << ": " << loss.item<double>() << " vs "
+                                              << loss_ref.item<double>();
+    write(ref, step % 3, step);
+    write(net, step % 3, step);
+  }
+  EXPECT_GT(evictions, 0);
+  // The last writes (new storage for out1.weight), taken in by one more step.
+  const Batch x = batch(99);
+  for (auto& r : ref_state) r[0].mutable_grad().reset();
+  const torch::Tensor loss = model.forward([&] { return lm_loss(net, x.idx, x.target); });
+  adam.backward_step(loss);
+  const torch::Tensor loss_ref = lm_loss(ref, x.idx, x.target);
+  EXPECT_TRUE(torch::equal(loss, loss_ref)) << "after the last writes";
+  loss_ref.backward();
+  ref_adam.advance_step(0);
+  for (auto& r : ref_state) ref_adam.update(0, r[0].detach(), r[0].grad(), r[1], r[2]);
+  const auto pr = ref->named_parameters(), pn = net->named_parameters();
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    const std::string& name = model.param_name(p);
+    EXPECT_TRUE(torch::equal(adam.master(p), pr[name])) << "master of " << name;
+    EXPECT_TRUE(torch::equal(pn[name], pr[name])) << name;
+    EXPECT_EQ(pn[name].data_ptr(), model.param_values(p).data_ptr()) << name << " views its slot";
+  }
+}
+
+// In bf16 the masters have bits the compute copy lacks: an in-place write takes over the elements it
+// changed and leaves the others' masters alone; new storage of another dtype (an fp32 tensor given by
+// set_data, as torch::load does from another device) gives the masters its values exactly, and the
+// parameter its rounding, in its chunk again.
+TEST(HybridAdam, Bf16WritesKeepTheBitsTheyDoNotTouch) {
+  const auto nets = twins(73);
+  TinyLm net = nets.second;
+  ChunkedModel model(net.ptr(), sim_config(0, Precision::kBf16));
+  HybridAdam adam(model, HybridAdamOptions(adamw()).with_device_state_chunks(1));
+  for (int step = 0; step < 2; ++step) {
+    const Batch x = batch(step);
+    adam.backward_step(model.forward([&] { return lm_loss(net, x.idx, x.target); }));
+  }
+  auto index_of = [&](const std::string& name) {
+    for (int64_t p = 0; p < model.num_params(); ++p) {
+      if (model.param_name(p) == name) return p;
+    }
+    ADD_FAILURE() << name;
+    return int64_t{0};
+  };
+  const int64_t fc = index_of("fc0.weight"), out = index_of("out0.weight");
+  const torch::Tensor fc_before = adam.master(fc);
+  ASSERT_FALSE(torch::equal(fc_before, fc_before.to(torch::kBFloat16).to(torch::kFloat)))
+      << "the masters must have bits below bf16 for the test to mean anything";
+  const torch::Tensor loaded = torch::randn(net->out[0]->weight.sizes()) * 0.05;  // fp32
+  {
+    torch::NoGradGuard no_grad;
+    net->fc[0]->weight[0].fill_(0.5);       // in place, through a view: one row
+    net->out[0]->weight.set_data(loaded.clone());  // new storage and dtype (torch::load across devices)
+  }
+  {
+    torch::NoGradGuard no_grad;  // an evaluation forward: the writes are taken in before it
+    const Batch x = batch(50);
+    model.forward([&] { return lm_loss(net, x.idx, x.target); });
+    model.end_iteration();
+  }
+  const torch::Tensor fc_after = adam.master(fc);
+  EXPECT_TRUE(torch::equal(fc_after[0], torch::full_like(fc_after[0], 0.5))) << "the written row";
+  EXPECT_TRUE(torch::equal(fc_after.slice(0, 1), fc_before.slice(0, 1))) << "the other rows keep their masters' bits";
+  EXPECT_TRUE(torch::equal(adam.master(out), loaded)) << "an fp32 replacement gives exact masters";
+  EXPECT_EQ(net->out[0]->weight.scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(net->out[0]->weight, loaded.to(torch::kBFloat16)));
+  EXPECT_EQ(net->out[0]->weight.data_ptr(), model.param_values(out).data_ptr()) << "back in its chunk";
+  // Training goes on from there.
+  const Batch x = batch(3);
+  const StepResult r = adam.backward_step(model.forward([&] { return lm_loss(net, x.idx, x.target); }));
+  EXPECT_TRUE(r.applied);
+}
+
+// After backward() a slot holds its parameter's gradient until step(): a write then goes into the
+// gradient, and step() refuses to use it, naming the parameter; zero_grad() discards both.
+TEST(HybridAdam, AWriteAfterBackwardIsRefusedByStep) {
+  torch::manual_seed(75);
+  TinyLm net(kVocab, kDim);
+  ChunkedModel model(net.ptr(), sim_config(budget_for(3, 2)));
+  HybridAdam adam(model, HybridAdamOptions(adamw()).with_device_state_chunks(2));
+  const Batch x = batch(0);
+  model.backward(model.forward([&] { return lm_loss(net, x.idx, x.target); }));
+  {
+    torch::NoGradGuard no_grad;
+    net->ln_f->weight.mul_(2.0);
+  }
+  try {
+    adam.step();
+    FAIL() << "step() must refuse a gradient a write went into";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ln_f.weight was written after backward()"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(adam.step_count(0), 0);
+  adam.zero_grad();
+  model.backward(model.forward([&] { return lm_loss(net, x.idx, x.target); }));
+  EXPECT_TRUE(adam.step().applied);
 }
 
 // Note [Ops outside the scopes], the key and torch's thread-local state: a plain backward (another

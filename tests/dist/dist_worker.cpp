@@ -26,6 +26,8 @@
 // --touch-between-steps=1: after every step, an op on every parameter of the module (a copy, as a user
 // logging weights would): counted as read (touched_ok; with sharded parameters the value checked against
 // the master) or refused with ferry's error (touched_refused).
+// --write-between-steps=1: after every step, every parameter scaled by 0.9 in place (as a user's clamp
+// or re-initialisation would write it; Note [Writes to parameters]): needs --shard-params=0 at N > 1.
 // --loss-term-after-forward=1: after each model.forward(), an L2 term on up.weight added to the loss and
 // head.weight read (Note [Between forward and backward]: uses, gathered on every rank as in forward).
 // --copies=stream: the parameter stores copy on the stream-model engine (chunk/stream_model_engine.h:
@@ -108,6 +110,7 @@ int run(int argc, char** argv) {
   const int eval_every = std::stoi(option(rest, "eval-every", "0"));
   const int stall_ms = std::stoi(option(rest, "stall-ms", "0"));
   const bool touch = option(rest, "touch-between-steps", "0") == "1";
+  const bool write_between = option(rest, "write-between-steps", "0") == "1";
   const bool term_after_forward = option(rest, "loss-term-after-forward", "0") == "1";
   TORCH_CHECK(emulate == 1 || config.world_size == 1, "--emulate-world is for the single-process reference");
   TORCH_CHECK(batch % (config.world_size * micro) == 0, "batch must split evenly over ranks and micro-batches");
@@ -236,6 +239,10 @@ int run(int argc, char** argv) {
         TORCH_CHECK(torch::equal(v, adam.master(p).to(model.compute_dtype())), "touching ", model.param_name(p),
                     ": read a value other than the step's");
       }
+    }
+    if (write_between) {  // every rank writes alike; the owners' masters take it (Note [Writes to parameters])
+      torch::NoGradGuard no_grad;
+      for (int64_t p = 0; p < model.num_params(); ++p) model.param(p).mul_(0.9);
     }
     overlapped += r.overlapped_chunks;
     deferred += r.deferred_chunks;

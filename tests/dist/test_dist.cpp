@@ -276,6 +276,13 @@ TEST(Dist, CopiesPendingAsOnCudaLeaveTheTrainingAsInOneProcess) {
   expect_equals_one_process(2, {"--copies=stream", "--eval-every=2", "--clip=0.5"});
 }
 
+// Note [Writes to parameters]: every rank scales every parameter after each step (replicated parameter
+// chunks, state sharded): each group's owner takes the write into its masters, and the training is the
+// one process's with the same writes. (Lost writes differ by 10% a step.)
+TEST(Dist, WritesBetweenStepsReachTheOwnersMastersAsInOneProcess) {
+  expect_equals_one_process(2, {"--write-between-steps=1", "--shard-params=0", "--clip=0.5"});
+}
+
 // zero_grad() after backward discards the gradients: the chunks this rank does not own get their
 // values back from their owners.
 TEST(Dist, DiscardedGradientsLeaveTheParametersAsTheyWere) { expect_equals_one_process(2, {"--discard-step=2"}); }

@@ -22,6 +22,7 @@
 #include "ferry/common/event_trace.h"
 #include "ferry/hooks/chunked_model.h"
 #include "ferry/chunk/stream_model_engine.h"
+#include "module_twins.h"
 #include "test_util.h"
 #include "trace_check.h"
 
@@ -122,25 +123,14 @@ TORCH_MODULE(OddNet);
 
 // ---- helpers
 
-Config tiny_config(int64_t chunk_bytes, int64_t device_budget) {
-  Config c;
-  c.device = DeviceKind::kSimulated;
-  c.chunk_size_bytes = chunk_bytes;
-  c.device_budget_bytes = device_budget;
-  return c;
-}
+using test::expect_close;
+using test::largest_chunk_bytes;
+using test::tiny_config;
 
 void zero_grads(torch::nn::Module& m) {
   for (auto& p : m.parameters()) {
     if (p.grad().defined()) p.mutable_grad().reset();
   }
-}
-
-void expect_close(const torch::Tensor& a, const torch::Tensor& b, const std::string& what) {
-  ASSERT_EQ(a.defined(), b.defined()) << what;
-  if (!a.defined()) return;
-  EXPECT_TRUE(torch::allclose(a, b, /*rtol=*/1e-6, /*atol=*/1e-7))
-      << what << ": max |diff| " << (a - b).abs().max().item<double>();
 }
 
 // One training iteration on both models; compares the loss and every parameter's gradient.
@@ -163,16 +153,6 @@ void expect_same_parameters(Net& ref, Net& net) {
   for (const auto& item : pr) EXPECT_TRUE(torch::equal(pn[item.key()], item.value())) << item.key();
   auto br = ref->named_buffers(), bn = net->named_buffers();
   for (const auto& item : br) expect_close(bn[item.key()], item.value(), "buffer " + item.key());
-}
-
-// The largest parameter chunk a model gets with this chunk size: budgets are set in multiples of it.
-int64_t largest_chunk_bytes(torch::nn::Module& m, int64_t chunk_bytes) {
-  std::vector<int64_t> numels;
-  for (auto& p : m.parameters()) numels.push_back(p.numel());
-  const auto layout = ChunkLayout::pack(numels, {}, PackOptions::from_bytes(chunk_bytes, at::kFloat));
-  int64_t largest = 0;
-  for (const auto& c : layout.chunks()) largest = std::max(largest, c.numel * 4);
-  return largest;
 }
 
 // The next-token loss of a TinyGpt on one fixed batch (seed 42): the same inputs for the reference and
@@ -541,6 +521,33 @@ TEST(ChunkedModel, ParametersAreUsableOutsideFerrysScopes) {
 // as an idle one is (D35), before end_iteration() or the next forward settles the iteration. On a copy
 // engine whose copies stay pending, as CUDA's do, a chunk evicted during that forward had no memory
 // until then: a null storage (on CUDA, an illegal address in the next kernel that reads it).
+// Note [Writes to parameters]: torch::load into the wrapped module gives every parameter the loaded
+// tensor's storage (set_); the next forward puts the values into their slots and the parameters back
+// into their chunks, which keep moving under the budget. Before, each parameter stayed on the loaded
+// storage for good, outside ferry: its slot kept the old values.
+TEST(ChunkedModel, TorchLoadIntoTheWrappedModuleIsTakenIn) {
+  EvictedGpt g(31);
+  auto loss_of = tiny_gpt_loss(EvictedGpt::V, EvictedGpt::T);
+  compare_iteration(g.ref, g.net, g.model, loss_of, "before the load");
+  std::stringstream archive;
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : g.ref->parameters()) p.mul_(0.5).add_(0.01);
+    torch::save(g.ref, archive);
+  }
+  torch::load(g.net, archive);
+  for (int it = 0; it < 3; ++it) {
+    compare_iteration(g.ref, g.net, g.model, loss_of, "after the load, iteration " + std::to_string(it));
+    EXPECT_GT(g.model.last_iteration().evictions, 0);
+  }
+  auto pr = g.ref->named_parameters(), pn = g.net->named_parameters();
+  for (int64_t p = 0; p < g.model.num_params(); ++p) {
+    const std::string& name = g.model.param_name(p);
+    EXPECT_TRUE(torch::equal(g.model.param_values(p), pr[name])) << name << ": its slot holds the loaded values";
+    EXPECT_EQ(pn[name].data_ptr(), g.model.param_values(p).data_ptr()) << name << " views its slot";
+  }
+}
+
 TEST(ChunkedModel, AnEvaluationForwardLeavesEveryParameterReadable) {
   EvictedGpt gpt(11, lagging_copies());
   const int64_t V = EvictedGpt::V, T = EvictedGpt::T;
