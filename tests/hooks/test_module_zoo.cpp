@@ -4,7 +4,9 @@
 // that traces, the repack, and a steady one), and the parameters given back unchanged at the end.
 // Each one reaches its weights differently: sliced views (MultiheadAttention's packed projection), one
 // op over every weight (GRU), a parameter read once per time step (RNNCell), a parameter list indexed
-// in forward, an elementwise parameter (PReLU), bags and transposed convolutions.
+// in forward, an elementwise parameter (PReLU), bags and transposed convolutions, and writes inside
+// forward (Embedding's max_norm, a user's clamp). Each also trains under HybridAdam, bit-identical to
+// the twin under ferry's CpuAdam.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -253,6 +255,29 @@ TEST(ModuleZoo, EmbeddingBagWithOffsets) {
         const auto offsets = torch::tensor({0, 3, 9, 15}, torch::kLong);
         return torch::nn::functional::cross_entropy(dynamic_cast<BagsImpl&>(m).forward(ids, offsets),
                                                     torch::randint(0, 200, {4}, torch::kLong));
+      });
+}
+
+// Embedding(max_norm) renormalises the rows it looks up in place, inside forward, under no_grad: a
+// write by torch itself (Note [Writes to parameters]).
+struct RenormedImpl : torch::nn::Module {
+  RenormedImpl() {
+    emb = register_module("emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(200, 16).max_norm(1.0)));
+    head = register_module("head", torch::nn::Linear(16, 200));
+  }
+  torch::Tensor forward(const torch::Tensor& ids) { return head(emb(ids)); }
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(Renormed);
+
+TEST(ModuleZoo, EmbeddingWithMaxNormRenormalisesInPlace) {
+  check_module(
+      "Embedding(max_norm)", [] { return Renormed().ptr(); },
+      [](torch::nn::Module& m) {
+        const auto ids = torch::randint(0, 200, {4, 6}, torch::kLong);
+        return torch::nn::functional::cross_entropy(dynamic_cast<RenormedImpl&>(m).forward(ids).reshape({-1, 200}),
+                                                    torch::randint(0, 200, {24}, torch::kLong));
       });
 }
 
