@@ -1069,6 +1069,11 @@ StepResult HybridAdam::step() {
   return step_locked();
 }
 
+void HybridAdam::trainable_changed() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  expected_landings_.clear();
+}
+
 // Note [Writes to parameters] (hooks/chunked_model.h). Every slot holds its value here. A replacement
 // is taken whole, at its own precision; an in-place write where the slot differs from the master
 // rounded to the compute dtype (in fp32, everywhere: the slot is the master's copy). Another rank's

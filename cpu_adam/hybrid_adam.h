@@ -422,6 +422,9 @@ class HybridAdam final : private GradSink, private LayoutListener {
   void await_params() override;
   // Note [Writes to parameters] (hooks/chunked_model.h): the masters take what the user wrote.
   void values_written(const std::vector<WrittenParam>& written) override;
+  // A parameter was frozen or unfrozen: the next backward_step() counts the landings anew (unpipelined
+  // once, as the first one is) instead of expecting the old ones.
+  void trainable_changed() override;
   // await_param for layout chunk c (also the send guard of the sharded parameters' gathers, called
   // under ParamShards' lock: it takes deferred_mutex_ only).
   void await_chunk(int64_t c);

@@ -352,13 +352,32 @@ void ChunkedModel::set_grad_sink(GradSink* sink) {
   install_grad_hooks(sink != nullptr);
 }
 
+// On every parameter, whether it requires grad now or not: one unfrozen later (requires_grad set
+// after the optimizer attached) lands its gradients too, and detaching takes the hook off one frozen
+// since (a hook left behind would call this object after it is gone).
 void ChunkedModel::install_grad_hooks(bool on) {
   for (size_t p = 0; p < params_.size(); ++p) {
-    if (!params_[p].requires_grad()) continue;
     std::unique_ptr<torch::autograd::PostAccumulateGradHook> hook;
     if (on) hook = std::make_unique<GradLandingHook>(this, static_cast<int64_t>(p));
     torch::autograd::impl::set_post_acc_grad_hooks(params_[p], std::move(hook));
   }
+  trainable_.resize(params_.size());
+  for (size_t p = 0; p < params_.size(); ++p) trainable_[p] = params_[p].requires_grad();
+}
+
+void ChunkedModel::check_trainable() {
+  if (!grad_sink_) return;
+  int64_t changed = 0, first = -1;
+  for (int64_t p = 0; p < num_params(); ++p) {
+    const char now = params_[p].requires_grad();
+    if (now == trainable_[p]) continue;
+    trainable_[p] = now;
+    if (changed++ == 0) first = p;
+  }
+  if (changed == 0) return;
+  log::info("ferry: ", changed, " parameter(s) changed requires_grad since the last forward (", names_[first],
+            " now ", trainable_[first] ? "requires" : "does not require", " it); the optimizer is told");
+  grad_sink_->trainable_changed();
 }
 
 void ChunkedModel::land_grad(int64_t param, const at::Tensor& variable) {
@@ -511,6 +530,7 @@ void ChunkedModel::begin_forward() {
     finish_iteration(false, /*forward_only=*/true);
   }
   take_writes("forward()");  // Note [Writes to parameters]
+  check_trainable();
   transition(ModelPhase::kForward);
   scheduler_->begin_iteration();
   in_iteration_ = true;

@@ -153,6 +153,10 @@ class GradSink {
   // while every slot holds its value: an optimizer whose own copy of the values is the truth (fp32
   // masters) takes the writes into it, so that its next update starts from what was written.
   virtual void values_written(const std::vector<WrittenParam>& /*written*/) {}
+  // Some parameter's requires_grad changed since the last forward (a layer frozen or unfrozen during
+  // fine-tuning), told before the next one: gradients land from every parameter that requires grad
+  // when its backward runs, so what a step receives changes.
+  virtual void trainable_changed() {}
 };
 
 // Told when the parameters have been repacked into a new layout: between iterations, at the end of
@@ -343,6 +347,8 @@ class ChunkedModel final : private UseListener {
   // checked it (storage, offset, version counter).
   void remember_bindings();
   void install_grad_hooks(bool on);
+  // Tells the gradient sink when a parameter's requires_grad changed since the last look.
+  void check_trainable();
   friend struct GradLandingHook;
   void land_grad(int64_t param, const at::Tensor& variable);
   void check_no_grad_in_slots(const char* what) const;
@@ -362,6 +368,7 @@ class ChunkedModel final : private UseListener {
   GradSink* grad_sink_ = nullptr;
   LayoutListener* layout_listener_ = nullptr;
   std::vector<char> grad_in_slot_;  // per parameter (Note [Gradient in the parameter slot])
+  std::vector<char> trainable_;     // per parameter: requires_grad when last looked (check_trainable)
   int64_t grads_in_slots_ = 0;      // how many are set
   std::vector<std::vector<int64_t>> shapes_;
   std::vector<int64_t> numels_;

@@ -1266,6 +1266,66 @@ TEST(HybridAdam, Bf16WritesKeepTheBitsTheyDoNotTouch) {
   EXPECT_TRUE(r.applied);
 }
 
+// Fine-tuning freezes and unfreezes layers while the optimizer is attached. An unfrozen parameter's
+// gradients used to stay in autograd's .grad (no landing hook: hooks went only on parameters that
+// required grad when the optimizer attached), so it was never updated and its .grad grew every step;
+// and a parameter frozen after attaching kept a hook that outlived the model. Against the unwrapped
+// twin under ferry's CpuAdam (which, as HybridAdam, skips a parameter without a gradient and takes the
+// bias corrections from its group's step count): every loss and final master bit-identical, no .grad
+// left anywhere, and after the model is gone the module trains plainly with its hooks removed.
+TEST(HybridAdam, FreezingAndUnfreezingDuringTrainingAsTheUnwrappedTwin) {
+  const auto nets = twins(77);
+  TinyLm ref = nets.first, net = nets.second;
+  auto set_trainable = [](torch::nn::Module& m, bool on) {
+    for (auto& p : m.parameters()) p.set_requires_grad(on);
+  };
+  // Frozen at first: fc0, and out1, whose chunk it shares with ln_f, which lands before it in backward
+  // (so with the old expectations that chunk's update would start before out1's gradient lands).
+  for (torch::nn::Module* m : {ref->fc[0].get(), net->fc[0].get(), ref->out[1].get(), net->out[1].get()}) {
+    set_trainable(*m, false);
+  }
+  {
+    ChunkedModel model(net.ptr(), sim_config(budget_for(3, 2)));
+    HybridAdam adam(model, HybridAdamOptions(adamw()).with_device_state_chunks(2));
+    CpuAdam ref_adam(adamw(), CpuAdamConfig::from(model.config()));
+    std::vector<std::array<torch::Tensor, 3>> ref_state;  // param, exp_avg, exp_avg_sq
+    for (auto& p : ref->parameters()) ref_state.push_back({p, torch::zeros_like(p), torch::zeros_like(p)});
+    for (int step = 0; step < 7; ++step) {
+      if (step == 2) {  // unfreeze both
+        for (torch::nn::Module* m : {ref->fc[0].get(), net->fc[0].get(), ref->out[1].get(), net->out[1].get()}) {
+          set_trainable(*m, true);
+        }
+      }
+      if (step == 4) {  // freeze another
+        set_trainable(*ref->ln_f, false);
+        set_trainable(*net->ln_f, false);
+      }
+      const Batch x = batch(step);
+      for (auto& r : ref_state) r[0].mutable_grad().reset();
+      const torch::Tensor loss_ref = lm_loss(ref, x.idx, x.target);
+      loss_ref.backward();
+      ref_adam.advance_step(0);
+      for (auto& r : ref_state) {
+        if (r[0].grad().defined()) ref_adam.update(0, r[0].detach(), r[0].grad(), r[1], r[2]);
+      }
+      const torch::Tensor loss = model.forward([&] { return lm_loss(net, x.idx, x.target); });
+      adam.backward_step(loss);
+      ASSERT_TRUE(torch::equal(loss, loss_ref)) << "step " << step;
+      for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined()) << "step " << step << ": a .grad left";
+    }
+    const auto pr = ref->named_parameters();
+    for (int64_t p = 0; p < model.num_params(); ++p) {
+      EXPECT_TRUE(torch::equal(adam.master(p), pr[model.param_name(p)])) << "master of " << model.param_name(p);
+    }
+  }
+  // The model and its optimizer are gone: ln_f, frozen since they attached, trains plainly (a hook left
+  // on it would call the destroyed model).
+  set_trainable(*net->ln_f, true);
+  const Batch x = batch(9);
+  lm_loss(net, x.idx, x.target).backward();
+  EXPECT_TRUE(net->ln_f->weight.grad().defined());
+}
+
 // After backward() a slot holds its parameter's gradient until step(): a write then goes into the
 // gradient, and step() refuses to use it, naming the parameter; zero_grad() discards both.
 TEST(HybridAdam, AWriteAfterBackwardIsRefusedByStep) {
