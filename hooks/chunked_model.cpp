@@ -243,11 +243,6 @@ void ChunkedModel::take_writes(const char* where) {
   remember_bindings();
 }
 
-at::Tensor ChunkedModel::initial_value(int64_t index) const {
-  return index < static_cast<int64_t>(initial_values_.size()) ? initial_values_[index] : at::Tensor();
-}
-
-
 void ChunkedModel::register_storages() {
   std::unordered_map<const c10::StorageImpl*, std::vector<ParamRange>> by_storage;
   for (size_t p = 0; p < params_.size(); ++p) {

@@ -99,16 +99,16 @@ struct ChunkedModelOptions {
 // chunk and do not) and looks again where a write can first matter: before forward(), at the end of
 // forward() (a write inside it), before backward() (a write between them), when an optimizer
 // attaches its state (a write before it was built) and before anything reads the values or the
-// optimizer's state (take_writes). A parameter with other
-// storage, offset, shape or dtype was replaced: its values (converted to the compute dtype) go into its
-// slot and the tensor views its slot again (same TensorImpl); a shape that differs is refused. Each
+// optimizer's state (take_writes). A parameter with other storage, offset, dtype or device was
+// replaced: its values (converted to the compute dtype) go into its slot and the tensor views its slot
+// again (same TensorImpl); a shape that differs is refused. Each
 // write is then told to the GradSink (values_written) while every slot holds its value: HybridAdam
 // takes a replacement's values whole (full precision: an fp32 checkpoint loaded into a bf16 model
 // gives exact masters) and an in-place write element by element, where the slot no longer equals the
 // master rounded to the compute dtype (a bf16 element the write left alone keeps its master's low
-// bits; a written one gets the written value). Cost when nothing was written: a loop over the
-// parameters comparing three numbers, three times per iteration. Not seen: writes that bump no
-// counter (through `.data()` or a raw pointer), on any thread.
+// bits; a written one gets the written value). Cost when nothing was written: three numbers compared
+// per parameter tensor (13 ns each on the 2-core CPU, D60), about four looks per step. Not seen:
+// writes that bump no counter (through `.data()` or a raw pointer), on any thread.
 // A write after backward() and before the optimizer's step lands in the gradient the slot holds then
 // (Note [Gradient in the parameter slot]): the step refuses it, naming the parameter. The model's and
 // the optimizer's reads (state_dict(), save(), the masters) take writes in first, so a checkpoint
@@ -289,7 +289,9 @@ class ChunkedModel final : private UseListener {
   // release_initial_values() or the end of the first training iteration, so that an optimizer
   // attached before training starts its fp32 masters from the unrounded values.
   // Undefined also once the parameter was written (Note [Writes to parameters]): the write is its value.
-  at::Tensor initial_value(int64_t index) const;
+  at::Tensor initial_value(int64_t index) const {
+    return index < static_cast<int64_t>(initial_values_.size()) ? initial_values_[index] : at::Tensor();
+  }
   void release_initial_values() { initial_values_.clear(); initial_values_.shrink_to_fit(); }
   void release_initial_value(int64_t index) {
     if (index < static_cast<int64_t>(initial_values_.size())) initial_values_[index] = at::Tensor();
