@@ -548,6 +548,23 @@ TEST(ChunkedModel, TorchLoadIntoTheWrappedModuleIsTakenIn) {
   }
 }
 
+// A parameter given a tensor of another shape (torch::load of another model's checkpoint) cannot go
+// back into its slot: the next forward refuses, naming it and both shapes, and changes nothing; given
+// its shape back, the model runs on.
+TEST(ChunkedModel, AReplacementOfAnotherShapeIsRefusedNamingIt) {
+  EvictedGpt g(33);
+  auto loss_of = tiny_gpt_loss(EvictedGpt::V, EvictedGpt::T);
+  compare_iteration(g.ref, g.net, g.model, loss_of, "before");
+  const at::Tensor kept = g.net->wte->weight.detach().clone();
+  g.net->wte->weight.set_data(torch::zeros({3, 5}));
+  const std::string error = test::error_of([&] { g.model.forward([&] { return loss_of(g.net); }); });
+  EXPECT_NE(error.find("parameter wte.weight was given a tensor of shape [3, 5]"), std::string::npos) << error;
+  EXPECT_NE(error.find("its shape is [64, 32]"), std::string::npos) << error;
+  EXPECT_EQ(g.model.phase(), ModelPhase::kIdle);
+  g.net->wte->weight.set_data(kept);  // its own shape again: taken in at the next forward
+  compare_iteration(g.ref, g.net, g.model, loss_of, "after");
+}
+
 TEST(ChunkedModel, AnEvaluationForwardLeavesEveryParameterReadable) {
   EvictedGpt gpt(11, lagging_copies());
   const int64_t V = EvictedGpt::V, T = EvictedGpt::T;
