@@ -107,7 +107,7 @@ struct ChunkedModelOptions {
 // gives exact masters) and an in-place write element by element, where the slot no longer equals the
 // master rounded to the compute dtype (a bf16 element the write left alone keeps its master's low
 // bits; a written one gets the written value). Cost when nothing was written: three numbers compared
-// per parameter tensor (13 ns each on the 2-core CPU, D60), about four looks per step. Not seen:
+// per parameter tensor (19 ns each on the 2-core CPU, D60), about four looks per step. Not seen:
 // writes that bump no counter (through `.data()` or a raw pointer), on any thread.
 // A write after backward() and before the optimizer's step lands in the gradient the slot holds then
 // (Note [Gradient in the parameter slot]): the step refuses it, naming the parameter. The model's and
