@@ -10,7 +10,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -20,6 +19,7 @@
 #include <thread>
 
 #include "adam_reference.h"
+#include "cpu_adam_twin.h"
 #include "ferry/chunk/stream_model_engine.h"
 #include "ferry/cpu_adam/hybrid_adam.h"
 #include "ferry/hooks/chunked_model.h"
@@ -1169,9 +1169,7 @@ TEST(HybridAdam, WritesToParametersReachTheMasters) {
   HybridAdamOptions options(adamw());
   options.device_state_chunks = 2;
   HybridAdam adam(model, options);
-  CpuAdam ref_adam(adamw(), CpuAdamConfig::from(model.config()));
-  std::vector<std::array<torch::Tensor, 3>> ref_state;  // param, exp_avg, exp_avg_sq
-  for (auto& p : ref->parameters()) ref_state.push_back({p, torch::zeros_like(p), torch::zeros_like(p)});
+  test::CpuAdamTwin ref_adam(*ref, adamw(), model.config());
   // A clamp inside forward, in both (a WGAN critic's weight clipping).
   for (TinyLm* m : {&ref, &net}) {
     TinyLm& mm = *m;
@@ -1184,11 +1182,10 @@ TEST(HybridAdam, WritesToParametersReachTheMasters) {
   int64_t evictions = 0;
   for (int step = 0; step < 6; ++step) {
     const Batch x = batch(step);
-    for (auto& r : ref_state) r[0].mutable_grad().reset();
+    ref_adam.zero_grad();
     const torch::Tensor loss_ref = lm_loss(ref, x.idx, x.target);
     loss_ref.backward();
-    ref_adam.advance_step(0);
-    for (auto& r : ref_state) ref_adam.update(0, r[0].detach(), r[0].grad(), r[1], r[2]);
+    ref_adam.step();
     const torch::Tensor loss = model.forward([&] { return lm_loss(net, x.idx, x.target); });
     adam.backward_step(loss);
     evictions += model.last_iteration().evictions;
@@ -1200,14 +1197,13 @@ TEST(HybridAdam, WritesToParametersReachTheMasters) {
   EXPECT_GT(evictions, 0);
   // The last writes (new storage for out1.weight), taken in by one more step.
   const Batch x = batch(99);
-  for (auto& r : ref_state) r[0].mutable_grad().reset();
+  ref_adam.zero_grad();
   const torch::Tensor loss = model.forward([&] { return lm_loss(net, x.idx, x.target); });
   adam.backward_step(loss);
   const torch::Tensor loss_ref = lm_loss(ref, x.idx, x.target);
   EXPECT_TRUE(torch::equal(loss, loss_ref)) << "after the last writes";
   loss_ref.backward();
-  ref_adam.advance_step(0);
-  for (auto& r : ref_state) ref_adam.update(0, r[0].detach(), r[0].grad(), r[1], r[2]);
+  ref_adam.step();
   const auto pr = ref->named_parameters(), pn = net->named_parameters();
   for (int64_t p = 0; p < model.num_params(); ++p) {
     const std::string& name = model.param_name(p);
@@ -1287,9 +1283,7 @@ TEST(HybridAdam, FreezingAndUnfreezingDuringTrainingAsTheUnwrappedTwin) {
   {
     ChunkedModel model(net.ptr(), sim_config(budget_for(3, 2)));
     HybridAdam adam(model, HybridAdamOptions(adamw()).with_device_state_chunks(2));
-    CpuAdam ref_adam(adamw(), CpuAdamConfig::from(model.config()));
-    std::vector<std::array<torch::Tensor, 3>> ref_state;  // param, exp_avg, exp_avg_sq
-    for (auto& p : ref->parameters()) ref_state.push_back({p, torch::zeros_like(p), torch::zeros_like(p)});
+    test::CpuAdamTwin ref_adam(*ref, adamw(), model.config());
     for (int step = 0; step < 7; ++step) {
       if (step == 2) {  // unfreeze both
         for (torch::nn::Module* m : {ref->fc[0].get(), net->fc[0].get(), ref->out[1].get(), net->out[1].get()}) {
@@ -1301,13 +1295,10 @@ TEST(HybridAdam, FreezingAndUnfreezingDuringTrainingAsTheUnwrappedTwin) {
         set_trainable(*net->ln_f, false);
       }
       const Batch x = batch(step);
-      for (auto& r : ref_state) r[0].mutable_grad().reset();
+      ref_adam.zero_grad();
       const torch::Tensor loss_ref = lm_loss(ref, x.idx, x.target);
       loss_ref.backward();
-      ref_adam.advance_step(0);
-      for (auto& r : ref_state) {
-        if (r[0].grad().defined()) ref_adam.update(0, r[0].detach(), r[0].grad(), r[1], r[2]);
-      }
+      ref_adam.step();
       const torch::Tensor loss = model.forward([&] { return lm_loss(net, x.idx, x.target); });
       adam.backward_step(loss);
       ASSERT_TRUE(torch::equal(loss, loss_ref)) << "step " << step;

@@ -10,15 +10,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <array>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "ferry/chunk/stream_model_engine.h"
-#include "ferry/cpu_adam/cpu_adam.h"
 #include "ferry/cpu_adam/hybrid_adam.h"
 #include "ferry/hooks/chunked_model.h"
+#include "cpu_adam_twin.h"
 #include "module_twins.h"
 
 namespace ferry {
@@ -106,22 +105,17 @@ void check_module_trained(const std::string& name, const Make& make, const Loss&
   AdamOptions o;
   o.lr = 1e-2;
   o.weight_decay = 0.1;
-  CpuAdam ref_adam(o, CpuAdamConfig::from(config));
-  std::vector<std::array<torch::Tensor, 3>> ref_state;  // param, exp_avg, exp_avg_sq
-  for (auto& p : ref->parameters()) ref_state.push_back({p, torch::zeros_like(p), torch::zeros_like(p)});
+  test::CpuAdamTwin ref_adam(*ref, o, config);
   ChunkedModel model(net, config);
   HybridAdamOptions options(o);
   options.device_state_chunks = model.layout().num_chunks() / 2;  // the rest on the host
   HybridAdam adam(model, options);
   for (int step = 0; step < 4; ++step) {
-    for (auto& r : ref_state) r[0].mutable_grad().reset();
+    ref_adam.zero_grad();
     torch::manual_seed(100 + step);
     const torch::Tensor loss_ref = loss_of(*ref);
     loss_ref.backward();
-    ref_adam.advance_step(0);
-    for (auto& r : ref_state) {
-      if (r[0].grad().defined()) ref_adam.update(0, r[0].detach(), r[0].grad(), r[1], r[2]);
-    }
+    ref_adam.step();
     torch::manual_seed(100 + step);
     const torch::Tensor loss = model.forward([&] { return loss_of(*net); });
     adam.backward_step(loss);
