@@ -75,7 +75,9 @@ void check_module_once(const std::string& name, const Make& make, const Loss& lo
       expect_close(loss, loss_ref, what + " loss");
       const auto pr = ref->named_parameters(), pn = net->named_parameters();
       for (const auto& item : pr) expect_close(pn[item.key()].grad(), item.value().grad(), what + " grad of " + item.key());
-      if (it >= 1) EXPECT_GT(model.last_iteration().evictions, 0) << what;
+      if (it >= 1) {
+        EXPECT_GT(model.last_iteration().evictions, 0) << what;
+      }
       EXPECT_LE(model.store().stats().device.peak_bytes, budget) << what;
       torch::NoGradGuard no_grad;
       for (auto* m : {ref.get(), net.get()}) {
