@@ -272,6 +272,14 @@ cpu_adam::AdamKernelArgs CpuAdam::kernel_args(int group, const AdamSpan& span, d
   return make_kernel_args(g.options, g.step, span, grad_scale);
 }
 
+cpu_adam::AdamKernelArgs CpuAdam::kernel_args(const FrozenGroup& group, const AdamSpan& span, double grad_scale) const {
+  TORCH_CHECK(group.step >= 1, "CpuAdam: kernel_args() of a frozen group with step count ", group.step,
+              " (freeze it after advance_step())");
+  check_span(span);
+  check_grad_scale(grad_scale);
+  return make_kernel_args(group.options, group.step, span, grad_scale);
+}
+
 UpdateResult CpuAdam::run_update(const AdamOptions& o, int64_t step, const AdamSpan& s,
                                  const UpdateOptions& u) const {
   if (!u.grads_checked && s.numel > 0) {

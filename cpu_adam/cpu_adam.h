@@ -99,7 +99,8 @@ class CpuAdam {
   UpdateResult update(int group, const AdamSpan& span, const UpdateOptions& options = {});
   // A group's options and step count as they are now. update(frozen, span) gives the bits update(group,
   // span) gives now, whenever it runs: for an update left running while the caller goes on to change the
-  // lr or advance the step (HybridAdam, Note [Update behind the next forward]).
+  // lr or advance the step (HybridAdam, Note [Update behind the next forward]). A caller may set `step`
+  // (>= 1) to a count of its own: HybridAdam's per-parameter step counts (D62).
   struct FrozenGroup {
     AdamOptions options;
     int64_t step = 0;
@@ -125,6 +126,9 @@ class CpuAdam {
   // The arguments update(group, span, {grad_scale}) hands its kernel, checked as update() checks them:
   // what a kernel running elsewhere needs to give the same bits (the device update, D53).
   cpu_adam::AdamKernelArgs kernel_args(int group, const AdamSpan& span, double grad_scale) const;
+  // The same for update(frozen, span, {grad_scale}): a frozen group's options with a step count of the
+  // caller's (HybridAdam: a parameter's own count, D62).
+  cpu_adam::AdamKernelArgs kernel_args(const FrozenGroup& group, const AdamSpan& span, double grad_scale) const;
 
   GradNorm grad_norm_sq(const void* grad, at::ScalarType dtype, int64_t numel, double grad_scale = 1.0) const;
   GradNorm grad_norm_sq(const at::Tensor& grad, double grad_scale = 1.0) const;

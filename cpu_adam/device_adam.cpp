@@ -13,8 +13,15 @@
 
 namespace ferry {
 
-void device_adam_update(CpuAdam& adam, int group, const AdamSpan& span, double grad_scale, c10::Device device,
+void device_adam_update(const CpuAdam& adam, int group, const AdamSpan& span, double grad_scale, c10::Device device,
                         const at::Tensor& found_inf) {
+  TORCH_CHECK(adam.step_count(group) >= 1, "ferry: device Adam: update of group ", group,
+              " before advance_step() (step count is 0)");
+  device_adam_update(adam, adam.freeze(group), span, grad_scale, device, found_inf);
+}
+
+void device_adam_update(const CpuAdam& adam, const CpuAdam::FrozenGroup& group, const AdamSpan& span,
+                        double grad_scale, c10::Device device, const at::Tensor& found_inf) {
   TORCH_CHECK(!found_inf.defined() || (found_inf.numel() == 1 && found_inf.scalar_type() == at::kFloat &&
                                        found_inf.device() == device),
               "ferry: device Adam: expected found_inf as one Float on ", device, ", got ", found_inf.toString(),

@@ -14,7 +14,8 @@
 //    waits. `found_inf`: undefined, or a one-element float tensor on the device; nonzero there means the
 //    kernel writes nothing, and the host never reads it.
 //  - Simulated device (CPU tensors): CpuAdam's kernel on the calling thread; `found_inf` read here.
-//  - Uses the group's options and step count (advance_step first), as CpuAdam::update does.
+//  - Uses the group's options and step count (advance_step first), as CpuAdam::update does; the
+//    FrozenGroup form uses the given options and step count, as CpuAdam::update(frozen, ...) does.
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
@@ -22,7 +23,9 @@
 
 namespace ferry {
 
-void device_adam_update(CpuAdam& adam, int group, const AdamSpan& span, double grad_scale, c10::Device device,
+void device_adam_update(const CpuAdam& adam, int group, const AdamSpan& span, double grad_scale, c10::Device device,
                         const at::Tensor& found_inf = {});
+void device_adam_update(const CpuAdam& adam, const CpuAdam::FrozenGroup& group, const AdamSpan& span,
+                        double grad_scale, c10::Device device, const at::Tensor& found_inf = {});
 
 }  // namespace ferry

@@ -77,6 +77,7 @@ HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
   model_.set_loss_scale(scaling_ ? scaler_.scale() : 1.0);
   num_roles_ = options_.accumulate_grads ? 4 : 3;
   landed_.assign(model_.num_params(), 0);
+  lag_.assign(model_.num_params(), 0);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     // The state chunks, paired with the parameter chunks group by group, belong to the model's chunk
@@ -396,14 +397,42 @@ std::vector<HybridAdam::Span> HybridAdam::landed_spans_locked(int64_t c) const {
       continue;
     }
     const int g = group_of_param_[t];
-    if (open && spans.back().group == g) {
+    if (open && spans.back().group == g && spans.back().lag == lag_[t]) {
       spans.back().end = slot.offset + slot.numel;
     } else {
-      spans.push_back({g, slot.offset, slot.offset + slot.numel});
+      spans.push_back({g, slot.offset, slot.offset + slot.numel, lag_[t]});
     }
     open = true;
   }
   return spans;
+}
+
+CpuAdam::FrozenGroup HybridAdam::update_group(const Span& s, const std::vector<CpuAdam::FrozenGroup>* frozen) const {
+  CpuAdam::FrozenGroup f = frozen != nullptr ? (*frozen)[s.group] : cpu_adam_.freeze(s.group);
+  f.step -= s.lag;
+  TORCH_INTERNAL_ASSERT(f.step >= 1, "a span of group ", s.group, " with lag ", s.lag, " at group step ", f.step + s.lag);
+  return f;
+}
+
+void HybridAdam::count_missed_steps_locked(const std::vector<char>* updated_chunks) {
+  const ChunkLayout& layout = model_.layout();
+  for (int64_t c = 0; c < num_chunks(); ++c) {
+    if (!owned(c)) continue;
+    const bool updated = updated_chunks == nullptr || (*updated_chunks)[c] != 0;
+    for (int64_t t : layout.chunks()[c].tensors) {
+      if (!updated || !landed_[t]) ++lag_[t];
+    }
+  }
+}
+
+int64_t HybridAdam::param_step_count(int64_t param) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(param >= 0 && param < model_.num_params(), "ferry: HybridAdam::param_step_count: expected a parameter "
+              "index in [0, ", model_.num_params(), "), got ", param);
+  const int64_t c = model_.layout().slots()[param].chunk;
+  TORCH_CHECK(owned(c), "ferry: HybridAdam::param_step_count: the state of ", model_.param_name(param), " is on rank ",
+              c % world_, ", not on rank ", rank_, " (ask the rank that owns it)");
+  return cpu_adam_.step_count(group_of_param_[param]) - lag_[param];
 }
 
 at::Tensor HybridAdam::grad_payload_locked(int64_t c) {
@@ -473,9 +502,9 @@ void HybridAdam::restore_values(const at::Tensor& param, const at::Tensor& maste
   for (const Span& sp : spans) param.slice(0, sp.begin, sp.end).copy_(master.slice(0, sp.begin, sp.end));
 }
 
-std::vector<std::pair<int, AdamSpan>> HybridAdam::adam_spans(const std::vector<Span>& landed, float* p, float* m,
-                                                             float* v, const at::Tensor& grads,
-                                                             const at::Tensor& lowp) const {
+std::vector<std::pair<HybridAdam::Span, AdamSpan>> HybridAdam::adam_spans(const std::vector<Span>& landed, float* p,
+                                                                          float* m, float* v, const at::Tensor& grads,
+                                                                          const at::Tensor& lowp) const {
   const at::ScalarType grad_dtype = grads.scalar_type();
   const int64_t grad_elem = static_cast<int64_t>(c10::elementSize(grad_dtype));
   char* g = static_cast<char*>(grads.data_ptr());
@@ -487,7 +516,7 @@ std::vector<std::pair<int, AdamSpan>> HybridAdam::adam_spans(const std::vector<S
   char* lowp_base = in_place_lowp ? g : (lowp.defined() ? static_cast<char*>(lowp.data_ptr()) : nullptr);
   const at::ScalarType lowp_dtype = in_place_lowp ? grad_dtype : (lowp.defined() ? lowp.scalar_type() : at::kFloat);
   const int64_t lowp_elem = static_cast<int64_t>(c10::elementSize(lowp_dtype));
-  std::vector<std::pair<int, AdamSpan>> spans;
+  std::vector<std::pair<Span, AdamSpan>> spans;
   for (const Span& s : landed) {
     AdamSpan span;
     span.param = p + s.begin;
@@ -500,7 +529,7 @@ std::vector<std::pair<int, AdamSpan>> HybridAdam::adam_spans(const std::vector<S
       span.param_lowp = lowp_base + s.begin * lowp_elem;
       span.lowp_dtype = lowp_dtype;
     }
-    spans.emplace_back(s.group, span);
+    spans.emplace_back(s, span);
   }
   return spans;
 }
@@ -517,21 +546,17 @@ at::Tensor HybridAdam::lowp_target_locked(int64_t c) {
   return payload;
 }
 
-std::vector<std::pair<int, AdamSpan>> HybridAdam::host_spans_locked(int64_t c) {
+std::vector<std::pair<HybridAdam::Span, AdamSpan>> HybridAdam::host_spans_locked(int64_t c) {
   return adam_spans(landed_spans_locked(c), state_->payload(kMasterRole, c).data_ptr<float>(),
                     state_->payload(kExpAvgRole, c).data_ptr<float>(),
                     state_->payload(kExpAvgSqRole, c).data_ptr<float>(), grad_payload_locked(c),
                     lowp_target_locked(c));
 }
 
-void HybridAdam::run_host_update(const std::vector<std::pair<int, AdamSpan>>& spans, const UpdateOptions& options,
+void HybridAdam::run_host_update(const std::vector<std::pair<Span, AdamSpan>>& spans, const UpdateOptions& options,
                                  const std::vector<CpuAdam::FrozenGroup>* frozen) {
-  for (const auto& [group, span] : spans) {
-    if (frozen != nullptr) {
-      cpu_adam_.update((*frozen)[group], span, options);
-    } else {
-      cpu_adam_.update(group, span, options);
-    }
+  for (const auto& [s, span] : spans) {
+    cpu_adam_.update(update_group(s, frozen), span, options);
     if (!options_.accumulate_grads && !span.param_lowp) {  // fp32 compute copy: the master is the value
       std::memcpy(const_cast<void*>(span.grad), span.param, static_cast<size_t>(span.numel) * sizeof(float));
     }
@@ -597,11 +622,11 @@ void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale, const 
               "gradients) on the host; it must be staged on the device first (internal error)");
   // The spans the host update would get (adam_spans): in the default mode the new bf16/fp16 value is
   // written over the gradient in the same pass; an fp32 compute copy is the master, copied after.
-  for (const auto& [group, s] : adam_spans(landed_spans_locked(c), p.data_ptr<float>(),
-                                           state_->payload(kExpAvgRole, c).data_ptr<float>(),
-                                           state_->payload(kExpAvgSqRole, c).data_ptr<float>(), g,
-                                           lowp_target_locked(c))) {
-    device_adam_update(cpu_adam_, group, s, grad_scale, p.device(), found_inf);
+  for (const auto& [landed, s] : adam_spans(landed_spans_locked(c), p.data_ptr<float>(),
+                                            state_->payload(kExpAvgRole, c).data_ptr<float>(),
+                                            state_->payload(kExpAvgSqRole, c).data_ptr<float>(), g,
+                                            lowp_target_locked(c))) {
+    device_adam_update(cpu_adam_, update_group(landed, nullptr), s, grad_scale, p.device(), found_inf);
     if (!options_.accumulate_grads && !s.param_lowp) {
       const int64_t begin = s.param - p.data_ptr<float>();
       g.slice(0, begin, begin + s.numel).copy_(p.slice(0, begin, begin + s.numel));
@@ -923,6 +948,7 @@ StepResult HybridAdam::finish_pipelined_locked() {
 
   // Eager: the launched chunks are updated (or restored) already; the others now, the same way.
   update_unlaunched_locked(norms, result);
+  count_missed_steps_locked(&norms.finite);  // a chunk with a non-finite gradient was not updated
   finish_values_locked(result);
   result.grad_norm = std::sqrt(norms.total_sq);
   result.overflow = !norms.all_finite;
@@ -968,14 +994,26 @@ StepResult HybridAdam::backward_step(const at::Tensor& loss) {
       // backward_finished() waited for the jobs. Eager: the launched chunks hold new values (or restored
       // ones), not gradients; the others keep their gradients for zero_grad().
       int64_t started = 0;
+      std::vector<char> updated(num_chunks(), 0);  // eager: the launched chunks whose update was applied
       for (int64_t c = 0; c < num_chunks(); ++c) {
+        bool failed = false;
         if (jobs_.size() > static_cast<size_t>(c) && jobs_[c].valid()) {
           try {
             jobs_[c].get();
           } catch (const std::exception& e) {
+            failed = true;
             log::error("ferry: backward_step: the host update of chunk ", c, " failed too: ", e.what());
           }
         }
+        if (!launched_[c] || !eager_ || failed) continue;
+        if (!on_device_[c]) {
+          updated[c] = outcomes_[c].finite;
+        } else if (!chunk_device_norms_[c].empty()) {  // found_inf decided on the device: read it (an error path)
+          updated[c] = at::isfinite(at::stack(chunk_device_norms_[c])).all().item<bool>();
+        }
+      }
+      if (eager_) count_missed_steps_locked(&updated);  // the step count has advanced
+      for (int64_t c = 0; c < num_chunks(); ++c) {
         if (!launched_[c]) continue;
         ++started;
         if (!eager_) continue;
@@ -1030,6 +1068,12 @@ StepResult HybridAdam::backward_step_accumulated(const at::Tensor& loss) {
     if (overlap_active_ && eager_) {
       int64_t started = 0;
       for (char l : launched_) started += l;
+      // backward_finished() joined the jobs: a launched host chunk with finite gradients was updated.
+      std::vector<char> updated(num_chunks(), 0);
+      for (int64_t c = 0; c < num_chunks(); ++c) {
+        updated[c] = launched_[c] && !on_device_[c] && static_cast<int64_t>(outcomes_.size()) > c && outcomes_[c].finite;
+      }
+      count_missed_steps_locked(&updated);  // the step count has advanced
       log::error("ferry: backward_step: backward threw; ", started, " chunk(s) whose update had started are updated, ",
                  "the others are not, and the step count has advanced");
     }
@@ -1209,6 +1253,7 @@ StepResult HybridAdam::apply_locked(const ChunkNorms& norms, StepResult result) 
   trace::complete("adam", "adam.host_update", t0, t0 + result.host_update_ns,
                   "\"chunks\": " + std::to_string(result.host_chunks));
 
+  count_missed_steps_locked(nullptr);  // the spans above (those left running too) took their lags already
   finish_values_locked(result);
   if (scaling_) {
     scaler_.update(false);

@@ -43,7 +43,8 @@
 //  2. coef = clip coefficient (max_grad_norm / (norm + 1e-6), at most 1, as clip_grad_norm_) / loss scale.
 //  3. Each group's step count advances; every parameter that received a gradient since the last
 //     step is updated with it scaled by coef (one that received none is left alone, as torch's
-//     optimizers skip a parameter whose .grad is undefined).
+//     optimizers skip a parameter whose .grad is undefined), with the bias corrections of its own
+//     step count, its number of updates (D62).
 //  4. The updated fp32 masters are written into the parameter chunks in the compute dtype, by the
 //     update in its own pass (host or device kernel; with accumulate_grads where the parameter chunk is
 //     where the state is, else by a copy after it).
@@ -349,7 +350,13 @@ class HybridAdam final : private GradSink, private LayoutListener {
   double lr(int group = 0) const { return cpu_adam_.options(group).lr; }
   void set_lr(int group, double lr);
   void set_lr(double lr);  // every group
+  // The group's step count: how many steps were applied (the count a schedule follows).
   int64_t step_count(int group = 0) const { return cpu_adam_.step_count(group); }
+  // How many updates parameter `param` has had, torch's per-parameter `step`: a step updates only the
+  // parameters that got a gradient, and the bias corrections of each follow its own count (D62). Equal
+  // to the group's count for a parameter that had a gradient at every step. At N > 1 on the rank that
+  // owns the parameter's state (every rank before the state is sharded).
+  int64_t param_step_count(int64_t param) const;
   double loss_scale() const;
   const DynamicLossScaler& loss_scaler() const { return scaler_; }
   bool uses_loss_scaling() const { return scaling_; }
@@ -401,6 +408,9 @@ class HybridAdam final : private GradSink, private LayoutListener {
   struct Span {
     int group;
     int64_t begin, end;  // elements of the chunk
+    // Updates: the steps of the group its parameters missed (lag_, D62); their own count is the
+    // group's minus this. Spans merge only parameters with the same lag.
+    int64_t lag = 0;
   };
 
   struct ChunkNorms {
@@ -488,15 +498,22 @@ class HybridAdam final : private GradSink, private LayoutListener {
   std::vector<at::Tensor> device_norms(const at::Tensor& grads, const std::vector<Span>& spans) const;
   // CpuAdam spans over state (p, m, v) and `grads` (default mode: the new value is written over each grad;
   // accumulation mode: into `lowp`, a 16-bit parameter chunk payload, when given).
-  std::vector<std::pair<int, AdamSpan>> adam_spans(const std::vector<Span>& spans, float* p, float* m, float* v,
-                                                   const at::Tensor& grads, const at::Tensor& lowp = {}) const;
+  std::vector<std::pair<Span, AdamSpan>> adam_spans(const std::vector<Span>& spans, float* p, float* m, float* v,
+                                                    const at::Tensor& grads, const at::Tensor& lowp = {}) const;
+  // The options and step count span `s` is updated with: its group's (as `frozen` froze them, or now),
+  // the step count lessened by the span's lag (D62).
+  CpuAdam::FrozenGroup update_group(const Span& s, const std::vector<CpuAdam::FrozenGroup>* frozen) const;
+  // After a step that advanced the groups' step counts: every parameter of an owned chunk that the step
+  // did not update (no gradient landed, or its chunk was skipped: updated_chunks[c] == 0) falls one step
+  // further behind its group (lag_). Before landed_ is cleared. updated_chunks null: every chunk updated.
+  void count_missed_steps_locked(const std::vector<char>* updated_chunks);
   // Accumulation mode at N = 1: layout chunk c's parameter chunk payload when it is where c's state is
   // (host or device) and 16-bit, so that the update writes the new values in its own pass and
   // write_back_locked skips the chunk (marked in lowp_written_); else undefined.
   at::Tensor lowp_target_locked(int64_t chunk);
   // `frozen` (optional): the groups' options and step counts as the step froze them, for an update
   // that runs after the step returned.
-  void run_host_update(const std::vector<std::pair<int, AdamSpan>>& spans, const UpdateOptions& options,
+  void run_host_update(const std::vector<std::pair<Span, AdamSpan>>& spans, const UpdateOptions& options,
                        const std::vector<CpuAdam::FrozenGroup>* frozen = nullptr);
   // Writes the masters of `spans` into the parameter chunk payload `param` (gives landed slots their values back).
   static void restore_values(const at::Tensor& param, const at::Tensor& master, const std::vector<Span>& spans);
@@ -507,7 +524,7 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // The apply half of step(): decides on `norms`, updates, clears the gradients.
   StepResult apply_locked(const ChunkNorms& norms, StepResult result);
   // Spans of parameters that received gradients since the last step, per layout chunk (consecutive
-  // landed slots of one group merged; alignment gaps are zero in every role).
+  // landed slots of one group and one lag merged; alignment gaps are zero in every role).
   std::vector<Span> landed_spans_locked(int64_t chunk) const;
   int64_t num_chunks() const { return static_cast<int64_t>(on_device_.size()); }  // layout chunks mirrored
   // Where chunk c's gradients are: the fp32 accumulation chunk, or (default) the parameter chunk,
@@ -526,8 +543,11 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // Checkpoints (hybrid_adam_io.cpp): the manifest's text; writing it over the previous one (`written`:
   // the files to remove if it fails); the save of several ranks (each writes its part, rank 0 checks
   // the parts and publishes).
-  std::string manifest_text_locked(int64_t generation, const std::string& file_lines) const;
+  // `lags`: every parameter's (lag_ of the ranks that own them).
+  std::string manifest_text_locked(int64_t generation, const std::string& file_lines,
+                                   const std::vector<int64_t>& lags) const;
   void publish_checkpoint_locked(const std::string& dir, int64_t generation, const std::string& file_lines,
+                                 const std::vector<int64_t>& lags,
                                  std::vector<std::string>& written);
   void save_across_ranks_locked(const std::string& dir);
   // Data parallelism (Note [Sharded optimizer state]).
@@ -549,7 +569,8 @@ class HybridAdam final : private GradSink, private LayoutListener {
   };
   GroupBuffer pack_group_locked(int64_t group);
   // The owned chunk c's spans from the summed flags (counts[i]: ranks that landed its i-th tensor):
-  // landed somewhere (by param group, as landed_spans_locked) and landed nowhere. Thread-safe.
+  // landed somewhere (by param group and lag, as landed_spans_locked) and landed nowhere. Thread-safe
+  // (lag_ changes only between steps, when no job runs).
   struct OwnedSpans {
     std::vector<Span> landed, unlanded;
   };
@@ -588,7 +609,7 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // Every grad chunk's squared norm and finiteness; one host sync for all device chunks. `pipelined`:
   // the chunks launched during backward contribute what was computed then.
   ChunkNorms grad_norms_locked(bool pipelined = false);
-  std::vector<std::pair<int, AdamSpan>> host_spans_locked(int64_t chunk);  // (group, span) per span
+  std::vector<std::pair<Span, AdamSpan>> host_spans_locked(int64_t chunk);  // (landed span, its CpuAdam span)
   void host_update_chunk_locked(int64_t chunk, const UpdateOptions& options);
   // `found_inf` (a device flag, optional): the device Adam writes nothing when it is nonzero.
   void device_update_chunk_locked(int64_t chunk, double grad_scale, const at::Tensor& found_inf = {});
@@ -609,6 +630,10 @@ class HybridAdam final : private GradSink, private LayoutListener {
   bool grads_landed_ = false;
   int num_roles_ = 3;
   std::vector<char> landed_;  // per parameter: a gradient landed since the last step/zero_grad
+  // Per parameter of an owned chunk: the applied steps of its group that did not update it (D62). Its
+  // own step count (torch's per-parameter `step`) is the group's minus this. Changes only when a step
+  // ends (count_missed_steps_locked) or a checkpoint is loaded.
+  std::vector<int64_t> lag_;
   // backward_step: landings per parameter in this backward, and those of the previous backward_step.
   std::vector<int64_t> landings_, expected_landings_;
   bool overlap_active_ = false;

@@ -123,7 +123,8 @@ std::vector<HybridAdam::Span> HybridAdam::slot_ranges_locked(int64_t c, const st
 
 HybridAdam::OwnedSpans HybridAdam::owned_spans(int64_t c, const at::Tensor& counts) const {
   // counts[i]: how many ranks landed a gradient for the chunk's i-th tensor (the reduce-scatter's sum of
-  // each rank's 0/1 flags). Landed somewhere: updated, in runs of one param group, as landed_spans_locked.
+  // each rank's 0/1 flags). Landed somewhere: updated, in runs of one param group and lag, as
+  // landed_spans_locked.
   const ChunkLayout& layout = model_.layout();
   const at::Tensor n = counts.to(at::kCPU, at::kFloat);  // the flags, read here (on the device: one small copy)
   const float* k = n.data_ptr<float>();
@@ -143,10 +144,11 @@ HybridAdam::OwnedSpans HybridAdam::owned_spans(int64_t c, const at::Tensor& coun
       continue;
     }
     const int g = group_of_param_[tensors[i]];
-    if (open && out.landed.back().group == g) {
+    const int64_t lag = lag_[tensors[i]];
+    if (open && out.landed.back().group == g && out.landed.back().lag == lag) {
       out.landed.back().end = slot.offset + slot.numel;
     } else {
-      out.landed.push_back({g, slot.offset, slot.offset + slot.numel});
+      out.landed.push_back({g, slot.offset, slot.offset + slot.numel, lag});
     }
     open = true;
   }
@@ -454,8 +456,13 @@ StepResult HybridAdam::finish_dist_pipelined_locked() {
     GroupFlight& flight = flights_[g];
     const int64_t c = g * world_ + rank_;
     flight.pending->wait();
-    if (c >= n || !on_device_[c]) continue;
+    if (c >= n) continue;
     const int64_t tensors = static_cast<int64_t>(model_.layout().chunks()[c].tensors.size());
+    if (!on_device_[c]) {
+      // The owner job updated the union of the ranks' landings: so does the count of missed steps.
+      take_union_locked(c, flight.out.slice(0, flight.cap, flight.cap + tensors));
+      continue;
+    }
     const OwnedSpans spans = owned_spans(c, flight.out.slice(0, flight.cap, flight.cap + tensors));
     const ChunkId pc = model_.param_chunk(c);
     if (params.location(pc) != Location::kDevice) params.move(pc, Location::kDevice);
@@ -493,6 +500,7 @@ StepResult HybridAdam::finish_dist_pipelined_locked() {
     gather_params_locked();
   }
   result.comm_ns = now_ns() - t0;
+  count_missed_steps_locked(&norms.finite);  // the owned chunks with a non-finite gradient were not updated
   model_.clear_grad_slots();
   std::fill(landed_.begin(), landed_.end(), 0);
   grads_landed_ = false;

@@ -18,6 +18,7 @@
 // Plain POSIX file calls, no std::filesystem: libtorch.so (the PyPI wheel) exports its own
 // std::filesystem symbols, which the dynamic linker binds first and which crash (ARCHITECTURE D21).
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <dirent.h>
@@ -44,7 +45,7 @@ namespace ferry {
 namespace {
 
 constexpr const char* kMagic = "ferry-checkpoint";
-constexpr int kVersion = 2;
+constexpr int kVersion = 3;  // 3: per-parameter step counts (D62)
 constexpr const char* kRoleNames[] = {"master", "exp_avg", "exp_avg_sq"};
 constexpr int kMaxDims = 64;                       // more than any torch op supports
 constexpr int64_t kMaxDim = int64_t{1} << 40;      // per dimension
@@ -203,6 +204,9 @@ struct Manifest {
     AdamOptions options;
   };
   std::vector<Group> groups;
+  // Version 3: (parameter, its own step count) for each parameter whose count differs from its group's;
+  // in increasing parameter order. Earlier versions: none (every parameter at its group's count).
+  std::vector<std::pair<int64_t, int64_t>> param_steps;
   LossScalerState scaler;
   struct File {
     std::string name;
@@ -288,8 +292,8 @@ Manifest parse_manifest(const std::string& path) {
   Manifest m;
   r.next(kMagic);
   m.version = static_cast<int>(r.integer(1, 1'000'000));
-  r.fail_unless(m.version == 1 || m.version == kVersion, "this ferry reads checkpoint versions 1 and " +
-                                                             std::to_string(kVersion) + ", got " + std::to_string(m.version));
+  r.fail_unless(m.version <= kVersion, "this ferry reads checkpoint versions 1 to " + std::to_string(kVersion) +
+                                          ", got " + std::to_string(m.version));
   r.done();
   if (m.version >= 2) {
     r.next("generation");
@@ -351,6 +355,20 @@ Manifest parse_manifest(const std::string& path) {
     g.options.validate();
     m.groups.push_back(g);
   }
+  if (m.version >= 3) {
+    r.next("param_steps");
+    const int64_t listed = r.integer(0, count);
+    r.done();
+    for (int64_t i = 0; i < listed; ++i) {
+      r.next("param_step");
+      const int64_t p = r.integer(0, std::max<int64_t>(count - 1, 0));
+      r.fail_unless(m.param_steps.empty() || p > m.param_steps.back().first,
+                    "parameters must be listed in increasing order");
+      const int64_t step = r.integer(0, std::numeric_limits<int64_t>::max());
+      r.done();
+      m.param_steps.emplace_back(p, step);
+    }
+  }
   r.next("loss_scaler");
   r.expect("scale");
   m.scaler.scale = r.number();
@@ -394,8 +412,8 @@ Manifest parse_manifest(const std::string& path) {
 // Steps 1 and 2 of a load: the manifest, names, shapes, group count and file sizes against the model,
 // then one read of every file for its checksum and finite values. Changes nothing; throws on the first
 // problem. `scaler`: the optimizer's loss scaler when it scales (its saved state is validated too).
-Manifest verify_checkpoint(const std::string& dir, const ChunkedModel& model, int num_groups,
-                           const DynamicLossScaler* scaler) {
+Manifest verify_checkpoint(const std::string& dir, const ChunkedModel& model, const std::vector<int>& group_of_param,
+                           int num_groups, const DynamicLossScaler* scaler) {
   const Manifest m = parse_manifest(join(dir, "manifest.txt"));
 
   // 1. Check everything before changing anything.
@@ -409,6 +427,12 @@ Manifest verify_checkpoint(const std::string& dir, const ChunkedModel& model, in
   }
   TORCH_CHECK(static_cast<int>(m.groups.size()) == num_groups, "ferry: checkpoint ", dir, " has ",
               m.groups.size(), " param groups, this optimizer ", num_groups);
+  for (const auto& [p, step] : m.param_steps) {
+    const int g = group_of_param[p];
+    TORCH_CHECK(step < m.groups[g].step, "ferry: checkpoint ", dir, " gives parameter ", m.params[p].name, " ", step,
+                " updates, more than its group (", g, " in this optimizer) has steps, ", m.groups[g].step - 1,
+                " at most (a parameter at its group's count is not listed); were the parameters grouped differently?");
+  }
   const int64_t want_bytes = m.total_numel * static_cast<int64_t>(sizeof(float));
   for (const auto& f : m.files) {
     const int64_t size = file_size(join(dir, f.name));
@@ -471,7 +495,8 @@ void HybridAdam::check_save_target(const std::string& dir) {
   TORCH_CHECK(::unlink(probe.c_str()) == 0, "ferry: cannot remove ", probe, ": ", errno_text());
 }
 
-std::string HybridAdam::manifest_text_locked(int64_t generation, const std::string& file_lines) const {
+std::string HybridAdam::manifest_text_locked(int64_t generation, const std::string& file_lines,
+                                             const std::vector<int64_t>& lags) const {
   std::ostringstream m;
   m << std::setprecision(17) << kMagic << " " << kVersion << "\n";
   m << "generation " << generation << "\n";
@@ -492,6 +517,12 @@ std::string HybridAdam::manifest_text_locked(int64_t generation, const std::stri
       << o.beta2 << " eps " << o.eps << " weight_decay " << o.weight_decay << " mode "
       << (o.mode == AdamMode::kAdam ? "adam" : "adamw") << "\n";
   }
+  int64_t lagging = 0;
+  for (int64_t lag : lags) lagging += lag != 0;
+  m << "param_steps " << lagging << "\n";
+  for (int64_t p = 0; p < model_.num_params(); ++p) {
+    if (lags[p] != 0) m << "param_step " << p << " " << cpu_adam_.step_count(group_of_param_[p]) - lags[p] << "\n";
+  }
   const LossScalerState& s = scaler_.state();
   m << "loss_scaler scale " << s.scale << " clean_steps " << s.clean_steps << " hysteresis_left "
     << s.hysteresis_left << " overflows " << s.overflows << "\n";
@@ -500,9 +531,9 @@ std::string HybridAdam::manifest_text_locked(int64_t generation, const std::stri
 }
 
 void HybridAdam::publish_checkpoint_locked(const std::string& dir, int64_t generation, const std::string& file_lines,
-                                           std::vector<std::string>& written) {
+                                           const std::vector<int64_t>& lags, std::vector<std::string>& written) {
   const std::string manifest_tmp = join(dir, "manifest.tmp." + std::to_string(generation));
-  const std::string text = manifest_text_locked(generation, file_lines);
+  const std::string text = manifest_text_locked(generation, file_lines, lags);
   written.push_back(manifest_tmp);
   DurableFile f(manifest_tmp);
   f.write(text.data(), text.size());
@@ -561,7 +592,7 @@ void HybridAdam::save(const std::string& dir) {
       bytes += role_bytes;
       files << "file " << kRoleNames[r] << " " << name << " bytes " << role_bytes << " crc32c " << crc32c_hex(crc) << "\n";
     }
-    publish_checkpoint_locked(dir, generation, files.str(), written);
+    publish_checkpoint_locked(dir, generation, files.str(), lag_, written);
   } catch (...) {
     for (const std::string& path : written) ::unlink(path.c_str());  // best effort; the old checkpoint stands
     throw;
@@ -633,6 +664,12 @@ void HybridAdam::save_across_ranks_locked(const std::string& dir) {
                                   static_cast<double>(mine[2])}, at::kDouble);
   at::Tensor reports = at::empty({world_ * 4}, at::kDouble);
   comm_->all_gather(reports, report);
+  // Each parameter's lag from the rank that owns its state (D62); the others add zero.
+  at::Tensor lags = at::zeros({np}, at::kDouble);  // exact up to 2^53 steps
+  for (int64_t p = 0; p < np; ++p) {
+    if (owner[p] == rank_) lags.data_ptr<double>()[p] = static_cast<double>(lag_[p]);
+  }
+  comm_->all_reduce(lags, dist::ReduceOp::kSum);
   for (int k = 0; k < world_; ++k) {
     if (reports[k * 4].item<double>() != 0.0) {
       fail_all(k == rank_ ? error : "rank " + std::to_string(k) + " could not write its part (its log says why)");
@@ -667,7 +704,9 @@ void HybridAdam::save_across_ranks_locked(const std::string& dir) {
         lines << "file " << kRoleNames[r] << " " << data_file_name(r, generation) << " bytes " << bytes << " crc32c "
               << crc32c_hex(whole) << "\n";
       }
-      publish_checkpoint_locked(dir, generation, lines.str(), paths);
+      std::vector<int64_t> all_lags(np);
+      for (int64_t p = 0; p < np; ++p) all_lags[p] = static_cast<int64_t>(lags.data_ptr<double>()[p]);
+      publish_checkpoint_locked(dir, generation, lines.str(), all_lags, paths);
     } catch (const std::exception& e) {
       error = cli::message_of(e);
     }
@@ -691,7 +730,7 @@ void HybridAdam::load(const std::string& dir) {
   Manifest m;
   std::string error;
   try {
-    m = verify_checkpoint(dir, model_, num_param_groups(), scaling_ ? &scaler_ : nullptr);
+    m = verify_checkpoint(dir, model_, group_of_param_, num_param_groups(), scaling_ ? &scaler_ : nullptr);
   } catch (const std::exception& e) {
     if (world_ == 1) throw;
     error = cli::message_of(e);
@@ -728,6 +767,8 @@ void HybridAdam::load(const std::string& dir) {
     cpu_adam_.set_options(g, m.groups[g].options);
     cpu_adam_.set_step_count(g, m.groups[g].step);
   }
+  std::fill(lag_.begin(), lag_.end(), 0);
+  for (const auto& [p, step] : m.param_steps) lag_[p] = m.groups[group_of_param_[p]].step - step;
   if (scaling_) {
     scaler_.set_state(m.scaler);
     model_.set_loss_scale(scaler_.scale());

@@ -167,7 +167,7 @@ void expect_step_matches_fp64(HybridAdam& adam, ChunkedModel& model, const PreSt
   for (int64_t p = 0; p < model.num_params(); ++p) {
     const int g = adam.group_of(p);
     const test::AdamStepFp64 ref = test::adam_step_fp64(pre.master[p], pre.grad[p], pre.exp_avg[p], pre.exp_avg_sq[p],
-                                                        adam.group_options(g), adam.step_count(g),
+                                                        adam.group_options(g), adam.param_step_count(p),
                                                         r.clip_coef / r.loss_scale);
     EXPECT_LE(test::excess(adam.master(p).cpu(), ref.param, ref.param_tol), 1.0) << what << ": master " << model.param_name(p);
     EXPECT_LE(test::excess(adam.exp_avg(p).cpu(), ref.exp_avg, ref.exp_avg_tol), 1.0) << what << ": exp_avg "
@@ -259,6 +259,84 @@ TEST(HybridAdam, TwentyStepsEqualTorchAdamWWithEvictionsAndSplitState) {
   for (int64_t p = 0; p < model.num_params(); ++p) {
     EXPECT_TRUE(torch::equal(model.param_values(p).cpu(), adam.master(p))) << model.param_name(p);
   }
+}
+
+// D62: a parameter whose first gradient comes at a later step takes torch's per-parameter step count.
+// fc0 is frozen in both runs for 10 steps (torch::optim::AdamW skips it: no .grad; ferry: no landing),
+// then unfrozen: its first update is torch's first, lr * g / (|g| + eps) plus the decay, and the fp64
+// Adam step with step count 1 (the others' 11). With the group's count for fc0 (the bias corrections of
+// step 11) the update is 0.48 of that: both checks fail.
+TEST(HybridAdam, AParameterFirstUpdatedLateTakesTorchAdamWsFirstStep) {
+  torch::manual_seed(3);
+  TinyLm ref(kVocab, kDim);
+  torch::manual_seed(3);
+  TinyLm net(kVocab, kDim);
+  auto set_trainable = [](torch::nn::Module& m, bool on) {
+    for (auto& p : m.parameters()) p.set_requires_grad(on);
+  };
+  set_trainable(*ref->fc[0], false);
+  set_trainable(*net->fc[0], false);
+  auto ref_opt = reference_adamw(ref);
+  ChunkedModel model(net.ptr(), sim_config(budget_for(3, 2)));
+  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+  options.device_state_chunks = 2;
+  HybridAdam adam(model, options);
+  std::vector<int64_t> late;  // fc0's parameters
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    if (model.param_name(p).rfind("fc0.", 0) == 0) late.push_back(p);
+  }
+  ASSERT_EQ(late.size(), 2u);
+  constexpr int kFrozenSteps = 10;
+  for (int step = 0; step <= kFrozenSteps; ++step) {
+    if (step == kFrozenSteps) {
+      set_trainable(*ref->fc[0], true);
+      set_trainable(*net->fc[0], true);
+    }
+    const Batch b = batch(step);
+    model.backward(model.forward([&] { return lm_loss(net, b.idx, b.target); }));
+    const PreStep pre = snapshot(adam, model);
+    const StepResult r = adam.step();
+    ASSERT_TRUE(r.applied) << "step " << step;
+    adam.zero_grad();
+    ref_opt->zero_grad();
+    lm_loss(ref, b.idx, b.target).backward();
+    std::vector<torch::Tensor> ref_grad, ref_before;
+    auto named = ref->named_parameters();
+    for (int64_t p : late) {
+      const torch::Tensor& t = named[model.param_name(p)];
+      ref_grad.push_back(t.grad().defined() ? t.grad().clone() : torch::Tensor());
+      ref_before.push_back(t.detach().clone());
+    }
+    ref_opt->step();
+    if (step < kFrozenSteps) {
+      for (int64_t p : late) {
+        EXPECT_TRUE(torch::equal(adam.master(p), pre.master[p])) << "frozen " << model.param_name(p) << " changed";
+        EXPECT_EQ(adam.param_step_count(p), 0);
+      }
+      continue;
+    }
+    // Every parameter had a gradient at this step: each against the fp64 step with its own count.
+    expect_step_matches_fp64(adam, model, pre, r, "the step that unfroze fc0");
+    for (size_t k = 0; k < late.size(); ++k) {
+      const int64_t p = late[k];
+      EXPECT_EQ(adam.param_step_count(p), 1) << model.param_name(p);
+      ASSERT_TRUE(ref_grad[k].defined());
+      ASSERT_TRUE(torch::equal(pre.master[p], ref_before[k])) << "frozen alike on both sides";
+      // As expect_first_step_matches_torch: the two sides' gradients differ by what 10 steps of two
+      // correct Adams (different op orders) made of the other parameters; step 1 moves by at most
+      // lr |dg| / (|g| + eps) for it.
+      const auto o = adam.group_options(adam.group_of(p));
+      const auto g_ferry = pre.grad[p].to(torch::kDouble);
+      const auto g_torch = ref_grad[k].to(torch::kDouble);
+      const torch::Tensor after = named[model.param_name(p)].detach().to(torch::kDouble);
+      const auto tol = 2 * 16 * test::kUnitRoundoff * (after.abs() + o.lr) +
+                       2 * o.lr * (g_ferry - g_torch).abs() / (g_torch.abs() + o.eps);
+      EXPECT_LE(test::excess(adam.master(p).cpu(), after, tol), 1.0)
+          << "first update of " << model.param_name(p) << " vs torch::optim::AdamW's";
+    }
+  }
+  EXPECT_EQ(adam.step_count(0), kFrozenSteps + 1);
+  EXPECT_EQ(adam.param_step_count(0), kFrozenSteps + 1);  // the embedding: a gradient at every step
 }
 
 TEST(HybridAdam, Bf16MastersStartFromTheOriginalFp32Values) {
@@ -1267,7 +1345,7 @@ TEST(HybridAdam, Bf16WritesKeepTheBitsTheyDoNotTouch) {
 // required grad when the optimizer attached), so it was never updated and its .grad grew every step;
 // and a parameter frozen after attaching kept a hook that outlived the model. Against the unwrapped
 // twin under ferry's CpuAdam (which, as HybridAdam, skips a parameter without a gradient and takes the
-// bias corrections from its group's step count): every loss and final master bit-identical, no .grad
+// bias corrections from its own step count, D62): every loss and final master bit-identical, no .grad
 // left anywhere, and after the model is gone the module trains plainly with its hooks removed.
 TEST(HybridAdam, FreezingAndUnfreezingDuringTrainingAsTheUnwrappedTwin) {
   const auto nets = twins(77);

@@ -352,6 +352,21 @@ TEST(HybridAdamIo, EveryCorruptionIsRefusedAndChangesNothing) {
       {"a data file name that is not this generation's",
        [&] { write_text(manifest, replace(read_text(manifest), "master.", "../master.")); }, "expected file name"},
       {"text after the end", [&] { write_text(manifest, read_text(manifest) + "param 9\n"); }, "text after 'end'"},
+      {"a parameter with as many updates as its group has steps (D62)",
+       [&] { write_text(manifest, replace(read_text(manifest), "param_steps 0\n", "param_steps 1\nparam_step 2 2\n")); },
+       "gives parameter norm.weight 2 updates, more than its group"},
+      {"parameter step counts out of order",
+       [&] {
+         write_text(manifest, replace(read_text(manifest), "param_steps 0\n",
+                                      "param_steps 2\nparam_step 3 1\nparam_step 1 0\n"));
+       },
+       "listed in increasing order"},
+      {"more parameter step counts than parameters",
+       [&] { write_text(manifest, replace(read_text(manifest), "param_steps 0\n", "param_steps 7\n")); },
+       "expected an integer in [0, 6]"},
+      {"a version this ferry does not know",
+       [&] { write_text(manifest, replace(read_text(manifest), "ferry-checkpoint 3\n", "ferry-checkpoint 4\n")); },
+       "reads checkpoint versions 1 to 3, got 4"},
   };
   for (const Case& c : cases) {
     source.adam->save(dir);
@@ -360,6 +375,42 @@ TEST(HybridAdamIo, EveryCorruptionIsRefusedAndChangesNothing) {
     EXPECT_NE(msg.find(c.message), std::string::npos) << c.what << ": " << msg;
     EXPECT_TRUE(torch::equal(target.state(), before)) << c.what << ": a failed load must change nothing";
   }
+  remove_tree(root);
+}
+
+// D62: each parameter's own step count is saved (version 3) where it differs from its group's, and a
+// resume continues with it: a layer frozen for the first steps and unfrozen later, saved and loaded into
+// a fresh model, trains on bit-identically to the run that was never interrupted. A version-2 manifest
+// (no counts) loads with every parameter at its group's count.
+TEST(HybridAdamIo, PerParameterStepCountsSurviveSaveAndLoad) {
+  const std::string root = make_temp_dir("param_steps");
+  const std::string dir = root + "/ckpt";
+  Trainer straight(11);
+  for (auto& p : straight.net->a->parameters()) p.set_requires_grad(false);
+  straight.train(0, 3);
+  for (auto& p : straight.net->a->parameters()) p.set_requires_grad(true);
+  straight.train(3, 2);
+  straight.adam->save(dir);
+  const std::string manifest = read_text(dir + "/manifest.txt");
+  EXPECT_NE(manifest.find("param_steps 2\nparam_step 0 2\nparam_step 1 2\n"), std::string::npos) << manifest;
+  Trainer resumed(99);
+  resumed.adam->load(dir);
+  for (int64_t p = 0; p < straight.model->num_params(); ++p) {
+    EXPECT_EQ(resumed.adam->param_step_count(p), straight.adam->param_step_count(p)) << straight.model->param_name(p);
+    EXPECT_EQ(straight.adam->param_step_count(p), p < 2 ? 2 : 5) << straight.model->param_name(p);
+  }
+  straight.train(5, 3);
+  resumed.train(5, 3);
+  EXPECT_TRUE(torch::equal(resumed.state(), straight.state()));
+
+  // The same checkpoint as version 2 wrote it: no counts, so every parameter at its group's.
+  std::string v2 = manifest;
+  v2.replace(v2.find("ferry-checkpoint 3"), 18, "ferry-checkpoint 2");
+  v2.erase(v2.find("param_steps 2\n"), std::string("param_steps 2\nparam_step 0 2\nparam_step 1 2\n").size());
+  write_text(dir + "/manifest.txt", v2);
+  Trainer old(98);
+  old.adam->load(dir);
+  for (int64_t p = 0; p < old.model->num_params(); ++p) EXPECT_EQ(old.adam->param_step_count(p), 5);
   remove_tree(root);
 }
 

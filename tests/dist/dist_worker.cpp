@@ -12,6 +12,8 @@
 // --frozen-rank=R: rank R's rows give the MLP no gradient (its parameters land on the other ranks only);
 // with world size 1, --emulate-world=N makes the reference: the loss is the mean over the N ranks' rows,
 // rank R's rows frozen.
+// --frozen-until=K: the MLP (up, down) does not require grad before step K, on every rank (a parameter's
+// own step count then lags its group's, D62).
 // --warmup-iterations=W: SchedulerOptions::warmup_iterations (the repack comes after W iterations).
 // --eval-every=K: after every K-th step an evaluation forward (no backward) on the rank's rows.
 // --shard-params=0: every rank keeps every parameter chunk (Note [Sharded parameters] off).
@@ -103,6 +105,7 @@ int run(int argc, char** argv) {
   const int die_at = std::stoi(option(rest, "die-at-step", "-1"));
   const int die_rank = std::stoi(option(rest, "die-rank", "-1"));
   const int frozen_rank = std::stoi(option(rest, "frozen-rank", "-1"));
+  const int frozen_until = std::stoi(option(rest, "frozen-until", "0"));
   const std::string save = option(rest, "save", ""), resume = option(rest, "resume", "");
   const int discard_step = std::stoi(option(rest, "discard-step", "-1"));
   const int emulate = std::stoi(option(rest, "emulate-world", "1"));
@@ -163,6 +166,9 @@ int run(int argc, char** argv) {
   for (int step = first_step; step < steps; ++step) {
     if (step == die_at && config.rank == die_rank) std::_Exit(3);
     if (step == steps - 1 && comm) ring_before_last = comm->stats().ring_bytes_sent;
+    for (auto* layer : {&net->up, &net->down}) {
+      for (auto& p : (*layer)->parameters()) p.set_requires_grad(step >= frozen_until);
+    }
     auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + step);
     const torch::Tensor idx = torch::randint(kVocab, {batch, kSeq}, gen, torch::kLong);
     const torch::Tensor target = (idx * 5 + 1) % kVocab;

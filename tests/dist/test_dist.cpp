@@ -295,6 +295,14 @@ TEST(Dist, AParameterWithoutGradientOnSomeRanksEqualsOneProcess) {
   expect_equals_one_process(2, {"--frozen-rank=1"}, {"--emulate-world=2"});
 }
 
+// D62: the MLP frozen on every rank for the first steps, then trained: its parameters' own step counts
+// lag their group's, counted by the owners of their state (in the pipelined step, by its owner jobs
+// too), as one process counts them.
+TEST(Dist, ALayerFrozenForTheFirstStepsEqualsOneProcess) {
+  expect_equals_one_process(2, {"--frozen-until=2"});
+  expect_equals_one_process(2, {"--frozen-until=2", "--api=backward_step"});
+}
+
 // (A tighter budget: with groups given up after forward, the default one leaves room for every chunk.)
 TEST(Dist, TwoRanksBackwardStepEqualsOneProcess) {
   expect_equals_one_process(2, {"--api=backward_step", "--device-budget=20480"});
@@ -489,10 +497,11 @@ TEST(Dist, TwoRanksAccumulatingIntoBackwardStepEqualOneProcess) {
 
 // save() at world size 2 writes one checkpoint; resumed at 2 the run continues bit for bit as if
 // uninterrupted; resumed at 1 (another world size) it continues too, equal to one process to the
-// rounding of the summed gradients.
+// rounding of the summed gradients. The MLP is frozen until step 4, after the save: its parameters'
+// own step counts (D62), which the owners hold, must come back from the checkpoint.
 TEST(Dist, SaveAtTwoResumeAtTwoEqualsAnUninterruptedRunAndAtOneToo) {
   const std::string whole = temp_dir(), parts = temp_dir(), ckpt = temp_dir() + "/ckpt", single = temp_dir();
-  const std::vector<std::string> common{"--batch=8", "--clip=0.5"};
+  const std::vector<std::string> common{"--batch=8", "--clip=0.5", "--frozen-until=4"};
   auto with = [&](std::vector<std::string> args) {
     args.insert(args.end(), common.begin(), common.end());
     return args;
