@@ -91,6 +91,8 @@ ChunkedModel::ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Conf
     numels_.push_back(p.numel());
   }
   TORCH_CHECK(!params_.empty(), "ferry: the module has no parameters to manage");
+  for (size_t p = 0; p < params_.size(); ++p) impl_index_.emplace_back(params_[p].unsafeGetTensorImpl(), p);
+  std::sort(impl_index_.begin(), impl_index_.end());
   grad_in_slot_.assign(params_.size(), 0);
   policy_ = std::make_shared<OptEvictionPolicy>();
   build({});
@@ -206,10 +208,50 @@ void ChunkedModel::remember_bindings() {
   }
 }
 
+void ChunkedModel::check_module_parameters(const char* where) const {
+  // The index of the wrapped parameter whose TensorImpl is `impl`, or -1.
+  auto index_of = [&](const c10::TensorImpl* impl) -> int64_t {
+    const auto it = std::lower_bound(impl_index_.begin(), impl_index_.end(), impl,
+                                     [](const auto& entry, const c10::TensorImpl* key) { return entry.first < key; });
+    return it != impl_index_.end() && it->first == impl ? it->second : -1;
+  };
+  std::vector<char> seen(params_.size(), 0);
+  bool foreign = false;
+  for (const at::Tensor& t : module_->parameters(/*recurse=*/true)) {
+    if (!t.defined()) continue;
+    const int64_t p = index_of(t.unsafeGetTensorImpl());
+    if (p < 0) {
+      foreign = true;  // and on: `seen` must be whole for the message
+    } else {
+      seen[p] = 1;
+    }
+  }
+  const int64_t missing = std::count(seen.begin(), seen.end(), 0);
+  if (!foreign && missing == 0) return;
+  // The names, for the message (only now: named_parameters builds every name).
+  std::string added, gone;
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    if (item.value().defined() && index_of(item.value().unsafeGetTensorImpl()) < 0) {
+      added += (added.empty() ? "" : ", ") + item.key();
+    }
+  }
+  for (size_t p = 0; p < params_.size(); ++p) {
+    if (!seen[p]) gone += (gone.empty() ? "" : ", ") + names_[p];
+  }
+  TORCH_CHECK(false, "ferry: ", where, ": the module's parameters are not the ones ChunkedModel wrapped (Note [The "
+              "module's parameters]): ", added.empty() ? "" : "it has " + added + ", registered after it was wrapped",
+              !added.empty() && missing > 0 ? "; " : "",
+              missing > 0 ? "it no longer has " + gone + " (replaced or removed after it was wrapped)" : "",
+              ". ferry holds only the parameters it wrapped in its chunks and trains only those: build the whole "
+              "module (adapters, heads, replaced layers) before wrapping it, or wrap it again");
+}
+
 void ChunkedModel::take_writes(const char* where) {
   const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   TORCH_CHECK(!materialized_, "ferry: take_writes() on a materialized ChunkedModel");
   std::vector<WrittenParam> written;
+  int64_t recast = 0, first_recast = -1;  // replacements of another dtype
+  at::ScalarType given = dtype_;
   for (int64_t p = 0; p < num_params(); ++p) {
     at::Tensor& t = params_[p];
     const bool replaced = !t.has_storage() || t.storage().unsafeGetStorageImpl() != bound_storage_[p] ||
@@ -230,11 +272,21 @@ void ChunkedModel::take_writes(const char* where) {
                 "module again to change one)");
     TORCH_CHECK(at::isFloatingType(t.scalar_type()), "ferry: ", where, ": parameter ", names_[p], " was given a "
                 "tensor of dtype ", t.scalar_type(), "; a floating dtype is needed");
+    if (t.scalar_type() != dtype_ && recast++ == 0) {
+      first_recast = p;
+      given = t.scalar_type();
+    }
     const at::Tensor replacement = t.detach();  // keeps the given storage; the parameter views its slot again
     store_->bind(tensor_of_param_[p], t, replacement);
     written.push_back({p, replacement});
   }
   if (written.empty()) return;
+  if (recast > 0) {  // Note [The module's parameters]
+    log::warn("ferry: ", where, ": ", recast, " parameter(s) were given tensors of another dtype (", names_[first_recast],
+              ": ", given, "; module.to(dtype) or torch::load of another precision); their values were taken in at "
+              "ferry's compute dtype, ", dtype_, ", which Config::precision sets: the parameters stay ", dtype_,
+              grad_sink_ ? " (the optimizer's fp32 masters take the values at full precision)" : "");
+  }
   log::info("ferry: ", written.size(), " parameter(s) written (", names_[written.front().param],
             written.size() > 1 ? ", ..." : "", "), taken in before ", where,
             grad_sink_ ? ", into the optimizer's state too" : "");
@@ -524,7 +576,8 @@ void ChunkedModel::begin_forward() {
     transition(ModelPhase::kIdle);  // the previous forward had no backward (evaluation)
     finish_iteration(false, /*forward_only=*/true);
   }
-  take_writes("forward()");  // Note [Writes to parameters]
+  check_module_parameters("forward()");  // Note [The module's parameters]
+  take_writes("forward()");              // Note [Writes to parameters]
   check_trainable();
   transition(ModelPhase::kForward);
   scheduler_->begin_iteration();

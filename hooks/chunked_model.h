@@ -114,6 +114,18 @@ struct ChunkedModelOptions {
 // the optimizer's reads (state_dict(), save(), the masters) take writes in first, so a checkpoint
 // written right after a write holds it.
 
+// Note [The module's parameters]
+// ChunkedModel takes the module's parameters when it wraps it. A submodule or parameter registered
+// afterwards (an adapter, a new head, replace_module) was not in any chunk: on the simulated device it
+// ran, got its .grad from autograd every step and was never updated, silently (on CUDA it would have
+// stayed in host memory). So before each forward the model walks the module's parameters and compares
+// them, by tensor identity, with those it wrapped (check_module_parameters): one it does not hold, or
+// one it holds that the module no longer has, is refused, naming it. Cost: the module's parameters()
+// and a binary search per parameter tensor, before each forward (bench_gpt's
+// "check_parameters_us", D63). A parameter given another dtype (module.to(dtype), or torch::load of
+// another precision) is taken in at the compute dtype (Note [Writes to parameters]), with a warning
+// that says so: the compute dtype is Config::precision's.
+
 // A parameter the user wrote since the model last looked (Note [Writes to parameters]): in place, its
 // slot now holding what was written (`replacement` undefined); or by giving the tensor other storage
 // (`set_()`, `set_data()`, torch::load), `replacement` then being that tensor, as given (any floating
@@ -323,6 +335,9 @@ class ChunkedModel final : private UseListener {
   // parameter, for a write into a slot that holds a gradient (after backward(), before the step) or a
   // replacement of another shape.
   void take_writes(const char* where);
+  // Note [The module's parameters]: fails, naming them, if the module has a parameter this model does
+  // not hold or lacks one it holds. ChunkedModel calls it before each forward().
+  void check_module_parameters(const char* where) const;
 
  private:
   void pre_use(int64_t param) override;
@@ -362,6 +377,8 @@ class ChunkedModel final : private UseListener {
   at::ScalarType dtype_;
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
+  // Each parameter's TensorImpl and index, sorted by address (Note [The module's parameters]).
+  std::vector<std::pair<const c10::TensorImpl*, int64_t>> impl_index_;
   std::vector<ChunkId> param_chunks_;
   int64_t layout_version_ = 0;
   int64_t repack_peak_bytes_ = 0;

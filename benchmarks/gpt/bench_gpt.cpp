@@ -23,7 +23,8 @@
 // forward]; --sync-update: before the step returns), and the schedule floor says so.
 // It also measures the interception overhead in ns per op (an op on a managed parameter inside
 // ChunkedModel's scope against the same op on a plain tensor; and ops outside the scopes on a thread that
-// watches, D57), and one look for writes to the parameters ("take_writes_us", D60).
+// watches, D57), one look for writes to the parameters ("take_writes_us", D60) and one comparison of the
+// module's parameters with the wrapped ones ("check_parameters_us", D63).
 // --find-max: the largest preset (in parameter count) that trains 3 steps within the given budgets.
 // Under torchrun (world size > 1) the parameter chunks are sharded (Note [Sharded parameters]);
 // --replicate-params keeps every chunk on every rank, --keep-gathered keeps a gathered group to the step
@@ -155,6 +156,8 @@ struct FerryResult {
   int64_t chunks = 0, device_state_chunks = 0, evictions = 0;
   // Note [Writes to parameters]: one look for writes over every parameter tensor, none written (us).
   double take_writes_us = 0;
+  // Note [The module's parameters]: one comparison of the module's parameters with the wrapped ones (us).
+  double check_parameters_us = 0;
   int64_t param_tensors = 0;
   // Memory, per parameter and in bytes: at the end of the run (steady state), host and device tiers of
   // both stores (parameter chunks + optimizer state; packing waste included).
@@ -263,6 +266,9 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     const auto t0 = Clock::now();
     for (int i = 0; i < reps; ++i) model.take_writes("bench_gpt");
     r.take_writes_us = since(t0) * 1e6 / reps;
+    const auto t1 = Clock::now();
+    for (int i = 0; i < reps; ++i) model.check_module_parameters("bench_gpt");
+    r.check_parameters_us = since(t1) * 1e6 / reps;
     r.param_tensors = model.num_params();
   }
   // A profiled step is one more, after the measured ones: the profiler's cost stays out of the means.
@@ -757,7 +763,8 @@ int run(int argc, char** argv) {
   out << "  \"ferry\": {\"time\": " << json_times(f.mean) << ", \"phase_clock\": \""
       << (a.unpipelined ? "host, synced per phase" : "backward on the device, optimizer the rest") << "\""
       << ", \"tokens_per_s\": " << tokens / f.mean.total
-      << ", \"take_writes_us\": " << f.take_writes_us << ", \"param_tensors\": " << f.param_tensors
+      << ", \"take_writes_us\": " << f.take_writes_us << ", \"check_parameters_us\": " << f.check_parameters_us
+      << ", \"param_tensors\": " << f.param_tensors
       << ", \"tflops_6n\": " << 6 * n * tokens / f.mean.total / 1e12 << ", \"tflops_8n\": "
       << 8 * n * tokens / f.mean.total / 1e12 << ", \"device_peak_bytes\": " << f.device_peak
       << ", \"host_peak_bytes\": " << f.host_peak << ", \"pinned_peak_bytes\": " << f.pinned_peak

@@ -565,6 +565,64 @@ TEST(ChunkedModel, AReplacementOfAnotherShapeIsRefusedNamingIt) {
   compare_iteration(g.ref, g.net, g.model, loss_of, "after");
 }
 
+// Note [The module's parameters]: a submodule registered after wrapping (an adapter, a new head) was in
+// no chunk and was never trained: autograd gave it a .grad every step, silently. The next forward
+// refuses, naming its parameters, and changes nothing.
+TEST(ChunkedModel, AParameterRegisteredAfterWrappingIsRefusedNamingIt) {
+  EvictedGpt g(35);
+  auto loss_of = tiny_gpt_loss(EvictedGpt::V, EvictedGpt::T);
+  compare_iteration(g.ref, g.net, g.model, loss_of, "before");
+  g.net->register_module("adapter", torch::nn::Linear(EvictedGpt::D, EvictedGpt::D));
+  const std::string error = test::error_of([&] { g.model.forward([&] { return loss_of(g.net); }); });
+  EXPECT_NE(error.find("forward(): the module's parameters are not the ones ChunkedModel wrapped"), std::string::npos)
+      << error;
+  EXPECT_NE(error.find("it has adapter.weight, adapter.bias, registered after it was wrapped"), std::string::npos)
+      << error;
+  EXPECT_EQ(error.find("no longer has"), std::string::npos) << error;
+  EXPECT_EQ(g.model.phase(), ModelPhase::kIdle);
+}
+
+// A submodule replaced after wrapping (replace_module): the new parameters were never in a chunk and
+// the old ones are no longer used. Refused, naming both; with the wrapped submodule back, the model
+// runs on as its twin.
+TEST(ChunkedModel, ASubmoduleReplacedAfterWrappingIsRefusedNamingBoth) {
+  EvictedGpt g(36);
+  auto loss_of = tiny_gpt_loss(EvictedGpt::V, EvictedGpt::T);
+  compare_iteration(g.ref, g.net, g.model, loss_of, "before");
+  const torch::nn::LayerNorm wrapped = g.net->ln_f;
+  g.net->ln_f = g.net->replace_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({EvictedGpt::D})));
+  const std::string error = test::error_of([&] { g.model.forward([&] { return loss_of(g.net); }); });
+  EXPECT_NE(error.find("it has ln_f.weight, ln_f.bias, registered after it was wrapped; it no longer has ln_f.weight, "
+                       "ln_f.bias (replaced or removed after it was wrapped)"),
+            std::string::npos)
+      << error;
+  EXPECT_EQ(g.model.phase(), ModelPhase::kIdle);
+  g.net->ln_f = g.net->replace_module("ln_f", wrapped);
+  compare_iteration(g.ref, g.net, g.model, loss_of, "with the wrapped ln_f back");
+}
+
+// module.to(dtype) after wrapping gives every parameter a tensor of that dtype (set_data): taken in at
+// the compute dtype (Note [Writes to parameters]), with a warning that says the parameters stay in it;
+// the values are the module's (fp32 -> fp64 -> fp32 is exact), so the model runs on as its twin.
+TEST(ChunkedModel, ModuleToAnotherDtypeIsTakenInAtTheComputeDtypeWithAWarning) {
+  EvictedGpt g(37);
+  auto loss_of = tiny_gpt_loss(EvictedGpt::V, EvictedGpt::T);
+  compare_iteration(g.ref, g.net, g.model, loss_of, "before");
+  g.net->to(torch::kDouble);
+  testing::internal::CaptureStderr();
+  const torch::Tensor loss = g.model.forward([&] { return loss_of(g.net); });
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("forward(): " + std::to_string(g.model.num_params()) + " parameter(s) were given tensors of "
+                     "another dtype (wte.weight: Double; module.to(dtype)"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("the parameters stay Float"), std::string::npos) << err;
+  EXPECT_EQ(loss.scalar_type(), torch::kFloat);
+  g.model.backward(loss);
+  for (const auto& p : g.net->parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat);
+  compare_iteration(g.ref, g.net, g.model, loss_of, "after to(kDouble)");
+}
+
 TEST(ChunkedModel, AnEvaluationForwardLeavesEveryParameterReadable) {
   EvictedGpt gpt(11, lagging_copies());
   const int64_t V = EvictedGpt::V, T = EvictedGpt::T;
