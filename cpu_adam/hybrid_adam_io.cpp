@@ -430,8 +430,8 @@ Manifest verify_checkpoint(const std::string& dir, const ChunkedModel& model, co
   for (const auto& [p, step] : m.param_steps) {
     const int g = group_of_param[p];
     TORCH_CHECK(step < m.groups[g].step, "ferry: checkpoint ", dir, " gives parameter ", m.params[p].name, " ", step,
-                " updates, more than its group (", g, " in this optimizer) has steps, ", m.groups[g].step - 1,
-                " at most (a parameter at its group's count is not listed); were the parameters grouped differently?");
+                " updates, not fewer than its group's ", m.groups[g].step, " steps (group ", g, " of this optimizer; a "
+                "parameter at its group's count is not listed): were the parameters grouped differently?");
   }
   const int64_t want_bytes = m.total_numel * static_cast<int64_t>(sizeof(float));
   for (const auto& f : m.files) {

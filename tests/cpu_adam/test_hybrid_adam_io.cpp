@@ -354,7 +354,7 @@ TEST(HybridAdamIo, EveryCorruptionIsRefusedAndChangesNothing) {
       {"text after the end", [&] { write_text(manifest, read_text(manifest) + "param 9\n"); }, "text after 'end'"},
       {"a parameter with as many updates as its group has steps (D62)",
        [&] { write_text(manifest, replace(read_text(manifest), "param_steps 0\n", "param_steps 1\nparam_step 2 2\n")); },
-       "gives parameter norm.weight 2 updates, more than its group"},
+       "gives parameter norm.weight 2 updates, not fewer than its group's 2 steps"},
       {"parameter step counts out of order",
        [&] {
          write_text(manifest, replace(read_text(manifest), "param_steps 0\n",
