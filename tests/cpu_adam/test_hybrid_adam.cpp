@@ -25,6 +25,7 @@
 #include "ferry/hooks/chunked_model.h"
 #include "ferry/hooks/interceptor.h"
 #include "same_state.h"
+#include "test_util.h"
 
 namespace ferry {
 namespace {
@@ -337,6 +338,11 @@ TEST(HybridAdam, AParameterFirstUpdatedLateTakesTorchAdamWsFirstStep) {
   }
   EXPECT_EQ(adam.step_count(0), kFrozenSteps + 1);
   EXPECT_EQ(adam.param_step_count(0), kFrozenSteps + 1);  // the embedding: a gradient at every step
+  const std::string error = test::error_of([&] { adam.param_step_count(model.num_params()); });
+  EXPECT_NE(error.find("expected a parameter index in [0, " + std::to_string(model.num_params()) + "), got " +
+                       std::to_string(model.num_params())),
+            std::string::npos)
+      << error;
 }
 
 TEST(HybridAdam, Bf16MastersStartFromTheOriginalFp32Values) {

@@ -37,6 +37,7 @@
 // --precision=... and every other ferry option. Prints one line "FERRY_DIST_RESULT key=value ...".
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -275,6 +276,22 @@ int run(int argc, char** argv) {
     }
     break;
   }
+  // D62: each parameter's own step count is read on the rank that owns its state; another refuses,
+  // naming the owner. The MLP's count lags its group's by the steps it was frozen (--frozen-until).
+  int64_t own_step_counts = 0;
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    try {
+      const int64_t count = adam.param_step_count(p);
+      const std::string& name = model.param_name(p);
+      const bool mlp = name.rfind("up.", 0) == 0 || name.rfind("down.", 0) == 0;
+      const int64_t want = name == "spare" ? 0 : mlp ? adam.step_count(0) - std::min(frozen_until, steps) : adam.step_count(0);
+      TORCH_CHECK(count == want, "param_step_count of ", name, ": ", count, ", expected ", want);
+      ++own_step_counts;
+    } catch (const c10::Error& e) {
+      const std::string what = e.what_without_backtrace();
+      TORCH_CHECK(what.find("(ask the rank that owns it)") != std::string::npos, "param_step_count(", p, "): ", what);
+    }
+  }
   const auto shards = adam.param_shards();
   const ferry::dist::ParamShardStats ps = shards ? shards->stats() : ferry::dist::ParamShardStats{};
   const ferry::dist::CommStats cs = comm ? comm->stats() : ferry::dist::CommStats{};  // training's, not the checks'
@@ -302,7 +319,8 @@ int run(int argc, char** argv) {
             << " accumulation_jobs=" << (micro > 1 ? adam.pipelined_jobs_started() : 0)
             << " values_from_owners=" << adam.values_from_owners() << " steps=" << steps << " grad_norm=" << grad_norm
             << " loss=" << loss_sum << " eval_loss=" << eval_loss << " touched_ok=" << touched_ok
-            << " touched_refused=" << touched_refused << std::endl;
+            << " touched_refused=" << touched_refused << " own_step_counts=" << own_step_counts
+            << " param_tensors=" << model.num_params() << std::endl;
   if (option(rest, "eval-without-optimizer", "0") == "1") {
     // Training done, the optimizer dropped, the model evaluated: its sharded groups are still gathered
     // at their use (a collective), with nothing of the optimizer left to wait for.

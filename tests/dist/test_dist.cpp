@@ -512,6 +512,14 @@ TEST(Dist, SaveAtTwoResumeAtTwoEqualsAnUninterruptedRunAndAtOneToo) {
   for (const Proc& p : first) ASSERT_EQ(p.exit_code, 0) << describe(first);
   const auto second = run_world(2, with({"--out=" + parts, "--steps=5", "--resume=" + ckpt}));
   for (const Proc& p : second) ASSERT_EQ(p.exit_code, 0) << describe(second);
+  // Each parameter's own step count on the rank that owns it, as the worker expects it (the MLP's
+  // lagging by its 4 frozen steps); every other rank refused it (D62).
+  double own = 0;
+  for (const Proc& p : second) {
+    EXPECT_LT(result_of(p)["own_step_counts"], result_of(p)["param_tensors"]) << describe(second);
+    own += result_of(p)["own_step_counts"];
+  }
+  EXPECT_EQ(own, result_of(second[0])["param_tensors"]) << describe(second);
   for (int r = 0; r < 2; ++r) {
     const std::string name = "/rank" + std::to_string(r) + ".bin";
     EXPECT_EQ(read_params(parts + name), read_params(whole + name)) << "rank " << r << " after resume";
