@@ -80,17 +80,24 @@ ChunkedModel::ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Conf
   options_.scheduler.device_capacity_bytes = capacity;
   options_.scheduler.validate();
   std::unordered_set<const c10::TensorImpl*> seen;
+  int64_t wider = 0;  // float64 parameters
+  std::string first_wider;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
     const at::Tensor& p = item.value();
     if (!p.defined() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: once
     TORCH_CHECK(p.layout() == at::kStrided && at::isFloatingType(p.scalar_type()), "ferry: parameter ",
                 item.key(), " must be a dense floating-point tensor, got ", p.toString());
+    if (p.scalar_type() == at::kDouble && wider++ == 0) first_wider = item.key();
     params_.push_back(p);
     names_.push_back(item.key());
     shapes_.push_back(p.sizes().vec());
     numels_.push_back(p.numel());
   }
   TORCH_CHECK(!params_.empty(), "ferry: the module has no parameters to manage");
+  if (wider > 0) {
+    log::warn("ferry: ", wider, " parameter(s) are float64 (", first_wider, " first); ferry holds them at ", dtype_,
+              " (config.precision) and an optimizer's masters in float32: they train in float32, not float64");
+  }
   for (size_t p = 0; p < params_.size(); ++p) impl_index_.emplace_back(params_[p].unsafeGetTensorImpl(), p);
   std::sort(impl_index_.begin(), impl_index_.end());
   grad_in_slot_.assign(params_.size(), 0);
@@ -429,11 +436,14 @@ void ChunkedModel::check_trainable() {
 
 void ChunkedModel::land_grad(int64_t param, const at::Tensor& variable) {
   if (!grad_sink_) return;
-  const at::Tensor& grad = variable.grad();
+  // Taken out of .grad before anything can fail: a gradient left there after a refusal (a sparse one,
+  // a failed fetch) would be summed into the next backward's by autograd, a failed step's gradient
+  // leaking into the next one (seen with a sparse embedding made dense again).
+  const at::Tensor grad = variable.grad();
   if (!grad.defined()) return;
+  variable.mutable_grad().reset();
   if (!grad_sink_->grads_into_param_slots()) {
     grad_sink_->land_grad(param, grad);
-    variable.mutable_grad().reset();
     return;
   }
   // Note [Gradient in the parameter slot]: the gradient is written into the slot on the device, with
@@ -441,7 +451,8 @@ void ChunkedModel::land_grad(int64_t param, const at::Tensor& variable) {
   // ended); an evicted one is brought back (one chunk transfer, no host stall) rather than given this
   // one gradient by a device->host copy, which would stall the host once per parameter.
   TORCH_CHECK(grad.layout() == at::kStrided, "ferry: gradients must be dense; parameter ", names_[param], " got a ",
-              grad.layout(), " one");
+              grad.layout(), " one (an nn::Embedding built with sparse(true)? Adam, torch's too, takes dense "
+              "gradients: build it with sparse(false))");
   grad_sink_->before_landing(param);
   // ferry's own ops here (the copy into the slot, moves the access makes) must not be intercepted.
   c10::impl::ExcludeDispatchKeyGuard no_intercept(kInterceptKey);
@@ -458,7 +469,6 @@ void ChunkedModel::land_grad(int64_t param, const at::Tensor& variable) {
       grad_in_slot_[param] = 1;
       ++grads_in_slots_;
     }
-    variable.mutable_grad().reset();
     grad_sink_->land_grad(param, slot);
   } catch (...) {
     store_->release(t, TensorState::kHoldAfterBwd);
@@ -557,10 +567,14 @@ void ChunkedModel::pre_use(int64_t param) {
   }
   if (grad_sink_) grad_sink_->await_param(param);  // an update left running behind the step writes its chunk
   TORCH_CHECK(!grad_in_slot_[param], "ferry: parameter ", names_[param], " is used, but its chunk slot holds its "
-              "gradient since its backward (Note [Gradient in the parameter slot]): call the optimizer's step() "
-              "(or zero_grad()) after backward, before the next forward. For gradient accumulation over "
-              "micro-batches construct HybridAdam with accumulate_grads = true. (A model whose backward uses a "
-              "parameter again after its gradient was accumulated needs accumulate_grads too.)");
+              "gradient since its backward (Note [Gradient in the parameter slot])",
+              last_backward_failed_
+                  ? ", which failed: the optimizer's zero_grad() discards the gradients that landed before it "
+                    "failed (its step() would apply them: a partial step)"
+                  : ": call the optimizer's step() (or zero_grad()) after backward, before the next forward. For "
+                    "gradient accumulation over micro-batches construct HybridAdam with accumulate_grads = true. (A "
+                    "model whose backward uses a parameter again after its gradient was accumulated needs "
+                    "accumulate_grads too.)");
   scheduler_->pre_use(param);
 }
 
@@ -629,6 +643,7 @@ void ChunkedModel::backward(const at::Tensor& loss) {
               loss.defined() ? loss.sizes().vec() : std::vector<int64_t>{});
   take_writes("backward()");  // a write between forward() and backward() (Note [Writes to parameters])
   transition(ModelPhase::kBackward);
+  last_backward_failed_ = false;
   scheduler_->begin_backward();
   trace::Span span("model", "backward");
   marks_[kBackwardBegin]->record();
@@ -642,6 +657,7 @@ void ChunkedModel::backward(const at::Tensor& loss) {
     // Autograd has queued its last kernel (and synchronised its streams with this one).
     marks_[kBackwardEnd]->record();
   } catch (...) {
+    last_backward_failed_ = true;
     if (grad_sink_) {
       try {
         grad_sink_->backward_finished(/*aborted=*/true);
@@ -656,6 +672,7 @@ void ChunkedModel::backward(const at::Tensor& loss) {
     try {
       grad_sink_->backward_finished(/*aborted=*/false);
     } catch (...) {
+      last_backward_failed_ = true;
       abort_iteration();
       throw;
     }

@@ -406,6 +406,7 @@ class ChunkedModel final : private UseListener {
   bool remote_hazard_ = false;  // hold_remote_hazard
   bool forward_done_hazard_ = false;  // hold_forward_done_hazard
   bool training_forward_ = false;     // the last forward ran under grad mode (end_forward)
+  bool last_backward_failed_ = false;  // the last backward() threw (pre_use's message then differs)
   std::vector<TensorId> tensor_of_param_;
   std::vector<ChunkId> chunk_of_param_;
   std::vector<const c10::StorageImpl*> registered_;

@@ -1401,6 +1401,60 @@ TEST(HybridAdam, FreezingAndUnfreezingDuringTrainingAsTheUnwrappedTwin) {
   EXPECT_TRUE(net->ln_f->weight.grad().defined());
 }
 
+// A bag of words whose embedding may give sparse gradients (nn::EmbeddingOptions::sparse).
+struct BagOfWordsImpl : torch::nn::Module {
+  explicit BagOfWordsImpl(bool sparse) {
+    emb = register_module("emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(kVocab, kDim).sparse(sparse)));
+    head = register_module("head", torch::nn::Linear(kDim, kVocab));
+  }
+  torch::Tensor loss(const Batch& x) {
+    return torch::nn::functional::cross_entropy(head(emb(x.idx)).reshape({-1, kVocab}), x.target.reshape({-1}));
+  }
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(BagOfWords);
+
+// Sparse gradients, which no Adam takes (torch's refuses them too), fail the backward naming the
+// parameter and the remedy; nothing is updated; the next forward names zero_grad() as the way to drop
+// what landed before the failure, and after it, with the embedding dense, training goes on
+// bit-identical to the twin that was dense from the start (the refused gradient used to stay in .grad,
+// where autograd summed it into the next backward's: the first step then differed by 7e-6).
+TEST(HybridAdam, ASparseGradientIsRefusedNamingTheRemedyAndNothingChanges) {
+  torch::manual_seed(5);
+  BagOfWords ref(/*sparse=*/false);
+  torch::manual_seed(5);
+  BagOfWords net(/*sparse=*/true);
+  ChunkedModel model(net.ptr(), sim_config(budget_for(1, 1)));
+  HybridAdam adam(model, adamw());
+  test::CpuAdamTwin ref_adam(*ref, adamw(), model.config());
+  const std::string err = test::error_of([&] { adam.backward_step(model.forward([&] { return net->loss(batch(0)); })); });
+  EXPECT_NE(err.find("parameter emb.weight got a Sparse one"), std::string::npos) << err;
+  EXPECT_NE(err.find("build it with sparse(false)"), std::string::npos) << err;
+  net->emb->options.sparse(false);
+  // The head's gradient had landed in its slot before the embedding's was refused.
+  const std::string again = test::error_of([&] { model.forward([&] { return net->loss(batch(0)); }); });
+  EXPECT_NE(again.find("parameter head.weight is used, but its chunk slot holds its gradient since its backward "
+                       "(Note [Gradient in the parameter slot]), which failed: the optimizer's zero_grad() discards"),
+            std::string::npos)
+      << again;
+  adam.zero_grad();
+  for (int step = 0; step < 3; ++step) {
+    ref_adam.zero_grad();
+    const torch::Tensor loss_ref = ref->loss(batch(step));
+    loss_ref.backward();
+    ref_adam.step();
+    const torch::Tensor loss = model.forward([&] { return net->loss(batch(step)); });
+    adam.backward_step(loss);
+    ASSERT_TRUE(torch::equal(loss, loss_ref)) << "step " << step;
+  }
+  const auto pr = ref->named_parameters();
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    EXPECT_TRUE(torch::equal(adam.master(p), pr[model.param_name(p)])) << "master of " << model.param_name(p);
+  }
+  EXPECT_EQ(adam.param_step_count(0), 3) << "the refused step counted no update";
+}
+
 // After backward() a slot holds its parameter's gradient until step(): a write then goes into the
 // gradient, and step() refuses to use it, naming the parameter; zero_grad() discards both.
 TEST(HybridAdam, AWriteAfterBackwardIsRefusedByStep) {

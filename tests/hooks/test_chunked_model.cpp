@@ -623,6 +623,26 @@ TEST(ChunkedModel, ModuleToAnotherDtypeIsTakenInAtTheComputeDtypeWithAWarning) {
   compare_iteration(g.ref, g.net, g.model, loss_of, "after to(kDouble)");
 }
 
+// A float64 parameter (a learned temperature kept in double) is held at the compute dtype, and an
+// optimizer's master in float32: wrapping says so, naming it, instead of training it at less precision
+// without a word. A module without one wraps silently.
+TEST(ChunkedModel, AFloat64ParameterIsHeldAtTheComputeDtypeWithAWarning) {
+  auto net = std::make_shared<torch::nn::Module>();
+  net->register_module("fc", torch::nn::Linear(4, 4));
+  testing::internal::CaptureStderr();
+  { ChunkedModel plain(net, tiny_config(4 << 10, 0)); }
+  std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err.find("float64"), std::string::npos) << err;
+  net->register_parameter("temperature", torch::ones({1}, torch::kDouble));
+  testing::internal::CaptureStderr();
+  ChunkedModel model(net, tiny_config(4 << 10, 0));
+  err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("1 parameter(s) are float64 (temperature first); ferry holds them at Float"), std::string::npos)
+      << err;
+  EXPECT_NE(err.find("they train in float32, not float64"), std::string::npos) << err;
+  EXPECT_EQ(net->named_parameters()["temperature"].scalar_type(), torch::kFloat);
+}
+
 TEST(ChunkedModel, AnEvaluationForwardLeavesEveryParameterReadable) {
   EvictedGpt gpt(11, lagging_copies());
   const int64_t V = EvictedGpt::V, T = EvictedGpt::T;
