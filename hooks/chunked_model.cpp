@@ -36,7 +36,7 @@ bool legal(ModelPhase from, ModelPhase to) {
   switch (from) {
     case P::kIdle: return to == P::kForward;
     case P::kForward: return to == P::kForwardDone || to == P::kIdle;
-    case P::kForwardDone: return to == P::kBackward || to == P::kIdle;
+    case P::kForwardDone: return to == P::kBackward || to == P::kIdle || to == P::kForward;
     case P::kBackward: return to == P::kIdle;
   }
   return false;
@@ -584,9 +584,37 @@ void ChunkedModel::post_use(int64_t param) {
                                                                       : TensorState::kHoldAfterFwd);
 }
 
+// Note [Several forwards]
+// A contrastive loss over two views, a distillation term from a second pass, a loss summed over two
+// batches: several forward() calls, then one backward() through all their graphs, as with an unwrapped
+// module. A forward() used to end the previous one's iteration as an evaluation: the warm-up's repack
+// then moved every parameter, and the backward through the first graph met a saved parameter with no
+// storage (a raw "setStorage ... out of bounds" error); later the scheduler traced each forward as an
+// iteration of its own. Now a forward() after a training forward (under grad mode) continues the
+// iteration while some graph of it can still reach a parameter: the backward that may follow needs the
+// parameters as the forwards saw them. The test is the parameters' gradient accumulators: autograd keeps
+// only a weak reference to them in the parameter, the graph holds them, so an accumulator is alive
+// exactly while a graph that can push a gradient into its parameter is (ferry holds none: its gradient
+// hooks live in the parameter's autograd meta). A validation loop that forgot NoGradGuard drops each
+// output before the next forward(): no accumulator is left, and each forward ends the last one's
+// iteration as before (one probe per parameter, only when a forward follows a training forward). The
+// continued iteration is one to the scheduler: one trace position sequence (the warm-up records both
+// forwards and the backward), one forward time from the first forward's start to the last one's end,
+// and ops between the forwards are uses as between forward and backward (D58). A graph that reaches
+// parameters only through frozen ones, or only inside ferry::checkpoint segments (their forward ran
+// without grad), holds no accumulator: a later forward() ends its iteration. The segments recompute
+// from the parameters as they are then; a frozen parameter's saved view meets the warm-up's repack.
+bool ChunkedModel::graph_awaits_backward() const {
+  for (const auto& p : params_) {
+    if (p.requires_grad() && torch::autograd::impl::try_get_grad_accumulator(p)) return true;
+  }
+  return false;
+}
+
 void ChunkedModel::begin_forward() {
   TORCH_CHECK(!materialized_, "ferry: this ChunkedModel was materialized; wrap the module again");
-  if (phase_.load() == ModelPhase::kForwardDone) {
+  const bool continued = phase_.load() == ModelPhase::kForwardDone && training_forward_ && graph_awaits_backward();
+  if (phase_.load() == ModelPhase::kForwardDone && !continued) {
     transition(ModelPhase::kIdle);  // the previous forward had no backward (evaluation)
     finish_iteration(false, /*forward_only=*/true);
   }
@@ -594,15 +622,18 @@ void ChunkedModel::begin_forward() {
   take_writes("forward()");              // Note [Writes to parameters]
   check_trainable();
   transition(ModelPhase::kForward);
+  if (continued) return;  // Note [Several forwards]: the same iteration, its forward marked from its start
   scheduler_->begin_iteration();
   in_iteration_ = true;
+  training_forward_ = false;
   forward_marked_ = backward_marked_ = false;
   marks_[kForwardBegin]->record();
 }
 
 void ChunkedModel::end_forward() {
-  // Note [Between forward and backward]: only a forward that built a graph waits for a backward.
-  training_forward_ = c10::GradMode::is_enabled();
+  // Note [Between forward and backward]: only a forward that built a graph waits for a backward; an
+  // evaluation forward continuing a training iteration (Note [Several forwards]) leaves it waiting.
+  training_forward_ = training_forward_ || c10::GradMode::is_enabled();
   take_writes("the end of forward()");  // a write inside forward (Note [Writes to parameters])
   transition(ModelPhase::kForwardDone);
   marks_[kForwardEnd]->record();

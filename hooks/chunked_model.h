@@ -38,6 +38,9 @@
 //    of its parameter chunk (Note [Gradient in the parameter slot]).
 //  - An exception thrown inside forward()/backward() propagates; every parameter use it interrupted is
 //    released, the iteration is dropped from tracing, and the model stays usable.
+//  - Several forward() calls may come before one backward() (two views of a batch, a loss over two
+//    passes): while a graph of this iteration's forwards still reaches a parameter, the next forward()
+//    continues the iteration (Note [Several forwards]); otherwise it ends the last one as an evaluation.
 //  - Not for concurrent forward() calls on one ChunkedModel.
 #include <torch/nn/module.h>
 
@@ -235,7 +238,8 @@ class ChunkedModel final : private UseListener {
   // The one listener told of repacks (null: none). Not inside an iteration.
   void set_layout_listener(LayoutListener* listener);
   LayoutListener* layout_listener() const { return layout_listener_; }
-  // Ends an iteration that had no backward (evaluation); forward() also does it implicitly. A forward
+  // Ends an iteration that had no backward (evaluation); forward() also does it implicitly when no graph
+  // of that iteration's forwards is left (Note [Several forwards]). A forward
   // under NoGradGuard already settled the chunks (every parameter readable, D59); this ends its
   // iteration (the scheduler's, and at N > 1 gives up the groups it gathered).
   void end_iteration();
@@ -354,6 +358,9 @@ class ChunkedModel final : private UseListener {
   void transition(ModelPhase to);
   void begin_forward();
   void end_forward();
+  // Some graph built by this iteration's forwards can still reach a parameter (its gradient
+  // accumulator, which only graphs hold, is alive): a backward may follow (Note [Several forwards]).
+  bool graph_awaits_backward() const;
   void abort_iteration();
   void finish_iteration(bool aborted, bool forward_only = false);
   // Packs params in `order` into a fresh store and binds them (values from the old store if any).
@@ -405,7 +412,7 @@ class ChunkedModel final : private UseListener {
   std::shared_ptr<RemoteChunks> remote_;
   bool remote_hazard_ = false;  // hold_remote_hazard
   bool forward_done_hazard_ = false;  // hold_forward_done_hazard
-  bool training_forward_ = false;     // the last forward ran under grad mode (end_forward)
+  bool training_forward_ = false;     // a forward of this iteration ran under grad mode (end_forward)
   bool last_backward_failed_ = false;  // the last backward() threw (pre_use's message then differs)
   std::vector<TensorId> tensor_of_param_;
   std::vector<ChunkId> chunk_of_param_;

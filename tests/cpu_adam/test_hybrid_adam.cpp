@@ -1401,6 +1401,45 @@ TEST(HybridAdam, FreezingAndUnfreezingDuringTrainingAsTheUnwrappedTwin) {
   EXPECT_TRUE(net->ln_f->weight.grad().defined());
 }
 
+// Note [Several forwards] (hooks/chunked_model.cpp) with the optimizer attached: two forward() calls on
+// two batches per step, one backward of their mean, stepped by backward_step (the pipelined step) and by
+// backward() + step() on alternate steps, under evictions with host and device state: bit-identical to
+// the unwrapped twin from the warm-up on.
+TEST(HybridAdam, SeveralForwardsPerStepAsTheUnwrappedTwin) {
+  const auto nets = twins(78);
+  TinyLm ref = nets.first, net = nets.second;
+  ChunkedModel model(net.ptr(), sim_config(budget_for(3, 2)));
+  HybridAdam adam(model, HybridAdamOptions(adamw()).with_device_state_chunks(2));
+  test::CpuAdamTwin ref_adam(*ref, adamw(), model.config());
+  for (int step = 0; step < 5; ++step) {
+    const Batch x = batch(2 * step), y = batch(2 * step + 1);
+    ref_adam.zero_grad();
+    const torch::Tensor ref_x = lm_loss(ref, x.idx, x.target);  // in this order, as the two forwards run
+    const torch::Tensor ref_y = lm_loss(ref, y.idx, y.target);
+    const torch::Tensor loss_ref = (ref_x + ref_y) / 2;
+    loss_ref.backward();
+    ref_adam.step();
+    const torch::Tensor lx = model.forward([&] { return lm_loss(net, x.idx, x.target); });
+    const torch::Tensor ly = model.forward([&] { return lm_loss(net, y.idx, y.target); });
+    const torch::Tensor loss = (lx + ly) / 2;
+    if (step % 2 == 0) {
+      adam.backward_step(loss);
+    } else {
+      model.backward(loss);
+      adam.step();
+      adam.zero_grad();
+    }
+    ASSERT_TRUE(torch::equal(loss, loss_ref)) << "step " << step;
+    if (step > 0) {  // once the state is placed
+      EXPECT_GT(model.last_iteration().evictions, 0) << "step " << step;
+    }
+  }
+  const auto pr = ref->named_parameters();
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    EXPECT_TRUE(torch::equal(adam.master(p), pr[model.param_name(p)])) << "master of " << model.param_name(p);
+  }
+}
+
 // A bag of words whose embedding may give sparse gradients (nn::EmbeddingOptions::sparse).
 struct BagOfWordsImpl : torch::nn::Module {
   explicit BagOfWordsImpl(bool sparse) {

@@ -32,6 +32,8 @@
 // or re-initialisation would write it; Note [Writes to parameters]): needs --shard-params=0 at N > 1.
 // --loss-term-after-forward=1: after each model.forward(), an L2 term on up.weight added to the loss and
 // head.weight read (Note [Between forward and backward]: uses, gathered on every rank as in forward).
+// --forwards=F: each step's rows in F parts, each in a model.forward() of its own, then one backward of
+// the sum of the parts' losses / F (Note [Several forwards]: one iteration).
 // --copies=stream: the parameter stores copy on the stream-model engine (chunk/stream_model_engine.h:
 // copies pending until waited for, as on CUDA) instead of the synchronous one.
 // --precision=... and every other ferry option. Prints one line "FERRY_DIST_RESULT key=value ...".
@@ -116,7 +118,10 @@ int run(int argc, char** argv) {
   const bool touch = option(rest, "touch-between-steps", "0") == "1";
   const bool write_between = option(rest, "write-between-steps", "0") == "1";
   const bool term_after_forward = option(rest, "loss-term-after-forward", "0") == "1";
+  const int forwards = std::stoi(option(rest, "forwards", "1"));
   TORCH_CHECK(emulate == 1 || config.world_size == 1, "--emulate-world is for the single-process reference");
+  TORCH_CHECK(forwards == 1 || (emulate == 1 && micro == 1 && batch % (config.world_size * forwards) == 0),
+              "--forwards needs --emulate-world=1, --micro=1 and a batch that splits over ranks and forwards");
   TORCH_CHECK(batch % (config.world_size * micro) == 0, "batch must split evenly over ranks and micro-batches");
 
   ferry::log::configure(config.log_level, config.rank);
@@ -177,12 +182,24 @@ int run(int argc, char** argv) {
     for (int m = 0; m < micro; ++m) {
       const int64_t begin = config.rank * rows + m * micro_rows;
       const torch::Tensor x = idx.slice(0, begin, begin + micro_rows), y = target.slice(0, begin, begin + micro_rows);
-      auto loss = model.forward([&] {
+      torch::Tensor loss;
+      for (int f = 1; f < forwards; ++f) {  // the first F - 1 parts; the last one below
+        const int64_t part = micro_rows / forwards;
+        auto l = model.forward([&] {
+          return torch::nn::functional::cross_entropy(
+                     net->forward(x.slice(0, (f - 1) * part, f * part), config.rank == frozen_rank).reshape({-1, kVocab}),
+                     y.slice(0, (f - 1) * part, f * part).reshape({-1})) / forwards;
+        });
+        loss = loss.defined() ? loss + l : l;
+      }
+      const torch::Tensor last_x = forwards == 1 ? x : x.slice(0, (forwards - 1) * (micro_rows / forwards));
+      const torch::Tensor last_y = forwards == 1 ? y : y.slice(0, (forwards - 1) * (micro_rows / forwards));
+      auto last = model.forward([&] {
         if (config.rank == reorder_rank && step >= 1) (void)net->head(torch::zeros({1, kDim}));  // after sharding
         auto ce = [&](const torch::Tensor& xs, const torch::Tensor& ys, bool frozen) {
           return torch::nn::functional::cross_entropy(net->forward(xs, frozen).reshape({-1, kVocab}), ys.reshape({-1}));
         };
-        if (emulate == 1) return ce(x, y, config.rank == frozen_rank) / micro;
+        if (emulate == 1) return ce(last_x, last_y, config.rank == frozen_rank) / (micro * forwards);
         const int64_t part = x.size(0) / emulate;  // the rows the emulated ranks would have
         torch::Tensor sum;
         for (int v = 0; v < emulate; ++v) {
@@ -191,6 +208,7 @@ int run(int argc, char** argv) {
         }
         return sum / (emulate * micro);
       });
+      loss = loss.defined() ? loss + last : last;
       forward_end_bytes = present_param_bytes();
       if (term_after_forward) {  // between forward() and backward(): uses, as in forward
         loss = loss + 1e-3 * net->up->weight.pow(2).sum() / micro;

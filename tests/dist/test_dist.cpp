@@ -303,6 +303,13 @@ TEST(Dist, ALayerFrozenForTheFirstStepsEqualsOneProcess) {
   expect_equals_one_process(2, {"--frozen-until=2", "--api=backward_step"});
 }
 
+// Note [Several forwards] across ranks: each rank's rows in two forward() calls, one backward (groups
+// gathered, given up after forward and reduce-scattered within the one iteration), as one process.
+TEST(Dist, TwoForwardsPerStepEqualOneProcess) {
+  expect_equals_one_process(2, {"--forwards=2"});
+  expect_equals_one_process(2, {"--forwards=2", "--api=backward_step"});
+}
+
 // (A tighter budget: with groups given up after forward, the default one leaves room for every chunk.)
 TEST(Dist, TwoRanksBackwardStepEqualsOneProcess) {
   expect_equals_one_process(2, {"--api=backward_step", "--device-budget=20480"});

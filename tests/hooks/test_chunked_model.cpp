@@ -420,6 +420,69 @@ TEST(ChunkedModel, ForwardOnlyFirstIterationIsHandledOnPurpose) {
   EXPECT_FALSE(s.diverged) << "the training trace is still followed after an evaluation";
 }
 
+// Note [Several forwards]: two forward() calls on two batches, an evaluation forward between them,
+// then one backward() of the combined loss: the loss and every gradient equal the unwrapped model's,
+// bit for bit, from the warm-up (whose repack used to move the parameters under the first graph: a raw
+// storage error) to the steady state, under evictions; the scheduler sees one iteration per backward()
+// and follows its trace once traced.
+TEST(ChunkedModel, SeveralForwardsBeforeOneBackwardMatchTheUnwrappedModel) {
+  EvictedGpt g(21);
+  constexpr int64_t V = EvictedGpt::V, T = EvictedGpt::T;
+  auto loss_of = [](TinyGpt& m, const torch::Tensor& idx) {
+    return torch::nn::functional::cross_entropy(m->forward(idx).view({-1, V}), idx.view({-1}));
+  };
+  const int64_t first = g.model.scheduler().iterations();
+  for (int it = 0; it < 4; ++it) {
+    torch::manual_seed(100 + it);
+    const auto a = torch::randint(0, V, {2, T}, torch::kLong), b = torch::randint(0, V, {2, T}, torch::kLong);
+    zero_grads(*g.ref);
+    zero_grads(*g.net);
+    const auto ref_a = loss_of(g.ref, a);  // in this order, as the forwards run
+    const auto loss_ref = ref_a + 0.5 * loss_of(g.ref, b);
+    loss_ref.backward();
+    const auto la = g.model.forward([&] { return loss_of(g.net, a); });
+    {
+      torch::NoGradGuard no_grad;
+      g.model.forward([&] { return g.net->forward(b); });  // an evaluation between them joins too
+    }
+    const auto lb = g.model.forward([&] { return loss_of(g.net, b); });
+    const auto loss = la + 0.5 * lb;
+    g.model.backward(loss);
+    const std::string what = "iteration " + std::to_string(it);
+    EXPECT_TRUE(torch::equal(loss, loss_ref)) << what << " loss";
+    auto pr = g.ref->named_parameters(), pn = g.net->named_parameters();
+    for (const auto& item : pr) {
+      EXPECT_TRUE(torch::equal(pn[item.key()].grad(), item.value().grad())) << what << " grad of " << item.key();
+    }
+    EXPECT_EQ(g.model.scheduler().iterations(), first + it + 1) << what << ": one iteration per backward()";
+    const IterationStats s = g.model.last_iteration();
+    EXPECT_FALSE(s.forward_only) << what;
+    EXPECT_GT(s.evictions, 0) << what << ": the budget forces evictions";
+    if (it >= 2) {
+      EXPECT_FALSE(s.traced) << what;
+      EXPECT_FALSE(s.diverged) << what << ": the trace holds all three forwards and the backward";
+    }
+  }
+}
+
+// A forward under grad mode whose graph is gone before the next forward() (a validation loop that
+// forgot NoGradGuard) ends its iteration there, as an evaluation: each is an iteration of its own, and
+// the training iteration after them follows the trace.
+TEST(ChunkedModel, AForwardWhoseGraphIsGoneEndsItsIterationAtTheNextForward) {
+  EvictedGpt g(22);
+  const auto loss_of = tiny_gpt_loss(EvictedGpt::V, EvictedGpt::T);
+  for (int it = 0; it < 2; ++it) compare_iteration(g.ref, g.net, g.model, loss_of, "training " + std::to_string(it));
+  const int64_t before = g.model.scheduler().iterations();
+  for (int v = 0; v < 3; ++v) {
+    const auto out = g.model.forward([&] { return loss_of(g.net); });
+    EXPECT_TRUE(out.requires_grad());
+    EXPECT_EQ(g.model.scheduler().iterations(), before + v) << "validation " << v;
+  }  // each output (and its graph) is dropped here
+  compare_iteration(g.ref, g.net, g.model, loss_of, "training after validation");
+  EXPECT_EQ(g.model.scheduler().iterations(), before + 4) << "three validation iterations and one training";
+  EXPECT_FALSE(g.model.last_iteration().diverged);
+}
+
 // bf16 compute with float inputs and no hand casts: the same result, bit for bit, as the unwrapped bf16
 // model fed inputs cast by hand; the input's gradient comes back in its own dtype. The same for a loss
 // term added after forward() (an op between forward and backward is a use, cast as inside forward).
