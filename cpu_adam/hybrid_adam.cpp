@@ -63,6 +63,13 @@ HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
       scaler_(options_.loss_scaler) {
   const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   check_idle("HybridAdam()");
+  // Before any state is allocated: a second optimizer would double the state's memory, take the
+  // gradients from the first (which then failed on an internal assert), and, destroyed, detach the other.
+  TORCH_CHECK(model_.grad_sink() == nullptr, "ferry: this ChunkedModel has an optimizer attached already; one "
+              "HybridAdam per model: destroy the first before constructing another (with a std::unique_ptr, "
+              "`adam.reset();` before `adam = std::make_unique<ferry::HybridAdam>(...)`, which builds the new one "
+              "before the old one goes). Other options for some parameters are a parameter group "
+              "(HybridAdamOptions::with_group)");
   for (const auto& rule : options_.groups) cpu_adam_.add_param_group(rule.options);
   group_of_param_.assign(model_.num_params(), 0);
   for (int64_t p = 0; p < model_.num_params(); ++p) {
@@ -134,9 +141,11 @@ HybridAdam::~HybridAdam() {
         std::lock_guard<std::mutex> lock(mutex_);
         if (grads_landed_) discard_grads_locked();  // the parameters get their values back
       }
-      model_.set_grad_sink(nullptr);
+      if (model_.grad_sink() == this) {
+        model_.set_grad_sink(nullptr);
+        model_.set_loss_scale(1.0);
+      }
       if (model_.layout_listener() == this) model_.set_layout_listener(nullptr);
-      model_.set_loss_scale(1.0);
     }
   } catch (const std::exception& e) {
     log::error("ferry: HybridAdam could not detach from the model: ", e.what());

@@ -402,6 +402,8 @@ void ChunkedModel::set_grad_sink(GradSink* sink) {
   TORCH_CHECK(phase == ModelPhase::kIdle || (!sink && phase == ModelPhase::kForwardDone),
               "ferry: set_grad_sink() inside an iteration (phase ", to_string(phase), ")");
   TORCH_CHECK(!materialized_, "ferry: set_grad_sink() on a materialized ChunkedModel");
+  TORCH_CHECK(sink == nullptr || grad_sink_ == nullptr || sink == grad_sink_,
+              "ferry: set_grad_sink(): the model's gradients go to another sink already; set null first");
   grad_sink_ = sink;
   install_grad_hooks(sink != nullptr);
 }

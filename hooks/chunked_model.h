@@ -224,8 +224,10 @@ class ChunkedModel final : private UseListener {
   void set_loss_scale(double scale);
   double loss_scale() const { return loss_scale_; }
   // Routes gradients to `sink` (null: back to autograd's .grad). Not inside an iteration (null also
-  // between forward() and backward(): an optimizer destroyed there detaches).
+  // between forward() and backward(): an optimizer destroyed there detaches). One sink at a time: a
+  // second while one is set is refused (its gradients would never reach the first).
   void set_grad_sink(GradSink* sink);
+  GradSink* grad_sink() const { return grad_sink_; }
   // Sharded parameters (dist/param_shards.h; HybridAdam installs them at world size > 1; null: none).
   // Once the layout is final (layout_final()); between iterations. While any chunk is remote,
   // state_dict(), load_state_dict() and materialize() fetch every chunk first: collectives then, called

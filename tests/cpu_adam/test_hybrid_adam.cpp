@@ -1440,6 +1440,45 @@ TEST(HybridAdam, SeveralForwardsPerStepAsTheUnwrappedTwin) {
   }
 }
 
+// One optimizer per model. A second HybridAdam (a second optimizer, or a std::unique_ptr reassigned,
+// which builds the new one before the old one goes) used to take the gradients from the first, which
+// then failed on an internal assert, and destroyed, detached the new one. It is refused before it
+// allocates anything; the first trains on as its twin; once it is gone a new one attaches and trains as
+// a fresh twin does.
+TEST(HybridAdam, ASecondOptimizerOnTheSameModelIsRefusedAndTheFirstTrainsOn) {
+  const auto nets = twins(79);
+  TinyLm ref = nets.first, net = nets.second;
+  ChunkedModel model(net.ptr(), sim_config(budget_for(3, 2)));
+  auto adam = std::make_unique<HybridAdam>(model, HybridAdamOptions(adamw()));
+  auto ref_adam = std::make_unique<test::CpuAdamTwin>(*ref, adamw(), model.config());
+  auto same_step = [&](int step) {
+    const Batch x = batch(step);
+    ref_adam->zero_grad();
+    const torch::Tensor loss_ref = lm_loss(ref, x.idx, x.target);
+    loss_ref.backward();
+    ref_adam->step();
+    const torch::Tensor loss = model.forward([&] { return lm_loss(net, x.idx, x.target); });
+    adam->backward_step(loss);
+    return torch::equal(loss, loss_ref);
+  };
+  EXPECT_TRUE(same_step(0));
+  const std::string err = test::error_of([&] { adam = std::make_unique<HybridAdam>(model, HybridAdamOptions(adamw(1e-3))); });
+  EXPECT_NE(err.find("ferry: this ChunkedModel has an optimizer attached already; one HybridAdam per model"),
+            std::string::npos) << err;
+  EXPECT_NE(err.find("`adam.reset();` before"), std::string::npos) << err;
+  for (int step = 1; step < 3; ++step) EXPECT_TRUE(same_step(step)) << "step " << step;
+  adam.reset();
+  ref_adam.reset();
+  adam = std::make_unique<HybridAdam>(model, HybridAdamOptions(adamw()));
+  ref_adam = std::make_unique<test::CpuAdamTwin>(*ref, adamw(), model.config());
+  for (int step = 3; step < 6; ++step) EXPECT_TRUE(same_step(step)) << "step " << step;
+  const auto pr = ref->named_parameters();
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    EXPECT_TRUE(torch::equal(adam->master(p), pr[model.param_name(p)])) << "master of " << model.param_name(p);
+    EXPECT_EQ(adam->param_step_count(p), 3) << model.param_name(p) << ": the new optimizer counts from 0";
+  }
+}
+
 // A bag of words whose embedding may give sparse gradients (nn::EmbeddingOptions::sparse).
 struct BagOfWordsImpl : torch::nn::Module {
   explicit BagOfWordsImpl(bool sparse) {

@@ -916,6 +916,34 @@ torch.save(tensors, out)
   ::rmdir(dir.c_str());
 }
 
+// A gradient sink that counts what lands.
+struct CountingSink final : GradSink {
+  void land_grad(int64_t, const at::Tensor&) override { ++landed; }
+  int64_t landed = 0;
+};
+
+// One gradient sink at a time: a second is refused while one is set (its gradients would never reach
+// the first); the same one again is no change, and after null another attaches.
+TEST(ChunkedModel, OneGradientSinkAtATime) {
+  torch::manual_seed(8);
+  OddNet net;
+  ChunkedModel model(net.ptr(), tiny_config(4 << 10, 0));
+  CountingSink first, second;
+  model.set_grad_sink(&first);
+  model.set_grad_sink(&first);
+  EXPECT_EQ(test::error_of([&] { model.set_grad_sink(&second); }),
+            "ferry: set_grad_sink(): the model's gradients go to another sink already; set null first");
+  const auto x = torch::randn({2, 16});
+  model.backward(model.forward([&] { return net->forward(x).sum(); }));
+  EXPECT_EQ(first.landed, 6) << "shared, extra and head: weight and bias each (frozen lands none)";
+  EXPECT_EQ(second.landed, 0);
+  model.set_grad_sink(nullptr);
+  model.set_grad_sink(&second);
+  model.backward(model.forward([&] { return net->forward(x).sum(); }));
+  EXPECT_EQ(second.landed, 6);
+  model.set_grad_sink(nullptr);
+}
+
 TEST(ChunkedModel, BadUse) {
   torch::manual_seed(7);
   OddNet net;
