@@ -1479,6 +1479,88 @@ TEST(HybridAdam, ASecondOptimizerOnTheSameModelIsRefusedAndTheFirstTrainsOn) {
   }
 }
 
+// A three-layer perceptron (a GAN's generator or discriminator).
+struct PerceptronImpl : torch::nn::Module {
+  PerceptronImpl(int64_t in, int64_t hidden, int64_t out) {
+    a = register_module("a", torch::nn::Linear(in, hidden));
+    b = register_module("b", torch::nn::Linear(hidden, hidden));
+    c = register_module("c", torch::nn::Linear(hidden, out));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return c(torch::tanh(b(torch::tanh(a(x))))); }
+  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+};
+TORCH_MODULE(Perceptron);
+
+// Two wrapped models whose graphs cross, as a GAN trains them: the discriminator's step on real and
+// generated (detached) samples, then the generator's step through the discriminator, whose forward
+// waits for no backward of its own (its gradients land in its slots from the generator's backward and
+// are discarded, as optimizer.zero_grad() does; or it is frozen for that step). Each under evictions,
+// with its own HybridAdam: bit-identical to the unwrapped twins.
+TEST(HybridAdam, TwoWrappedModelsTrainAsAGanAsTheirTwins) {
+  for (const bool freeze_d : {false, true}) {
+    torch::manual_seed(1);
+    Perceptron g_ref(8, 40, 16), d_ref(16, 40, 1);
+    torch::manual_seed(1);
+    Perceptron g(8, 40, 16), d(16, 40, 1);
+    // 8 KiB chunks: two per model (the 40 x 40 layer with one neighbour), a budget of one.
+    Config config = sim_config(8 << 10);
+    config.chunk_size_bytes = 8 << 10;
+    ChunkedModel mg(g.ptr(), config), md(d.ptr(), config);
+    HybridAdam adam_g(mg, adamw(1e-3)), adam_d(md, adamw(1e-3));
+    test::CpuAdamTwin twin_g(*g_ref, adamw(1e-3), config), twin_d(*d_ref, adamw(1e-3), config);
+    auto bce = [](const torch::Tensor& logits, float target) {
+      return torch::binary_cross_entropy_with_logits(logits, torch::full_like(logits, target));
+    };
+    auto set_trainable = [](torch::nn::Module& m, bool on) {
+      for (auto& p : m.parameters()) p.set_requires_grad(on);
+    };
+    for (int step = 0; step < 4; ++step) {
+      const std::string what = std::string(freeze_d ? "frozen" : "discarded") + " D, step " + std::to_string(step);
+      torch::manual_seed(100 + step);
+      const torch::Tensor z = torch::randn({4, 8}), real = torch::randn({4, 16});
+      twin_d.zero_grad();
+      const torch::Tensor ref_real = d_ref->forward(real);  // in the order the wrapped step runs them
+      const torch::Tensor loss_d_ref = bce(ref_real, 1) + bce(d_ref->forward(g_ref->forward(z).detach()), 0);
+      loss_d_ref.backward();
+      twin_d.step();
+      twin_g.zero_grad();
+      if (freeze_d) set_trainable(*d_ref, false);
+      const torch::Tensor loss_g_ref = bce(d_ref->forward(g_ref->forward(z)), 1);
+      loss_g_ref.backward();
+      twin_g.step();
+      set_trainable(*d_ref, true);
+
+      torch::Tensor fake;
+      {
+        torch::NoGradGuard no_grad;
+        fake = mg.forward([&] { return g->forward(z); });
+        mg.end_iteration();
+      }
+      const torch::Tensor loss_d = md.forward([&] {
+        const torch::Tensor on_real = d->forward(real);
+        return bce(on_real, 1) + bce(d->forward(fake), 0);
+      });
+      adam_d.backward_step(loss_d);
+      if (freeze_d) set_trainable(*d, false);
+      const torch::Tensor generated = mg.forward([&] { return g->forward(z); });
+      const torch::Tensor loss_g = md.forward([&] { return bce(d->forward(generated), 1); });
+      mg.backward(loss_g);
+      adam_g.step();
+      if (!freeze_d) adam_d.zero_grad();
+      set_trainable(*d, true);
+      ASSERT_TRUE(torch::equal(loss_d, loss_d_ref)) << what;
+      ASSERT_TRUE(torch::equal(loss_g, loss_g_ref)) << what;
+    }
+    for (auto [model, adam, ref] : {std::make_tuple(&mg, &adam_g, g_ref.ptr()), std::make_tuple(&md, &adam_d, d_ref.ptr())}) {
+      const auto pr = ref->named_parameters();
+      for (int64_t p = 0; p < model->num_params(); ++p) {
+        EXPECT_TRUE(torch::equal(adam->master(p), pr[model->param_name(p)])) << "master of " << model->param_name(p);
+      }
+      EXPECT_GT(model->last_iteration().evictions, 0) << "the budget forces evictions";
+    }
+  }
+}
+
 // A bag of words whose embedding may give sparse gradients (nn::EmbeddingOptions::sparse).
 struct BagOfWordsImpl : torch::nn::Module {
   explicit BagOfWordsImpl(bool sparse) {
