@@ -568,16 +568,25 @@ void ChunkedModel::pre_use(int64_t param) {
     return;
   }
   if (grad_sink_) grad_sink_->await_param(param);  // an update left running behind the step writes its chunk
-  TORCH_CHECK(!grad_in_slot_[param], "ferry: parameter ", names_[param], " is used, but its chunk slot holds its "
-              "gradient since its backward (Note [Gradient in the parameter slot])",
-              last_backward_failed_
-                  ? ", which failed: the optimizer's zero_grad() discards the gradients that landed before it "
-                    "failed (its step() would apply them: a partial step)"
-                  : ": call the optimizer's step() (or zero_grad()) after backward, before the next forward. For "
-                    "gradient accumulation over micro-batches construct HybridAdam with accumulate_grads = true. (A "
-                    "model whose backward uses a parameter again after its gradient was accumulated needs "
-                    "accumulate_grads too.)");
+  if (grad_in_slot_[param]) refuse_use_of_grad_slot(param);
   scheduler_->pre_use(param);
+}
+
+void ChunkedModel::refuse_use_of_grad_slot(int64_t param) const {
+  const std::string head = "ferry: parameter " + names_[param] + " is used, but its chunk slot holds its gradient";
+  // A use inside backward after the landing: a ferry::checkpoint segment recomputed after another
+  // segment's nested backward landed the gradients of the parameters both use.
+  TORCH_CHECK(phase_.load() != ModelPhase::kBackward, head, ", which landed earlier in this backward (Note "
+              "[Gradient in the parameter slot]): a parameter used in two ferry::checkpoint segments (a checkpointed "
+              "block called twice, or two checkpointed forwards before one backward) is recomputed after the other "
+              "segment's gradients landed, which is not supported; checkpoint such a block in one segment per "
+              "backward, or not at all (docs/ARCHITECTURE.md D64)");
+  TORCH_CHECK(!last_backward_failed_, head, " since its backward (Note [Gradient in the parameter slot]), which "
+              "failed: the optimizer's zero_grad() discards the gradients that landed before it failed (its step() "
+              "would apply them: a partial step)");
+  TORCH_CHECK(false, head, " since its backward (Note [Gradient in the parameter slot]): call the optimizer's step() "
+              "(or zero_grad()) after backward, before the next forward. For gradient accumulation over micro-batches "
+              "construct HybridAdam with accumulate_grads = true");
 }
 
 void ChunkedModel::post_use(int64_t param) {

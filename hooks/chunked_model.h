@@ -378,6 +378,8 @@ class ChunkedModel final : private UseListener {
   friend struct GradLandingHook;
   void land_grad(int64_t param, const at::Tensor& variable);
   void check_no_grad_in_slots(const char* what) const;
+  // pre_use found `param`'s slot holding its gradient: fails saying why and what to do.
+  void refuse_use_of_grad_slot(int64_t param) const;
   void materialize(bool fetch_remote);
 
   std::shared_ptr<torch::nn::Module> module_;
