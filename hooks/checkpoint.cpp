@@ -5,36 +5,82 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <ATen/SequenceNumber.h>
 
+#include <atomic>
 #include <memory>
+#include <unordered_set>
+
+#include "ferry/common/logging.h"
+#include "ferry/hooks/param_use_recorder.h"
 
 namespace ferry {
 namespace {
 
-// fn travels through AutogradContext::saved_data as an opaque capsule.
+thread_local ParamUseRecorder* innermost_recorder = nullptr;
+
+// fn travels through AutogradContext::saved_data as an opaque capsule; `out` carries fn's result from
+// checkpoint() into forward() (taken there: the graph must not hold its own output).
 struct FnHolder : torch::CustomClassHolder {
   explicit FnHolder(CheckpointFn f) : fn(std::move(f)) {}
   CheckpointFn fn;
+  at::Tensor out;
 };
 
+// Note [Checkpoint parameters as inputs]
+// A segment's recompute runs in backward, and its nested backward used to accumulate the gradients of
+// the parameters fn uses right there (AccumulateGrad inside the nested call). With ferry a gradient
+// takes its parameter's place in the chunk (D37), so a parameter in two segments (a block checkpointed
+// twice, or one encoder checkpointed in two forwards) was needed by the second recompute after the
+// first had landed its gradient: refused. Now, when ChunkedModel records the parameters fn uses
+// (ParamUseRecorder, during the first run), they are inputs of this Function: backward computes their
+// gradients with autograd::grad, without accumulating, and returns them, so the engine sums every
+// contribution and lands each parameter once, after all its segments have recomputed. Without
+// recorded parameters (no ChunkedModel: plain LibTorch) the nested backward accumulates as before; so
+// it does, warned once, when the recomputed graph reaches a tensor that requires grad and is neither an
+// input nor a recorded parameter (fn captured it): autograd::grad would lose its gradient.
+
+// Whether every leaf the recomputed graph of `out` reaches is one whose gradient the Function returns
+// (`known`: its inputs and recorded parameters; empty leaves, such as a nested checkpoint's anchor, carry
+// no gradient), and every other node was made by the recompute (sequence numbers in [begin, end) on
+// this thread). A tensor fn captures instead of taking it as an input fails it: its gradient would be
+// lost by autograd::grad, so the nested backward accumulates instead.
+bool recompute_is_closed(const at::Tensor& out, const std::unordered_set<const c10::TensorImpl*>& known,
+                         uint64_t begin, uint64_t end) {
+  std::vector<torch::autograd::Node*> stack{out.grad_fn().get()};
+  std::unordered_set<const torch::autograd::Node*> seen;
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    if (node == nullptr || !seen.insert(node).second) continue;
+    if (const auto* acc = dynamic_cast<const torch::autograd::AccumulateGrad*>(node)) {
+      if (acc->variable.numel() != 0 && known.count(acc->variable.unsafeGetTensorImpl()) == 0) return false;
+      continue;
+    }
+    if (node->sequence_nr() < begin || node->sequence_nr() >= end) return false;
+    for (const auto& edge : node->next_edges()) stack.push_back(edge.function.get());
+  }
+  return true;
+}
+
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
-  // `anchor`: an empty tensor that requires grad, so the output has a grad_fn even when no input
-  // requires grad (the parameters fn uses are not inputs of this Function).
+  // `anchor`: an empty tensor that requires grad, so the output has a grad_fn even when nothing else
+  // requires grad. `params`: the parameters fn used (empty: accumulated by the nested backward).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, c10::intrusive_ptr<FnHolder> holder,
-                            const at::Tensor& anchor, at::TensorList input_list) {
+                            const at::Tensor& anchor, at::TensorList input_list, at::TensorList param_list) {
     (void)anchor;
     const std::vector<at::Tensor> inputs = input_list.vec();
     ctx->saved_data["fn"] = c10::IValue::make_capsule(holder);
     std::vector<int64_t> needs_grad;
     for (const auto& t : inputs) needs_grad.push_back(t.defined() && t.requires_grad());
     ctx->saved_data["needs_grad"] = needs_grad;
-    ctx->save_for_backward(inputs);
-    at::Tensor out;
-    {
-      at::NoGradGuard no_grad;
-      out = holder->fn(inputs);
-    }
-    TORCH_CHECK(out.defined(), "ferry: checkpoint: fn returned an undefined tensor");
+    ctx->saved_data["num_inputs"] = static_cast<int64_t>(inputs.size());
+    std::vector<at::Tensor> saved = inputs;
+    saved.insert(saved.end(), param_list.begin(), param_list.end());
+    ctx->save_for_backward(saved);
+    at::Tensor out = std::move(holder->out);
+    holder->out = at::Tensor();
     return out;
   }
 
@@ -42,24 +88,70 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
                                                  torch::autograd::variable_list grad_outputs) {
     auto holder = c10::static_intrusive_pointer_cast<FnHolder>(ctx->saved_data["fn"].toCapsule());
     const auto needs_grad = ctx->saved_data["needs_grad"].toIntVector();
+    const auto num_inputs = static_cast<size_t>(ctx->saved_data["num_inputs"].toInt());
     const auto saved = ctx->get_saved_variables();
     std::vector<at::Tensor> inputs;
-    for (size_t i = 0; i < saved.size(); ++i) {
+    for (size_t i = 0; i < num_inputs; ++i) {
       at::Tensor t = saved[i].defined() ? saved[i].detach() : saved[i];
       if (t.defined() && needs_grad[i]) t.requires_grad_(true);
       inputs.push_back(t);
     }
+    const std::vector<at::Tensor> params(saved.begin() + static_cast<std::ptrdiff_t>(num_inputs), saved.end());
     at::Tensor out;
+    const uint64_t begin = at::sequence_number::peek();
     {
       at::AutoGradMode grad_on(true);
       out = holder->fn(inputs);
     }
-    if (out.requires_grad()) torch::autograd::backward({out}, {grad_outputs[0]});
+    const uint64_t end = at::sequence_number::peek();
+    bool closed = !params.empty() && out.requires_grad();
+    if (closed) {
+      std::unordered_set<const c10::TensorImpl*> known;
+      for (const auto& t : inputs) {
+        if (t.defined()) known.insert(t.unsafeGetTensorImpl());
+      }
+      for (const auto& p : params) known.insert(p.unsafeGetTensorImpl());
+      closed = recompute_is_closed(out, known, begin, end);
+      static std::atomic<bool> warned{false};
+      if (!closed && !warned.exchange(true)) {
+        log::warn("ferry::checkpoint: the segment uses a tensor that requires grad and is neither among its "
+                  "inputs nor a wrapped module's parameter; its gradients (the parameters' too) are accumulated "
+                  "by a nested backward, so a parameter in two such segments of one backward is refused. Pass "
+                  "such tensors in checkpoint's inputs");
+      }
+    }
     torch::autograd::variable_list grads;
     grads.emplace_back();  // for the holder
     grads.emplace_back();  // for the anchor
+    if (!closed) {  // Note [Checkpoint parameters as inputs]: no parameters recorded, or a captured tensor
+      if (out.requires_grad()) torch::autograd::backward({out}, {grad_outputs[0]});
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        grads.push_back(inputs[i].defined() && needs_grad[i] ? inputs[i].grad() : at::Tensor());
+      }
+      grads.resize(2 + inputs.size() + params.size());  // the parameters' were accumulated
+      return grads;
+    }
+    // The gradients of the inputs that need one and of the trainable parameters, not accumulated.
+    std::vector<at::Tensor> wrt;
+    std::vector<int64_t> slot;  // index into grads of each entry of wrt
     for (size_t i = 0; i < inputs.size(); ++i) {
-      grads.push_back(inputs[i].defined() && needs_grad[i] ? inputs[i].grad() : at::Tensor());
+      if (inputs[i].defined() && needs_grad[i]) {
+        wrt.push_back(inputs[i]);
+        slot.push_back(static_cast<int64_t>(2 + i));
+      }
+    }
+    for (size_t k = 0; k < params.size(); ++k) {
+      if (params[k].requires_grad()) {
+        wrt.push_back(params[k]);
+        slot.push_back(static_cast<int64_t>(2 + inputs.size() + k));
+      }
+    }
+    grads.resize(2 + inputs.size() + params.size());
+    if (!wrt.empty()) {
+      const torch::autograd::variable_list g = torch::autograd::grad({out}, wrt, {grad_outputs[0]},
+                                                                     /*retain_graph=*/false,
+                                                                     /*create_graph=*/false, /*allow_unused=*/true);
+      for (size_t j = 0; j < g.size(); ++j) grads[static_cast<size_t>(slot[j])] = g[j];
     }
     return grads;
   }
@@ -67,11 +159,39 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 
 }  // namespace
 
+ParamUseRecorder::ParamUseRecorder() : outer_(innermost_recorder) { innermost_recorder = this; }
+
+ParamUseRecorder::~ParamUseRecorder() {
+  innermost_recorder = outer_;
+  if (outer_ != nullptr) {
+    for (const auto& p : params_) outer_->add(p);
+  }
+}
+
+void ParamUseRecorder::record(const at::Tensor& param) {
+  if (innermost_recorder != nullptr) innermost_recorder->add(param);
+}
+
+void ParamUseRecorder::add(const at::Tensor& param) {
+  if (seen_.insert(param.unsafeGetTensorImpl()).second) params_.push_back(param);
+}
+
 at::Tensor checkpoint(CheckpointFn fn, const std::vector<at::Tensor>& inputs) {
   TORCH_CHECK(fn, "ferry: checkpoint needs a function");
   if (!at::GradMode::is_enabled()) return fn(inputs);
+  auto holder = c10::make_intrusive<FnHolder>(std::move(fn));
+  std::vector<at::Tensor> params;  // Note [Checkpoint parameters as inputs]
+  {
+    const ParamUseRecorder recorder;
+    at::NoGradGuard no_grad;
+    holder->out = holder->fn(inputs);
+    for (const auto& p : recorder.params()) {
+      if (p.requires_grad()) params.push_back(p);
+    }
+  }
+  TORCH_CHECK(holder->out.defined(), "ferry: checkpoint: fn returned an undefined tensor");
   const at::Tensor anchor = at::empty({0}).requires_grad_(true);
-  return CheckpointFunction::apply(c10::make_intrusive<FnHolder>(std::move(fn)), anchor, at::TensorList(inputs));
+  return CheckpointFunction::apply(holder, anchor, at::TensorList(inputs), at::TensorList(params));
 }
 
 }  // namespace ferry

@@ -5,8 +5,12 @@
 //   x = ferry::checkpoint([&](const std::vector<at::Tensor>& in) { return block->forward(in[0]); }, {x});
 //
 // Forward: fn runs under no-grad; only the inputs are kept. Backward: fn runs again with grad on, on
-// detached copies of the inputs, and the incoming gradient is pushed through that recomputed graph
-// (a nested backward), which accumulates the gradients of the parameters fn used and of the inputs.
+// detached copies of the inputs, and the incoming gradient is pushed through that recomputed graph.
+// Inside a ChunkedModel the parameters fn used (recorded in forward, hooks/param_use_recorder.h) are
+// inputs of the checkpoint's autograd node: their gradients are computed without being accumulated
+// and handed to the outer backward, which lands each parameter's once, after all its uses, so a block
+// may be checkpointed twice per backward (Note [Checkpoint parameters as inputs], checkpoint.cpp).
+// Without a ChunkedModel the nested backward accumulates the parameters' gradients, as LibTorch would.
 // Parameter accesses inside the recompute go through ChunkedModel's hooks like any other op, so the
 // chunks fn needs are brought back for it.
 //
@@ -14,7 +18,10 @@
 //  - fn must compute the same function both times: no randomness (dropout) unless it reseeds itself,
 //    no state changed by the first call that the second reads (BatchNorm running stats are updated
 //    twice).
-//  - fn returns one tensor; inputs that require grad get gradients, others none.
+//  - fn returns one tensor; inputs that require grad get gradients, others none, and so do the managed
+//    parameters fn uses. Inside a ChunkedModel, a tensor that requires grad and that fn captures
+//    instead of taking it in `inputs` (not a parameter of a wrapped module) gets no gradient: pass it in
+//    `inputs`.
 //  - Works with or without ChunkedModel; without grad mode on, it is just fn(inputs).
 #include <ATen/core/Tensor.h>
 

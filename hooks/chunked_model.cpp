@@ -18,6 +18,7 @@
 #include "ferry/common/gpu_info.h"
 #include "ferry/chunk/repack.h"
 #include "ferry/common/logging.h"
+#include "ferry/hooks/param_use_recorder.h"
 
 namespace ferry {
 namespace {
@@ -569,18 +570,20 @@ void ChunkedModel::pre_use(int64_t param) {
   }
   if (grad_sink_) grad_sink_->await_param(param);  // an update left running behind the step writes its chunk
   if (grad_in_slot_[param]) refuse_use_of_grad_slot(param);
+  ParamUseRecorder::record(params_[param]);  // Note [Checkpoint parameters as inputs] (hooks/checkpoint.cpp)
   scheduler_->pre_use(param);
 }
 
 void ChunkedModel::refuse_use_of_grad_slot(int64_t param) const {
   const std::string head = "ferry: parameter " + names_[param] + " is used, but its chunk slot holds its gradient";
-  // A use inside backward after the landing: a ferry::checkpoint segment recomputed after another
-  // segment's nested backward landed the gradients of the parameters both use.
+  // A use inside backward after the landing: a nested backward (an activation checkpoint of the user's
+  // own, reentrant as ferry's used to be) accumulated the gradient, and a later recompute uses the value.
   TORCH_CHECK(phase_.load() != ModelPhase::kBackward, head, ", which landed earlier in this backward (Note "
-              "[Gradient in the parameter slot]): a parameter used in two ferry::checkpoint segments (a checkpointed "
-              "block called twice, or two checkpointed forwards before one backward) is recomputed after the other "
-              "segment's gradients landed, which is not supported; checkpoint such a block in one segment per "
-              "backward, or not at all (docs/ARCHITECTURE.md D64)");
+              "[Gradient in the parameter slot]): a nested backward accumulated it (an activation checkpoint of "
+              "one's own that recomputes in backward, or a ferry::checkpoint segment that captures a tensor "
+              "requiring grad instead of taking it as an input: it warned), and the parameter is used again after; "
+              "with ferry a parameter's gradient must land once per backward, after its last use: use "
+              "ferry::checkpoint, passing captured tensors in its inputs (docs/ARCHITECTURE.md D64)");
   TORCH_CHECK(!last_backward_failed_, head, " since its backward (Note [Gradient in the parameter slot]), which "
               "failed: the optimizer's zero_grad() discards the gradients that landed before it failed (its step() "
               "would apply them: a partial step)");
@@ -611,10 +614,10 @@ void ChunkedModel::post_use(int64_t param) {
 // iteration as before (one probe per parameter, only when a forward follows a training forward). The
 // continued iteration is one to the scheduler: one trace position sequence (the warm-up records both
 // forwards and the backward), one forward time from the first forward's start to the last one's end,
-// and ops between the forwards are uses as between forward and backward (D58). A graph that reaches
-// parameters only through frozen ones, or only inside ferry::checkpoint segments (their forward ran
-// without grad), holds no accumulator: a later forward() ends its iteration. The segments recompute
-// from the parameters as they are then; a frozen parameter's saved view meets the warm-up's repack.
+// and ops between the forwards are uses as between forward and backward (D58). A ferry::checkpoint
+// segment holds its parameters' accumulators too (Note [Checkpoint parameters as inputs]). A graph that
+// reaches parameters only through frozen ones holds none: a later forward() ends its iteration, and a
+// frozen parameter's saved view meets the warm-up's repack.
 bool ChunkedModel::graph_awaits_backward() const {
   for (const auto& p : params_) {
     if (p.requires_grad() && torch::autograd::impl::try_get_grad_accumulator(p)) return true;

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <set>
+#include <utility>
 
 #include "ferry/hooks/checkpoint.h"
 #include "ferry/hooks/chunked_model.h"
@@ -20,7 +21,10 @@ struct MlpStackImpl : torch::nn::Module {
       out.push_back(register_module("out" + std::to_string(i), torch::nn::Linear(2 * d, d)));
     }
   }
-  torch::Tensor block(int i, const torch::Tensor& x) { return x + out[i](torch::gelu(fc[i](ln[i](x)))); }
+  torch::Tensor block(int i, const torch::Tensor& x) {
+    const torch::Tensor y = out[i](torch::gelu(fc[i](ln[i](x))));
+    return x + (gain.defined() ? y * gain : y);
+  }
   torch::Tensor forward(torch::Tensor x) {
     for (int i = 0; i < 4; ++i) {
       if (use_checkpoint) {
@@ -32,10 +36,30 @@ struct MlpStackImpl : torch::nn::Module {
     return x.pow(2).mean();
   }
   bool use_checkpoint = false;
+  torch::Tensor gain;  // defined: a tensor every block captures (not a parameter, not an input)
   std::vector<torch::nn::LayerNorm> ln;
   std::vector<torch::nn::Linear> fc, out;
 };
 TORCH_MODULE(MlpStack);
+
+// A plain MlpStack and its checkpointed twin, with the same initial values.
+std::pair<MlpStack, MlpStack> twins(uint64_t seed) {
+  torch::manual_seed(seed);
+  MlpStack plain(16);
+  torch::manual_seed(seed);
+  MlpStack ckpt(16);
+  ckpt->use_checkpoint = true;
+  return {plain, ckpt};
+}
+
+// The simulated device, 4 KiB chunks, this device budget (0: none).
+Config simulated(int64_t budget) {
+  Config c;
+  c.device = DeviceKind::kSimulated;
+  c.chunk_size_bytes = 4 << 10;
+  c.device_budget_bytes = budget;
+  return c;
+}
 
 void expect_same_grads(MlpStack& a, MlpStack& b) {
   auto pa = a->named_parameters(), pb = b->named_parameters();
@@ -46,11 +70,8 @@ void expect_same_grads(MlpStack& a, MlpStack& b) {
 }
 
 TEST(Checkpoint, GradsEqualPlainUnwrapped) {
-  torch::manual_seed(1);
-  MlpStack plain(16);
-  torch::manual_seed(1);
-  MlpStack ckpt(16);
-  ckpt->use_checkpoint = true;
+  const auto pair = twins(1);
+  MlpStack plain = pair.first, ckpt = pair.second;
   auto x = torch::randn({4, 8, 16});
   auto x1 = x.clone().requires_grad_(true), x2 = x.clone().requires_grad_(true);
   plain->forward(x1).backward();
@@ -60,16 +81,9 @@ TEST(Checkpoint, GradsEqualPlainUnwrapped) {
 }
 
 TEST(Checkpoint, GradsEqualPlainInsideChunkedModelUnderEvictions) {
-  torch::manual_seed(2);
-  MlpStack plain(16);
-  torch::manual_seed(2);
-  MlpStack ckpt(16);
-  ckpt->use_checkpoint = true;
-  Config c;
-  c.device = DeviceKind::kSimulated;
-  c.chunk_size_bytes = 4 << 10;
-  c.device_budget_bytes = 3 * (4 << 10);
-  ChunkedModel model(ckpt.ptr(), c);
+  const auto pair = twins(2);
+  MlpStack plain = pair.first, ckpt = pair.second;
+  ChunkedModel model(ckpt.ptr(), simulated(3 * (4 << 10)));
   auto x = torch::randn({4, 8, 16});
   for (int it = 0; it < 3; ++it) {  // warm-up, then the trace (which includes the recompute) is followed
     for (auto& p : plain->parameters()) p.mutable_grad().reset();
@@ -84,6 +98,29 @@ TEST(Checkpoint, GradsEqualPlainInsideChunkedModelUnderEvictions) {
     EXPECT_FALSE(stats.diverged) << "iteration " << it;
     expect_same_grads(plain, ckpt);
   }
+}
+
+// Note [Checkpoint parameters as inputs]: a block that captures a tensor requiring grad (neither an
+// input nor a wrapped parameter) must not lose its gradient: the segment falls back to the nested
+// backward, says so once, and every gradient, the captured tensor's too, equals the plain model's.
+TEST(Checkpoint, ACapturedTensorStillGetsItsGradientInsideChunkedModel) {
+  const auto pair = twins(4);
+  MlpStack plain = pair.first, ckpt = pair.second;
+  plain->gain = torch::full({16}, 0.5).requires_grad_(true);
+  ckpt->gain = torch::full({16}, 0.5).requires_grad_(true);
+  ChunkedModel model(ckpt.ptr(), simulated(0));
+  const auto x = torch::randn({4, 8, 16});
+  plain->forward(x).backward();
+  testing::internal::CaptureStderr();
+  model.backward(model.forward([&] { return ckpt->forward(x); }));
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("ferry::checkpoint: the segment uses a tensor that requires grad and is neither among its "
+                     "inputs nor a wrapped module's parameter"),
+            std::string::npos)
+      << err;
+  expect_same_grads(plain, ckpt);
+  ASSERT_TRUE(ckpt->gain.grad().defined());
+  EXPECT_TRUE(torch::allclose(ckpt->gain.grad(), plain->gain.grad(), 1e-6, 1e-7));
 }
 
 TEST(Checkpoint, WithoutGradModeIsAPlainCall) {
