@@ -118,7 +118,10 @@ using Uses = c10::SmallVector<Use, 4>;  // no heap allocation for the usual op (
 // storage (padding, a whole-storage view) counts too, as a use of the storage's first parameter (a
 // hazard covers a whole storage: a chunk).
 void find_use(const at::Tensor& t, Uses& uses, bool any_offset) {
-  if (!t.defined() || !t.has_storage()) return;
+  // An empty tensor reads no memory. An empty parameter's range is empty, so its offset used to fall
+  // into the range of the parameter packed after it, a use of that one (a trace that changed with the
+  // repack: a divergence after the warm-up).
+  if (!t.defined() || !t.has_storage() || t.numel() == 0) return;
   const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
   std::shared_lock<std::shared_mutex> lock(registry_mutex());
   auto it = registry().find(storage);

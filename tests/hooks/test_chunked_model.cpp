@@ -916,6 +916,41 @@ torch.save(tensors, out)
   ::rmdir(dir.c_str());
 }
 
+// A module with an empty parameter (numel 0) and a 0-dim one. An op on the empty one reads no memory and
+// is no use: its offset used to fall into the range of the parameter packed after it, so the warm-up
+// traced a use the repacked layout did not have, and the next iteration diverged. Now every iteration
+// has the same uses, none diverges, and the gradients equal the unwrapped module's.
+struct EmptyParamNetImpl : torch::nn::Module {
+  EmptyParamNetImpl() {
+    fc = register_module("fc", torch::nn::Linear(8, 8));
+    scale = register_parameter("scale", torch::tensor(1.5));
+    empty = register_parameter("empty", torch::empty({0}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return (fc(x) * scale + empty.sum()).pow(2).sum(); }
+  torch::nn::Linear fc{nullptr};
+  torch::Tensor scale, empty;
+};
+TORCH_MODULE(EmptyParamNet);
+
+TEST(ChunkedModel, AnEmptyParameterIsNoUseAndTheTraceHolds) {
+  torch::manual_seed(9);
+  EmptyParamNet ref;
+  torch::manual_seed(9);
+  EmptyParamNet net;
+  ChunkedModel model(net.ptr(), tiny_config(4 << 10, 0));
+  const auto x = torch::randn({2, 8});
+  int64_t accesses = -1;
+  for (int it = 0; it < 4; ++it) {
+    compare_iteration(ref, net, model, [&](EmptyParamNet& m) { return m->forward(x); }, "iteration " + std::to_string(it));
+    const IterationStats s = model.last_iteration();
+    EXPECT_FALSE(s.diverged) << "iteration " << it;
+    if (accesses >= 0) {
+      EXPECT_EQ(s.accesses, accesses) << "iteration " << it;
+    }
+    accesses = s.accesses;
+  }
+}
+
 // A gradient sink that counts what lands.
 struct CountingSink final : GradSink {
   void land_grad(int64_t, const at::Tensor&) override { ++landed; }
