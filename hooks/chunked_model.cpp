@@ -43,6 +43,17 @@ bool legal(ModelPhase from, ModelPhase to) {
   return false;
 }
 
+// How many ChunkedModel::backward() calls are running in this process (Note [A backward not through
+// model.backward()]).
+std::atomic<int> g_model_backwards{0};
+
+struct CountedModelBackward {
+  CountedModelBackward() { g_model_backwards.fetch_add(1); }
+  ~CountedModelBackward() { g_model_backwards.fetch_sub(1); }
+  CountedModelBackward(const CountedModelBackward&) = delete;
+  CountedModelBackward& operator=(const CountedModelBackward&) = delete;
+};
+
 }  // namespace
 
 // Runs after autograd accumulated a parameter's .grad: hands it to the model's sink.
@@ -437,7 +448,32 @@ void ChunkedModel::check_trainable() {
   grad_sink_->trainable_changed();
 }
 
+// Note [A backward not through model.backward()]
+// `loss.backward()` where the README says `model.backward(loss)` is the natural slip of a LibTorch user.
+// It ran: on the CPU, the ops of that backward count as uses between forward and backward (D58), so
+// the gradients came out right, but nothing else that model.backward() does happened. The loss was not
+// multiplied by the loss scale, so with fp16 every gradient reached the step 65536 times too small
+// (seen: the step's grad_norm 8.7e-6 for 0.57) and the step divided it by the scale again; the
+// iteration never ended at backward, so the scheduler traced nothing and never repacked, and a loss
+// still held at the next forward kept the iteration open for good (Note [Several forwards]); on CUDA
+// autograd's device threads run outside every interception scope, so a saved view of an evicted chunk
+// would reach a kernel with no memory behind it. So a gradient that reaches a parameter after a
+// training forward while no model's backward() runs in this process is refused, before it lands, naming
+// the call to make. Gradients from another model's backward() are not refused: a GAN's generator
+// trains through its discriminator (D64's GAN test), whose gradients its zero_grad() discards. Nor are
+// those of a backward between iterations or after an evaluation forward (no iteration awaits a
+// backward then; the module is an ordinary module, D35). The check is one atomic load per landing. The
+// refused iteration ends, as an aborted one, at the next forward() (which does not continue it even
+// while its graph is alive) or end_iteration(): its trace is not kept.
 void ChunkedModel::land_grad(int64_t param, const at::Tensor& variable) {
+  if (phase_.load() == ModelPhase::kForwardDone && training_forward_ && g_model_backwards.load() == 0) {
+    variable.mutable_grad().reset();  // nothing lands, nothing is left for autograd to add to
+    backward_refused_ = true;         // the next forward() or end_iteration() ends the iteration, aborted
+    TORCH_CHECK(false, "ferry: parameter ", names_[param], " got a gradient from a backward that did not go "
+                "through model.backward(): call model.backward(loss) (or adam.backward_step(loss)) instead of "
+                "loss.backward(); it applies the loss scale, brings evicted chunks back for autograd and ends "
+                "the iteration. No gradient of this backward landed; run forward() again");
+  }
   if (!grad_sink_) return;
   // Taken out of .grad before anything can fail: a gradient left there after a refusal (a sparse one,
   // a failed fetch) would be summed into the next backward's by autograd, a failed step's gradient
@@ -627,10 +663,13 @@ bool ChunkedModel::graph_awaits_backward() const {
 
 void ChunkedModel::begin_forward() {
   TORCH_CHECK(!materialized_, "ferry: this ChunkedModel was materialized; wrap the module again");
-  const bool continued = phase_.load() == ModelPhase::kForwardDone && training_forward_ && graph_awaits_backward();
+  // Note [A backward not through model.backward()]: a refused backward ends its iteration, aborted.
+  const bool refused = backward_refused_.exchange(false);
+  const bool continued =
+      !refused && phase_.load() == ModelPhase::kForwardDone && training_forward_ && graph_awaits_backward();
   if (phase_.load() == ModelPhase::kForwardDone && !continued) {
     transition(ModelPhase::kIdle);  // the previous forward had no backward (evaluation)
-    finish_iteration(false, /*forward_only=*/true);
+    finish_iteration(/*aborted=*/refused, /*forward_only=*/!refused);
   }
   check_module_parameters("forward()");  // Note [The module's parameters]
   take_writes("forward()");              // Note [Writes to parameters]
@@ -689,11 +728,13 @@ void ChunkedModel::backward(const at::Tensor& loss) {
   take_writes("backward()");  // a write between forward() and backward() (Note [Writes to parameters])
   transition(ModelPhase::kBackward);
   last_backward_failed_ = false;
+  backward_refused_ = false;  // this backward is the iteration's own
   scheduler_->begin_backward();
   trace::Span span("model", "backward");
   marks_[kBackwardBegin]->record();
   try {
     InterceptionScope scope;
+    CountedModelBackward counted;  // Note [A backward not through model.backward()]
     if (loss_scale_ == 1.0) {
       loss.backward();
     } else {
@@ -729,8 +770,9 @@ void ChunkedModel::backward(const at::Tensor& loss) {
 
 void ChunkedModel::end_iteration() {
   if (phase_.load() != ModelPhase::kForwardDone) return;
+  const bool refused = backward_refused_.exchange(false);  // Note [A backward not through model.backward()]
   transition(ModelPhase::kIdle);
-  finish_iteration(false, /*forward_only=*/true);
+  finish_iteration(/*aborted=*/refused, /*forward_only=*/!refused);
 }
 
 void ChunkedModel::abort_iteration() {

@@ -35,7 +35,10 @@
 //    autograd has accumulated it (a post-accumulate-grad hook) and .grad is reset, so no device
 //    gradient outlives its parameter's last use in backward. Where it goes is the sink's choice
 //    (GradSink::grads_into_param_slots): handed to the sink, or written into the parameter's own slot
-//    of its parameter chunk (Note [Gradient in the parameter slot]).
+//    of its parameter chunk (Note [Gradient in the parameter slot]). With a sink, a backward of this
+//    iteration's graph must be backward()'s: a bare `loss.backward()` after a training forward is
+//    refused at its first gradient, before anything lands (Note [A backward not through
+//    model.backward()]); another model's backward() reaching this one's parameters is not.
 //  - An exception thrown inside forward()/backward() propagates; every parameter use it interrupted is
 //    released, the iteration is dropped from tracing, and the model stays usable.
 //  - Several forward() calls may come before one backward() (two views of a batch, a loss over two
@@ -418,6 +421,9 @@ class ChunkedModel final : private UseListener {
   bool forward_done_hazard_ = false;  // hold_forward_done_hazard
   bool training_forward_ = false;     // a forward of this iteration ran under grad mode (end_forward)
   bool last_backward_failed_ = false;  // the last backward() threw (pre_use's message then differs)
+  // land_grad refused a backward that was not backward()'s (Note [A backward not through
+  // model.backward()]); set on autograd's thread: the iteration ends as an aborted one next.
+  std::atomic<bool> backward_refused_{false};
   std::vector<TensorId> tensor_of_param_;
   std::vector<ChunkId> chunk_of_param_;
   std::vector<const c10::StorageImpl*> registered_;

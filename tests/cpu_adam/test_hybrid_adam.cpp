@@ -1723,6 +1723,52 @@ TEST(HybridAdam, ASparseGradientIsRefusedNamingTheRemedyAndNothingChanges) {
   EXPECT_EQ(adam.param_step_count(0), 3) << "the refused step counted no update";
 }
 
+// `loss.backward()` in place of `model.backward(loss)` (Note [A backward not through model.backward()],
+// hooks/chunked_model.cpp). It used to run: with fp16 the loss scale was never applied, so every
+// gradient reached the step 65536 times too small and the iteration never ended. Now it is refused at
+// the first gradient, naming the call, before anything lands; the training that follows is
+// bit-identical to a twin that never made the slip.
+TEST(HybridAdam, ABareLossBackwardIsRefusedAndTrainingGoesOnAsTheTwin) {
+  const auto nets = twins(91);
+  TinyLm net = nets.first, twin = nets.second;
+  ChunkedModel model(net.ptr(), sim_config(budget_for(2, 1), Precision::kFp16));
+  ChunkedModel twin_model(twin.ptr(), sim_config(budget_for(2, 1), Precision::kFp16));
+  HybridAdam adam(model, HybridAdamOptions(adamw()).with_max_grad_norm(1.0));
+  HybridAdam twin_adam(twin_model, HybridAdamOptions(adamw()).with_max_grad_norm(1.0));
+  {
+    const Batch x = batch(0);
+    const torch::Tensor slipped = model.forward([&] { return lm_loss(net, x.idx, x.target); });
+    const std::string err = test::error_of([&] { slipped.backward(); });
+    EXPECT_NE(err.find("got a gradient from a backward that did not go through model.backward(): call "
+                       "model.backward(loss) (or adam.backward_step(loss)) instead of loss.backward()"),
+              std::string::npos)
+        << err;
+    for (int64_t p = 0; p < model.num_params(); ++p) {
+      EXPECT_FALSE(model.grad_in_slot(p)) << model.param_name(p) << ": nothing of the refused backward lands";
+      EXPECT_FALSE(net->named_parameters()[model.param_name(p)].grad().defined()) << model.param_name(p);
+    }
+    EXPECT_EQ(test::error_of([&] { adam.step(); }),
+              "ferry: HybridAdam::step() found no gradients since the last zero_grad(); call model.backward(loss) first");
+  }
+  for (int step = 0; step < 4; ++step) {
+    const Batch x = batch(step);
+    const torch::Tensor loss = model.forward([&] { return lm_loss(net, x.idx, x.target); });
+    const torch::Tensor twin_loss = twin_model.forward([&] { return lm_loss(twin, x.idx, x.target); });
+    model.backward(loss);
+    twin_model.backward(twin_loss);
+    const StepResult r = adam.step();
+    const StepResult twin_r = twin_adam.step();
+    adam.zero_grad();
+    twin_adam.zero_grad();
+    ASSERT_TRUE(torch::equal(loss, twin_loss)) << "step " << step;
+    EXPECT_EQ(r.grad_norm, twin_r.grad_norm) << "step " << step;
+    EXPECT_EQ(r.loss_scale, twin_r.loss_scale) << "step " << step;
+  }
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    EXPECT_TRUE(torch::equal(adam.master(p), twin_adam.master(p))) << model.param_name(p);
+  }
+}
+
 // After backward() a slot holds its parameter's gradient until step(): a write then goes into the
 // gradient, and step() refuses to use it, naming the parameter; zero_grad() discards both.
 TEST(HybridAdam, AWriteAfterBackwardIsRefusedByStep) {

@@ -979,6 +979,44 @@ TEST(ChunkedModel, OneGradientSinkAtATime) {
   model.set_grad_sink(nullptr);
 }
 
+// Note [A backward not through model.backward()]: `loss.backward()` after a training forward is
+// refused at the first gradient, before the sink hears of it, and the iteration ends as an aborted one
+// at the next forward even while the refused graph is alive. Another model's backward() that reaches
+// this one (a GAN's generator through its discriminator) still lands its gradients.
+TEST(ChunkedModel, ABareLossBackwardAfterATrainingForwardIsRefused) {
+  torch::manual_seed(12);
+  OddNet net;
+  ChunkedModel model(net.ptr(), tiny_config(4 << 10, 0));
+  CountingSink sink;
+  model.set_grad_sink(&sink);
+  const auto x = torch::randn({2, 16});
+  const torch::Tensor slipped = model.forward([&] { return net->forward(x).sum(); });
+  const std::string err = test::error_of([&] { slipped.backward(); });
+  EXPECT_NE(err.find("got a gradient from a backward that did not go through model.backward(): call "
+                     "model.backward(loss) (or adam.backward_step(loss)) instead of loss.backward()"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(sink.landed, 0);
+  for (int64_t p = 0; p < model.num_params(); ++p) EXPECT_FALSE(model.grad_in_slot(p)) << model.param_name(p);
+  for (auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
+  const int64_t iterations = model.scheduler().iterations();
+  model.backward(model.forward([&] { return net->forward(x).sum(); }));
+  EXPECT_EQ(sink.landed, 6) << "shared, extra and head: weight and bias each";
+  EXPECT_EQ(model.scheduler().iterations(), iterations + 2)
+      << "the refused iteration ended (aborted) at the next forward instead of continuing, then that one";
+  model.clear_grad_slots();
+
+  torch::manual_seed(13);
+  torch::nn::Linear other(4, 4);
+  ChunkedModel other_model(other.ptr(), tiny_config(4 << 10, 0));
+  const torch::Tensor through = model.forward([&] { return net->forward(x); });
+  other_model.backward(other_model.forward([&] { return other->forward(through).sum(); }));
+  EXPECT_EQ(sink.landed, 12) << "another model's backward() reaches this one";
+  model.end_iteration();
+  model.clear_grad_slots();
+  model.set_grad_sink(nullptr);
+}
+
 TEST(ChunkedModel, BadUse) {
   torch::manual_seed(7);
   OddNet net;
