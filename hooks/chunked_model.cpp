@@ -3,6 +3,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full_like.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <c10/util/Exception.h>
@@ -652,13 +653,48 @@ void ChunkedModel::post_use(int64_t param) {
 // forwards and the backward), one forward time from the first forward's start to the last one's end,
 // and ops between the forwards are uses as between forward and backward (D58). A ferry::checkpoint
 // segment holds its parameters' accumulators too (Note [Checkpoint parameters as inputs]). A graph that
-// reaches parameters only through frozen ones holds none: a later forward() ends its iteration, and a
-// frozen parameter's saved view meets the warm-up's repack.
+// reaches parameters only through frozen ones holds none (a frozen feature network as a perceptual
+// loss, run on the output and on the target): a later forward() ended its iteration, and in the
+// warm-up a frozen weight's saved view met the repack ("setStorage ... out of bounds"). So the node of
+// each tensor forward() returns (alone or in a vector, pair or tuple) is watched too: while it is alive
+// and no backward has run through it (a pre-hook on it says so), a graph that saved views of the
+// chunks may still be backwarded. The pre-hook is what keeps a loss the user holds past the next
+// forward (a logging loop) from holding the iteration open for good once its backward ran, when that
+// backward was not this model's (the user's own `loss.backward()` through a model without a gradient
+// sink, or another model's backward()). A forward that returns something else (a struct) is seen only
+// through its accumulators. Cost: a weak pointer and a pre-hook per returned tensor.
 bool ChunkedModel::graph_awaits_backward() const {
   for (const auto& p : params_) {
     if (p.requires_grad() && torch::autograd::impl::try_get_grad_accumulator(p)) return true;
   }
+  for (const ForwardOutput& o : forward_outputs_) {
+    if (!o.ran->load() && !o.node.expired()) return true;
+  }
   return false;
+}
+
+namespace {
+// Marks that a backward ran through a forward's output node (Note [Several forwards]).
+struct BackwardRanHook final : torch::autograd::FunctionPreHook {
+  explicit BackwardRanHook(std::shared_ptr<std::atomic<bool>> ran) : ran(std::move(ran)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    ran->store(true);
+    return grads;
+  }
+  std::shared_ptr<std::atomic<bool>> ran;
+};
+}  // namespace
+
+void ChunkedModel::note_output(const at::Tensor& out) {
+  if (!c10::GradMode::is_enabled() || !out.defined()) return;
+  const std::shared_ptr<torch::autograd::Node> node = out.grad_fn();
+  if (!node) return;  // a leaf or no graph: nothing saved for a backward
+  for (const ForwardOutput& o : forward_outputs_) {
+    if (o.node.lock() == node) return;  // returned twice (a pair of one tensor)
+  }
+  auto ran = std::make_shared<std::atomic<bool>>(false);
+  node->add_pre_hook(std::make_unique<BackwardRanHook>(ran));
+  forward_outputs_.push_back({node, std::move(ran)});
 }
 
 void ChunkedModel::begin_forward() {
@@ -676,6 +712,7 @@ void ChunkedModel::begin_forward() {
   check_trainable();
   transition(ModelPhase::kForward);
   if (continued) return;  // Note [Several forwards]: the same iteration, its forward marked from its start
+  forward_outputs_.clear();
   scheduler_->begin_iteration();
   in_iteration_ = true;
   training_forward_ = false;
@@ -783,6 +820,7 @@ void ChunkedModel::abort_iteration() {
 void ChunkedModel::finish_iteration(bool aborted, bool forward_only) {
   if (!in_iteration_) return;
   in_iteration_ = false;
+  forward_outputs_.clear();
   // Chunks this iteration did not use may still be updated by the optimizer: done before the store
   // settles and the repack reads them. If one of those updates failed, the iteration still ends (as an
   // aborted one: no repack over a half-written chunk), and the error follows unless one already does.

@@ -42,8 +42,10 @@
 //  - An exception thrown inside forward()/backward() propagates; every parameter use it interrupted is
 //    released, the iteration is dropped from tracing, and the model stays usable.
 //  - Several forward() calls may come before one backward() (two views of a batch, a loss over two
-//    passes): while a graph of this iteration's forwards still reaches a parameter, the next forward()
-//    continues the iteration (Note [Several forwards]); otherwise it ends the last one as an evaluation.
+//    passes): while a graph of this iteration's forwards still reaches a parameter (its gradient
+//    accumulator), or the node of a tensor forward() returned is alive and not yet backwarded (a frozen
+//    model's graph), the next forward() continues the iteration (Note [Several forwards]); otherwise it
+//    ends the last one as an evaluation.
 //  - Not for concurrent forward() calls on one ChunkedModel.
 #include <torch/nn/module.h>
 
@@ -52,6 +54,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -213,6 +216,7 @@ class ChunkedModel final : private UseListener {
     try {
       InterceptionScope scope;
       auto out = fn();
+      note_outputs(out);  // Note [Several forwards]
       end_forward();
       return out;
     } catch (...) {
@@ -364,8 +368,27 @@ class ChunkedModel final : private UseListener {
   void begin_forward();
   void end_forward();
   // Some graph built by this iteration's forwards can still reach a parameter (its gradient
-  // accumulator, which only graphs hold, is alive): a backward may follow (Note [Several forwards]).
+  // accumulator, which only graphs hold, is alive) or a saved view of one (the node of a forward's
+  // output is alive and no backward ran through it): a backward may follow (Note [Several forwards]).
   bool graph_awaits_backward() const;
+  // The autograd nodes of what forward() returned (tensors, alone or in a vector, pair or tuple),
+  // watched by graph_awaits_backward(); anything else returned is not looked into.
+  void note_output(const at::Tensor& out);
+  void note_outputs(const at::Tensor& out) { note_output(out); }
+  void note_outputs(const std::vector<at::Tensor>& out) {
+    for (const at::Tensor& t : out) note_output(t);
+  }
+  template <class A, class B>
+  void note_outputs(const std::pair<A, B>& out) {
+    note_outputs(out.first);
+    note_outputs(out.second);
+  }
+  template <class... T>
+  void note_outputs(const std::tuple<T...>& out) {
+    std::apply([this](const auto&... t) { (note_outputs(t), ...); }, out);
+  }
+  template <class T>
+  void note_outputs(const T&) {}
   void abort_iteration();
   void finish_iteration(bool aborted, bool forward_only = false);
   // Packs params in `order` into a fresh store and binds them (values from the old store if any).
@@ -420,6 +443,13 @@ class ChunkedModel final : private UseListener {
   bool remote_hazard_ = false;  // hold_remote_hazard
   bool forward_done_hazard_ = false;  // hold_forward_done_hazard
   bool training_forward_ = false;     // a forward of this iteration ran under grad mode (end_forward)
+  // Note [Several forwards]: the nodes of this iteration's forward outputs, each with whether a
+  // backward has run through it (a pre-hook on the node sets it).
+  struct ForwardOutput {
+    std::weak_ptr<torch::autograd::Node> node;
+    std::shared_ptr<std::atomic<bool>> ran;
+  };
+  std::vector<ForwardOutput> forward_outputs_;
   bool last_backward_failed_ = false;  // the last backward() threw (pre_use's message then differs)
   // land_grad refused a backward that was not backward()'s (Note [A backward not through
   // model.backward()]); set on autograd's thread: the iteration ends as an aborted one next.

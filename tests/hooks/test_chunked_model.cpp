@@ -483,6 +483,75 @@ TEST(ChunkedModel, AForwardWhoseGraphIsGoneEndsItsIterationAtTheNextForward) {
   EXPECT_FALSE(g.model.last_iteration().diverged);
 }
 
+// Note [Several forwards], a graph through frozen parameters only: a frozen wrapped feature network
+// as a perceptual loss, run on the generated output and on the target before one backward (the
+// target's pass under grad mode or NoGradGuard). Its parameters have no gradient accumulators, so the
+// second forward used to end the first one's iteration; in the warm-up the repack then moved every
+// parameter and the backward met a saved weight view with no storage ("setStorage ... out of bounds").
+// Now the first forward's output node keeps the iteration open until a backward ran through it. The
+// generator's gradients equal the unwrapped pair's bit for bit, under evictions, whether the backward
+// is the feature network's backward() or the user's own (the loss held past the next forward), and
+// the feature network sees one iteration per step and follows its trace.
+TEST(ChunkedModel, AFrozenModelRunTwiceBeforeOneBackwardMatchesTheUnwrappedModel) {
+  auto features = [] {
+    torch::manual_seed(31);
+    auto f = torch::nn::Sequential(torch::nn::Linear(16, 40), torch::nn::Tanh(), torch::nn::Linear(40, 40),
+                                   torch::nn::Tanh(), torch::nn::Linear(40, 40), torch::nn::Tanh(),
+                                   torch::nn::Linear(40, 8));
+    for (auto& p : f->parameters()) p.set_requires_grad(false);
+    return f;
+  };
+  for (const bool own_backward : {false, true}) {
+    const std::string how = own_backward ? "features.backward(loss)" : "loss.backward()";
+    auto ref_f = features(), f = features();
+    torch::manual_seed(32);
+    torch::nn::Linear ref_g(16, 16);
+    torch::manual_seed(32);
+    torch::nn::Linear g(16, 16);
+    ChunkedModel model(f.ptr(), tiny_config(4 << 10, 2 * largest_chunk_bytes(*f, 4 << 10)));
+    torch::Tensor loss;  // held past the next step's forwards, as a logging loop would
+    constexpr int kSteps = 5;
+    for (int step = 0; step < kSteps; ++step) {
+      const std::string when = how + ", step " + std::to_string(step);
+      torch::manual_seed(40 + step);
+      const auto x = torch::randn({4, 16}), target = torch::randn({4, 16});
+      const bool target_no_grad = step % 2 == 1;
+      ref_g->zero_grad();
+      {
+        const torch::Tensor a = ref_f->forward(ref_g->forward(x));
+        torch::Tensor b;
+        if (target_no_grad) {
+          torch::NoGradGuard no_grad;
+          b = ref_f->forward(target);
+        } else {
+          b = ref_f->forward(target);
+        }
+        torch::mse_loss(a, b).backward();
+      }
+      g->zero_grad();
+      const torch::Tensor y = g->forward(x);
+      const torch::Tensor a = model.forward([&] { return f->forward(y); });
+      torch::Tensor b;
+      if (target_no_grad) {
+        torch::NoGradGuard no_grad;
+        b = model.forward([&] { return f->forward(target); });
+      } else {
+        b = model.forward([&] { return f->forward(target); });
+      }
+      loss = torch::mse_loss(a, b);
+      ASSERT_NO_THROW(own_backward ? model.backward(loss) : loss.backward()) << when;
+      EXPECT_TRUE(torch::equal(g->weight.grad(), ref_g->weight.grad())) << when;
+      EXPECT_TRUE(torch::equal(g->bias.grad(), ref_g->bias.grad())) << when;
+      if (step >= 2) {
+        EXPECT_FALSE(model.last_iteration().diverged) << when;
+      }
+    }
+    model.end_iteration();
+    EXPECT_EQ(model.scheduler().iterations(), kSteps) << how << ": one iteration per step, two forwards each";
+    EXPECT_TRUE(model.layout_final()) << how << ": the warm-up's repack ran";
+  }
+}
+
 // bf16 compute with float inputs and no hand casts: the same result, bit for bit, as the unwrapped bf16
 // model fed inputs cast by hand; the input's gradient comes back in its own dtype. The same for a loss
 // term added after forward() (an op between forward and backward is a use, cast as inside forward).
