@@ -456,9 +456,9 @@ void ChunkedModel::check_trainable() {
 // multiplied by the loss scale, so with fp16 every gradient reached the step 65536 times too small
 // (seen: the step's grad_norm 8.7e-6 for 0.57) and the step divided it by the scale again; the
 // iteration never ended at backward, so the scheduler traced nothing and never repacked, and a loss
-// still held at the next forward kept the iteration open for good (Note [Several forwards]); on CUDA
-// autograd's device threads run outside every interception scope, so a saved view of an evicted chunk
-// would reach a kernel with no memory behind it. So a gradient that reaches a parameter after a
+// still held at the next forward kept the iteration open for good (Note [Several forwards]). (Its ops
+// did reach the chunks: the training thread watches between forward and backward, and autograd's
+// threads inherit the key, Note [Ops outside the scopes].) So a gradient that reaches a parameter after a
 // training forward while no model's backward() runs in this process is refused, before it lands, naming
 // the call to make. Gradients from another model's backward() are not refused: a GAN's generator
 // trains through its discriminator (D64's GAN test), whose gradients its zero_grad() discards. Nor are
@@ -472,8 +472,7 @@ void ChunkedModel::land_grad(int64_t param, const at::Tensor& variable) {
     backward_refused_ = true;         // the next forward() or end_iteration() ends the iteration, aborted
     TORCH_CHECK(false, "ferry: parameter ", names_[param], " got a gradient from a backward that did not go "
                 "through model.backward(): call model.backward(loss) (or adam.backward_step(loss)) instead of "
-                "loss.backward(); it applies the loss scale, brings evicted chunks back for autograd and ends "
-                "the iteration. No gradient of this backward landed; run forward() again");
+                "loss.backward(); it applies the loss scale (fp16) and ends the iteration (trace, repack). No gradient of this backward landed; run forward() again");
   }
   if (!grad_sink_) return;
   // Taken out of .grad before anything can fail: a gradient left there after a refusal (a sparse one,
