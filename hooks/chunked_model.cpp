@@ -100,6 +100,13 @@ ChunkedModel::ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Conf
     if (!p.defined() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: once
     TORCH_CHECK(p.layout() == at::kStrided && at::isFloatingType(p.scalar_type()), "ferry: parameter ",
                 item.key(), " must be a dense floating-point tensor, got ", p.toString());
+    // A chunk of another ChunkedModel: both would bind, move and free the same tensors (seen: wrapping
+    // twice, or a submodule and then its parent, ran without a word, each model's destructor then
+    // giving the parameters plain memory under the other).
+    TORCH_CHECK(!p.has_storage() || !storage_registered(p.storage().unsafeGetStorageImpl()), "ferry: parameter ",
+                item.key(), " is held by another ChunkedModel already (a module wrapped twice, or a submodule "
+                "wrapped and then its parent): wrap each module once, the outermost one you train; destroying "
+                "the other ChunkedModel first gives its parameters plain memory again");
     if (p.scalar_type() == at::kDouble && wider++ == 0) first_wider = item.key();
     params_.push_back(p);
     names_.push_back(item.key());

@@ -46,6 +46,8 @@
 //    accumulator), or the node of a tensor forward() returned is alive and not yet backwarded (a frozen
 //    model's graph), the next forward() continues the iteration (Note [Several forwards]); otherwise it
 //    ends the last one as an evaluation.
+//  - A parameter is in one ChunkedModel at a time: wrapping a module twice, or a submodule and its
+//    parent, is refused at construction, naming the parameter.
 //  - Not for concurrent forward() calls on one ChunkedModel.
 #include <torch/nn/module.h>
 

@@ -340,6 +340,11 @@ void unregister_storage(const c10::StorageImpl* storage) {
 
 int64_t registered_storages() { return registry_size.load(); }
 
+bool storage_registered(const c10::StorageImpl* storage) {
+  std::shared_lock<std::shared_mutex> lock(registry_mutex());
+  return registry().count(storage) > 0;
+}
+
 InterceptionScope::InterceptionScope() {
   hold_key();
   ++scope_depth;

@@ -56,6 +56,8 @@ void register_storage(const c10::StorageImpl* storage, UseListener* listener, st
 void unregister_storage(const c10::StorageImpl* storage);
 // How many storages are registered (tests).
 int64_t registered_storages();
+// Whether `storage` is registered (a chunk some listener holds parameters in).
+bool storage_registered(const c10::StorageImpl* storage);
 
 // Turns interception on for this thread (and the autograd work it starts) for its lifetime.
 class InterceptionScope {

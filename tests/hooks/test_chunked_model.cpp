@@ -1086,6 +1086,49 @@ TEST(ChunkedModel, ABareLossBackwardAfterATrainingForwardIsRefused) {
   model.set_grad_sink(nullptr);
 }
 
+// A parameter in another ChunkedModel's chunk is refused at construction: the same module wrapped
+// twice, a submodule wrapped and then its parent, or the reverse with the parent's chunks evicted. It
+// used to run without a word, both models binding, moving and freeing the same tensors. Once the first
+// is destroyed (its parameters get plain memory again), wrapping again is fine.
+TEST(ChunkedModel, AModuleWrappedTwiceIsRefused) {
+  auto make = [] {
+    torch::manual_seed(14);
+    return torch::nn::Sequential(torch::nn::Linear(16, 40), torch::nn::Tanh(), torch::nn::Linear(40, 40),
+                                 torch::nn::Tanh(), torch::nn::Linear(40, 8));
+  };
+  const std::string refusal = "is held by another ChunkedModel already (a module wrapped twice, or a submodule "
+                              "wrapped and then its parent): wrap each module once";
+  auto ref = make(), net = make();
+  const int64_t budget = 2 * largest_chunk_bytes(*net, 4 << 10);
+  {
+    ChunkedModel first(net.ptr(), tiny_config(4 << 10, budget));
+    std::string err = test::error_of([&] { ChunkedModel again(net.ptr(), tiny_config(4 << 10, 0)); });
+    EXPECT_NE(err.find("parameter 0.weight " + refusal), std::string::npos) << err;
+    for (int it = 0; it < 3; ++it) {  // evictions: some chunks end on the host
+      const auto x = torch::randn({4, 16});
+      first.backward(first.forward([&] { return net->forward(x).sum(); }));
+    }
+    err = test::error_of([&] { ChunkedModel inner(net[4], tiny_config(4 << 10, 0)); });
+    EXPECT_NE(err.find("parameter weight " + refusal), std::string::npos) << err;
+  }
+  {
+    ChunkedModel inner(net[2], tiny_config(4 << 10, 0));
+    const std::string err = test::error_of([&] { ChunkedModel outer(net.ptr(), tiny_config(4 << 10, 0)); });
+    EXPECT_NE(err.find("parameter 2.weight " + refusal), std::string::npos) << err;
+  }
+  ChunkedModel model(net.ptr(), tiny_config(4 << 10, budget));
+  for (auto& p : net->parameters()) p.mutable_grad().reset();
+  for (auto& p : ref->parameters()) p.mutable_grad().reset();
+  torch::manual_seed(15);
+  const auto x = torch::randn({4, 16});
+  model.backward(model.forward([&] { return net->forward(x).sum(); }));
+  ref->forward(x).sum().backward();
+  const auto ref_params = ref->named_parameters();
+  for (const auto& p : net->named_parameters()) {
+    EXPECT_TRUE(torch::equal(p.value().grad(), ref_params[p.key()].grad())) << p.key() << " after wrapping again";
+  }
+}
+
 TEST(ChunkedModel, BadUse) {
   torch::manual_seed(7);
   OddNet net;
