@@ -56,35 +56,35 @@ void HybridAdamOptions::validate() const {
   loss_scaler.validate();
 }
 
-HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
-    : model_(model),
+HybridAdam::HybridAdam(ChunkedModel& wrapped, HybridAdamOptions options)
+    : model_(wrapped),
       options_((options.validate(), std::move(options))),
-      cpu_adam_(options_.defaults, CpuAdamConfig::from(model.config())),
+      cpu_adam_(options_.defaults, CpuAdamConfig::from(wrapped.config())),
       scaler_(options_.loss_scaler) {
   const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   check_idle("HybridAdam()");
   // Before any state is allocated: a second optimizer would double the state's memory, take the
   // gradients from the first (which then failed on an internal assert), and, destroyed, detach the other.
-  TORCH_CHECK(model_.grad_sink() == nullptr, "ferry: this ChunkedModel has an optimizer attached already; one "
+  TORCH_CHECK(model().grad_sink() == nullptr, "ferry: this ChunkedModel has an optimizer attached already; one "
               "HybridAdam per model: destroy the first before constructing another (with a std::unique_ptr, "
               "`adam.reset();` before `adam = std::make_unique<ferry::HybridAdam>(...)`, which builds the new one "
               "before the old one goes). Other options for some parameters are a parameter group "
               "(HybridAdamOptions::with_group)");
   for (const auto& rule : options_.groups) cpu_adam_.add_param_group(rule.options);
-  group_of_param_.assign(model_.num_params(), 0);
-  for (int64_t p = 0; p < model_.num_params(); ++p) {
+  group_of_param_.assign(model().num_params(), 0);
+  for (int64_t p = 0; p < model().num_params(); ++p) {
     for (size_t g = 0; g < options_.groups.size(); ++g) {
-      if (options_.groups[g].match(model_.param_name(p), model_.param(p))) {
+      if (options_.groups[g].match(model().param_name(p), model().param(p))) {
         group_of_param_[p] = static_cast<int>(g) + 1;
         break;
       }
     }
   }
-  scaling_ = model_.compute_dtype() == at::kHalf;
-  model_.set_loss_scale(scaling_ ? scaler_.scale() : 1.0);
+  scaling_ = model().compute_dtype() == at::kHalf;
+  model().set_loss_scale(scaling_ ? scaler_.scale() : 1.0);
   num_roles_ = options_.accumulate_grads ? 4 : 3;
-  landed_.assign(model_.num_params(), 0);
-  lag_.assign(model_.num_params(), 0);
+  landed_.assign(model().num_params(), 0);
+  lag_.assign(model().num_params(), 0);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     // The state chunks, paired with the parameter chunks group by group, belong to the model's chunk
@@ -96,12 +96,12 @@ HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
     // spent before the first step, and at N > 1 none for the groups the rank will not own (D46).
     std::vector<int> zero_roles{kExpAvgRole, kExpAvgSqRole};
     if (options_.accumulate_grads) zero_roles.push_back(kGradRole);
-    state_ = model_.attach_state(roles, [this](int r, int64_t p, const at::Tensor& slot) {
+    state_ = model().attach_state(roles, [this](int r, int64_t p, const at::Tensor& slot) {
       if (r != kMasterRole) return;  // moments (and accumulated grads) start at zero
       // The masters start from the values the module built (fp32), not from their rounded compute copy.
-      const at::Tensor initial = model_.initial_value(p);
-      slot.copy_(initial.defined() ? initial : model_.param_values(p));
-      model_.release_initial_value(p);
+      const at::Tensor initial = model().initial_value(p);
+      slot.copy_(initial.defined() ? initial : model().param_values(p));
+      model().release_initial_value(p);
     }, zero_roles);
     follow_layout_locked();
     comm_ = options_.communicator;
@@ -111,10 +111,10 @@ HybridAdam::HybridAdam(ChunkedModel& model, HybridAdamOptions options)
       broadcast_initial_values_locked();
     }
   }
-  model_.release_initial_values();  // the masters hold them now
-  model_.set_grad_sink(this);
-  model_.set_layout_listener(this);
-  log::info("ferry: HybridAdam over ", model_.num_params(), " parameters in ", num_param_groups(), " groups, ",
+  model().release_initial_values();  // the masters hold them now
+  model().set_grad_sink(this);
+  model().set_layout_listener(this);
+  log::info("ferry: HybridAdam over ", model().num_params(), " parameters in ", num_param_groups(), " groups, ",
             num_chunks(), " state chunk groups (fp32 master, exp_avg, exp_avg_sq",
             options_.accumulate_grads ? ", grad accumulation" : "; grads in the parameter chunks", "), CPU kernel ",
             to_string(cpu_adam_.isa()), " x", cpu_adam_.threads(), " threads",
@@ -133,27 +133,35 @@ HybridAdam::~HybridAdam() {
   } catch (const std::exception& e) {
     log::error("ferry: an update HybridAdam left running failed: ", e.what());
   }
+  if (model_gone_.load()) return;  // destroyed first: nothing of it to detach from
   try {
     // Between forward() and backward() too (an evaluation forward not ended): the model must not call
     // this object once it is gone.
-    if (model_.phase() == ModelPhase::kIdle || model_.phase() == ModelPhase::kForwardDone) {
+    if (model().phase() == ModelPhase::kIdle || model().phase() == ModelPhase::kForwardDone) {
       {
         std::lock_guard<std::mutex> lock(mutex_);
         if (grads_landed_) discard_grads_locked();  // the parameters get their values back
       }
-      if (model_.grad_sink() == this) {
-        model_.set_grad_sink(nullptr);
-        model_.set_loss_scale(1.0);
+      if (model().grad_sink() == this) {
+        model().set_grad_sink(nullptr);
+        model().set_loss_scale(1.0);
       }
-      if (model_.layout_listener() == this) model_.set_layout_listener(nullptr);
+      if (model().layout_listener() == this) model().set_layout_listener(nullptr);
     }
   } catch (const std::exception& e) {
     log::error("ferry: HybridAdam could not detach from the model: ", e.what());
   }
 }
 
+void HybridAdam::model_gone() {
+  if (param_shards_) param_shards_->set_send_guard(nullptr);
+  model_gone_ = true;
+}
+
 void HybridAdam::check_idle(const char* what) const {
-  const ModelPhase phase = model_.phase();
+  TORCH_CHECK(!model_gone_.load(), "ferry: HybridAdam ", what, " after its ChunkedModel was destroyed: destroy the "
+              "optimizer before its model (declare it after the model)");
+  const ModelPhase phase = model().phase();
   TORCH_CHECK(phase == ModelPhase::kIdle || phase == ModelPhase::kForwardDone, "ferry: HybridAdam ", what,
               " while the model is in ", to_string(phase), "; call it between iterations");
 }
@@ -161,7 +169,7 @@ void HybridAdam::check_idle(const char* what) const {
 void HybridAdam::settle(const char* what) {
   check_idle(what);
   await_params();
-  model_.take_writes(what);  // Note [Writes to parameters]: what was written is in the masters first
+  model().take_writes(what);  // Note [Writes to parameters]: what was written is in the masters first
 }
 
 void HybridAdam::synchronize() { await_params(); }
@@ -209,7 +217,7 @@ void HybridAdam::settle_deferred() {
 void HybridAdam::await_param(int64_t param) {
   if (!deferred_pending_.load()) return;  // the common case: no lock
   // The layout cannot change while updates run (follow_layout_locked asserts it): read without mutex_.
-  await_chunk(model_.layout().slots()[param].chunk);
+  await_chunk(model().layout().slots()[param].chunk);
 }
 
 void HybridAdam::await_chunk(int64_t c) {
@@ -236,10 +244,10 @@ bool HybridAdam::deferred_update_of(int64_t c) const {
 
 bool HybridAdam::defer_host_update_locked(int64_t c, const UpdateOptions& options,
                                           const std::shared_ptr<const std::vector<CpuAdam::FrozenGroup>>& frozen) {
-  ChunkStore& params = model_.store();
+  ChunkStore& params = model().store();
   // Default mode: staged on the host with the gradients. With accumulate_grads where the scheduler left
   // it: a parameter chunk on the device keeps the update here and the copy after it (write_back_locked).
-  if (params.location(model_.param_chunk(c)) != Location::kHost) return false;
+  if (params.location(model().param_chunk(c)) != Location::kHost) return false;
   std::vector<Span> spans = landed_spans_locked(c);
   if (spans.empty()) return false;
   at::Tensor acc;  // accumulate_grads: the gradients; the job writes the new values into the parameter chunk
@@ -271,9 +279,9 @@ void HybridAdam::follow_layout_locked() {
   // The model waits for updates left running before it ends an iteration, where it repacks.
   TORCH_INTERNAL_ASSERT(!deferred_pending_.load(), "a layout change with host updates still running");
   placed_ = false;  // the old state store's device bytes left with it (discharged from the accountant)
-  layout_version_ = model_.layout_version();
-  landings_.resize(model_.num_params(), 0);  // per parameter: kept across a repack (counted in this backward)
-  on_device_.assign(model_.layout().num_chunks(), 0);
+  layout_version_ = model().layout_version();
+  landings_.resize(model().num_params(), 0);  // per parameter: kept across a repack (counted in this backward)
+  on_device_.assign(model().layout().num_chunks(), 0);
 }
 
 void HybridAdam::layout_changed() {
@@ -285,7 +293,7 @@ void HybridAdam::layout_changed() {
 
 void HybridAdam::sync_layout_locked() {
   // The model announces every repack (layout_changed): the state always mirrors its layout.
-  TORCH_INTERNAL_ASSERT(layout_version_ == model_.layout_version(), "HybridAdam missed a repack of the model");
+  TORCH_INTERNAL_ASSERT(layout_version_ == model().layout_version(), "HybridAdam missed a repack of the model");
 }
 
 int64_t HybridAdam::state_bytes_per_chunk(int64_t layout_chunk) const { return state_->group_bytes(layout_chunk); }
@@ -320,8 +328,8 @@ void HybridAdam::place_locked() {
   // between iterations: the device room it reserves may need evictions. A backward_step whose forward
   // came after the warm-up but before any step (micro-batches, or a discarded first step) is inside
   // one: its step places.
-  if (placed_ || !model_.scheduler().trace() || model_.scheduler().trace_is_forward_only()) return;
-  if (model_.phase() != ModelPhase::kIdle) return;
+  if (placed_ || !model().scheduler().trace() || model().scheduler().trace_is_forward_only()) return;
+  if (model().phase() != ModelPhase::kIdle) return;
   const int64_t n = num_chunks();
   // Candidates, first layout chunks first (Note [Which state goes to the device]): with sharded
   // state, the chunks whose state this rank holds.
@@ -333,7 +341,7 @@ void HybridAdam::place_locked() {
   int64_t count = 0;
   // Room for chunks at the trace's worst moment: the device budget, capped at capacity - non-model
   // peak when the capacity is known (CUDA). 0: no limit.
-  const int64_t room = model_.scheduler().device_room_bytes();
+  const int64_t room = model().scheduler().device_room_bytes();
   int64_t margin = -1;
   if (options_.device_state_chunks >= 0) {
     count = std::min(options_.device_state_chunks, candidates);
@@ -341,7 +349,7 @@ void HybridAdam::place_locked() {
     count = candidates;
   } else {
     int64_t param_bytes = 0;
-    for (int64_t c = 0; c < n; ++c) param_bytes += model_.store().chunk_info(model_.param_chunk(c)).nbytes;
+    for (int64_t c = 0; c < n; ++c) param_bytes += model().store().chunk_info(model().param_chunk(c)).nbytes;
     margin = room - param_bytes;
     int64_t used = 0;
     while (count < candidates && used + state_bytes_per_chunk(order[count]) <= margin) {
@@ -350,7 +358,7 @@ void HybridAdam::place_locked() {
   }
   int64_t reserved = 0;
   for (int64_t k = 0; k < count; ++k) reserved += state_bytes_per_chunk(order[k]);
-  model_.scheduler().admit_device_bytes(reserved);  // evicts parameter chunks; throws, changing nothing, if too much
+  model().scheduler().admit_device_bytes(reserved);  // evicts parameter chunks; throws, changing nothing, if too much
   for (int64_t k = 0; k < count; ++k) {
     const int64_t c = order[k];
     state_->move_group(c, Location::kDevice);
@@ -363,13 +371,13 @@ void HybridAdam::place_locked() {
     // nothing (pinned: no cudaHostAlloc/cudaFreeHost per step).
     int64_t travelling = 0, largest = 0;
     for (int64_t c = 0; c < n; ++c) {
-      const int64_t bytes = model_.store().chunk_info(model_.param_chunk(c)).nbytes;
+      const int64_t bytes = model().store().chunk_info(model().param_chunk(c)).nbytes;
       largest = std::max(largest, bytes);
       if (!on_device_[c] && owned(c)) travelling += bytes;
       if (param_shards_ && !owned(c)) travelling += bytes;  // fetched into host buffers every step
     }
     if (travelling > 0) {
-      model_.store().set_host_cache_bytes(std::max(model_.store().host_cache_bytes(), travelling + largest));
+      model().store().set_host_cache_bytes(std::max(model().store().host_cache_bytes(), travelling + largest));
     }
   }
   log::info("ferry: HybridAdam placed optimizer state: ", count, " of ", candidates, " chunk groups on the device (",
@@ -381,7 +389,7 @@ void HybridAdam::land_grad(int64_t param, const at::Tensor& grad) {
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
   TORCH_CHECK(grad.layout() == at::kStrided, "ferry: HybridAdam needs dense gradients; parameter ",
-              model_.param_name(param), " got a ", grad.layout(), " one");
+              model().param_name(param), " got a ", grad.layout(), " one");
   // The model wrote it into the parameter's slot (grads_into_param_slots).
   if (slot_accumulation()) {
     // after_landing() consumes the chunk when it is final for this backward (Note [Accumulation per chunk]).
@@ -395,7 +403,7 @@ void HybridAdam::land_grad(int64_t param, const at::Tensor& grad) {
 }
 
 std::vector<HybridAdam::Span> HybridAdam::landed_spans_locked(int64_t c) const {
-  const ChunkLayout& layout = model_.layout();
+  const ChunkLayout& layout = model().layout();
   std::vector<Span> spans;
   bool open = false;  // the last slot seen landed and extends spans.back()
   for (int64_t t : layout.chunks()[c].tensors) {
@@ -424,7 +432,7 @@ CpuAdam::FrozenGroup HybridAdam::update_group(const Span& s, const std::vector<C
 }
 
 void HybridAdam::count_missed_steps_locked(const std::vector<char>* updated_chunks) {
-  const ChunkLayout& layout = model_.layout();
+  const ChunkLayout& layout = model().layout();
   for (int64_t c = 0; c < num_chunks(); ++c) {
     if (!owned(c)) continue;
     const bool updated = updated_chunks == nullptr || (*updated_chunks)[c] != 0;
@@ -436,10 +444,10 @@ void HybridAdam::count_missed_steps_locked(const std::vector<char>* updated_chun
 
 int64_t HybridAdam::param_step_count(int64_t param) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(param >= 0 && param < model_.num_params(), "ferry: HybridAdam::param_step_count: expected a parameter "
-              "index in [0, ", model_.num_params(), "), got ", param);
-  const int64_t c = model_.layout().slots()[param].chunk;
-  TORCH_CHECK(owned(c), "ferry: HybridAdam::param_step_count: the state of ", model_.param_name(param), " is on rank ",
+  TORCH_CHECK(param >= 0 && param < model().num_params(), "ferry: HybridAdam::param_step_count: expected a parameter "
+              "index in [0, ", model().num_params(), "), got ", param);
+  const int64_t c = model().layout().slots()[param].chunk;
+  TORCH_CHECK(owned(c), "ferry: HybridAdam::param_step_count: the state of ", model().param_name(param), " is on rank ",
               c % world_, ", not on rank ", rank_, " (ask the rank that owns it)");
   return cpu_adam_.step_count(group_of_param_[param]) - lag_[param];
 }
@@ -450,13 +458,13 @@ at::Tensor HybridAdam::grad_payload_locked(int64_t c) {
     if (static_cast<int64_t>(reduced_grads_.size()) > c && reduced_grads_[c].defined()) return reduced_grads_[c];
     return state_->payload(kGradRole, c);
   }
-  return model_.store().payload(model_.param_chunk(c));
+  return model().store().payload(model().param_chunk(c));
 }
 
 void HybridAdam::stage_param_chunks_locked(bool skip_launched) {
   if (options_.accumulate_grads) return;
   trace::Span span("adam", "adam.stage_param_chunks");
-  ChunkStore& params = model_.store();
+  ChunkStore& params = model().store();
   // Host-bound chunks first: they must leave anyway, and the room they free is what the device-bound
   // ones are moved into. (Device-bound first let the eviction policy, which knows nothing of the step,
   // evict a device-bound chunk staged a moment before to make room for the next one: seen on a GPU,
@@ -466,13 +474,13 @@ void HybridAdam::stage_param_chunks_locked(bool skip_launched) {
     for (int64_t c = 0; c < num_chunks(); ++c) {
       if (static_cast<bool>(on_device_[c]) != device || (skip_launched && launched_[c]) || !owned(c)) continue;
       const Location want = device ? Location::kDevice : Location::kHost;
-      if (params.location(model_.param_chunk(c)) != want) params.move(model_.param_chunk(c), want);
+      if (params.location(model().param_chunk(c)) != want) params.move(model().param_chunk(c), want);
     }
   }
   const int64_t on_device = std::count(on_device_.begin(), on_device_.end(), 1);
   for (int64_t c = 0; c < num_chunks(); ++c) {
     if (!on_device_[c] || (skip_launched && launched_[c]) || !owned(c)) continue;
-    TORCH_CHECK(params.location(model_.param_chunk(c)) == Location::kDevice, "ferry: HybridAdam: the parameter chunk of "
+    TORCH_CHECK(params.location(model().param_chunk(c)) == Location::kDevice, "ferry: HybridAdam: the parameter chunk of "
                 "state chunk ", c, " (state on the device) was evicted while the step staged the others: the device "
                 "budget's parameter region holds fewer chunks than the ", on_device, " whose state is on the device. "
                 "Lower HybridAdamOptions::device_state_chunks or raise the device budget.");
@@ -482,13 +490,13 @@ void HybridAdam::stage_param_chunks_locked(bool skip_launched) {
 void HybridAdam::discard_grads_locked() {
   if (!options_.accumulate_grads) {
     // The slots of landed parameters hold gradients: give them their values (the masters) back.
-    ChunkStore& params = model_.store();
+    ChunkStore& params = model().store();
     for (int64_t c = 0; c < num_chunks(); ++c) {
       const std::vector<Span> spans = landed_spans_locked(c);
       if (spans.empty() || !owned(c)) continue;  // sharded: the owners' values come with the next gather
-      restore_values(params.payload(model_.param_chunk(c)), state_->payload(kMasterRole, c), spans);
+      restore_values(params.payload(model().param_chunk(c)), state_->payload(kMasterRole, c), spans);
     }
-    model_.clear_grad_slots();
+    model().clear_grad_slots();
   } else {
     for (int64_t c = 0; c < num_chunks(); ++c) {
       at::Tensor acc = state_->payload(kGradRole, c);
@@ -545,8 +553,8 @@ std::vector<std::pair<HybridAdam::Span, AdamSpan>> HybridAdam::adam_spans(const 
 
 at::Tensor HybridAdam::lowp_target_locked(int64_t c) {
   if (!options_.accumulate_grads || world_ > 1) return {};
-  ChunkStore& params = model_.store();
-  const ChunkId pc = model_.param_chunk(c);
+  ChunkStore& params = model().store();
+  const ChunkId pc = model().param_chunk(c);
   if (params.location(pc) != (on_device_[c] ? Location::kDevice : Location::kHost)) return {};
   at::Tensor payload = params.payload(pc);  // waits for a copy into the host; orders the stream after one into the device
   if (payload.scalar_type() == at::kFloat) return {};
@@ -626,7 +634,7 @@ void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale, const 
   const at::Tensor g = grad_payload_locked(c);
   // On CUDA the kernel would fault on a host gradient; the simulated device would not notice, so the
   // invariant is checked here for both.
-  TORCH_CHECK(options_.accumulate_grads || model_.store().location(model_.param_chunk(c)) == Location::kDevice,
+  TORCH_CHECK(options_.accumulate_grads || model().store().location(model().param_chunk(c)) == Location::kDevice,
               "ferry: HybridAdam: the device update of state chunk ", c, " found its parameter chunk (holding the "
               "gradients) on the host; it must be staged on the device first (internal error)");
   // The spans the host update would get (adam_spans): in the default mode the new bf16/fp16 value is
@@ -648,9 +656,9 @@ void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale, const 
 void HybridAdam::before_landing(int64_t param) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (slot_accumulation()) {
-    const int64_t c = model_.layout().slots()[param].chunk;
+    const int64_t c = model().layout().slots()[param].chunk;
     TORCH_CHECK(!overlap_active_ || !eager_ || !launched_[c], "ferry: HybridAdam::backward_step: parameter ",
-                model_.param_name(param), " got gradient contribution ", landings_[param] + 1, " after its chunk's "
+                model().param_name(param), " got gradient contribution ", landings_[param] + 1, " after its chunk's "
                 "update had started (the previous backward saw ", accum_expected_[param], "; Note [Pipelined step]). "
                 "Use backward() + step() for models whose backward changes between steps.");
     if (accum_armed_ && accum_consumed_[c]) {
@@ -667,8 +675,8 @@ void HybridAdam::before_landing(int64_t param) {
     return;
   }
   if (!overlap_active_ || options_.accumulate_grads) return;
-  const int64_t c = model_.layout().slots()[param].chunk;
-  TORCH_CHECK(!launched_[c], "ferry: HybridAdam::backward_step: parameter ", model_.param_name(param),
+  const int64_t c = model().layout().slots()[param].chunk;
+  TORCH_CHECK(!launched_[c], "ferry: HybridAdam::backward_step: parameter ", model().param_name(param),
               " got gradient contribution ", landings_[param] + 1, " after its chunk's update had started (the "
               "previous backward_step saw ", expected_landings_[param], "; Note [Pipelined step]). Use backward() + "
               "step() for models whose backward changes between steps.");
@@ -677,7 +685,7 @@ void HybridAdam::before_landing(int64_t param) {
 void HybridAdam::after_landing(int64_t param) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (slot_accumulation()) {
-    const int64_t c = model_.layout().slots()[param].chunk;
+    const int64_t c = model().layout().slots()[param].chunk;
     if (accum_landings_[param] > accum_expected_[param] || --accum_remaining_[c] != 0) return;
     // backward_step of the last micro-batch: the chunk's norm follows its accumulation, and its host
     // update too unless clipping or loss scaling make the step two-phase.
@@ -687,15 +695,15 @@ void HybridAdam::after_landing(int64_t param) {
     return;
   }
   if (!overlap_active_ || options_.accumulate_grads) return;
-  const int64_t c = model_.layout().slots()[param].chunk;
+  const int64_t c = model().layout().slots()[param].chunk;
   if (landings_[param] <= expected_landings_[param] && --remaining_[c] == 0) launch_chunk_locked(c);
 }
 
 void HybridAdam::launch_chunk_locked(int64_t c) {
   if (dist_pipelined_) return chunk_final_across_ranks_locked(c);
   launched_[c] = 1;
-  ChunkStore& params = model_.store();
-  const ChunkId pc = model_.param_chunk(c);
+  ChunkStore& params = model().store();
+  const ChunkId pc = model().param_chunk(c);
   std::vector<Span> spans = landed_spans_locked(c);
   if (on_device_[c]) {
     // No host stall: a move to the device only orders the compute stream after the copy.
@@ -727,8 +735,8 @@ void HybridAdam::launch_chunk_locked(int64_t c) {
 
 std::future<void> HybridAdam::launch_host_job_locked(int64_t c, const char* what, HostJob work, bool with_state,
                                                      bool background_write) {
-  ChunkStore& params = model_.store();
-  const ChunkId pc = model_.param_chunk(c);
+  ChunkStore& params = model().store();
+  const ChunkId pc = model().param_chunk(c);
   if (params.location(pc) != Location::kHost) params.move_async(pc, Location::kHost);  // one transfer
   params.lock_on_host(pc);
   // Note [Ops outside the scopes] (hooks/interceptor.h): announced before the job is queued, over when it is
@@ -774,14 +782,14 @@ std::future<void> HybridAdam::launch_host_job_locked(int64_t c, const char* what
 
 // Note [Accumulation per chunk] (hybrid_adam.h, HybridAdamOptions::accumulate_grads).
 void HybridAdam::arm_accumulation_locked() {
-  const int64_t n = num_chunks(), params = model_.num_params();
+  const int64_t n = num_chunks(), params = model().num_params();
   in_slot_.assign(params, 0);
   accum_landings_.assign(params, 0);
   if (static_cast<int64_t>(accum_expected_.size()) != params) accum_expected_.assign(params, 0);
   accum_remaining_.assign(n, 0);
   accum_consumed_.assign(n, 0);
   // With no previous backward every count is 0: no chunk is final early, backward_finished consumes all.
-  for (int64_t p = 0; p < params; ++p) accum_remaining_[model_.layout().slots()[p].chunk] += accum_expected_[p];
+  for (int64_t p = 0; p < params; ++p) accum_remaining_[model().layout().slots()[p].chunk] += accum_expected_[p];
   for (int64_t c = 0; c < n; ++c) {
     if (accum_remaining_[c] == 0) accum_remaining_[c] = -1;  // never reaches 0 by counting down
   }
@@ -792,19 +800,19 @@ void HybridAdam::arm_accumulation_locked() {
 void HybridAdam::consume_slot_grads_locked(int64_t c, AfterAccumulation then) {
   accum_consumed_[c] = 1;
   std::vector<Span> spans;
-  for (int64_t t : model_.layout().chunks()[c].tensors) {
-    const Slot& slot = model_.layout().slots()[t];
+  for (int64_t t : model().layout().chunks()[c].tensors) {
+    const Slot& slot = model().layout().slots()[t];
     if (!in_slot_[t] || slot.numel == 0) continue;
     spans.push_back({group_of_param_[t], slot.offset, slot.offset + slot.numel});
     in_slot_[t] = 0;
-    model_.clear_grad_slot(t);  // its value is back before anything can read the slot again
+    model().clear_grad_slot(t);  // its value is back before anything can read the slot again
   }
   if (spans.empty()) return;
   if (static_cast<int64_t>(jobs_.size()) < num_chunks()) jobs_.resize(num_chunks());
   trace::Span span("adam", trace::enabled() ? "accumulate chunk " + std::to_string(c) : std::string());
   at::Tensor acc = state_->payload(kGradRole, c);  // allocated where the state lives (D46)
-  ChunkStore& params = model_.store();
-  const ChunkId pc = model_.param_chunk(c);
+  ChunkStore& params = model().store();
+  const ChunkId pc = model().param_chunk(c);
   if (!owned(c)) {
     // No master here: the slots keep the gradients until values_from_owners_locked (N > 1).
     TORCH_INTERNAL_ASSERT(!on_device_[c], "device state for chunk ", c, ", which rank ", rank_, " does not own");
@@ -884,7 +892,7 @@ void HybridAdam::arm_landing_count_locked(bool armed) {
   launched_.assign(n, 0);
   remaining_.assign(n, 0);
   if (!armed) return;
-  for (int64_t p = 0; p < model_.num_params(); ++p) remaining_[model_.layout().slots()[p].chunk] += expected_landings_[p];
+  for (int64_t p = 0; p < model().num_params(); ++p) remaining_[model().layout().slots()[p].chunk] += expected_landings_[p];
 }
 
 bool HybridAdam::update_unlaunched_locked(const ChunkNorms& norms, StepResult& result) {
@@ -938,7 +946,7 @@ void HybridAdam::backward_finished(bool aborted) {
 
 StepResult HybridAdam::finish_pipelined_locked() {
   trace::Span step_span("adam", "adam.finish_pipelined_step");
-  TORCH_INTERNAL_ASSERT(layout_version_ == model_.layout_version(), "the layout changed under a pipelined step");
+  TORCH_INTERNAL_ASSERT(layout_version_ == model().layout_version(), "the layout changed under a pipelined step");
   StepResult result;
   result.loss_scale = loss_scale();
   if (std::exception_ptr error = join_jobs_locked()) std::rethrow_exception(error);
@@ -981,7 +989,7 @@ StepResult HybridAdam::backward_step(const at::Tensor& loss) {
     const int64_t n = num_chunks();
     // Pipelined once placed (the trace and the repack are behind us) and the previous call said how
     // many landings to expect.
-    pipelined = placed_ && static_cast<int64_t>(expected_landings_.size()) == model_.num_params();
+    pipelined = placed_ && static_cast<int64_t>(expected_landings_.size()) == model().num_params();
     arm_landing_count_locked(pipelined);
     if (pipelined) {
       eager_ = options_.max_grad_norm == 0 && !scaling_;
@@ -996,7 +1004,7 @@ StepResult HybridAdam::backward_step(const at::Tensor& loss) {
     overlap_active_ = pipelined;
   }
   try {
-    model_.backward(loss);
+    model().backward(loss);
   } catch (...) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (pipelined) {
@@ -1026,10 +1034,10 @@ StepResult HybridAdam::backward_step(const at::Tensor& loss) {
         if (!launched_[c]) continue;
         ++started;
         if (!eager_) continue;
-        for (int64_t p : model_.layout().chunks()[c].tensors) {
+        for (int64_t p : model().layout().chunks()[c].tensors) {
           if (!landed_[p]) continue;
           landed_[p] = 0;
-          model_.clear_grad_slot(p);
+          model().clear_grad_slot(p);
         }
       }
       grads_landed_ = std::any_of(landed_.begin(), landed_.end(), [](char l) { return l != 0; });
@@ -1056,7 +1064,7 @@ StepResult HybridAdam::backward_step_accumulated(const at::Tensor& loss) {
     std::lock_guard<std::mutex> lock(mutex_);
     sync_layout_locked();
     place_locked();
-    const bool overlap = static_cast<int64_t>(expected_landings_.size()) == model_.num_params();
+    const bool overlap = static_cast<int64_t>(expected_landings_.size()) == model().num_params();
     arm_landing_count_locked(overlap);
     if (overlap) {
       // Clipping and loss scaling need every gradient first: two-phase (Note [Pipelined step]).
@@ -1071,7 +1079,7 @@ StepResult HybridAdam::backward_step_accumulated(const at::Tensor& loss) {
     overlap_active_ = overlap;
   }
   try {
-    model_.backward(loss);
+    model().backward(loss);
   } catch (...) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (overlap_active_ && eager_) {
@@ -1137,13 +1145,13 @@ void HybridAdam::values_written(const std::vector<WrittenParam>& written) {
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
   for (const WrittenParam& w : written) {
-    if (!owned(model_.layout().slots()[w.param].chunk)) continue;
+    if (!owned(model().layout().slots()[w.param].chunk)) continue;
     at::Tensor master = state_->view(kMasterRole, w.param);
     if (w.replacement.defined()) {
       master.copy_(w.replacement);
       continue;
     }
-    const at::Tensor value = model_.param_values(w.param).to(master.device());
+    const at::Tensor value = model().param_values(w.param).to(master.device());
     if (value.scalar_type() == at::kFloat) {
       master.copy_(value);
       continue;
@@ -1211,7 +1219,7 @@ StepResult HybridAdam::apply_locked(const ChunkNorms& norms, StepResult result) 
     result.grad_norm = std::numeric_limits<double>::infinity();
     if (scaling_) {
       scaler_.update(true);
-      model_.set_loss_scale(scaler_.scale());
+      model().set_loss_scale(scaler_.scale());
       log::info("ferry: non-finite gradient at loss scale ", result.loss_scale, ": step skipped, scale now ",
                 scaler_.scale());
     } else {
@@ -1266,7 +1274,7 @@ StepResult HybridAdam::apply_locked(const ChunkNorms& norms, StepResult result) 
   finish_values_locked(result);
   if (scaling_) {
     scaler_.update(false);
-    model_.set_loss_scale(scaler_.scale());
+    model().set_loss_scale(scaler_.scale());
   }
   // The updates left running write the parameters: ops on this thread that use them wait for them
   // (Note [Ops outside the scopes]). Last, so that the step's own ops above are not watched.
@@ -1282,7 +1290,7 @@ void HybridAdam::finish_values_locked(StepResult& result) {
   if (options_.accumulate_grads) {
     result.written_back_chunks = write_back_locked(/*after_update=*/true);
   } else {
-    model_.clear_grad_slots();
+    model().clear_grad_slots();
     std::fill(landed_.begin(), landed_.end(), 0);
     grads_landed_ = false;
   }
@@ -1296,7 +1304,7 @@ int64_t HybridAdam::write_back_locked(bool after_update) {
     if (!owned(c)) continue;  // sharded: gather_params_locked brings the owner's values
     // The update wrote the new compute-dtype values in its own pass (lowp_target_locked).
     if (after_update && static_cast<int64_t>(lowp_written_.size()) > c && lowp_written_[c]) continue;
-    model_.store().payload(model_.param_chunk(c)).copy_(state_->payload(kMasterRole, c));
+    model().store().payload(model().param_chunk(c)).copy_(state_->payload(kMasterRole, c));
     ++copied;
   }
   lowp_written_.clear();
@@ -1329,8 +1337,8 @@ void HybridAdam::zero_grad() {
 
 at::Tensor HybridAdam::state_view(Role role, int64_t param) {
   const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
-  TORCH_CHECK(param >= 0 && param < model_.num_params(), "ferry: parameter index ", param, " out of range [0, ",
-              model_.num_params(), ")");
+  TORCH_CHECK(param >= 0 && param < model().num_params(), "ferry: parameter index ", param, " out of range [0, ",
+              model().num_params(), ")");
   settle("state view");
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
@@ -1343,31 +1351,31 @@ at::Tensor HybridAdam::exp_avg_sq(int64_t param) { return state_view(kExpAvgSqRo
 at::Tensor HybridAdam::grad(int64_t param) {
   const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   if (options_.accumulate_grads) return state_view(kGradRole, param);
-  TORCH_CHECK(param >= 0 && param < model_.num_params(), "ferry: parameter index ", param, " out of range [0, ",
-              model_.num_params(), ")");
+  TORCH_CHECK(param >= 0 && param < model().num_params(), "ferry: parameter index ", param, " out of range [0, ",
+              model().num_params(), ")");
   settle("grad()");
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!model_.grad_in_slot(param)) return at::zeros(model_.param_shapes()[param], at::kFloat);
-  return model_.param_values(param).to(at::kCPU, at::kFloat, false, /*copy=*/true);
+  if (!model().grad_in_slot(param)) return at::zeros(model().param_shapes()[param], at::kFloat);
+  return model().param_values(param).to(at::kCPU, at::kFloat, false, /*copy=*/true);
 }
 
 NamedTensors HybridAdam::state_dict() {
   const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
-  NamedTensors out = model_.state_dict();  // checks the model is idle
+  NamedTensors out = model().state_dict();  // checks the model is idle
   if (sharded_) {  // the masters from their owners (a collective: every rank calls state_dict())
     std::lock_guard<std::mutex> lock(mutex_);
     gather_groups_locked(
         at::kFloat, [&](int64_t c) { return state_->payload(kMasterRole, c); },
         [&](int64_t c, const at::Tensor& values) {
-          for (int64_t p : model_.layout().chunks()[c].tensors) {
-            const Slot& slot = model_.layout().slots()[p];
-            out[p].second = values.slice(0, slot.offset, slot.offset + slot.numel).view(model_.param_shapes()[p]).clone();
+          for (int64_t p : model().layout().chunks()[c].tensors) {
+            const Slot& slot = model().layout().slots()[p];
+            out[p].second = values.slice(0, slot.offset, slot.offset + slot.numel).view(model().param_shapes()[p]).clone();
           }
         });
     return out;
   }
-  for (int64_t p = 0; p < model_.num_params(); ++p) {
-    TORCH_INTERNAL_ASSERT(out[p].first == model_.param_name(p));
+  for (int64_t p = 0; p < model().num_params(); ++p) {
+    TORCH_INTERNAL_ASSERT(out[p].first == model().param_name(p));
     out[p].second = master(p).to(at::kCPU);
   }
   return out;
@@ -1377,14 +1385,14 @@ void HybridAdam::load_state_dict(const NamedTensors& values) {
   const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   settle("load_state_dict()");
   // The model checks every name and shape before it writes anything; then the masters follow.
-  model_.load_state_dict(values);
+  model().load_state_dict(values);
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
   std::unordered_map<std::string, const at::Tensor*> by_name;
   for (const auto& [name, t] : values) by_name.emplace(name, &t);
-  for (int64_t p = 0; p < model_.num_params(); ++p) {
-    if (!owned(model_.layout().slots()[p].chunk)) continue;  // sharded: every rank loads the same values
-    state_->view(kMasterRole, p).copy_(*by_name.at(model_.param_name(p)));
+  for (int64_t p = 0; p < model().num_params(); ++p) {
+    if (!owned(model().layout().slots()[p].chunk)) continue;  // sharded: every rank loads the same values
+    state_->view(kMasterRole, p).copy_(*by_name.at(model().param_name(p)));
   }
   std::fill(landed_.begin(), landed_.end(), 0);  // the model's slots hold values again (it cleared them)
   grads_landed_ = false;

@@ -17,6 +17,9 @@
 //     adam.step();                       // clip, unscale, update, write compute-dtype params back
 //     adam.zero_grad();                  // (a no-op after step() unless accumulate_grads)
 //
+// One HybridAdam per model, destroyed before it: a model destroyed first tells it (model_gone) and it
+// refuses every call from then on.
+//
 // State: per layout chunk of the model, a group of three fp32 chunks mirroring it (master params,
 // exp_avg and exp_avg_sq), living together on the device or the host: a StateChunks
 // (chunk/state_chunks.h) that the model makes and migrates with its repacks. Gradients cost no
@@ -435,6 +438,7 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // A parameter was frozen or unfrozen: the next backward_step() counts the landings anew (unpipelined
   // once, as the first one is) instead of expecting the old ones.
   void trainable_changed() override;
+  void model_gone() override;  // the model was destroyed first: every call is refused from now on
   // await_param for layout chunk c (also the send guard of the sharded parameters' gathers, called
   // under ParamShards' lock: it takes deferred_mutex_ only).
   void await_chunk(int64_t c);
@@ -614,7 +618,12 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // `found_inf` (a device flag, optional): the device Adam writes nothing when it is nonzero.
   void device_update_chunk_locked(int64_t chunk, double grad_scale, const at::Tensor& found_inf = {});
 
-  ChunkedModel& model_;
+  ChunkedModel& model_;  // through model() only, which refuses once the model is gone
+  ChunkedModel& model() const {
+    TORCH_CHECK(!model_gone_.load(std::memory_order_relaxed), "ferry: HybridAdam used after its ChunkedModel was "
+                "destroyed: destroy the optimizer before its model (declare it after the model)");
+    return model_;
+  }
   HybridAdamOptions options_;
   CpuAdam cpu_adam_;
   DynamicLossScaler scaler_;
@@ -628,6 +637,7 @@ class HybridAdam final : private GradSink, private LayoutListener {
   std::vector<char> on_device_;                     // per layout chunk
   bool placed_ = false;
   bool grads_landed_ = false;
+  std::atomic<bool> model_gone_{false};  // model_gone(): model_ must not be touched
   int num_roles_ = 3;
   std::vector<char> landed_;  // per parameter: a gradient landed since the last step/zero_grad
   // Per parameter of an owned chunk: the applied steps of its group that did not update it (D62). Its

@@ -36,7 +36,7 @@ class Fingerprint {
 
 void HybridAdam::check_same_layout_locked() {
   // The ranks must agree on the layout chunk for chunk, slot for slot: every collective pairs them.
-  const ChunkLayout& layout = model_.layout();
+  const ChunkLayout& layout = model().layout();
   Fingerprint f;
   f.mix(layout.num_chunks());
   for (const ChunkExtent& e : layout.chunks()) f.mix(e.numel);
@@ -45,10 +45,10 @@ void HybridAdam::check_same_layout_locked() {
     f.mix(s.offset);
     f.mix(s.numel);
   }
-  f.mix(static_cast<int64_t>(model_.compute_dtype()));
+  f.mix(static_cast<int64_t>(model().compute_dtype()));
   TORCH_CHECK(same_on_every_rank_locked(f.value()), "ferry: rank ", rank_, ": the ranks' chunk "
-              "layouts differ (", layout.num_chunks(), " chunks of ", format_bytes(model_.chunk_size_bytes()),
-              " in ", c10::toString(model_.compute_dtype()), " here); data parallelism needs the same model, "
+              "layouts differ (", layout.num_chunks(), " chunks of ", format_bytes(model().chunk_size_bytes()),
+              " in ", c10::toString(model().compute_dtype()), " here); data parallelism needs the same model, "
               "precision, chunk size and call order on every rank");
 }
 
@@ -67,7 +67,7 @@ void HybridAdam::broadcast_initial_values_locked() {
 void HybridAdam::shard_locked() {
   if (world_ == 1 || sharded_) return;
   TORCH_INTERNAL_ASSERT(!placed_, "placement comes after sharding");
-  TORCH_CHECK(model_.layout_final(), "ferry: rank ", rank_, ": the first optimizer step at world size ", world_,
+  TORCH_CHECK(model().layout_final(), "ferry: rank ", rank_, ": the first optimizer step at world size ", world_,
               " came before the warm-up repack (warmup_iterations > 1?); the state and parameters are sharded by "
               "the final layout: run the warm-up iterations first, or use warmup_iterations = 1");
   check_same_layout_locked();  // again: the warm-up repacked in call order
@@ -87,13 +87,13 @@ void HybridAdam::shard_locked() {
   if (options_.shard_params) {
     // Note [Sharded parameters]: from the reduce-scatter of this step on, the other ranks' chunks go.
     std::vector<ChunkId> chunks(num_chunks());
-    for (int64_t c = 0; c < num_chunks(); ++c) chunks[c] = model_.param_chunk(c);
-    param_shards_ = std::make_shared<dist::ParamShards>(model_.store(), std::move(chunks), comm_);
+    for (int64_t c = 0; c < num_chunks(); ++c) chunks[c] = model().param_chunk(c);
+    param_shards_ = std::make_shared<dist::ParamShards>(model().store(), std::move(chunks), comm_);
     // An owned chunk's update may run behind the step (Note [Update behind the next forward]): a gather
     // sends it only once written. await_chunk takes only deferred_mutex_ (this object calls ParamShards
     // under mutex_, so the guard must not take that).
     param_shards_->set_send_guard([this](int64_t c) { await_chunk(c); });
-    model_.set_remote_chunks(param_shards_);
+    model().set_remote_chunks(param_shards_);
     log::info("ferry: rank ", rank_, " shards the parameter chunks too: it keeps ", held, " of ", num_chunks(),
               " between steps and gathers the others, group by group, before their use");
   }
@@ -107,7 +107,7 @@ bool HybridAdam::same_on_every_rank_locked(double value) {
 
 std::vector<HybridAdam::Span> HybridAdam::slot_ranges_locked(int64_t c, const std::vector<char>& mask,
                                                               bool want) const {
-  const ChunkLayout& layout = model_.layout();
+  const ChunkLayout& layout = model().layout();
   std::vector<Span> out;
   for (int64_t t : layout.chunks()[c].tensors) {
     const Slot& slot = layout.slots()[t];
@@ -125,7 +125,7 @@ HybridAdam::OwnedSpans HybridAdam::owned_spans(int64_t c, const at::Tensor& coun
   // counts[i]: how many ranks landed a gradient for the chunk's i-th tensor (the reduce-scatter's sum of
   // each rank's 0/1 flags). Landed somewhere: updated, in runs of one param group and lag, as
   // landed_spans_locked.
-  const ChunkLayout& layout = model_.layout();
+  const ChunkLayout& layout = model().layout();
   const at::Tensor n = counts.to(at::kCPU, at::kFloat);  // the flags, read here (on the device: one small copy)
   const float* k = n.data_ptr<float>();
   OwnedSpans out;
@@ -156,8 +156,8 @@ HybridAdam::OwnedSpans HybridAdam::owned_spans(int64_t c, const at::Tensor& coun
 }
 
 at::Tensor HybridAdam::comm_payload_locked(int64_t c) {
-  ChunkStore& params = model_.store();
-  const ChunkId pc = model_.param_chunk(c);
+  ChunkStore& params = model().store();
+  const ChunkId pc = model().param_chunk(c);
   at::Tensor payload = params.payload(pc);
   if (!comm_->device_ok(payload.device())) {  // Gloo on CUDA: the chunk is staged on the host
     params.move(pc, Location::kHost);
@@ -176,15 +176,15 @@ HybridAdam::GroupBuffer HybridAdam::pack_group_locked(int64_t group) {
   GroupBuffer b;
   int64_t flags = 0;
   for (int64_t c = first; c < last; ++c) {
-    b.cap = std::max(b.cap, model_.layout().chunks()[c].numel);
-    flags = std::max<int64_t>(flags, static_cast<int64_t>(model_.layout().chunks()[c].tensors.size()));
+    b.cap = std::max(b.cap, model().layout().chunks()[c].numel);
+    flags = std::max<int64_t>(flags, static_cast<int64_t>(model().layout().chunks()[c].tensors.size()));
   }
   b.seg = b.cap + flags;
-  const at::ScalarType dtype = accumulate ? at::kFloat : model_.compute_dtype();
+  const at::ScalarType dtype = accumulate ? at::kFloat : model().compute_dtype();
   b.flat = at::zeros({world_ * b.seg}, at::TensorOptions().dtype(dtype).device(comm_buffer_device()));
   for (int64_t c = first; c < last; ++c) {
     at::Tensor member = b.flat.slice(0, (c - first) * b.seg, (c - first + 1) * b.seg);
-    if (!accumulate && model_.store().location(model_.param_chunk(c)) == Location::kNone) {
+    if (!accumulate && model().store().location(model().param_chunk(c)) == Location::kNone) {
       continue;  // a sharded chunk not fetched this iteration: nothing of it was used, nothing landed (zeros)
     }
     const at::Tensor src = accumulate ? state_->payload(kGradRole, c) : comm_payload_locked(c);
@@ -193,7 +193,7 @@ HybridAdam::GroupBuffer HybridAdam::pack_group_locked(int64_t group) {
     if (!accumulate) {
       for (const Span& s : slot_ranges_locked(c, landed_, false)) values.slice(0, s.begin, s.end).zero_();
     }
-    const std::vector<int64_t>& tensors = model_.layout().chunks()[c].tensors;
+    const std::vector<int64_t>& tensors = model().layout().chunks()[c].tensors;
     at::Tensor mine = at::empty({static_cast<int64_t>(tensors.size())}, at::kFloat);
     for (size_t i = 0; i < tensors.size(); ++i) mine.data_ptr<float>()[i] = landed_[tensors[i]] ? 1.0f : 0.0f;
     member.slice(0, b.cap, b.cap + mine.numel()).copy_(mine);
@@ -218,17 +218,17 @@ void HybridAdam::reduce_grads_locked() {
 void HybridAdam::take_union_locked(int64_t c, const at::Tensor& counts) {
   // counts[i] sums 0/1 flags in the compute dtype: exact up to 256 ranks in bf16 (2048 in fp16), and
   // never 0 once a rank sent 1, which is all that is read.
-  const std::vector<int64_t>& tensors = model_.layout().chunks()[c].tensors;
+  const std::vector<int64_t>& tensors = model().layout().chunks()[c].tensors;
   const at::Tensor n = counts.to(at::kCPU, at::kFloat);  // the flags, read here (on the device: one small copy)
   for (size_t i = 0; i < tensors.size(); ++i) landed_[tensors[i]] = n.data_ptr<float>()[i] != 0.0f;
 }
 
 void HybridAdam::receive_owned_locked(int64_t c, const at::Tensor& out, int64_t cap) {
   // The landed set of the owned chunk becomes the union over ranks.
-  const int64_t tensors = static_cast<int64_t>(model_.layout().chunks()[c].tensors.size());
+  const int64_t tensors = static_cast<int64_t>(model().layout().chunks()[c].tensors.size());
   const OwnedSpans spans = owned_spans(c, out.slice(0, cap, cap + tensors));
   take_union_locked(c, out.slice(0, cap, cap + tensors));
-  const int64_t numel = model_.layout().chunks()[c].numel;
+  const int64_t numel = model().layout().chunks()[c].numel;
   if (options_.accumulate_grads) {  // read where the chunk's state is (the host Adam reads host memory)
     reduced_grads_[c] = out.slice(0, 0, numel).to(state_->payload(kGradRole, c).device());
     return;
@@ -245,7 +245,7 @@ void HybridAdam::gather_groups_locked(at::ScalarType dtype, const std::function<
   for (int64_t first = 0; first < n; first += world_) {
     const int64_t last = std::min(n, first + world_);
     int64_t cap = 0;
-    for (int64_t c = first; c < last; ++c) cap = std::max(cap, model_.layout().chunks()[c].numel);
+    for (int64_t c = first; c < last; ++c) cap = std::max(cap, model().layout().chunks()[c].numel);
     at::Tensor mine = at::zeros({cap}, at::TensorOptions().dtype(dtype));
     const int64_t own = first + rank_;
     if (own < last) {
@@ -255,20 +255,20 @@ void HybridAdam::gather_groups_locked(at::ScalarType dtype, const std::function<
     at::Tensor all = at::empty({world_ * cap}, mine.options());
     comm_->all_gather(all, mine);
     for (int64_t c = first; c < last; ++c) {
-      got(c, all.slice(0, (c - first) * cap, (c - first) * cap + model_.layout().chunks()[c].numel));
+      got(c, all.slice(0, (c - first) * cap, (c - first) * cap + model().layout().chunks()[c].numel));
     }
   }
 }
 
 void HybridAdam::gather_params_locked() {
   trace::Span span("adam", "adam.all_gather_params");
-  ChunkStore& params = model_.store();
-  const at::ScalarType dtype = model_.compute_dtype();
+  ChunkStore& params = model().store();
+  const at::ScalarType dtype = model().compute_dtype();
   gather_groups_locked(
-      dtype, [&](int64_t c) { return params.payload(model_.param_chunk(c)); },
+      dtype, [&](int64_t c) { return params.payload(model().param_chunk(c)); },
       [&](int64_t c, const at::Tensor& values) {
         if (owned(c)) return;  // the owner has them
-        params.payload(model_.param_chunk(c)).copy_(values);
+        params.payload(model().param_chunk(c)).copy_(values);
       });
 }
 
@@ -276,7 +276,7 @@ c10::Device HybridAdam::comm_buffer_device() const {
   // The chunks' device where the backend serves it (NCCL on CUDA, Gloo on the simulated device): the
   // gradients are packed and reduced there, and only an owner's host-state chunk crosses to the host.
   // Else (Gloo on CUDA) the host.
-  const c10::Device device = model_.store().device();
+  const c10::Device device = model().store().device();
   return comm_->device_ok(device) ? device : c10::Device(c10::kCPU);
 }
 
@@ -311,7 +311,7 @@ StepResult HybridAdam::dist_step_locked() {
   int64_t landed = 0;
   for (int64_t c = 0; c < num_chunks(); ++c) {
     if (!owned(c)) continue;
-    for (int64_t p : model_.layout().chunks()[c].tensors) landed += landed_[p];
+    for (int64_t p : model().layout().chunks()[c].tensors) landed += landed_[p];
   }
   const int64_t tn = now_ns();
   at::Tensor totals = at::tensor({norms.total_sq, norms.all_finite ? 0.0 : 1.0, static_cast<double>(landed)},
@@ -325,7 +325,7 @@ StepResult HybridAdam::dist_step_locked() {
     if (!param_shards_) gather_params_locked();  // slots of this rank's own landings (if any) get values back
     std::fill(landed_.begin(), landed_.end(), 0);
     grads_landed_ = false;
-    model_.clear_grad_slots();
+    model().clear_grad_slots();
     TORCH_CHECK(false, "ferry: HybridAdam::step() found no gradients since the last zero_grad() on any rank; call "
                        "model.backward(loss) first");
   }
@@ -352,7 +352,7 @@ void HybridAdam::agree_on_trace_locked() {
   // its trace) compares them; a rank whose backward differs (a parameter without gradient on some ranks)
   // keeps the groups instead.
   if (!param_shards_) return;
-  Scheduler& scheduler = model_.scheduler();
+  Scheduler& scheduler = model().scheduler();
   const std::shared_ptr<const AccessTrace> trace = scheduler.trace();
   const int64_t version = scheduler.trace_version();
   if (version != hashed_trace_version_) {
@@ -399,7 +399,7 @@ void HybridAdam::launch_group_locked(int64_t group) {
   trace::Span span("adam", trace::enabled() ? "reduce_scatter group " + std::to_string(group) : std::string());
   GroupBuffer b = pack_group_locked(group);
   // The gradients travel in b: the other ranks' chunks of the group can go now (Note [Sharded parameters]).
-  if (param_shards_) param_shards_->release(model_.param_chunk(group * world_));
+  if (param_shards_) param_shards_->release(model().param_chunk(group * world_));
   flight.cap = b.cap;
   flight.out = at::empty({b.seg}, b.flat.options());
   flight.pending = comm_->reduce_scatter_async(flight.out, b.flat);
@@ -407,8 +407,8 @@ void HybridAdam::launch_group_locked(int64_t group) {
   if (c >= num_chunks() || on_device_[c]) return;  // device-state chunks: updated when backward ends
   // The owner's host-state chunk: its update runs on CpuAdam's worker once the sums are in.
   owner_job_[c] = 1;
-  const int64_t numel = model_.layout().chunks()[c].numel;
-  const int64_t tensors = static_cast<int64_t>(model_.layout().chunks()[c].tensors.size());
+  const int64_t numel = model().layout().chunks()[c].numel;
+  const int64_t tensors = static_cast<int64_t>(model().layout().chunks()[c].tensors.size());
   if (static_cast<int64_t>(jobs_.size()) < num_chunks()) jobs_.resize(num_chunks());
   jobs_[c] = launch_host_job_locked(c, "pipelined owner adam chunk ",
                          [this, c, flight = &flight, numel, tensors](const at::Tensor& g, float* p, float* m, float* v,
@@ -451,23 +451,23 @@ StepResult HybridAdam::finish_dist_pipelined_locked() {
   norms.finite.assign(n, 1);
   std::vector<at::Tensor> device_norms_all;
   std::vector<int64_t> device_index;
-  ChunkStore& params = model_.store();
+  ChunkStore& params = model().store();
   for (int64_t g = 0; g < groups; ++g) {
     GroupFlight& flight = flights_[g];
     const int64_t c = g * world_ + rank_;
     flight.pending->wait();
     if (c >= n) continue;
-    const int64_t tensors = static_cast<int64_t>(model_.layout().chunks()[c].tensors.size());
+    const int64_t tensors = static_cast<int64_t>(model().layout().chunks()[c].tensors.size());
     if (!on_device_[c]) {
       // The owner job updated the union of the ranks' landings: so does the count of missed steps.
       take_union_locked(c, flight.out.slice(0, flight.cap, flight.cap + tensors));
       continue;
     }
     const OwnedSpans spans = owned_spans(c, flight.out.slice(0, flight.cap, flight.cap + tensors));
-    const ChunkId pc = model_.param_chunk(c);
+    const ChunkId pc = model().param_chunk(c);
     if (params.location(pc) != Location::kDevice) params.move(pc, Location::kDevice);
     at::Tensor payload = params.payload(pc);
-    payload.copy_(flight.out.slice(0, 0, model_.layout().chunks()[c].numel));
+    payload.copy_(flight.out.slice(0, 0, model().layout().chunks()[c].numel));
     restore_values(payload, state_->payload(kMasterRole, c), spans.unlanded);
     take_union_locked(c, flight.out.slice(0, flight.cap, flight.cap + tensors));  // device_update_chunk_locked reads it
     std::vector<at::Tensor> d = device_norms(payload, spans.landed);
@@ -501,7 +501,7 @@ StepResult HybridAdam::finish_dist_pipelined_locked() {
   }
   result.comm_ns = now_ns() - t0;
   count_missed_steps_locked(&norms.finite);  // the owned chunks with a non-finite gradient were not updated
-  model_.clear_grad_slots();
+  model().clear_grad_slots();
   std::fill(landed_.begin(), landed_.end(), 0);
   grads_landed_ = false;
   const double total_sq = totals[0].item<double>();
@@ -529,7 +529,7 @@ StepResult HybridAdam::dist_backward_step(const at::Tensor& loss) {
     // every rank expects the same landings (so groups complete in the same order everywhere).
     pipelined = sharded_ && placed_ && landings_agree_ && !options_.accumulate_grads &&
                 options_.max_grad_norm == 0 && !scaling_ &&
-                static_cast<int64_t>(expected_landings_.size()) == model_.num_params();
+                static_cast<int64_t>(expected_landings_.size()) == model().num_params();
     arm_landing_count_locked(pipelined);
     if (pipelined) {
       const int64_t n = num_chunks();
@@ -547,7 +547,7 @@ StepResult HybridAdam::dist_backward_step(const at::Tensor& loss) {
     step_follows_backward_ = true;
   }
   try {
-    model_.backward(loss);
+    model().backward(loss);
   } catch (...) {
     std::lock_guard<std::mutex> lock(mutex_);
     step_follows_backward_ = false;

@@ -500,15 +500,15 @@ std::string HybridAdam::manifest_text_locked(int64_t generation, const std::stri
   std::ostringstream m;
   m << std::setprecision(17) << kMagic << " " << kVersion << "\n";
   m << "generation " << generation << "\n";
-  m << "precision " << c10::toString(model_.compute_dtype()) << "\n";
-  m << "params " << model_.num_params() << "\n";
-  for (int64_t p = 0; p < model_.num_params(); ++p) {
-    const auto& shape = model_.param_shapes()[p];
+  m << "precision " << c10::toString(model().compute_dtype()) << "\n";
+  m << "params " << model().num_params() << "\n";
+  for (int64_t p = 0; p < model().num_params(); ++p) {
+    const auto& shape = model().param_shapes()[p];
     int64_t numel = 1;
     for (int64_t d : shape) numel *= d;
     m << "param " << p << " " << numel << " " << shape.size();
     for (int64_t d : shape) m << " " << d;
-    m << " " << model_.param_name(p) << "\n";
+    m << " " << model().param_name(p) << "\n";
   }
   m << "groups " << num_param_groups() << "\n";
   for (int g = 0; g < num_param_groups(); ++g) {
@@ -520,7 +520,7 @@ std::string HybridAdam::manifest_text_locked(int64_t generation, const std::stri
   int64_t lagging = 0;
   for (int64_t lag : lags) lagging += lag != 0;
   m << "param_steps " << lagging << "\n";
-  for (int64_t p = 0; p < model_.num_params(); ++p) {
+  for (int64_t p = 0; p < model().num_params(); ++p) {
     if (lags[p] != 0) m << "param_step " << p << " " << cpu_adam_.step_count(group_of_param_[p]) - lags[p] << "\n";
   }
   const LossScalerState& s = scaler_.state();
@@ -579,9 +579,9 @@ void HybridAdam::save(const std::string& dir) {
       DurableFile f(written.back());
       uint32_t crc = 0;
       int64_t role_bytes = 0;
-      for (int64_t p = 0; p < model_.num_params(); ++p) {
+      for (int64_t p = 0; p < model().num_params(); ++p) {
         // One parameter at a time: at most one slot is ever copied off the device.
-        const at::Tensor t = savable(state_->view(r, p), r, r == kExpAvgSqRole, model_.param_name(p));
+        const at::Tensor t = savable(state_->view(r, p), r, r == kExpAvgSqRole, model().param_name(p));
         const float* x = t.data_ptr<float>();
         const size_t n = static_cast<size_t>(t.numel()) * sizeof(float);
         crc = crc32c_extend(crc, x, n);
@@ -605,12 +605,12 @@ void HybridAdam::save_across_ranks_locked(const std::string& dir) {
   // the chunks it owns at their offsets (pwrite, in parallel) and the CRC-32C of what it wrote. Rank 0
   // reads the files back once: the whole-file CRCs for the manifest, and per rank the CRC of its part,
   // which must equal the writer's, or the directory is not one directory shared by every rank.
-  const int64_t np = model_.num_params();
+  const int64_t np = model().num_params();
   std::vector<int64_t> offset(np + 1, 0);
   std::vector<int> owner(np);
   for (int64_t p = 0; p < np; ++p) {
-    offset[p + 1] = offset[p] + model_.layout().slots()[p].numel;
-    owner[p] = static_cast<int>(model_.layout().slots()[p].chunk % world_);
+    offset[p + 1] = offset[p] + model().layout().slots()[p].numel;
+    owner[p] = static_cast<int>(model().layout().slots()[p].chunk % world_);
   }
   const int64_t bytes = offset[np] * static_cast<int64_t>(sizeof(float));
   std::string error;  // this rank's
@@ -649,7 +649,7 @@ void HybridAdam::save_across_ranks_locked(const std::string& dir) {
       DurableFile f(paths[r], /*existing=*/true);
       for (int64_t p = 0; p < np; ++p) {
         if (owner[p] != rank_) continue;
-        const at::Tensor t = savable(state_->view(r, p), r, r == kExpAvgSqRole, model_.param_name(p));
+        const at::Tensor t = savable(state_->view(r, p), r, r == kExpAvgSqRole, model().param_name(p));
         const float* x = t.data_ptr<float>();
         const size_t n = static_cast<size_t>(t.numel()) * sizeof(float);
         f.write_at(offset[p] * static_cast<int64_t>(sizeof(float)), x, n);
@@ -730,7 +730,7 @@ void HybridAdam::load(const std::string& dir) {
   Manifest m;
   std::string error;
   try {
-    m = verify_checkpoint(dir, model_, group_of_param_, num_param_groups(), scaling_ ? &scaler_ : nullptr);
+    m = verify_checkpoint(dir, model(), group_of_param_, num_param_groups(), scaling_ ? &scaler_ : nullptr);
   } catch (const std::exception& e) {
     if (world_ == 1) throw;
     error = cli::message_of(e);
@@ -748,9 +748,9 @@ void HybridAdam::load(const std::string& dir) {
     const std::string path = join(dir, m.files[r].name);
     std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
     TORCH_CHECK(f, "ferry: cannot open ", path, ": ", errno_text());
-    for (int64_t p = 0; p < model_.num_params(); ++p) {
+    for (int64_t p = 0; p < model().num_params(); ++p) {
       const int64_t n = m.params[p].numel;
-      if (!state_->held(r, model_.layout().slots()[p].chunk)) {
+      if (!state_->held(r, model().layout().slots()[p].chunk)) {
         TORCH_CHECK(std::fseek(f.get(), static_cast<long>(n * sizeof(float)), SEEK_CUR) == 0, "ferry: seeking in ",
                     path, " failed");
         continue;
@@ -771,13 +771,13 @@ void HybridAdam::load(const std::string& dir) {
   for (const auto& [p, step] : m.param_steps) lag_[p] = m.groups[group_of_param_[p]].step - step;
   if (scaling_) {
     scaler_.set_state(m.scaler);
-    model_.set_loss_scale(scaler_.scale());
+    model().set_loss_scale(scaler_.scale());
   }
   std::fill(landed_.begin(), landed_.end(), 0);  // the write-back below gives every slot its value
   if (options_.accumulate_grads) {
     for (int64_t c = 0; c < num_chunks(); ++c) state_->payload(kGradRole, c).zero_();
   }
-  model_.clear_grad_slots();
+  model().clear_grad_slots();
   grads_landed_ = false;
   write_back_locked();
   if (param_shards_) {

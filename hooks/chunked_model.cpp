@@ -871,6 +871,12 @@ void ChunkedModel::finish_iteration(bool aborted, bool forward_only) {
   if (update_error && !thrown) std::rethrow_exception(update_error);
 }
 
+void ChunkedModel::materialize() {
+  TORCH_CHECK(!grad_sink_, "ferry: materialize() while an optimizer (the model's gradient sink) is attached: destroy "
+              "it first (adam.reset()), after adam.save() or adam.state_dict() if you need its fp32 masters");
+  materialize(/*fetch_remote=*/true);
+}
+
 void ChunkedModel::materialize(bool fetch_remote) {
   const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   if (materialized_) return;
@@ -891,7 +897,15 @@ void ChunkedModel::materialize(bool fetch_remote) {
                 "rank first to keep them");
     }
   }
-  if (grad_sink_) {
+  if (grad_sink_) {  // only from the destructor: the public materialize() refuses
+    log::error("ferry: a ChunkedModel is destroyed before its optimizer (gradient sink): destroy the optimizer "
+               "first (declare it after the model); the optimizer refuses every call from now on, and its fp32 "
+               "masters are lost (the parameters keep their ", dtype_, " values)");
+    try {
+      grad_sink_->model_gone();
+    } catch (const std::exception& e) {
+      log::error("ferry: the gradient sink failed to let go of its model: ", e.what());
+    }
     install_grad_hooks(false);
     grad_sink_ = nullptr;
   }

@@ -180,6 +180,9 @@ class GradSink {
   // fine-tuning), told before the next one: gradients land from every parameter that requires grad
   // when its backward runs, so what a step receives changes.
   virtual void trainable_changed() {}
+  // The model is being destroyed with this sink still attached (an optimizer declared before its model
+  // outlives it), after await_params(): the sink must never call the model again.
+  virtual void model_gone() {}
 };
 
 // Told when the parameters have been repacked into a new layout: between iterations, at the end of
@@ -255,7 +258,8 @@ class ChunkedModel final : private UseListener {
   // iteration (the scheduler's, and at N > 1 gives up the groups it gathered).
   void end_iteration();
   // Gives every parameter plain device memory again and detaches it from ferry (the destructor).
-  void materialize() { materialize(/*fetch_remote=*/true); }
+  // Refused while a gradient sink (an optimizer) is attached: destroy it first.
+  void materialize();
 
   // The module's parameters (tied ones once, in the compute dtype, as the chunks hold them) and
   // floating/integer buffers by name, as CPU copies, in named_parameters() then named_buffers() order.

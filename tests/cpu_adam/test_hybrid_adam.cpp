@@ -1769,6 +1769,45 @@ TEST(HybridAdam, ABareLossBackwardIsRefusedAndTrainingGoesOnAsTheTwin) {
   }
 }
 
+// An optimizer declared before its model outlives it (members destroyed in reverse order). Its
+// destructor and every call used to touch the destroyed model; now the model's destructor tells it
+// (after its updates are done), the parameters keep the values of the last step, the optimizer refuses
+// every call naming the order, and its own destructor is quiet. materialize() with an optimizer
+// attached is refused.
+TEST(HybridAdam, AnOptimizerThatOutlivesItsModelRefusesEveryCall) {
+  const auto nets = twins(93);
+  TinyLm net = nets.first, twin = nets.second;
+  struct Trainer {
+    std::unique_ptr<HybridAdam> adam;  // declared first: destroyed last
+    std::unique_ptr<ChunkedModel> model;
+  } t;
+  t.model = std::make_unique<ChunkedModel>(net.ptr(), sim_config(budget_for(2, 1)));
+  t.adam = std::make_unique<HybridAdam>(*t.model, adamw());
+  ChunkedModel twin_model(twin.ptr(), sim_config(budget_for(2, 1)));
+  HybridAdam twin_adam(twin_model, adamw());
+  for (int step = 0; step < 2; ++step) {
+    const Batch x = batch(step);
+    t.adam->backward_step(t.model->forward([&] { return lm_loss(net, x.idx, x.target); }));
+    twin_adam.backward_step(twin_model.forward([&] { return lm_loss(twin, x.idx, x.target); }));
+  }
+  EXPECT_EQ(test::error_of([&] { t.model->materialize(); }),
+            "ferry: materialize() while an optimizer (the model's gradient sink) is attached: destroy it first "
+            "(adam.reset()), after adam.save() or adam.state_dict() if you need its fp32 masters");
+  t.model.reset();  // the updates left running behind the last step are done first
+  EXPECT_EQ(test::error_of([&] { t.adam->step(); }),
+            "ferry: HybridAdam step() after its ChunkedModel was destroyed: destroy the optimizer before its model "
+            "(declare it after the model)");
+  EXPECT_NE(test::error_of([&] { t.adam->zero_grad(); }).find("after its ChunkedModel was destroyed"), std::string::npos);
+  EXPECT_NE(test::error_of([&] { t.adam->state_dict(); }).find("after its ChunkedModel was destroyed"), std::string::npos);
+  const auto values = twin_model.state_dict();  // compute-dtype values, as the parameters hold them
+  const auto named = net->named_parameters();
+  for (const auto& [name, value] : values) {
+    if (!named.contains(name)) continue;  // buffers
+    EXPECT_TRUE(torch::equal(named[name].detach().cpu(), value)) << name << " keeps the last step's value";
+  }
+  t.adam.reset();  // quiet: nothing of the model is touched
+}
+
 // After backward() a slot holds its parameter's gradient until step(): a write then goes into the
 // gradient, and step() refuses to use it, naming the parameter; zero_grad() discards both.
 TEST(HybridAdam, AWriteAfterBackwardIsRefusedByStep) {
