@@ -479,7 +479,8 @@ void ChunkedModel::land_grad(int64_t param, const at::Tensor& variable) {
     backward_refused_ = true;         // the next forward() or end_iteration() ends the iteration, aborted
     TORCH_CHECK(false, "ferry: parameter ", names_[param], " got a gradient from a backward that did not go "
                 "through model.backward(): call model.backward(loss) (or adam.backward_step(loss)) instead of "
-                "loss.backward(); it applies the loss scale (fp16) and ends the iteration (trace, repack). No gradient of this backward landed; run forward() again");
+                "loss.backward(); it applies the loss scale (fp16) and ends the iteration (trace, repack). No "
+                "gradient of this backward landed; run forward() again");
   }
   if (!grad_sink_) return;
   // Taken out of .grad before anything can fail: a gradient left there after a refusal (a sparse one,
