@@ -668,14 +668,24 @@ void ChunkedModel::post_use(int64_t param) {
 // chunks may still be backwarded. The pre-hook is what keeps a loss the user holds past the next
 // forward (a logging loop) from holding the iteration open for good once its backward ran, when that
 // backward was not this model's (the user's own `loss.backward()` through a model without a gradient
-// sink, or another model's backward()). A forward that returns something else (a struct) is seen only
-// through its accumulators. Cost: a weak pointer and a pre-hook per returned tensor.
+// sink, or another model's backward()). Once a backward ran through one of them the accumulators are
+// not asked: a held loss keeps its graph's accumulators alive too, and a trainable model without a
+// sink backwarded by `loss.backward()` would otherwise never end an iteration either. A forward that
+// returns something else (a struct) is seen only through its accumulators, and only while no returned
+// node was backwarded. Cost: a weak pointer and a pre-hook per returned tensor.
 bool ChunkedModel::graph_awaits_backward() const {
+  bool ran = false;
+  for (const ForwardOutput& o : forward_outputs_) {
+    if (o.ran->load()) {
+      ran = true;
+    } else if (!o.node.expired()) {
+      return true;
+    }
+  }
+  // A backward ran through this iteration's graph: the accumulators a held loss keeps alive await none.
+  if (ran) return false;
   for (const auto& p : params_) {
     if (p.requires_grad() && torch::autograd::impl::try_get_grad_accumulator(p)) return true;
-  }
-  for (const ForwardOutput& o : forward_outputs_) {
-    if (!o.ran->load() && !o.node.expired()) return true;
   }
   return false;
 }

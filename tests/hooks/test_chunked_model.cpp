@@ -491,19 +491,24 @@ TEST(ChunkedModel, AForwardWhoseGraphIsGoneEndsItsIterationAtTheNextForward) {
 // Now the first forward's output node keeps the iteration open until a backward ran through it. The
 // generator's gradients equal the unwrapped pair's bit for bit, under evictions, whether the backward
 // is the feature network's backward() or the user's own (the loss held past the next forward), and
-// the feature network sees one iteration per step and follows its trace.
+// the feature network sees one iteration per step and follows its trace. The same once the feature
+// network is trainable without a gradient sink (its .grad as torch makes them): the held loss keeps
+// its accumulators alive, and the backward that ran through the returned node still ends the step.
 TEST(ChunkedModel, AFrozenModelRunTwiceBeforeOneBackwardMatchesTheUnwrappedModel) {
-  auto features = [] {
+  auto features = [](bool trainable) {
     torch::manual_seed(31);
     auto f = torch::nn::Sequential(torch::nn::Linear(16, 40), torch::nn::Tanh(), torch::nn::Linear(40, 40),
                                    torch::nn::Tanh(), torch::nn::Linear(40, 40), torch::nn::Tanh(),
                                    torch::nn::Linear(40, 8));
-    for (auto& p : f->parameters()) p.set_requires_grad(false);
+    for (auto& p : f->parameters()) p.set_requires_grad(trainable);
     return f;
   };
-  for (const bool own_backward : {false, true}) {
-    const std::string how = own_backward ? "features.backward(loss)" : "loss.backward()";
-    auto ref_f = features(), f = features();
+  for (const int mode : {0, 1, 2}) {
+    const bool own_backward = mode == 1, trainable = mode == 2;
+    const std::string how = own_backward ? "features.backward(loss)"
+                            : trainable  ? "loss.backward(), trainable, no sink"
+                                         : "loss.backward()";
+    auto ref_f = features(trainable), f = features(trainable);
     torch::manual_seed(32);
     torch::nn::Linear ref_g(16, 16);
     torch::manual_seed(32);
@@ -515,7 +520,7 @@ TEST(ChunkedModel, AFrozenModelRunTwiceBeforeOneBackwardMatchesTheUnwrappedModel
       const std::string when = how + ", step " + std::to_string(step);
       torch::manual_seed(40 + step);
       const auto x = torch::randn({4, 16}), target = torch::randn({4, 16});
-      const bool target_no_grad = step % 2 == 1;
+      const bool target_no_grad = !trainable && step % 2 == 1;  // trainable: one access order, traced
       ref_g->zero_grad();
       {
         const torch::Tensor a = ref_f->forward(ref_g->forward(x));
