@@ -5,6 +5,7 @@
 #include <ATen/ops/full_like.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 #include <c10/util/Exception.h>
 
@@ -668,8 +669,10 @@ void ChunkedModel::post_use(int64_t param) {
 // chunks may still be backwarded. The pre-hook is what keeps a loss the user holds past the next
 // forward (a logging loop) from holding the iteration open for good once its backward ran, when that
 // backward was not this model's (the user's own `loss.backward()` through a model without a gradient
-// sink, or another model's backward()). Once a backward ran through one of them the accumulators are
-// not asked: a held loss keeps its graph's accumulators alive too, and a trainable model without a
+// sink, or another model's backward()). Only a backward that frees the graph counts: one that keeps
+// it (a gradient penalty's autograd::grad with create_graph, then more forwards before the backward,
+// as a WGAN-GP critic does) leaves it to be backwarded again. Once a backward ran through one of them
+// the accumulators are not asked: a held loss keeps its graph's accumulators alive too, and a trainable model without a
 // sink backwarded by `loss.backward()` would otherwise never end an iteration either. A forward that
 // returns something else (a struct) is seen only through its accumulators, and only while no returned
 // node was backwarded. Cost: a weak pointer and a pre-hook per returned tensor.
@@ -691,11 +694,13 @@ bool ChunkedModel::graph_awaits_backward() const {
 }
 
 namespace {
-// Marks that a backward ran through a forward's output node (Note [Several forwards]).
+// Marks that a backward that frees the graph ran through a forward's output node (Note [Several
+// forwards]). One that keeps it (autograd::grad with create_graph for a gradient penalty, or
+// retain_graph) leaves the graph to a later backward: not marked.
 struct BackwardRanHook final : torch::autograd::FunctionPreHook {
   explicit BackwardRanHook(std::shared_ptr<std::atomic<bool>> ran) : ran(std::move(ran)) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
-    ran->store(true);
+    if (!torch::autograd::get_current_graph_task_keep_graph()) ran->store(true);
     return grads;
   }
   std::shared_ptr<std::atomic<bool>> ran;

@@ -1723,6 +1723,52 @@ TEST(HybridAdam, ASparseGradientIsRefusedNamingTheRemedyAndNothingChanges) {
   EXPECT_EQ(adam.param_step_count(0), 3) << "the refused step counted no update";
 }
 
+// A WGAN-GP critic computes its gradient penalty first: a forward on the interpolates, then
+// autograd::grad with create_graph through that forward's output, then the forwards on real and
+// generated samples, then one backward. The penalty's backward runs through the first forward's
+// output node but keeps the graph, so the iteration must go on (Note [Several forwards]: only a
+// backward that frees the graph counts); counting it ended the iteration at the next forward, and
+// the warm-up's repack broke the final backward ("setStorage ... out of bounds"). Under evictions,
+// bit-identical to the twin, one iteration per step.
+TEST(HybridAdam, AGradientPenaltyBeforeMoreForwardsTrainsAsTheTwin) {
+  torch::manual_seed(2);
+  Perceptron ref(16, 40, 1);
+  torch::manual_seed(2);
+  Perceptron net(16, 40, 1);
+  Config config = sim_config(8 << 10);
+  config.chunk_size_bytes = 8 << 10;
+  ChunkedModel model(net.ptr(), config);
+  HybridAdam adam(model, adamw(1e-3));
+  test::CpuAdamTwin twin(*ref, adamw(1e-3), config);
+  auto critic_loss = [](const std::function<torch::Tensor(const torch::Tensor&)>& critic, int step) {
+    torch::manual_seed(200 + step);
+    const torch::Tensor real = torch::randn({4, 16}), fake = torch::randn({4, 16});
+    const torch::Tensor mixed = (0.3 * real + 0.7 * fake).requires_grad_();
+    const torch::Tensor d_mixed = critic(mixed);
+    const torch::Tensor g = torch::autograd::grad({d_mixed.sum()}, {mixed}, {}, /*retain_graph=*/true,
+                                                  /*create_graph=*/true)[0];
+    const torch::Tensor penalty = (g.norm(2, 1) - 1).pow(2).mean();
+    const torch::Tensor d_real = critic(real);
+    const torch::Tensor d_fake = critic(fake);
+    return d_fake.mean() - d_real.mean() + 10 * penalty;
+  };
+  for (int step = 0; step < 4; ++step) {
+    twin.zero_grad();
+    critic_loss([&](const torch::Tensor& x) { return ref->forward(x); }, step).backward();
+    twin.step();
+    const torch::Tensor loss =
+        critic_loss([&](const torch::Tensor& x) { return model.forward([&] { return net->forward(x); }); }, step);
+    ASSERT_NO_THROW(model.backward(loss)) << "step " << step;
+    adam.step();
+    EXPECT_EQ(model.scheduler().iterations(), step + 1) << "one iteration per step, three forwards each";
+  }
+  EXPECT_TRUE(model.layout_final()) << "the warm-up's repack ran";
+  const auto named = ref->named_parameters();
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    EXPECT_TRUE(torch::equal(adam.master(p), named[model.param_name(p)])) << model.param_name(p);
+  }
+}
+
 // `loss.backward()` in place of `model.backward(loss)` (Note [A backward not through model.backward()],
 // hooks/chunked_model.cpp). It used to run: with fp16 the loss scale was never applied, so every
 // gradient reached the step 65536 times too small and the iteration never ended. Now it is refused at
