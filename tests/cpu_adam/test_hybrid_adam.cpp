@@ -1723,6 +1723,54 @@ TEST(HybridAdam, ASparseGradientIsRefusedNamingTheRemedyAndNothingChanges) {
   EXPECT_EQ(adam.param_step_count(0), 3) << "the refused step counted no update";
 }
 
+// An encoder and a decoder wrapped each in its own ChunkedModel with its own HybridAdam, trained on
+// one joint loss backwarded through either model's backward(): the other model's gradients land from
+// that backward (not refused, D66), both steps apply them, and the other model's iteration ends at its
+// next forward (Note [Several forwards]: a backward that freed the graph ran through its output).
+// Under evictions, bit-identical to the unwrapped pair.
+TEST(HybridAdam, TwoWrappedHalvesTrainOnOneJointBackwardAsTheirTwins) {
+  for (const bool through_decoder : {true, false}) {
+    const std::string how = through_decoder ? "decoder.backward(loss)" : "encoder.backward(loss)";
+    torch::manual_seed(3);
+    Perceptron e_ref(16, 40, 8), d_ref(8, 40, 16);
+    torch::manual_seed(3);
+    Perceptron e(16, 40, 8), d(8, 40, 16);
+    Config config = sim_config(8 << 10);
+    config.chunk_size_bytes = 8 << 10;
+    ChunkedModel me(e.ptr(), config), md(d.ptr(), config);
+    HybridAdam adam_e(me, adamw(1e-3)), adam_d(md, adamw(1e-3));
+    test::CpuAdamTwin twin_e(*e_ref, adamw(1e-3), config), twin_d(*d_ref, adamw(1e-3), config);
+    for (int step = 0; step < 4; ++step) {
+      torch::manual_seed(300 + step);
+      const torch::Tensor x = torch::randn({4, 16});
+      twin_e.zero_grad();
+      twin_d.zero_grad();
+      torch::mse_loss(d_ref->forward(e_ref->forward(x)), x).backward();
+      twin_e.step();
+      twin_d.step();
+      const torch::Tensor z = me.forward([&] { return e->forward(x); });
+      const torch::Tensor y = md.forward([&] { return d->forward(z); });
+      const torch::Tensor loss = torch::mse_loss(y, x);
+      (through_decoder ? md : me).backward(loss);
+      adam_e.step();
+      adam_d.step();
+      adam_e.zero_grad();
+      adam_d.zero_grad();
+    }
+    me.end_iteration();
+    md.end_iteration();
+    EXPECT_EQ(me.scheduler().iterations(), 4) << how;
+    EXPECT_EQ(md.scheduler().iterations(), 4) << how;
+    for (auto* pair : {&me, &md}) {
+      HybridAdam& adam = pair == &me ? adam_e : adam_d;
+      const auto named = (pair == &me ? e_ref : d_ref)->named_parameters();
+      for (int64_t p = 0; p < pair->num_params(); ++p) {
+        EXPECT_TRUE(torch::equal(adam.master(p), named[pair->param_name(p)])) << how << ": " << pair->param_name(p);
+      }
+    }
+  }
+}
+
 // A WGAN-GP critic computes its gradient penalty first: a forward on the interpolates, then
 // autograd::grad with create_graph through that forward's output, then the forwards on real and
 // generated samples, then one backward. The penalty's backward runs through the first forward's
