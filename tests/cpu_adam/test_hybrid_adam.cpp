@@ -1492,6 +1492,14 @@ struct PerceptronImpl : torch::nn::Module {
 };
 TORCH_MODULE(Perceptron);
 
+// For Perceptrons with a 40 x 40 layer: 8 KiB chunks, two per model (that layer with one neighbour),
+// a device budget of one: every forward and backward evicts.
+Config perceptron_config() {
+  Config config = sim_config(8 << 10);
+  config.chunk_size_bytes = 8 << 10;
+  return config;
+}
+
 // Two wrapped models whose graphs cross, as a GAN trains them: the discriminator's step on real and
 // generated (detached) samples, then the generator's step through the discriminator, whose forward
 // waits for no backward of its own (its gradients land in its slots from the generator's backward and
@@ -1503,9 +1511,7 @@ TEST(HybridAdam, TwoWrappedModelsTrainAsAGanAsTheirTwins) {
     Perceptron g_ref(8, 40, 16), d_ref(16, 40, 1);
     torch::manual_seed(1);
     Perceptron g(8, 40, 16), d(16, 40, 1);
-    // 8 KiB chunks: two per model (the 40 x 40 layer with one neighbour), a budget of one.
-    Config config = sim_config(8 << 10);
-    config.chunk_size_bytes = 8 << 10;
+    const Config config = perceptron_config();
     ChunkedModel mg(g.ptr(), config), md(d.ptr(), config);
     HybridAdam adam_g(mg, adamw(1e-3)), adam_d(md, adamw(1e-3));
     test::CpuAdamTwin twin_g(*g_ref, adamw(1e-3), config), twin_d(*d_ref, adamw(1e-3), config);
@@ -1735,8 +1741,7 @@ TEST(HybridAdam, TwoWrappedHalvesTrainOnOneJointBackwardAsTheirTwins) {
     Perceptron e_ref(16, 40, 8), d_ref(8, 40, 16);
     torch::manual_seed(3);
     Perceptron e(16, 40, 8), d(8, 40, 16);
-    Config config = sim_config(8 << 10);
-    config.chunk_size_bytes = 8 << 10;
+    const Config config = perceptron_config();
     ChunkedModel me(e.ptr(), config), md(d.ptr(), config);
     HybridAdam adam_e(me, adamw(1e-3)), adam_d(md, adamw(1e-3));
     test::CpuAdamTwin twin_e(*e_ref, adamw(1e-3), config), twin_d(*d_ref, adamw(1e-3), config);
@@ -1783,8 +1788,7 @@ TEST(HybridAdam, AGradientPenaltyBeforeMoreForwardsTrainsAsTheTwin) {
   Perceptron ref(16, 40, 1);
   torch::manual_seed(2);
   Perceptron net(16, 40, 1);
-  Config config = sim_config(8 << 10);
-  config.chunk_size_bytes = 8 << 10;
+  const Config config = perceptron_config();
   ChunkedModel model(net.ptr(), config);
   HybridAdam adam(model, adamw(1e-3));
   test::CpuAdamTwin twin(*ref, adamw(1e-3), config);
