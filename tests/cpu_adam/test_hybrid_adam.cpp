@@ -1500,6 +1500,34 @@ Config perceptron_config() {
   return config;
 }
 
+// A Perceptron wrapped in a ChunkedModel with its HybridAdam (AdamW, lr 1e-3) under
+// perceptron_config()'s evictions, beside its unwrapped twin stepped by ferry's kernel.
+struct WrappedPerceptron {
+  WrappedPerceptron(uint64_t seed, int64_t in, int64_t hidden, int64_t out)
+      : ref(seeded(seed, in, hidden, out)),
+        net(seeded(seed, in, hidden, out)),
+        model(net.ptr(), config),
+        adam(model, adamw(1e-3)),
+        twin(*ref, adamw(1e-3), config) {}
+  static Perceptron seeded(uint64_t seed, int64_t in, int64_t hidden, int64_t out) {
+    torch::manual_seed(seed);
+    return Perceptron(in, hidden, out);
+  }
+  // Every master equals the twin's parameter, bit for bit.
+  void expect_masters_as_twin(const std::string& what) {
+    const auto named = ref->named_parameters();
+    for (int64_t p = 0; p < model.num_params(); ++p) {
+      EXPECT_TRUE(torch::equal(adam.master(p), named[model.param_name(p)])) << what << ": master of "
+                                                                           << model.param_name(p);
+    }
+  }
+  const Config config = perceptron_config();
+  Perceptron ref, net;
+  ChunkedModel model;
+  HybridAdam adam;
+  test::CpuAdamTwin twin;
+};
+
 // Two wrapped models whose graphs cross, as a GAN trains them: the discriminator's step on real and
 // generated (detached) samples, then the generator's step through the discriminator, whose forward
 // waits for no backward of its own (its gradients land in its slots from the generator's backward and
@@ -1507,14 +1535,7 @@ Config perceptron_config() {
 // with its own HybridAdam: bit-identical to the unwrapped twins.
 TEST(HybridAdam, TwoWrappedModelsTrainAsAGanAsTheirTwins) {
   for (const bool freeze_d : {false, true}) {
-    torch::manual_seed(1);
-    Perceptron g_ref(8, 40, 16), d_ref(16, 40, 1);
-    torch::manual_seed(1);
-    Perceptron g(8, 40, 16), d(16, 40, 1);
-    const Config config = perceptron_config();
-    ChunkedModel mg(g.ptr(), config), md(d.ptr(), config);
-    HybridAdam adam_g(mg, adamw(1e-3)), adam_d(md, adamw(1e-3));
-    test::CpuAdamTwin twin_g(*g_ref, adamw(1e-3), config), twin_d(*d_ref, adamw(1e-3), config);
+    WrappedPerceptron gen(1, 8, 40, 16), dis(2, 16, 40, 1);
     auto bce = [](const torch::Tensor& logits, float target) {
       return torch::binary_cross_entropy_with_logits(logits, torch::full_like(logits, target));
     };
@@ -1525,45 +1546,42 @@ TEST(HybridAdam, TwoWrappedModelsTrainAsAGanAsTheirTwins) {
       const std::string what = std::string(freeze_d ? "frozen" : "discarded") + " D, step " + std::to_string(step);
       torch::manual_seed(100 + step);
       const torch::Tensor z = torch::randn({4, 8}), real = torch::randn({4, 16});
-      twin_d.zero_grad();
-      const torch::Tensor ref_real = d_ref->forward(real);  // in the order the wrapped step runs them
-      const torch::Tensor loss_d_ref = bce(ref_real, 1) + bce(d_ref->forward(g_ref->forward(z).detach()), 0);
+      dis.twin.zero_grad();
+      const torch::Tensor ref_real = dis.ref->forward(real);  // in the order the wrapped step runs them
+      const torch::Tensor loss_d_ref = bce(ref_real, 1) + bce(dis.ref->forward(gen.ref->forward(z).detach()), 0);
       loss_d_ref.backward();
-      twin_d.step();
-      twin_g.zero_grad();
-      if (freeze_d) set_trainable(*d_ref, false);
-      const torch::Tensor loss_g_ref = bce(d_ref->forward(g_ref->forward(z)), 1);
+      dis.twin.step();
+      gen.twin.zero_grad();
+      if (freeze_d) set_trainable(*dis.ref, false);
+      const torch::Tensor loss_g_ref = bce(dis.ref->forward(gen.ref->forward(z)), 1);
       loss_g_ref.backward();
-      twin_g.step();
-      set_trainable(*d_ref, true);
+      gen.twin.step();
+      set_trainable(*dis.ref, true);
 
       torch::Tensor fake;
       {
         torch::NoGradGuard no_grad;
-        fake = mg.forward([&] { return g->forward(z); });
-        mg.end_iteration();
+        fake = gen.model.forward([&] { return gen.net->forward(z); });
+        gen.model.end_iteration();
       }
-      const torch::Tensor loss_d = md.forward([&] {
-        const torch::Tensor on_real = d->forward(real);
-        return bce(on_real, 1) + bce(d->forward(fake), 0);
+      const torch::Tensor loss_d = dis.model.forward([&] {
+        const torch::Tensor on_real = dis.net->forward(real);
+        return bce(on_real, 1) + bce(dis.net->forward(fake), 0);
       });
-      adam_d.backward_step(loss_d);
-      if (freeze_d) set_trainable(*d, false);
-      const torch::Tensor generated = mg.forward([&] { return g->forward(z); });
-      const torch::Tensor loss_g = md.forward([&] { return bce(d->forward(generated), 1); });
-      mg.backward(loss_g);
-      adam_g.step();
-      if (!freeze_d) adam_d.zero_grad();
-      set_trainable(*d, true);
+      dis.adam.backward_step(loss_d);
+      if (freeze_d) set_trainable(*dis.net, false);
+      const torch::Tensor generated = gen.model.forward([&] { return gen.net->forward(z); });
+      const torch::Tensor loss_g = dis.model.forward([&] { return bce(dis.net->forward(generated), 1); });
+      gen.model.backward(loss_g);
+      gen.adam.step();
+      if (!freeze_d) dis.adam.zero_grad();
+      set_trainable(*dis.net, true);
       ASSERT_TRUE(torch::equal(loss_d, loss_d_ref)) << what;
       ASSERT_TRUE(torch::equal(loss_g, loss_g_ref)) << what;
     }
-    for (auto [model, adam, ref] : {std::make_tuple(&mg, &adam_g, g_ref.ptr()), std::make_tuple(&md, &adam_d, d_ref.ptr())}) {
-      const auto pr = ref->named_parameters();
-      for (int64_t p = 0; p < model->num_params(); ++p) {
-        EXPECT_TRUE(torch::equal(adam->master(p), pr[model->param_name(p)])) << "master of " << model->param_name(p);
-      }
-      EXPECT_GT(model->last_iteration().evictions, 0) << "the budget forces evictions";
+    for (WrappedPerceptron* w : {&gen, &dis}) {
+      w->expect_masters_as_twin(freeze_d ? "frozen D" : "discarded D");
+      EXPECT_GT(w->model.last_iteration().evictions, 0) << "the budget forces evictions";
     }
   }
 }
@@ -1737,42 +1755,30 @@ TEST(HybridAdam, ASparseGradientIsRefusedNamingTheRemedyAndNothingChanges) {
 TEST(HybridAdam, TwoWrappedHalvesTrainOnOneJointBackwardAsTheirTwins) {
   for (const bool through_decoder : {true, false}) {
     const std::string how = through_decoder ? "decoder.backward(loss)" : "encoder.backward(loss)";
-    torch::manual_seed(3);
-    Perceptron e_ref(16, 40, 8), d_ref(8, 40, 16);
-    torch::manual_seed(3);
-    Perceptron e(16, 40, 8), d(8, 40, 16);
-    const Config config = perceptron_config();
-    ChunkedModel me(e.ptr(), config), md(d.ptr(), config);
-    HybridAdam adam_e(me, adamw(1e-3)), adam_d(md, adamw(1e-3));
-    test::CpuAdamTwin twin_e(*e_ref, adamw(1e-3), config), twin_d(*d_ref, adamw(1e-3), config);
+    WrappedPerceptron enc(3, 16, 40, 8), dec(4, 8, 40, 16);
     for (int step = 0; step < 4; ++step) {
       torch::manual_seed(300 + step);
       const torch::Tensor x = torch::randn({4, 16});
-      twin_e.zero_grad();
-      twin_d.zero_grad();
-      torch::mse_loss(d_ref->forward(e_ref->forward(x)), x).backward();
-      twin_e.step();
-      twin_d.step();
-      const torch::Tensor z = me.forward([&] { return e->forward(x); });
-      const torch::Tensor y = md.forward([&] { return d->forward(z); });
+      enc.twin.zero_grad();
+      dec.twin.zero_grad();
+      torch::mse_loss(dec.ref->forward(enc.ref->forward(x)), x).backward();
+      enc.twin.step();
+      dec.twin.step();
+      const torch::Tensor z = enc.model.forward([&] { return enc.net->forward(x); });
+      const torch::Tensor y = dec.model.forward([&] { return dec.net->forward(z); });
       const torch::Tensor loss = torch::mse_loss(y, x);
-      (through_decoder ? md : me).backward(loss);
-      adam_e.step();
-      adam_d.step();
-      adam_e.zero_grad();
-      adam_d.zero_grad();
+      (through_decoder ? dec.model : enc.model).backward(loss);
+      enc.adam.step();
+      dec.adam.step();
+      enc.adam.zero_grad();
+      dec.adam.zero_grad();
     }
-    me.end_iteration();
-    md.end_iteration();
-    EXPECT_EQ(me.scheduler().iterations(), 4) << how;
-    EXPECT_EQ(md.scheduler().iterations(), 4) << how;
-    for (auto* pair : {&me, &md}) {
-      HybridAdam& adam = pair == &me ? adam_e : adam_d;
-      const auto named = (pair == &me ? e_ref : d_ref)->named_parameters();
-      for (int64_t p = 0; p < pair->num_params(); ++p) {
-        EXPECT_TRUE(torch::equal(adam.master(p), named[pair->param_name(p)])) << how << ": " << pair->param_name(p);
-      }
-    }
+    enc.model.end_iteration();
+    dec.model.end_iteration();
+    EXPECT_EQ(enc.model.scheduler().iterations(), 4) << how;
+    EXPECT_EQ(dec.model.scheduler().iterations(), 4) << how;
+    enc.expect_masters_as_twin(how);
+    dec.expect_masters_as_twin(how);
   }
 }
 
@@ -1784,41 +1790,33 @@ TEST(HybridAdam, TwoWrappedHalvesTrainOnOneJointBackwardAsTheirTwins) {
 // the warm-up's repack broke the final backward ("setStorage ... out of bounds"). Under evictions,
 // bit-identical to the twin, one iteration per step.
 TEST(HybridAdam, AGradientPenaltyBeforeMoreForwardsTrainsAsTheTwin) {
-  torch::manual_seed(2);
-  Perceptron ref(16, 40, 1);
-  torch::manual_seed(2);
-  Perceptron net(16, 40, 1);
-  const Config config = perceptron_config();
-  ChunkedModel model(net.ptr(), config);
-  HybridAdam adam(model, adamw(1e-3));
-  test::CpuAdamTwin twin(*ref, adamw(1e-3), config);
-  auto critic_loss = [](const std::function<torch::Tensor(const torch::Tensor&)>& critic, int step) {
+  WrappedPerceptron critic(2, 16, 40, 1);
+  auto critic_loss = [](const std::function<torch::Tensor(const torch::Tensor&)>& score, int step) {
     torch::manual_seed(200 + step);
     const torch::Tensor real = torch::randn({4, 16}), fake = torch::randn({4, 16});
     const torch::Tensor mixed = (0.3 * real + 0.7 * fake).requires_grad_();
-    const torch::Tensor d_mixed = critic(mixed);
+    const torch::Tensor d_mixed = score(mixed);
     const torch::Tensor g = torch::autograd::grad({d_mixed.sum()}, {mixed}, {}, /*retain_graph=*/true,
                                                   /*create_graph=*/true)[0];
     const torch::Tensor penalty = (g.norm(2, 1) - 1).pow(2).mean();
-    const torch::Tensor d_real = critic(real);
-    const torch::Tensor d_fake = critic(fake);
+    const torch::Tensor d_real = score(real);
+    const torch::Tensor d_fake = score(fake);
     return d_fake.mean() - d_real.mean() + 10 * penalty;
   };
   for (int step = 0; step < 4; ++step) {
-    twin.zero_grad();
-    critic_loss([&](const torch::Tensor& x) { return ref->forward(x); }, step).backward();
-    twin.step();
-    const torch::Tensor loss =
-        critic_loss([&](const torch::Tensor& x) { return model.forward([&] { return net->forward(x); }); }, step);
-    ASSERT_NO_THROW(model.backward(loss)) << "step " << step;
-    adam.step();
-    EXPECT_EQ(model.scheduler().iterations(), step + 1) << "one iteration per step, three forwards each";
+    critic.twin.zero_grad();
+    critic_loss([&](const torch::Tensor& x) { return critic.ref->forward(x); }, step).backward();
+    critic.twin.step();
+    const auto wrapped = [&](const torch::Tensor& x) {
+      return critic.model.forward([&] { return critic.net->forward(x); });
+    };
+    const torch::Tensor loss = critic_loss(wrapped, step);
+    ASSERT_NO_THROW(critic.model.backward(loss)) << "step " << step;
+    critic.adam.step();
+    EXPECT_EQ(critic.model.scheduler().iterations(), step + 1) << "one iteration per step, three forwards each";
   }
-  EXPECT_TRUE(model.layout_final()) << "the warm-up's repack ran";
-  const auto named = ref->named_parameters();
-  for (int64_t p = 0; p < model.num_params(); ++p) {
-    EXPECT_TRUE(torch::equal(adam.master(p), named[model.param_name(p)])) << model.param_name(p);
-  }
+  EXPECT_TRUE(critic.model.layout_final()) << "the warm-up's repack ran";
+  critic.expect_masters_as_twin("critic");
 }
 
 // `loss.backward()` in place of `model.backward(loss)` (Note [A backward not through model.backward()],
@@ -1846,7 +1844,8 @@ TEST(HybridAdam, ABareLossBackwardIsRefusedAndTrainingGoesOnAsTheTwin) {
       EXPECT_FALSE(net->named_parameters()[model.param_name(p)].grad().defined()) << model.param_name(p);
     }
     EXPECT_EQ(test::error_of([&] { adam.step(); }),
-              "ferry: HybridAdam::step() found no gradients since the last zero_grad(); call model.backward(loss) first");
+              "ferry: HybridAdam::step() found no gradients since the last zero_grad(); call "
+              "model.backward(loss) first");
   }
   for (int step = 0; step < 4; ++step) {
     const Batch x = batch(step);
@@ -1895,8 +1894,10 @@ TEST(HybridAdam, AnOptimizerThatOutlivesItsModelRefusesEveryCall) {
   EXPECT_EQ(test::error_of([&] { t.adam->step(); }),
             "ferry: HybridAdam step() after its ChunkedModel was destroyed: destroy the optimizer before its model "
             "(declare it after the model)");
-  EXPECT_NE(test::error_of([&] { t.adam->zero_grad(); }).find("after its ChunkedModel was destroyed"), std::string::npos);
-  EXPECT_NE(test::error_of([&] { t.adam->state_dict(); }).find("after its ChunkedModel was destroyed"), std::string::npos);
+  for (const std::string& err : {test::error_of([&] { t.adam->zero_grad(); }),
+                                 test::error_of([&] { t.adam->state_dict(); })}) {
+    EXPECT_NE(err.find("after its ChunkedModel was destroyed"), std::string::npos) << err;
+  }
   const auto values = twin_model.state_dict();  // compute-dtype values, as the parameters hold them
   const auto named = net->named_parameters();
   for (const auto& [name, value] : values) {
