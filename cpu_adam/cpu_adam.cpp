@@ -357,7 +357,13 @@ std::future<UpdateResult> CpuAdam::update_async(int group, const AdamSpan& span,
 
 std::future<void> CpuAdam::run_async(std::function<void()> job) {
   TORCH_CHECK(job, "CpuAdam: run_async() needs a job");
-  auto task = std::make_shared<std::packaged_task<void()>>(std::move(job));
+  // The captures go when the job returns or throws, before packaged_task makes the future ready: a
+  // waiter that then counts the references to a chunk (a repack) must not race the worker's release.
+  auto task = std::make_shared<std::packaged_task<void()>>([job = std::move(job)]() mutable {
+    std::function<void()> run;
+    run.swap(job);
+    run();
+  });
   std::future<void> result = task->get_future();
   async_->submit([task] { (*task)(); });
   return result;

@@ -116,7 +116,9 @@ class CpuAdam {
   std::future<UpdateResult> update_async(int group, const AdamSpan& span, const UpdateOptions& options = {});
   // Runs `job` on the same queue, after everything queued before it; its exception lands in the
   // future. A job may call update() and grad_norm_sq(): they read the group's options and step count
-  // when the job runs, so do not change those while jobs are queued.
+  // when the job runs, so do not change those while jobs are queued. The job, and everything it
+  // captured (views of chunks), is destroyed before its future is ready: whoever waited for it finds
+  // no reference of the job's left (Note [A repack waits for held views] counts them).
   std::future<void> run_async(std::function<void()> job);
 
   // One optimizer step of `group` over all its spans, all or nothing: if any grad is non-finite,

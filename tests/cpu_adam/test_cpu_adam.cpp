@@ -7,10 +7,16 @@
 #include <c10/util/Half.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <future>
 #include <limits>
+#include <memory>
 #include <random>
+#include <stdexcept>
+#include <thread>
 
 #include "ferry/cpu_adam/cpu_adam.h"
 
@@ -328,6 +334,46 @@ TEST(CpuAdam, AsyncEqualsSyncAndKeepsOrder) {
   for (auto& f : futures) EXPECT_TRUE(f.get().applied);
   EXPECT_TRUE(same_bits(a.p, b.p));
   EXPECT_TRUE(same_bits(a.lowp, b.lowp));
+}
+
+// A job's captures (views of chunks in HybridAdam's jobs) are gone when its future is ready: a waiter
+// that then counts the references to a chunk (Note [A repack waits for held views]) must not race the
+// worker's release. The witness, captured by the job, records whether the future was ready when it
+// was destroyed; it used to be, always (packaged_task kept the job until the worker dropped it).
+TEST(CpuAdam, RunAsyncReleasesAJobBeforeItsFutureIsReady) {
+  struct Witness {
+    Witness(std::shared_ptr<std::shared_future<void>> f, std::shared_ptr<std::atomic<int>> r)
+        : future(std::move(f)), ready_at_release(std::move(r)) {}
+    Witness(const Witness&) = delete;
+    Witness& operator=(const Witness&) = delete;
+    ~Witness() {
+      ready_at_release->store(future->wait_for(std::chrono::seconds(0)) == std::future_status::ready ? 1 : 0);
+    }
+    std::shared_ptr<std::shared_future<void>> future;
+    std::shared_ptr<std::atomic<int>> ready_at_release;  // -1 not yet released, 1 ready, 0 not ready
+  };
+  CpuAdam adam;
+  for (const bool throws : {false, true}) {
+    auto future = std::make_shared<std::shared_future<void>>();
+    auto ready_at_release = std::make_shared<std::atomic<int>>(-1);
+    std::promise<void> go;
+    std::shared_future<void> started = go.get_future().share();
+    *future = adam.run_async([witness = std::make_shared<Witness>(future, ready_at_release), started, throws] {
+                    started.wait();  // until the test has stored the future the witness reads
+                    if (throws) throw std::runtime_error("job failed");
+                  }).share();
+    go.set_value();
+    if (throws) {
+      EXPECT_THROW(future->get(), std::runtime_error);
+    } else {
+      future->get();
+    }
+    for (int i = 0; i < 1000 && ready_at_release->load() == -1; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_EQ(ready_at_release->load(), 0) << (throws ? "a job that throws" : "a job that returns")
+                                           << ": released before its future was ready";
+  }
 }
 
 // A frozen group updates with the options and step count it was frozen with, whatever the group has
