@@ -32,6 +32,16 @@ Chunk::Chunk(ChunkId id, ChunkRole role, at::ScalarType dtype, int64_t numel, c1
   device_flat_ = device_view(0, {numel});
 }
 
+int64_t Chunk::storage_holders() const {
+  // A view is a TensorImpl of its own holding the storage; payload() hands out device_flat_ or
+  // host_flat_ themselves (a handle to this Chunk's TensorImpl). This Chunk's own: the device storage
+  // handle and device_flat_'s; the host buffer's and host_flat_'s; one handle to each flat tensor.
+  auto beyond = [](size_t count, int64_t own) { return static_cast<int64_t>(count) - own; };
+  int64_t holders = beyond(device_storage_.use_count(), 2) + beyond(device_flat_.use_count(), 1);
+  if (host_bytes_.defined()) holders += beyond(host_bytes_.storage().use_count(), 2) + beyond(host_flat_.use_count(), 1);
+  return holders;
+}
+
 bool Chunk::has_device_memory() const { return device_storage_.nbytes() > 0 && !aliasing_host_; }
 
 void Chunk::alias_host_buffer() {

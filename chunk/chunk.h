@@ -65,6 +65,14 @@ class Chunk {
   // A view of [offset, offset + prod(shape)) of the device storage with `shape`, valid whether or not
   // the storage has memory now (it follows the storage).
   at::Tensor device_view(int64_t offset, at::IntArrayRef shape) const;
+  // References to its memory held outside this Chunk: one per tensor bound to its device storage (the
+  // parameters), one per view of either payload anyone keeps (a graph's saved `weight.t()`, a user's
+  // `weight.detach()`, a host view of optimizer state) and one per handle to a flat payload
+  // (payload() hands out the flat tensor itself); a view of a flat payload counts twice (it holds the
+  // flat tensor as its base too). So it equals the number of bound tensors exactly when nothing else
+  // can reach the memory. Nothing may, when the chunk goes (a repack frees it and hands its host
+  // buffer on for reuse).
+  int64_t storage_holders() const;
 
   // Host payload: a uint8 buffer of exactly nbytes(), or undefined.
   bool has_host_buffer() const { return host_bytes_.defined(); }

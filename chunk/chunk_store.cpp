@@ -793,6 +793,13 @@ Location ChunkStore::location(ChunkId id) const {
   return chunk_at(id).location();
 }
 
+int64_t ChunkStore::storage_holders(ChunkId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Chunk& chunk = chunk_at(id);
+  finish_pending(chunk, /*block=*/true, Count::kNone);  // a copy in flight holds the buffers it reads and writes
+  return chunk.storage_holders();
+}
+
 ChunkInfo ChunkStore::chunk_info(ChunkId id) const {
   std::lock_guard<std::mutex> lock(mutex_);
   const Chunk& c = chunk_at(id);

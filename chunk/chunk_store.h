@@ -256,6 +256,10 @@ class ChunkStore {
   // Where the chunk's payload is (cheap; chunk_info copies the tensor list).
   Location location(ChunkId id) const;
   ChunkInfo chunk_info(ChunkId id) const;
+  // Chunk::storage_holders(): the tensors bound to the chunk and the views of its memory anyone keeps
+  // (a view of a flat payload counts twice). Waits for a copy still filling the chunk first (its
+  // ticket holds the buffers).
+  int64_t storage_holders(ChunkId id);
   TensorInfo tensor_info(TensorId id) const;
   uint64_t access_tick() const;  // number of access() calls so far
   ChunkStoreStats stats() const;

@@ -107,4 +107,12 @@ int64_t StateChunks::group_bytes(int64_t group) const {
   return bytes;
 }
 
+int64_t StateChunks::views_held() {
+  int64_t held = 0;
+  for (const auto& role : chunks_) {
+    for (ChunkId c : role.chunks) held += store_->storage_holders(c);
+  }
+  return held;
+}
+
 }  // namespace ferry

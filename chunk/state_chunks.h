@@ -70,6 +70,9 @@ class StateChunks {
   // Moves every role's chunk of the group to `to` (synchronous, as ChunkStore::move).
   void move_group(int64_t group, Location to);
   int64_t group_bytes(int64_t group) const;  // of the roles held
+  // Views of its chunks' memory held outside it (payload() and view() results kept): what a repack
+  // would leave without memory, so it waits while any is (Note [A repack waits for held views]).
+  int64_t views_held();
   // Peak payload bytes of the old and new stores together during the last migration.
   int64_t last_migration_peak_bytes() const { return migration_peak_bytes_; }
 

@@ -67,9 +67,15 @@ void HybridAdam::broadcast_initial_values_locked() {
 void HybridAdam::shard_locked() {
   if (world_ == 1 || sharded_) return;
   TORCH_INTERNAL_ASSERT(!placed_, "placement comes after sharding");
-  TORCH_CHECK(model().layout_final(), "ferry: rank ", rank_, ": the first optimizer step at world size ", world_,
-              " came before the warm-up repack (warmup_iterations > 1?); the state and parameters are sharded by "
-              "the final layout: run the warm-up iterations first, or use warmup_iterations = 1");
+  // Every rank answers together: a rank whose repack waits (Note [A repack waits for held views]) must
+  // not leave the others in the next collective.
+  const bool final = model().layout_final();
+  const bool all_final = same_on_every_rank_locked(final ? 1.0 : 0.0) && final;
+  TORCH_CHECK(all_final, "ferry: rank ", rank_, ": the first optimizer step at world size ", world_,
+              " came before the warm-up repack ", final ? "of another rank" : "here", " (warmup_iterations > 1, or "
+              "a repack waiting for views of parameters held outside ferry, said in the log); the state and "
+              "parameters are sharded by the final layout: run the warm-up iterations first, or use "
+              "warmup_iterations = 1");
   check_same_layout_locked();  // again: the warm-up repacked in call order
   std::vector<int> roles{kMasterRole, kExpAvgRole, kExpAvgSqRole};  // accumulation chunks stay on every rank
   int64_t held = 0, bytes = 0;

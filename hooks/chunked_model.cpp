@@ -222,6 +222,44 @@ void ChunkedModel::build(const std::vector<int64_t>& order) {
   remember_bindings();
 }
 
+// Note [A repack waits for held views]. A repack moves every parameter into a new chunk and frees the
+// old ones. A tensor that views an old chunk's storage other than the parameter itself would then view
+// no memory (a raw "setStorage ... out of bounds" in a backward, a crash in a CPU kernel that reads
+// it), or, were the memory left to it, stale values (a host buffer goes to the new store for reuse:
+// another chunk's values). Such views exist when a graph of this model outlives the iteration (a
+// forward whose graph ferry cannot see, below D64's watch, saved `weight.t()`), or when the user keeps
+// `weight.detach()` or a slice of a weight. So the warm-up repack runs only at an iteration end where
+// each old chunk's memory is held by its parameters alone (reference counts, ChunkStore::
+// storage_holders; the optimizer state chunks, which the same repack migrates, by nobody); else it
+// waits, said once in the log, and the layout is not final meanwhile (the first sharded step refuses).
+// The test is exact: a parameter's TensorImpl holds its chunk's storage once, however many handles to
+// the parameter the module and the user keep, and ferry keeps no other view between iterations.
+int64_t ChunkedModel::views_held_outside(int64_t* example) {
+  std::vector<int64_t> bound(param_chunks_.size(), 0);
+  std::unordered_map<ChunkId, size_t> index;
+  for (size_t i = 0; i < param_chunks_.size(); ++i) index[param_chunks_[i]] = i;
+  for (size_t p = 0; p < params_.size(); ++p) ++bound[index.at(chunk_of_param_[p])];
+  int64_t held = 0;
+  for (size_t i = 0; i < param_chunks_.size(); ++i) {
+    const int64_t extra = store_->storage_holders(param_chunks_[i]) - bound[i];
+    if (extra <= 0) continue;
+    held += extra;
+    if (example && *example < 0) {
+      for (size_t p = 0; p < params_.size(); ++p) {
+        if (chunk_of_param_[p] == param_chunks_[i]) {
+          *example = static_cast<int64_t>(p);
+          break;
+        }
+      }
+    }
+  }
+  // The optimizer state migrates in the same repack: a kept view of it (adam.state_store()) counts too.
+  for (const auto& weak : states_) {
+    if (auto state = weak.lock()) held += state->views_held();
+  }
+  return held;
+}
+
 // Note [Writes to parameters]
 void ChunkedModel::remember_bindings() {
   const size_t n = params_.size();
@@ -866,7 +904,22 @@ void ChunkedModel::finish_iteration(bool aborted, bool forward_only) {
                "fp32 masters from the ", dtype_, " compute copy)");
     release_initial_values();
   }
-  if (!aborted && scheduler_->repack_wanted()) {
+  int64_t held_by = -1;
+  const int64_t held = !aborted && options_.repack_after_warmup && scheduler_->repack_wanted()
+                           ? views_held_outside(&held_by) : 0;
+  if (held > 0) {
+    // Note [A repack waits for held views]
+    if (repack_waits_++ == 0) {
+      log::warn("ferry: the warm-up repack waits: views of parameter or optimizer state chunk memory are held "
+                "outside ferry (", held, " references", held_by >= 0 ? ", one to '" + names_[held_by] + "'" : "", ")",
+                ": a graph not yet backwarded, or a view or detach() of a parameter or of a state chunk "
+                "(adam.state_store()) kept; it runs at the end of the first iteration after they are gone");
+    }
+  } else if (!aborted && scheduler_->repack_wanted()) {
+    if (repack_waits_ > 0) {
+      log::info("ferry: the held views are gone; the warm-up repack runs (it waited ", repack_waits_,
+                " iteration end(s))");
+    }
     if (options_.repack_after_warmup) {
       std::vector<int64_t> order = scheduler_->trace()->first_use_order(num_params());
       std::vector<char> used(params_.size(), 0);

@@ -247,8 +247,11 @@ class ChunkedModel final : private UseListener {
   // remote then are left empty (0 elements; any use fails), said in the log.
   void set_remote_chunks(std::shared_ptr<RemoteChunks> remote);
   const std::shared_ptr<RemoteChunks>& remote_chunks() const { return remote_; }
-  // No repack is to come: the warm-up ended (or repacking is off).
-  bool layout_final() const { return !options_.repack_after_warmup || scheduler_->trace() != nullptr; }
+  // No repack is to come: the warm-up ended and its repack ran (or repacking is off). A repack waits
+  // while views of parameter chunk memory are held outside ferry (Note [A repack waits for held views]).
+  bool layout_final() const {
+    return !options_.repack_after_warmup || (scheduler_->trace() != nullptr && !scheduler_->repack_wanted());
+  }
   // The one listener told of repacks (null: none). Not inside an iteration.
   void set_layout_listener(LayoutListener* listener);
   LayoutListener* layout_listener() const { return layout_listener_; }
@@ -329,6 +332,9 @@ class ChunkedModel final : private UseListener {
   }
   // Peak payload bytes of the old and new stores together during the last repack (tests, reports).
   int64_t last_repack_peak_bytes() const { return repack_peak_bytes_; }
+  // Iteration ends at which the wanted warm-up repack waited for views of parameter chunk memory held
+  // outside ferry (Note [A repack waits for held views]; reports, tests).
+  int64_t repack_waits() const { return repack_waits_; }
   // Wall time of the last repack: the parameter chunks and every attached state store's migration
   // (reports; 0 before the first).
   double last_repack_seconds() const { return repack_seconds_; }
@@ -399,6 +405,10 @@ class ChunkedModel final : private UseListener {
   void finish_iteration(bool aborted, bool forward_only = false);
   // Packs params in `order` into a fresh store and binds them (values from the old store if any).
   void build(const std::vector<int64_t>& order);
+  // References to parameter and state chunk memory held outside ferry (beyond the parameters
+  // themselves), over every chunk (ChunkStore::storage_holders); `example` gets a parameter of a
+  // parameter chunk that has some.
+  int64_t views_held_outside(int64_t* example);
   void register_storages();
   void unregister_storages();
   // Note [Writes to parameters]: what each parameter's tensor looks like now that ferry has bound or
@@ -425,6 +435,7 @@ class ChunkedModel final : private UseListener {
   std::vector<ChunkId> param_chunks_;
   int64_t layout_version_ = 0;
   int64_t repack_peak_bytes_ = 0;
+  int64_t repack_waits_ = 0;  // iteration ends at which the wanted repack waited for held views
   double repack_seconds_ = 0;
   double loss_scale_ = 1.0;
   GradSink* grad_sink_ = nullptr;

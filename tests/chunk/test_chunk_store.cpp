@@ -105,6 +105,44 @@ TEST(ChunkStore, RetireFreesAHeldChunkButNotOneInCompute) {
   EXPECT_EQ(store.stats().device.current_bytes + store.stats().host.current_bytes, 0);
 }
 
+// Note [A repack waits for held views]: what ChunkedModel compares with its parameter count. Each
+// bound tensor holds the chunk's storage once, however many handles to it are kept; every view of it
+// (a detach(), a transpose, a store view) is one more while it lives, on the device or off it, and so
+// is a handle to a flat payload; a view of the flat host payload counts twice (it holds it as base).
+TEST(ChunkStore, StorageHoldersCountsTheBoundTensorsAndEveryViewKept) {
+  ChunkStore store(simulated());
+  const ChunkId c = store.add_chunk(ChunkRole::kParam, at::kFloat, 64, Location::kDevice);
+  const TensorId a = store.add_tensor(c, 0, {4, 4});
+  const TensorId b = store.add_tensor(c, 16, {8});
+  EXPECT_EQ(store.storage_holders(c), 0) << "nothing bound";
+  torch::Tensor wa = torch::randn({4, 4}), wb = torch::randn({8});
+  store.bind(a, wa);
+  store.bind(b, wb);
+  EXPECT_EQ(store.storage_holders(c), 2) << "the two bound tensors";
+  {
+    const torch::Tensor handle = wa;  // the same TensorImpl: not a view
+    EXPECT_EQ(store.storage_holders(c), 2);
+    const torch::Tensor kept = wa.detach(), transposed = wa.t(), slot = store.view(b);
+    EXPECT_EQ(store.storage_holders(c), 5);
+    store.move(c, Location::kHost);
+    EXPECT_EQ(store.storage_holders(c), 5) << "off the device the views still hold the same storage";
+    {
+      const torch::Tensor host_view = store.view(a), host_payload = store.payload(c);
+      EXPECT_EQ(store.storage_holders(c), 8) << "views of the host buffer count too, the flat payload too";
+    }
+    EXPECT_EQ(store.storage_holders(c), 5);
+    store.move(c, Location::kDevice);
+  }
+  EXPECT_EQ(store.storage_holders(c), 2) << "the views are gone";
+  {
+    const torch::Tensor device_payload = store.payload(c);
+    EXPECT_EQ(store.storage_holders(c), 3) << "the flat device payload";
+  }
+  wb = torch::Tensor();
+  EXPECT_EQ(store.storage_holders(c), 1);
+  EXPECT_THROW(store.storage_holders(c + 1), c10::Error) << "no such chunk";
+}
+
 TEST(ChunkStore, RoundTripsPreserveBytesForEveryDtype) {
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
     ChunkStore store(simulated());

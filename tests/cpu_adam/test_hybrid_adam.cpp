@@ -1819,6 +1819,37 @@ TEST(HybridAdam, AGradientPenaltyBeforeMoreForwardsTrainsAsTheTwin) {
   critic.expect_masters_as_twin("critic");
 }
 
+// A view of the optimizer state kept over the warm-up (a report over adam.state_store(); master(p)
+// gives a copy): the state migrates in the warm-up's repack, which used to free the view's memory
+// under it and hand its host buffer to the new store. The repack waits until it is dropped (Note [A
+// repack waits for held views]); meanwhile the view is the state's, and the training is bit-identical
+// to the twin before and after the repack.
+TEST(HybridAdam, AStateViewKeptOverTheWarmupDelaysTheRepack) {
+  WrappedPerceptron w(5, 16, 40, 4);
+  torch::Tensor kept = w.adam.state_store().payload(0);
+  auto train = [&](int step) {
+    torch::manual_seed(300 + step);
+    const torch::Tensor x = torch::randn({4, 16}), y = torch::randn({4, 4});
+    w.twin.zero_grad();
+    torch::mse_loss(w.ref->forward(x), y).backward();
+    w.twin.step();
+    w.model.backward(w.model.forward([&] { return torch::mse_loss(w.net->forward(x), y); }));
+    w.adam.step();
+  };
+  for (int step = 0; step < 3; ++step) {
+    train(step);
+    EXPECT_FALSE(w.model.layout_final()) << "step " << step;
+    EXPECT_TRUE(torch::equal(kept, w.adam.state_store().payload(0))) << "the kept view is the state, step " << step;
+    w.expect_masters_as_twin("view kept, step " + std::to_string(step));
+  }
+  kept = torch::Tensor();
+  train(3);
+  EXPECT_TRUE(w.model.layout_final()) << "the repack ran once the view was gone";
+  EXPECT_EQ(w.model.repack_waits(), 3);
+  train(4);
+  w.expect_masters_as_twin("after the repack");
+}
+
 // `loss.backward()` in place of `model.backward(loss)` (Note [A backward not through model.backward()],
 // hooks/chunked_model.cpp). It used to run: with fp16 the loss scale was never applied, so every
 // gradient reached the step 65536 times too small and the iteration never ended. Now it is refused at

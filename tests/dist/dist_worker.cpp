@@ -15,6 +15,8 @@
 // --frozen-until=K: the MLP (up, down) does not require grad before step K, on every rank (a parameter's
 // own step count then lags its group's, D62).
 // --warmup-iterations=W: SchedulerOptions::warmup_iterations (the repack comes after W iterations).
+// --hold-view-rank=R: rank R keeps a detach() of up.weight for the whole run (its warm-up repack waits
+// for it: Note [A repack waits for held views]).
 // --eval-every=K: after every K-th step an evaluation forward (no backward) on the rank's rows.
 // --shard-params=0: every rank keeps every parameter chunk (Note [Sharded parameters] off).
 // --reshard=0 / --reshard-gap=G (default 0: every group given up after forward):
@@ -150,6 +152,8 @@ int run(int argc, char** argv) {
   ferry::HybridAdam& adam = *optimizer;
   const ferry::ChunkStoreStats built = adam.state_store().stats();
   const int64_t construct_state_bytes = built.host.current_bytes + built.device.current_bytes;
+  torch::Tensor held_view;  // --hold-view-rank
+  if (config.rank == std::stoi(option(rest, "hold-view-rank", "-1"))) held_view = net->up->weight.detach();
   int first_step = 0;
   if (!resume.empty()) {
     adam.load(resume);

@@ -255,6 +255,20 @@ TEST(Dist, AFirstStepBeforeTheWarmupRepackFailsClearly) {
   }
 }
 
+// A rank whose warm-up repack waits for a view of a parameter it keeps (Note [A repack waits for held
+// views]) has no final layout at the first step: every rank fails, saying why, instead of rank 0 going
+// on into a collective the other never joins.
+TEST(Dist, AFirstStepWhileOneRanksRepackWaitsFailsOnEveryRank) {
+  const auto ranks = run_world(2, {"--steps=2", "--hold-view-rank=1"});
+  for (const Proc& p : ranks) {
+    EXPECT_EQ(p.exit_code, 1) << describe(ranks);
+    EXPECT_NE(p.err.find("came before the warm-up repack"), std::string::npos) << describe(ranks);
+  }
+  EXPECT_NE(ranks[0].err.find("repack of another rank"), std::string::npos) << describe(ranks);
+  EXPECT_NE(ranks[1].err.find("repack here"), std::string::npos) << describe(ranks);
+  EXPECT_NE(ranks[1].err.find("the warm-up repack waits"), std::string::npos) << describe(ranks);
+}
+
 // Evaluation forwards (no backward) between steps gather the sharded groups they use like training
 // forwards do, and change nothing.
 TEST(Dist, EvaluationForwardsBetweenStepsLeaveTheTrainingAsInOneProcess) {

@@ -483,6 +483,45 @@ TEST(ChunkedModel, AForwardWhoseGraphIsGoneEndsItsIterationAtTheNextForward) {
   EXPECT_FALSE(g.model.last_iteration().diverged);
 }
 
+// Note [A repack waits for held views]: views of parameters the user keeps (a detach() kept for
+// logging, a slice) share their chunks' memory. The warm-up's repack used to free that memory under
+// them (the next read of the detach(): a segmentation fault). Now it waits until every such view is
+// gone: meanwhile they read the parameters' values and training follows the unwrapped model; then it
+// runs, and the scheduler follows its trace.
+TEST(ChunkedModel, ARepackWaitsForViewsOfParametersHeldOutside) {
+  EvictedGpt g(23);
+  const auto loss_of = tiny_gpt_loss(EvictedGpt::V, EvictedGpt::T);
+  auto params = g.net->named_parameters();
+  const std::string first = params.keys().front(), last = params.keys().back();
+  torch::Tensor kept = params[first].detach();
+  torch::Tensor slice = params[last].narrow(0, 0, 1);
+  int64_t it = 0;
+  auto train = [&](const std::string& what) {
+    compare_iteration(g.ref, g.net, g.model, loss_of, what + ", iteration " + std::to_string(it));
+    ++it;
+  };
+  for (int k = 0; k < 3; ++k) {
+    train("two views held");
+    EXPECT_FALSE(g.model.layout_final()) << "iteration " << it - 1;
+    EXPECT_TRUE(torch::equal(kept, params[first])) << "iteration " << it - 1;
+    EXPECT_TRUE(torch::equal(slice, params[last].narrow(0, 0, 1))) << "iteration " << it - 1;
+  }
+  EXPECT_EQ(g.model.repack_waits(), 3);
+  kept = torch::Tensor();
+  train("the slice held");
+  EXPECT_FALSE(g.model.layout_final());
+  EXPECT_TRUE(torch::equal(slice, params[last].narrow(0, 0, 1)));
+  slice = torch::Tensor();
+  train("no view held");
+  EXPECT_TRUE(g.model.layout_final()) << "the repack ran once the views were gone";
+  EXPECT_EQ(g.model.repack_waits(), 4);
+  EXPECT_GT(g.model.last_repack_seconds(), 0);
+  for (int k = 0; k < 2; ++k) {
+    train("after the repack");
+    EXPECT_FALSE(g.model.last_iteration().diverged) << "iteration " << it - 1;
+  }
+}
+
 // Note [Several forwards], a graph through frozen parameters only: a frozen wrapped feature network
 // as a perceptual loss, run on the generated output and on the target before one backward (the
 // target's pass under grad mode or NoGradGuard). Its parameters have no gradient accumulators, so the
@@ -494,7 +533,12 @@ TEST(ChunkedModel, AForwardWhoseGraphIsGoneEndsItsIterationAtTheNextForward) {
 // the feature network sees one iteration per step and follows its trace. The same once the feature
 // network is trainable without a gradient sink (its .grad as torch makes them): the held loss keeps
 // its accumulators alive, and the backward that ran through the returned node still ends the step.
+// A forward returning a struct is not watched: each forward is an iteration of its own, and the
+// warm-up's repack waits for the first graph's saved views (Note [A repack waits for held views]).
 TEST(ChunkedModel, AFrozenModelRunTwiceBeforeOneBackwardMatchesTheUnwrappedModel) {
+  struct Features {
+    torch::Tensor value;
+  };
   auto features = [](bool trainable) {
     torch::manual_seed(31);
     auto f = torch::nn::Sequential(torch::nn::Linear(16, 40), torch::nn::Tanh(), torch::nn::Linear(40, 40),
@@ -503,10 +547,11 @@ TEST(ChunkedModel, AFrozenModelRunTwiceBeforeOneBackwardMatchesTheUnwrappedModel
     for (auto& p : f->parameters()) p.set_requires_grad(trainable);
     return f;
   };
-  for (const int mode : {0, 1, 2}) {
-    const bool own_backward = mode == 1, trainable = mode == 2;
+  for (const int mode : {0, 1, 2, 3}) {
+    const bool own_backward = mode == 1, trainable = mode == 2, in_struct = mode == 3;
     const std::string how = own_backward ? "features.backward(loss)"
                             : trainable  ? "loss.backward(), trainable, no sink"
+                            : in_struct  ? "loss.backward(), forward returns a struct"
                                          : "loss.backward()";
     auto ref_f = features(trainable), f = features(trainable);
     torch::manual_seed(32);
@@ -535,24 +580,35 @@ TEST(ChunkedModel, AFrozenModelRunTwiceBeforeOneBackwardMatchesTheUnwrappedModel
       }
       g->zero_grad();
       const torch::Tensor y = g->forward(x);
-      const torch::Tensor a = model.forward([&] { return f->forward(y); });
+      const torch::Tensor a = in_struct ? model.forward([&] { return Features{f->forward(y)}; }).value
+                                        : model.forward([&] { return f->forward(y); });
       torch::Tensor b;
       if (target_no_grad) {
         torch::NoGradGuard no_grad;
         b = model.forward([&] { return f->forward(target); });
       } else {
-        b = model.forward([&] { return f->forward(target); });
+        b = in_struct ? model.forward([&] { return Features{f->forward(target)}; }).value
+                      : model.forward([&] { return f->forward(target); });
       }
       loss = torch::mse_loss(a, b);
       ASSERT_NO_THROW(own_backward ? model.backward(loss) : loss.backward()) << when;
       EXPECT_TRUE(torch::equal(g->weight.grad(), ref_g->weight.grad())) << when;
       EXPECT_TRUE(torch::equal(g->bias.grad(), ref_g->bias.grad())) << when;
-      if (step >= 2) {
+      if (step >= 2 && !in_struct) {
         EXPECT_FALSE(model.last_iteration().diverged) << when;
+      }
+      if (in_struct && step == 0) {
+        EXPECT_FALSE(model.layout_final()) << when << ": the repack waits for the first graph's saved views";
       }
     }
     model.end_iteration();
-    EXPECT_EQ(model.scheduler().iterations(), kSteps) << how << ": one iteration per step, two forwards each";
+    if (in_struct) {
+      EXPECT_EQ(model.scheduler().iterations(), 2 * kSteps) << how << ": an iteration per forward";
+      EXPECT_EQ(model.repack_waits(), 1) << how;
+    } else {
+      EXPECT_EQ(model.scheduler().iterations(), kSteps) << how << ": one iteration per step, two forwards each";
+      EXPECT_EQ(model.repack_waits(), 0) << how;
+    }
     EXPECT_TRUE(model.layout_final()) << how << ": the warm-up's repack ran";
   }
 }
