@@ -1,5 +1,8 @@
 #include "ferry/hooks/checkpoint.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -10,7 +13,9 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <unordered_set>
+#include <utility>
 
 #include "ferry/common/logging.h"
 #include "ferry/hooks/param_use_recorder.h"
@@ -20,12 +25,105 @@ namespace {
 
 thread_local ParamUseRecorder* innermost_recorder = nullptr;
 
+// Note [The recompute replays the forward's randomness and autocast]
+// The recompute must compute what the first run computed. Two thread states decide that besides the
+// inputs and parameters, and both differ in backward: the random generators (a dropout mask drawn in
+// forward is drawn anew, from where the generator is by then) and autocast (enabled around forward,
+// usually not around backward: the recompute ran in fp32 what forward ran in bf16). Both gave wrong
+// gradients silently (probed against the unwrapped model: dropout 1.6 off, CPU autocast 7e-3). As
+// torch.utils.checkpoint does by default (preserve_rng_state): forward records the CPU generator's
+// state and that of each CUDA device generator the inputs are on, and the autocast state of the CPU and
+// CUDA; the recompute runs with those states and then gives the generators back the states they had,
+// so the recompute draws nothing from the training's random stream either.
+struct ForwardContext {
+  struct Rng {
+    at::Generator generator;
+    at::Tensor state;
+  };
+  struct Autocast {
+    c10::DeviceType type;
+    bool enabled;
+    at::ScalarType dtype;
+  };
+  std::vector<Rng> rng;
+  std::vector<Autocast> autocast;
+  bool autocast_cache = true;
+
+  static at::Tensor state_of(at::Generator& g) {
+    const std::lock_guard<std::mutex> lock(g.mutex());
+    return g.get_state();
+  }
+  static void set_state(at::Generator& g, const at::Tensor& state) {
+    const std::lock_guard<std::mutex> lock(g.mutex());
+    g.set_state(state);
+  }
+
+  static ForwardContext capture(const std::vector<at::Tensor>& inputs) {
+    ForwardContext c;
+    auto add = [&](at::Generator g) {
+      for (const Rng& r : c.rng) {
+        if (r.generator == g) return;
+      }
+      at::Tensor state = state_of(g);
+      c.rng.push_back({std::move(g), std::move(state)});
+    };
+    add(at::detail::getDefaultCPUGenerator());
+    for (const at::Tensor& t : inputs) {
+      if (t.defined() && t.is_cuda()) add(at::globalContext().defaultGenerator(t.device()));
+    }
+    for (const c10::DeviceType type : {c10::DeviceType::CPU, c10::DeviceType::CUDA}) {
+      c.autocast.push_back({type, at::autocast::is_autocast_enabled(type), at::autocast::get_autocast_dtype(type)});
+    }
+    c.autocast_cache = at::autocast::is_autocast_cache_enabled();
+    return c;
+  }
+};
+
+// Runs the recompute in the forward's context (RAII): the generators at their forward states and
+// autocast as it was; on scope exit, by return or throw, everything as it was before.
+class ReplayForward {
+ public:
+  explicit ReplayForward(const ForwardContext& forward) {
+    for (const ForwardContext::Rng& r : forward.rng) {
+      at::Generator g = r.generator;
+      rng_.push_back({g, ForwardContext::state_of(g)});
+      ForwardContext::set_state(g, r.state);
+    }
+    for (const ForwardContext::Autocast& a : forward.autocast) {
+      autocast_.push_back({a.type, at::autocast::is_autocast_enabled(a.type), at::autocast::get_autocast_dtype(a.type)});
+      at::autocast::set_autocast_enabled(a.type, a.enabled);
+      at::autocast::set_autocast_dtype(a.type, a.dtype);
+    }
+    cache_ = at::autocast::is_autocast_cache_enabled();
+    at::autocast::set_autocast_cache_enabled(forward.autocast_cache);
+    at::autocast::increment_nesting();  // as torch.autocast's __enter__: the cast cache lives until the exit
+  }
+  ReplayForward(const ReplayForward&) = delete;
+  ReplayForward& operator=(const ReplayForward&) = delete;
+  ~ReplayForward() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_cache_enabled(cache_);
+    for (const ForwardContext::Autocast& a : autocast_) {
+      at::autocast::set_autocast_enabled(a.type, a.enabled);
+      at::autocast::set_autocast_dtype(a.type, a.dtype);
+    }
+    for (ForwardContext::Rng& r : rng_) ForwardContext::set_state(r.generator, r.state);
+  }
+
+ private:
+  std::vector<ForwardContext::Rng> rng_;
+  std::vector<ForwardContext::Autocast> autocast_;
+  bool cache_ = true;
+};
+
 // fn travels through AutogradContext::saved_data as an opaque capsule; `out` carries fn's result from
-// checkpoint() into forward() (taken there: the graph must not hold its own output).
+// checkpoint() into forward() (taken there: the graph must not hold its own output); `context` is the
+// forward's context the recompute replays.
 struct FnHolder : torch::CustomClassHolder {
   explicit FnHolder(CheckpointFn f) : fn(std::move(f)) {}
   CheckpointFn fn;
   at::Tensor out;
+  ForwardContext context;
 };
 
 // Note [Checkpoint parameters as inputs]
@@ -100,6 +198,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     at::Tensor out;
     const uint64_t begin = at::sequence_number::peek();
     {
+      const ReplayForward replay(holder->context);  // Note [The recompute replays the forward's randomness ...]
       at::AutoGradMode grad_on(true);
       out = holder->fn(inputs);
     }
@@ -180,6 +279,7 @@ at::Tensor checkpoint(CheckpointFn fn, const std::vector<at::Tensor>& inputs) {
   TORCH_CHECK(fn, "ferry: checkpoint needs a function");
   if (!at::GradMode::is_enabled()) return fn(inputs);
   auto holder = c10::make_intrusive<FnHolder>(std::move(fn));
+  holder->context = ForwardContext::capture(inputs);
   std::vector<at::Tensor> params;  // Note [Checkpoint parameters as inputs]
   {
     const ParamUseRecorder recorder;

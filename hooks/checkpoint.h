@@ -15,9 +15,14 @@
 // chunks fn needs are brought back for it.
 //
 // Contract
-//  - fn must compute the same function both times: no randomness (dropout) unless it reseeds itself,
-//    no state changed by the first call that the second reads (BatchNorm running stats are updated
-//    twice).
+//  - The recompute replays the first run's random generators and autocast state, as
+//    torch.utils.checkpoint does by default: the CPU generator and the default generator of each CUDA
+//    device the inputs are on start from where they were when the first run began (a dropout draws
+//    the same mask), and are given back their states after it (the recompute draws nothing from the
+//    training's stream); CPU and CUDA autocast are as they were around the first run.
+//  - Beyond that, fn must compute the same function both times: a generator of its own or of a
+//    device none of the inputs is on is not replayed, and no state changed by the first call may be
+//    read by the second (BatchNorm running stats are updated twice).
 //  - fn returns one tensor; inputs that require grad get gradients, others none, and so do the managed
 //    parameters fn uses. Inside a ChunkedModel, a tensor that requires grad and that fn captures
 //    instead of taking it in `inputs` (not a parameter of a wrapped module) gets no gradient: pass it in

@@ -1,6 +1,7 @@
 // ferry::checkpoint: gradients with checkpointed blocks equal plain ones, unwrapped and inside a
-// ChunkedModel whose budget forces the recompute to bring evicted chunks back; and the checkpointed
-// forward keeps fewer tensors alive.
+// ChunkedModel whose budget forces the recompute to bring evicted chunks back, with dropout and under
+// autocast too; and the checkpointed forward keeps fewer tensors alive.
+#include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -22,7 +23,9 @@ struct MlpStackImpl : torch::nn::Module {
     }
   }
   torch::Tensor block(int i, const torch::Tensor& x) {
-    const torch::Tensor y = out[i](torch::gelu(fc[i](ln[i](x))));
+    torch::Tensor h = torch::gelu(fc[i](ln[i](x)));
+    if (dropout > 0) h = torch::dropout(h, dropout, is_training());
+    const torch::Tensor y = out[i](h);
     return x + (gain.defined() ? y * gain : y);
   }
   torch::Tensor forward(torch::Tensor x) {
@@ -36,6 +39,7 @@ struct MlpStackImpl : torch::nn::Module {
     return x.pow(2).mean();
   }
   bool use_checkpoint = false;
+  double dropout = 0;
   torch::Tensor gain;  // defined: a tensor every block captures (not a parameter, not an input)
   std::vector<torch::nn::LayerNorm> ln;
   std::vector<torch::nn::Linear> fc, out;
@@ -98,6 +102,61 @@ TEST(Checkpoint, GradsEqualPlainInsideChunkedModelUnderEvictions) {
     EXPECT_FALSE(stats.diverged) << "iteration " << it;
     expect_same_grads(plain, ckpt);
   }
+}
+
+// Note [The recompute replays the forward's randomness and autocast]: a dropout inside a checkpointed
+// block drew a new mask in the recompute, so the gradients were those of another network (probed:
+// 1.6 off). Now the recompute starts the generator where the first run did, and gives it back its
+// state after, so the training's random stream is the plain model's too. Inside a ChunkedModel under
+// evictions: the same gradients, and the same next random number, as the plain model.
+TEST(Checkpoint, ADropoutDrawsTheSameMaskInTheRecompute) {
+  auto pair = twins(4);
+  MlpStack plain = pair.first, ckpt = pair.second;
+  plain->dropout = ckpt->dropout = 0.3;
+  ChunkedModel model(ckpt.ptr(), simulated(3 * (4 << 10)));
+  const auto x = torch::randn({4, 8, 16});
+  for (int it = 0; it < 3; ++it) {
+    for (auto& p : plain->parameters()) p.mutable_grad().reset();
+    for (auto& p : ckpt->parameters()) p.mutable_grad().reset();
+    torch::manual_seed(100 + it);
+    auto ref = plain->forward(x);
+    ref.backward();
+    const torch::Tensor next_ref = torch::rand({4});
+    torch::manual_seed(100 + it);
+    auto loss = model.forward([&] { return ckpt->forward(x); });
+    model.backward(loss);
+    const torch::Tensor next = torch::rand({4});
+    EXPECT_TRUE(torch::equal(loss, ref)) << "iteration " << it;
+    expect_same_grads(plain, ckpt);
+    EXPECT_TRUE(torch::equal(next, next_ref)) << "iteration " << it << ": the recompute drew from the stream";
+  }
+}
+
+// The same Note: a forward under autocast (CPU, bf16) whose backward runs outside it, as torch
+// recommends. The recompute ran in fp32 what the first run ran in bf16 (probed: 7e-3 off). Now it runs
+// under the forward's autocast state, and the caller's state is as it was after backward.
+TEST(Checkpoint, TheRecomputeRunsUnderTheForwardsAutocast) {
+  auto pair = twins(5);
+  MlpStack plain = pair.first, ckpt = pair.second;
+  const auto x = torch::randn({4, 8, 16});
+  auto forward_autocast = [](MlpStack& m, const torch::Tensor& in) {
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    torch::Tensor loss = m->forward(in);
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+    return loss;
+  };
+  const torch::Tensor ref = forward_autocast(plain, x);
+  ref.backward();
+  const torch::Tensor loss = forward_autocast(ckpt, x);
+  loss.backward();
+  EXPECT_TRUE(torch::equal(loss, ref));
+  auto pa = plain->named_parameters(), pb = ckpt->named_parameters();
+  for (const auto& item : pa) {
+    EXPECT_TRUE(torch::equal(pb[item.key()].grad(), item.value().grad())) << item.key();
+  }
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU)) << "the caller's autocast state, after backward";
 }
 
 // Note [Checkpoint parameters as inputs]: a block that captures a tensor requiring grad (neither an
