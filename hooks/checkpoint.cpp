@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <ATen/SequenceNumber.h>
 
 #include <atomic>
@@ -24,6 +25,16 @@ namespace ferry {
 namespace {
 
 thread_local ParamUseRecorder* innermost_recorder = nullptr;
+
+// How many segments' own autograd::grad calls run on this thread (a nested segment's backward runs on
+// the thread of the call that reached it: reentrant backward).
+thread_local int segment_grads_running = 0;
+struct SegmentGradsRunning {
+  SegmentGradsRunning() { ++segment_grads_running; }
+  ~SegmentGradsRunning() { --segment_grads_running; }
+  SegmentGradsRunning(const SegmentGradsRunning&) = delete;
+  SegmentGradsRunning& operator=(const SegmentGradsRunning&) = delete;
+};
 
 // Note [The recompute replays the forward's randomness and autocast]
 // The recompute must compute what the first run computed. Two thread states decide that besides the
@@ -144,14 +155,17 @@ struct FnHolder : torch::CustomClassHolder {
 // no gradient), and every other node was made by the recompute (sequence numbers in [begin, end) on
 // this thread). A tensor fn captures instead of taking it as an input fails it: its gradient would be
 // lost by autograd::grad, so the nested backward accumulates instead.
+// `stops`: the nodes that made the inputs (a recompute that creates a graph runs on the inputs
+// themselves, not on detached copies): the recompute's graph ends there.
 bool recompute_is_closed(const at::Tensor& out, const std::unordered_set<const c10::TensorImpl*>& known,
-                         uint64_t begin, uint64_t end) {
+                         const std::unordered_set<const torch::autograd::Node*>& stops, uint64_t begin,
+                         uint64_t end) {
   std::vector<torch::autograd::Node*> stack{out.grad_fn().get()};
   std::unordered_set<const torch::autograd::Node*> seen;
   while (!stack.empty()) {
     torch::autograd::Node* node = stack.back();
     stack.pop_back();
-    if (node == nullptr || !seen.insert(node).second) continue;
+    if (node == nullptr || !seen.insert(node).second || stops.count(node) != 0) continue;
     if (const auto* acc = dynamic_cast<const torch::autograd::AccumulateGrad*>(node)) {
       if (acc->variable.numel() != 0 && known.count(acc->variable.unsafeGetTensorImpl()) == 0) return false;
       continue;
@@ -161,6 +175,19 @@ bool recompute_is_closed(const at::Tensor& out, const std::unordered_set<const c
   }
   return true;
 }
+
+// Note [A backward that creates a graph through a checkpoint]
+// A gradient penalty differentiates a gradient: autograd::grad(..., create_graph) through the segment,
+// then a backward through that gradient's graph. The segment's backward used to compute its gradients
+// without a graph (and on detached copies of the inputs), so the penalty's gradient lost every term
+// through the segment, silently (probed against the plain model: 0.36 off inside a ChunkedModel, and 4
+// off unwrapped, where the nested backward also accumulated the first gradient's parameter terms into
+// .grad). Now, under create_graph, the recompute runs on the inputs themselves and autograd::grad
+// creates the graph, so the gradients are differentiable back to the parameters and to whatever made
+// the inputs; the walk of recompute_is_closed stops at the inputs' nodes. The nested-backward path
+// (no recorded parameters: no ChunkedModel, or fn captures a tensor) cannot do that, nor serve an
+// autograd::grad() of the caller without accumulating into .grad: both are refused, naming the remedy
+// (torch's reentrant checkpoint refuses autograd.grad() alike).
 
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   // `anchor`: an empty tensor that requires grad, so the output has a grad_fn even when nothing else
@@ -188,8 +215,17 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     const auto needs_grad = ctx->saved_data["needs_grad"].toIntVector();
     const auto num_inputs = static_cast<size_t>(ctx->saved_data["num_inputs"].toInt());
     const auto saved = ctx->get_saved_variables();
+    // Note [A backward that creates a graph through a checkpoint]: the engine runs a backward under
+    // grad mode exactly when it creates a graph (create_graph).
+    const bool create_graph = at::GradMode::is_enabled();
     std::vector<at::Tensor> inputs;
+    std::unordered_set<const torch::autograd::Node*> stops;  // where the recompute's graph ends
     for (size_t i = 0; i < num_inputs; ++i) {
+      if (create_graph) {  // the inputs themselves: the gradients' graph must reach what made them
+        inputs.push_back(saved[i]);
+        if (saved[i].defined() && saved[i].grad_fn()) stops.insert(saved[i].grad_fn().get());
+        continue;
+      }
       at::Tensor t = saved[i].defined() ? saved[i].detach() : saved[i];
       if (t.defined() && needs_grad[i]) t.requires_grad_(true);
       inputs.push_back(t);
@@ -210,7 +246,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
         if (t.defined()) known.insert(t.unsafeGetTensorImpl());
       }
       for (const auto& p : params) known.insert(p.unsafeGetTensorImpl());
-      closed = recompute_is_closed(out, known, begin, end);
+      closed = recompute_is_closed(out, known, stops, begin, end);
       static std::atomic<bool> warned{false};
       if (!closed && !warned.exchange(true)) {
         log::warn("ferry::checkpoint: the segment uses a tensor that requires grad and is neither among its "
@@ -223,6 +259,20 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     grads.emplace_back();  // for the holder
     grads.emplace_back();  // for the anchor
     if (!closed) {  // Note [Checkpoint parameters as inputs]: no parameters recorded, or a captured tensor
+      // Note [A backward that creates a graph through a checkpoint]: the nested backward would
+      // accumulate gradients the caller did not ask for, or lose the graph the caller asked for.
+      // An enclosing segment's autograd::grad (below) is ferry's own: nested, this one accumulates as
+      // it always did, and the enclosing one returns nothing for those parameters.
+      const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+      const bool caller_asked = exec_info != nullptr && !exec_info->empty() && segment_grads_running == 0;
+      TORCH_CHECK(!create_graph && !caller_asked, "ferry::checkpoint: ",
+                  create_graph ? "a backward that creates a graph (create_graph, as a gradient penalty's)"
+                               : "autograd::grad() (or a backward given `inputs`)",
+                  " through a checkpointed segment needs the segment's parameters recorded, i.e. the segment "
+                  "inside a ChunkedModel's forward, with every tensor that requires grad and is not a "
+                  "parameter of the wrapped module passed in checkpoint's inputs; here ",
+                  params.empty() ? "no parameters were recorded (no ChunkedModel)" : "fn captures such a tensor",
+                  ". Its nested backward would accumulate the parameters' gradients into .grad");
       if (out.requires_grad()) torch::autograd::backward({out}, {grad_outputs[0]});
       for (size_t i = 0; i < inputs.size(); ++i) {
         grads.push_back(inputs[i].defined() && needs_grad[i] ? inputs[i].grad() : at::Tensor());
@@ -247,9 +297,11 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     }
     grads.resize(2 + inputs.size() + params.size());
     if (!wrt.empty()) {
+      const SegmentGradsRunning running;
       const torch::autograd::variable_list g = torch::autograd::grad({out}, wrt, {grad_outputs[0]},
-                                                                     /*retain_graph=*/false,
-                                                                     /*create_graph=*/false, /*allow_unused=*/true);
+                                                                     /*retain_graph=*/create_graph,
+                                                                     /*create_graph=*/create_graph,
+                                                                     /*allow_unused=*/true);
       for (size_t j = 0; j < g.size(); ++j) grads[static_cast<size_t>(slot[j])] = g[j];
     }
     return grads;

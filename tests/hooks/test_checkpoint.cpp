@@ -10,6 +10,7 @@
 
 #include "ferry/hooks/checkpoint.h"
 #include "ferry/hooks/chunked_model.h"
+#include "test_util.h"
 
 namespace ferry {
 namespace {
@@ -157,6 +158,64 @@ TEST(Checkpoint, TheRecomputeRunsUnderTheForwardsAutocast) {
     EXPECT_TRUE(torch::equal(pb[item.key()].grad(), item.value().grad())) << item.key();
   }
   EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU)) << "the caller's autocast state, after backward";
+}
+
+// Note [A backward that creates a graph through a checkpoint]: a gradient penalty (the input gradient,
+// made with create_graph, in the loss) through four checkpointed blocks inside a ChunkedModel under
+// evictions. The segments' gradients used to carry no graph, so the penalty lost every term through
+// them (0.36 off). Now the same loss and gradients as the plain model, whose earlier blocks' terms
+// reach them through the later blocks' inputs.
+TEST(Checkpoint, AGradientPenaltyThroughSegmentsMatchesThePlainModel) {
+  auto pair = twins(6);
+  MlpStack plain = pair.first, ckpt = pair.second;
+  ChunkedModel model(ckpt.ptr(), simulated(3 * (4 << 10)));
+  auto penalized = [](MlpStack& m, const torch::Tensor& x) {
+    const torch::Tensor xi = x.clone().requires_grad_(true);
+    const torch::Tensor d = m->forward(xi);
+    const torch::Tensor g = torch::autograd::grad({d}, {xi}, {}, /*retain_graph=*/true, /*create_graph=*/true)[0];
+    return d + 10 * g.pow(2).sum();
+  };
+  const auto x = torch::randn({4, 8, 16});
+  for (int it = 0; it < 3; ++it) {
+    for (auto& p : plain->parameters()) p.mutable_grad().reset();
+    for (auto& p : ckpt->parameters()) p.mutable_grad().reset();
+    const torch::Tensor ref = penalized(plain, x);
+    ref.backward();
+    const torch::Tensor loss = model.forward([&] { return penalized(ckpt, x); });
+    model.backward(loss);
+    EXPECT_TRUE(torch::allclose(loss, ref, 1e-6, 1e-7)) << "iteration " << it;
+    expect_same_grads(plain, ckpt);
+    EXPECT_GT(model.last_iteration().evictions, 0) << "iteration " << it;
+  }
+}
+
+// The same Note, where the segment's gradients come from a nested backward (no ChunkedModel records
+// its parameters): a backward that creates a graph through it, and autograd::grad() through it, are
+// refused, naming the remedy, before anything is accumulated (they used to give a penalty 4 off, and
+// to accumulate the parameters' gradients into .grad where the caller asked for the input's only). A
+// plain backward through it still works.
+TEST(Checkpoint, WithoutRecordedParametersADifferentiatedOrSelectiveBackwardIsRefused) {
+  auto pair = twins(7);
+  MlpStack plain = pair.first, ckpt = pair.second;
+  const torch::Tensor xi = torch::randn({4, 8, 16}).requires_grad_(true);
+  const std::string penalty = test::error_of([&] {
+    (void)torch::autograd::grad({ckpt->forward(xi)}, {xi}, {}, /*retain_graph=*/true, /*create_graph=*/true);
+  });
+  EXPECT_NE(penalty.find("ferry::checkpoint: a backward that creates a graph (create_graph, as a gradient "
+                         "penalty's) through a checkpointed segment needs the segment's parameters recorded"),
+            std::string::npos)
+      << penalty;
+  EXPECT_NE(penalty.find("no parameters were recorded (no ChunkedModel)"), std::string::npos) << penalty;
+  const std::string selective = test::error_of([&] { (void)torch::autograd::grad({ckpt->forward(xi)}, {xi}); });
+  EXPECT_NE(selective.find("ferry::checkpoint: autograd::grad() (or a backward given `inputs`) through a "
+                           "checkpointed segment"),
+            std::string::npos)
+      << selective;
+  for (const auto& p : ckpt->parameters()) EXPECT_FALSE(p.grad().defined()) << "nothing accumulated";
+  EXPECT_FALSE(xi.grad().defined());
+  ckpt->forward(xi).backward();
+  plain->forward(xi.detach()).backward();
+  expect_same_grads(plain, ckpt);
 }
 
 // Note [Checkpoint parameters as inputs]: a block that captures a tensor requiring grad (neither an
