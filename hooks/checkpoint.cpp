@@ -145,10 +145,11 @@ struct FnHolder : torch::CustomClassHolder {
 // first had landed its gradient: refused. Now, when ChunkedModel records the parameters fn uses
 // (ParamUseRecorder, during the first run), they are inputs of this Function: backward computes their
 // gradients with autograd::grad, without accumulating, and returns them, so the engine sums every
-// contribution and lands each parameter once, after all its segments have recomputed. Without
-// recorded parameters (no ChunkedModel: plain LibTorch) the nested backward accumulates as before; so
-// it does, warned once, when the recomputed graph reaches a tensor that requires grad and is neither an
-// input nor a recorded parameter (fn captured it): autograd::grad would lose its gradient.
+// contribution and lands each parameter once, after all its segments have recomputed. When the
+// recomputed graph reaches a tensor that requires grad and is neither an input nor a recorded
+// parameter, autograd::grad would lose its gradient, so the nested backward accumulates as before:
+// plain LibTorch (no ChunkedModel records the parameters), or fn captured it (warned once). A segment
+// whose graph reaches only its inputs (frozen parameters) takes the autograd::grad path either way.
 
 // Whether every leaf the recomputed graph of `out` reaches is one whose gradient the Function returns
 // (`known`: its inputs and recorded parameters; empty leaves, such as a nested checkpoint's anchor, carry
@@ -239,7 +240,9 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       out = holder->fn(inputs);
     }
     const uint64_t end = at::sequence_number::peek();
-    bool closed = !params.empty() && out.requires_grad();
+    // Closed: every leaf the recompute reaches is an input or a recorded parameter (a frozen segment
+    // with no recorded parameter too); plain LibTorch's trainable parameters are not recorded.
+    bool closed = out.requires_grad();
     if (closed) {
       std::unordered_set<const c10::TensorImpl*> known;
       for (const auto& t : inputs) {
@@ -248,7 +251,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       for (const auto& p : params) known.insert(p.unsafeGetTensorImpl());
       closed = recompute_is_closed(out, known, stops, begin, end);
       static std::atomic<bool> warned{false};
-      if (!closed && !warned.exchange(true)) {
+      if (!closed && !params.empty() && !warned.exchange(true)) {  // inside a ChunkedModel: a captured tensor
         log::warn("ferry::checkpoint: the segment uses a tensor that requires grad and is neither among its "
                   "inputs nor a wrapped module's parameter; its gradients (the parameters' too) are accumulated "
                   "by a nested backward, so a parameter in two such segments of one backward is refused. Pass "
@@ -265,13 +268,14 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       // it always did, and the enclosing one returns nothing for those parameters.
       const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
       const bool caller_asked = exec_info != nullptr && !exec_info->empty() && segment_grads_running == 0;
-      TORCH_CHECK(!create_graph && !caller_asked, "ferry::checkpoint: ",
+      TORCH_CHECK(!out.requires_grad() || (!create_graph && !caller_asked), "ferry::checkpoint: ",
                   create_graph ? "a backward that creates a graph (create_graph, as a gradient penalty's)"
                                : "autograd::grad() (or a backward given `inputs`)",
                   " through a checkpointed segment needs the segment's parameters recorded, i.e. the segment "
                   "inside a ChunkedModel's forward, with every tensor that requires grad and is not a "
                   "parameter of the wrapped module passed in checkpoint's inputs; here ",
-                  params.empty() ? "no parameters were recorded (no ChunkedModel)" : "fn captures such a tensor",
+                  params.empty() ? "no parameters were recorded (no ChunkedModel)" : "fn captures a tensor that "
+                  "requires grad",
                   ". Its nested backward would accumulate the parameters' gradients into .grad");
       if (out.requires_grad()) torch::autograd::backward({out}, {grad_outputs[0]});
       for (size_t i = 0; i < inputs.size(); ++i) {

@@ -28,11 +28,12 @@
 //    instead of taking it in `inputs` (not a parameter of a wrapped module) gets no gradient: pass it in
 //    `inputs`.
 //  - autograd::grad() through a segment, and a backward that creates a graph (create_graph: a
-//    gradient penalty, differentiated again), need the segment's parameters recorded (inside a
-//    ChunkedModel's forward, fn capturing no tensor that requires grad): the recompute then runs on the
-//    inputs themselves and its gradients carry the graph back to the parameters and to what made the
-//    inputs. Without (plain LibTorch, or a captured tensor) both are refused, naming the remedy: the
-//    nested backward would accumulate into .grad and make no graph.
+//    gradient penalty, differentiated again), need every leaf the segment reaches to be an input or a
+//    recorded parameter (inside a ChunkedModel's forward, fn capturing no tensor that requires grad; or
+//    a frozen segment): the recompute then runs on the inputs themselves and its gradients carry the
+//    graph back to the parameters and to what made the inputs. Otherwise (plain LibTorch with
+//    trainable parameters, or a captured tensor) both are refused, naming the remedy: the nested
+//    backward would accumulate into .grad and make no graph.
 //  - Works with or without ChunkedModel; without grad mode on, it is just fn(inputs).
 #include <ATen/core/Tensor.h>
 

@@ -218,6 +218,28 @@ TEST(Checkpoint, WithoutRecordedParametersADifferentiatedOrSelectiveBackwardIsRe
   expect_same_grads(plain, ckpt);
 }
 
+// A frozen stack (a perceptual loss's feature network) needs no recorded parameters: its recomputed
+// graph reaches only the inputs, so autograd::grad through it, and its second order, work unwrapped
+// and equal the plain stack's.
+TEST(Checkpoint, AFrozenSegmentServesAutogradGradWithoutAChunkedModel) {
+  auto pair = twins(8);
+  MlpStack plain = pair.first, ckpt = pair.second;
+  for (auto* m : {&plain, &ckpt}) {
+    for (auto& p : (*m)->parameters()) p.set_requires_grad(false);
+  }
+  const torch::Tensor xi = torch::randn({4, 8, 16}).requires_grad_(true);
+  auto second_order = [&](MlpStack& m) {
+    const torch::Tensor g = torch::autograd::grad({m->forward(xi)}, {xi}, {}, /*retain_graph=*/true,
+                                                  /*create_graph=*/true)[0];
+    return std::make_pair(g, torch::autograd::grad({g.pow(2).sum()}, {xi})[0]);
+  };
+  const auto ref = second_order(plain);
+  std::pair<torch::Tensor, torch::Tensor> got;
+  ASSERT_NO_THROW(got = second_order(ckpt));
+  EXPECT_TRUE(torch::allclose(got.first, ref.first, 1e-6, 1e-7));
+  EXPECT_TRUE(torch::allclose(got.second, ref.second, 1e-6, 1e-7));
+}
+
 // Note [Checkpoint parameters as inputs]: a block that captures a tensor requiring grad (neither an
 // input nor a wrapped parameter) must not lose its gradient: the segment falls back to the nested
 // backward, says so once, and every gradient, the captured tensor's too, equals the plain model's.
