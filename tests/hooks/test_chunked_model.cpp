@@ -616,6 +616,30 @@ TEST(ChunkedModel, AFrozenModelRunTwiceBeforeOneBackwardMatchesTheUnwrappedModel
 // bf16 compute with float inputs and no hand casts: the same result, bit for bit, as the unwrapped bf16
 // model fed inputs cast by hand; the input's gradient comes back in its own dtype. The same for a loss
 // term added after forward() (an op between forward and backward is a use, cast as inside forward).
+// model.backward(loss) backpropagates loss * loss_scale (fp16), as torch's GradScaler does: the
+// gradient of an input that requires grad (an adversarial example's) is scaled too, which the README
+// tells users to divide out: bit for bit the unwrapped model's gradient of the scaled loss (the
+// unscaled one differs in the low bits where fp16 underflows, as the scale is there to avoid).
+TEST(ChunkedModel, TheLossScaleScalesAnInputsGradientToo) {
+  auto make = [] {
+    torch::manual_seed(13);
+    return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
+  };
+  auto ref = make();
+  ref->to(torch::kHalf);
+  auto net = make();
+  Config c = tiny_config(4 << 10, 0);
+  c.precision = Precision::kFp16;
+  ChunkedModel model(net.ptr(), c);
+  model.set_loss_scale(8);
+  const auto x = torch::randn({2, 8}, torch::requires_grad());
+  const auto x_ref = x.detach().clone().requires_grad_(true);
+  (ref->forward(x_ref.to(torch::kHalf)).to(torch::kFloat).pow(2).sum() * 8).backward();
+  model.backward(model.forward([&] { return net->forward(x).to(torch::kFloat).pow(2).sum(); }));
+  ASSERT_TRUE(x.grad().defined());
+  EXPECT_TRUE(torch::equal(x.grad(), x_ref.grad())) << x.grad() << x_ref.grad();
+}
+
 TEST(ChunkedModel, Bf16AcceptsFloatInputsWithoutHandCasts) {
   auto make = [] {
     torch::manual_seed(12);
