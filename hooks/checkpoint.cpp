@@ -131,9 +131,9 @@ class ReplayForward {
 // checkpoint() into forward() (taken there: the graph must not hold its own output); `context` is the
 // forward's context the recompute replays.
 struct FnHolder : torch::CustomClassHolder {
-  explicit FnHolder(CheckpointFn f) : fn(std::move(f)) {}
-  CheckpointFn fn;
-  at::Tensor out;
+  explicit FnHolder(CheckpointFns f) : fn(std::move(f)) {}
+  CheckpointFns fn;
+  std::vector<at::Tensor> outs;
   ForwardContext context;
 };
 
@@ -157,11 +157,13 @@ struct FnHolder : torch::CustomClassHolder {
 // this thread). A tensor fn captures instead of taking it as an input fails it: its gradient would be
 // lost by autograd::grad, so the nested backward accumulates instead.
 // `stops`: the nodes that made the inputs (a recompute that creates a graph runs on the inputs
-// themselves, not on detached copies): the recompute's graph ends there.
-bool recompute_is_closed(const at::Tensor& out, const std::unordered_set<const c10::TensorImpl*>& known,
+// themselves, not on detached copies): the recompute's graph ends there. `outs`: the outputs whose
+// gradients are pushed through it.
+bool recompute_is_closed(const std::vector<at::Tensor>& outs, const std::unordered_set<const c10::TensorImpl*>& known,
                          const std::unordered_set<const torch::autograd::Node*>& stops, uint64_t begin,
                          uint64_t end) {
-  std::vector<torch::autograd::Node*> stack{out.grad_fn().get()};
+  std::vector<torch::autograd::Node*> stack;
+  for (const at::Tensor& out : outs) stack.push_back(out.grad_fn().get());
   std::unordered_set<const torch::autograd::Node*> seen;
   while (!stack.empty()) {
     torch::autograd::Node* node = stack.back();
@@ -193,8 +195,9 @@ bool recompute_is_closed(const at::Tensor& out, const std::unordered_set<const c
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   // `anchor`: an empty tensor that requires grad, so the output has a grad_fn even when nothing else
   // requires grad. `params`: the parameters fn used (empty: accumulated by the nested backward).
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, c10::intrusive_ptr<FnHolder> holder,
-                            const at::Tensor& anchor, at::TensorList input_list, at::TensorList param_list) {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                c10::intrusive_ptr<FnHolder> holder, const at::Tensor& anchor,
+                                                at::TensorList input_list, at::TensorList param_list) {
     (void)anchor;
     const std::vector<at::Tensor> inputs = input_list.vec();
     ctx->saved_data["fn"] = c10::IValue::make_capsule(holder);
@@ -205,9 +208,10 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     std::vector<at::Tensor> saved = inputs;
     saved.insert(saved.end(), param_list.begin(), param_list.end());
     ctx->save_for_backward(saved);
-    at::Tensor out = std::move(holder->out);
-    holder->out = at::Tensor();
-    return out;
+    torch::autograd::variable_list outs = std::move(holder->outs);
+    holder->outs.clear();
+    ctx->saved_data["num_outputs"] = static_cast<int64_t>(outs.size());
+    return outs;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -232,24 +236,35 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       inputs.push_back(t);
     }
     const std::vector<at::Tensor> params(saved.begin() + static_cast<std::ptrdiff_t>(num_inputs), saved.end());
-    at::Tensor out;
+    std::vector<at::Tensor> recomputed;
     const uint64_t begin = at::sequence_number::peek();
     {
       const ReplayForward replay(holder->context);  // Note [The recompute replays the forward's randomness ...]
       at::AutoGradMode grad_on(true);
-      out = holder->fn(inputs);
+      recomputed = holder->fn(inputs);
     }
     const uint64_t end = at::sequence_number::peek();
+    const auto num_outputs = static_cast<size_t>(ctx->saved_data["num_outputs"].toInt());
+    TORCH_CHECK(recomputed.size() == num_outputs, "ferry::checkpoint: fn returned ", recomputed.size(),
+                " tensors in the recompute and ", num_outputs, " in the first run; it must compute the same both times");
+    // The outputs whose gradients go back through the segment: those that require grad and got one.
+    std::vector<at::Tensor> outs, out_grads;
+    for (size_t i = 0; i < num_outputs; ++i) {
+      if (recomputed[i].defined() && recomputed[i].requires_grad() && grad_outputs[i].defined()) {
+        outs.push_back(recomputed[i]);
+        out_grads.push_back(grad_outputs[i]);
+      }
+    }
     // Closed: every leaf the recompute reaches is an input or a recorded parameter (a frozen segment
     // with no recorded parameter too); plain LibTorch's trainable parameters are not recorded.
-    bool closed = out.requires_grad();
+    bool closed = !outs.empty();
     if (closed) {
       std::unordered_set<const c10::TensorImpl*> known;
       for (const auto& t : inputs) {
         if (t.defined()) known.insert(t.unsafeGetTensorImpl());
       }
       for (const auto& p : params) known.insert(p.unsafeGetTensorImpl());
-      closed = recompute_is_closed(out, known, stops, begin, end);
+      closed = recompute_is_closed(outs, known, stops, begin, end);
       static std::atomic<bool> warned{false};
       if (!closed && !params.empty() && !warned.exchange(true)) {  // inside a ChunkedModel: a captured tensor
         log::warn("ferry::checkpoint: the segment uses a tensor that requires grad and is neither among its "
@@ -268,7 +283,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       // it always did, and the enclosing one returns nothing for those parameters.
       const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
       const bool caller_asked = exec_info != nullptr && !exec_info->empty() && segment_grads_running == 0;
-      TORCH_CHECK(!out.requires_grad() || (!create_graph && !caller_asked), "ferry::checkpoint: ",
+      TORCH_CHECK(outs.empty() || (!create_graph && !caller_asked), "ferry::checkpoint: ",
                   create_graph ? "a backward that creates a graph (create_graph, as a gradient penalty's)"
                                : "autograd::grad() (or a backward given `inputs`)",
                   " through a checkpointed segment needs the segment's parameters recorded, i.e. the segment "
@@ -277,7 +292,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
                   params.empty() ? "no parameters were recorded (no ChunkedModel)" : "fn captures a tensor that "
                   "requires grad",
                   ". Its nested backward would accumulate the parameters' gradients into .grad");
-      if (out.requires_grad()) torch::autograd::backward({out}, {grad_outputs[0]});
+      if (!outs.empty()) torch::autograd::backward(outs, out_grads);
       for (size_t i = 0; i < inputs.size(); ++i) {
         grads.push_back(inputs[i].defined() && needs_grad[i] ? inputs[i].grad() : at::Tensor());
       }
@@ -302,7 +317,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     grads.resize(2 + inputs.size() + params.size());
     if (!wrt.empty()) {
       const SegmentGradsRunning running;
-      const torch::autograd::variable_list g = torch::autograd::grad({out}, wrt, {grad_outputs[0]},
+      const torch::autograd::variable_list g = torch::autograd::grad(outs, wrt, out_grads,
                                                                      /*retain_graph=*/create_graph,
                                                                      /*create_graph=*/create_graph,
                                                                      /*allow_unused=*/true);
@@ -331,7 +346,7 @@ void ParamUseRecorder::add(const at::Tensor& param) {
   if (seen_.insert(param.unsafeGetTensorImpl()).second) params_.push_back(param);
 }
 
-at::Tensor checkpoint(CheckpointFn fn, const std::vector<at::Tensor>& inputs) {
+std::vector<at::Tensor> checkpoint(CheckpointFns fn, const std::vector<at::Tensor>& inputs) {
   TORCH_CHECK(fn, "ferry: checkpoint needs a function");
   if (!at::GradMode::is_enabled()) return fn(inputs);
   auto holder = c10::make_intrusive<FnHolder>(std::move(fn));
@@ -340,14 +355,26 @@ at::Tensor checkpoint(CheckpointFn fn, const std::vector<at::Tensor>& inputs) {
   {
     const ParamUseRecorder recorder;
     at::NoGradGuard no_grad;
-    holder->out = holder->fn(inputs);
+    holder->outs = holder->fn(inputs);
     for (const auto& p : recorder.params()) {
       if (p.requires_grad()) params.push_back(p);
     }
   }
-  TORCH_CHECK(holder->out.defined(), "ferry: checkpoint: fn returned an undefined tensor");
+  TORCH_CHECK(!holder->outs.empty(), "ferry: checkpoint: fn returned no tensor");
+  for (size_t i = 0; i < holder->outs.size(); ++i) {
+    TORCH_CHECK(holder->outs[i].defined(), "ferry: checkpoint: fn returned an undefined tensor (output ", i, " of ",
+                holder->outs.size(), ")");
+  }
   const at::Tensor anchor = at::empty({0}).requires_grad_(true);
   return CheckpointFunction::apply(holder, anchor, at::TensorList(inputs), at::TensorList(params));
+}
+
+at::Tensor checkpoint(CheckpointFn fn, const std::vector<at::Tensor>& inputs) {
+  TORCH_CHECK(fn, "ferry: checkpoint needs a function");
+  return checkpoint(CheckpointFns([fn = std::move(fn)](const std::vector<at::Tensor>& in) {
+                      return std::vector<at::Tensor>{fn(in)};
+                    }),
+                    inputs)[0];
 }
 
 }  // namespace ferry

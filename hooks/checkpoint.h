@@ -23,10 +23,11 @@
 //  - Beyond that, fn must compute the same function both times: a generator of its own or of a
 //    device none of the inputs is on is not replayed, and no state changed by the first call may be
 //    read by the second (BatchNorm running stats are updated twice).
-//  - fn returns one tensor; inputs that require grad get gradients, others none, and so do the managed
-//    parameters fn uses. Inside a ChunkedModel, a tensor that requires grad and that fn captures
-//    instead of taking it in `inputs` (not a parameter of a wrapped module) gets no gradient: pass it in
-//    `inputs`.
+//  - fn returns one tensor (or several: the second overload); inputs that require grad get
+//    gradients, others none, and so do the managed parameters fn uses. Inside a ChunkedModel, a tensor
+//    that requires grad and that fn captures instead of taking it in `inputs` (not a parameter of a
+//    wrapped module) gets its gradient from a nested backward, warned once, which refuses a parameter
+//    used in two such segments of one backward: pass it in `inputs`.
 //  - autograd::grad() through a segment, and a backward that creates a graph (create_graph: a
 //    gradient penalty, differentiated again), need every leaf the segment reaches to be an input or a
 //    recorded parameter (inside a ChunkedModel's forward, fn capturing no tensor that requires grad; or
@@ -43,7 +44,12 @@
 namespace ferry {
 
 using CheckpointFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
+using CheckpointFns = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 
 at::Tensor checkpoint(CheckpointFn fn, const std::vector<at::Tensor>& inputs);
+// Several outputs (a block's hidden state and its auxiliary loss; integer outputs get no gradient).
+// fn returns the same number of defined tensors both times. Outputs the loss does not use, or that
+// need no gradient, push nothing back through the segment.
+std::vector<at::Tensor> checkpoint(CheckpointFns fn, const std::vector<at::Tensor>& inputs);
 
 }  // namespace ferry

@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <memory>
 #include <set>
+#include <string>
 #include <utility>
 
 #include "ferry/hooks/checkpoint.h"
@@ -218,6 +220,52 @@ TEST(Checkpoint, WithoutRecordedParametersADifferentiatedOrSelectiveBackwardIsRe
   expect_same_grads(plain, ckpt);
 }
 
+// A block with several outputs (the second overload): its hidden state, an auxiliary loss (a mixture
+// of experts' balance loss), an output the loss does not use and an integer one (argmax indices, which
+// need no gradient). Inside a ChunkedModel under evictions and unwrapped: the loss and the gradients
+// of the plain stack.
+TEST(Checkpoint, ABlockWithSeveralOutputsMatchesThePlainModel) {
+  auto run = [](MlpStack& m, torch::Tensor x, bool use_checkpoint) {
+    torch::Tensor aux = torch::zeros({});
+    for (int i = 0; i < 4; ++i) {
+      auto body = [&m, i](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+        const torch::Tensor h = m->block(i, in[0]);
+        return {h, h.pow(2).mean(), h.sum(-1), h.argmax(-1)};
+      };
+      const std::vector<at::Tensor> outs = use_checkpoint ? checkpoint(body, {x}) : body({x});
+      EXPECT_EQ(outs.size(), 4u);
+      EXPECT_FALSE(outs[3].requires_grad()) << "an integer output";
+      x = outs[0];
+      aux = aux + 0.1 * outs[1];
+    }
+    return x.pow(2).mean() + aux;
+  };
+  for (const bool wrapped : {true, false}) {
+    auto pair = twins(9);
+    MlpStack plain = pair.first, ckpt = pair.second;
+    std::unique_ptr<ChunkedModel> model;
+    if (wrapped) model = std::make_unique<ChunkedModel>(ckpt.ptr(), simulated(3 * (4 << 10)));
+    const auto x = torch::randn({4, 8, 16});
+    for (int it = 0; it < 2; ++it) {
+      const std::string what = std::string(wrapped ? "wrapped" : "unwrapped") + ", iteration " + std::to_string(it);
+      for (auto& p : plain->parameters()) p.mutable_grad().reset();
+      for (auto& p : ckpt->parameters()) p.mutable_grad().reset();
+      const torch::Tensor ref = run(plain, x, false);
+      ref.backward();
+      torch::Tensor loss;
+      if (wrapped) {
+        loss = model->forward([&] { return run(ckpt, x, true); });
+        model->backward(loss);
+      } else {
+        loss = run(ckpt, x, true);
+        loss.backward();
+      }
+      EXPECT_TRUE(torch::allclose(loss, ref, 1e-6, 1e-7)) << what;
+      expect_same_grads(plain, ckpt);
+    }
+  }
+}
+
 // A frozen stack (a perceptual loss's feature network) needs no recorded parameters: its recomputed
 // graph reaches only the inputs, so autograd::grad through it, and its second order, work unwrapped
 // and equal the plain stack's.
@@ -269,7 +317,8 @@ TEST(Checkpoint, WithoutGradModeIsAPlainCall) {
   auto y = checkpoint([](const std::vector<at::Tensor>& in) { return in[0] * 2; }, {x});
   EXPECT_TRUE(torch::equal(y, x * 2));
   EXPECT_FALSE(y.requires_grad());
-  EXPECT_THROW(checkpoint(nullptr, {x}), c10::Error);
+  EXPECT_THROW(checkpoint(CheckpointFn(), {x}), c10::Error);
+  EXPECT_THROW(checkpoint(CheckpointFns(), {x}), c10::Error);
 }
 
 int64_t graph_nodes(const torch::Tensor& root) {
