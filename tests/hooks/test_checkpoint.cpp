@@ -321,6 +321,31 @@ TEST(Checkpoint, WithoutGradModeIsAPlainCall) {
   EXPECT_THROW(checkpoint(CheckpointFns(), {x}), c10::Error);
 }
 
+// What fn returns is checked: at least one tensor, every one defined, and as many in the recompute as
+// in the first run; each refusal says which.
+TEST(Checkpoint, FunctionsThatReturnTheWrongTensorsAreRefused) {
+  const auto x = torch::randn({3}, torch::requires_grad());
+  const std::string none = test::error_of([&] {
+    (void)checkpoint([](const std::vector<at::Tensor>&) { return std::vector<at::Tensor>{}; }, {x});
+  });
+  EXPECT_NE(none.find("ferry: checkpoint: fn returned no tensor"), std::string::npos) << none;
+  const std::string undefined = test::error_of([&] {
+    (void)checkpoint([](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{in[0] * 2, {}}; }, {x});
+  });
+  EXPECT_NE(undefined.find("ferry: checkpoint: fn returned an undefined tensor (output 1 of 2)"), std::string::npos)
+      << undefined;
+  int calls = 0;
+  const std::vector<at::Tensor> outs = checkpoint(
+      [&calls](const std::vector<at::Tensor>& in) {
+        return ++calls == 1 ? std::vector<at::Tensor>{in[0] * 2, in[0] * 3} : std::vector<at::Tensor>{in[0] * 2};
+      },
+      {x});
+  const std::string changed = test::error_of([&] { (outs[0] + outs[1]).sum().backward(); });
+  EXPECT_NE(changed.find("ferry::checkpoint: fn returned 1 tensors in the recompute and 2 in the first run"),
+            std::string::npos)
+      << changed;
+}
+
 int64_t graph_nodes(const torch::Tensor& root) {
   int64_t nodes = 0;
   std::vector<torch::autograd::Node*> stack{root.grad_fn().get()};
