@@ -127,8 +127,8 @@ class ReplayForward {
   bool cache_ = true;
 };
 
-// fn travels through AutogradContext::saved_data as an opaque capsule; `out` carries fn's result from
-// checkpoint() into forward() (taken there: the graph must not hold its own output); `context` is the
+// fn travels through AutogradContext::saved_data as an opaque capsule; `outs` carries fn's results from
+// checkpoint() into forward() (taken there: the graph must not hold its own outputs); `context` is the
 // forward's context the recompute replays.
 struct FnHolder : torch::CustomClassHolder {
   explicit FnHolder(CheckpointFns f) : fn(std::move(f)) {}
@@ -151,7 +151,7 @@ struct FnHolder : torch::CustomClassHolder {
 // plain LibTorch (no ChunkedModel records the parameters), or fn captured it (warned once). A segment
 // whose graph reaches only its inputs (frozen parameters) takes the autograd::grad path either way.
 
-// Whether every leaf the recomputed graph of `out` reaches is one whose gradient the Function returns
+// Whether every leaf the recomputed graph of `outs` reaches is one whose gradient the Function returns
 // (`known`: its inputs and recorded parameters; empty leaves, such as a nested checkpoint's anchor, carry
 // no gradient), and every other node was made by the recompute (sequence numbers in [begin, end) on
 // this thread). A tensor fn captures instead of taking it as an input fails it: its gradient would be
@@ -194,7 +194,7 @@ bool recompute_is_closed(const std::vector<at::Tensor>& outs, const std::unorder
 
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   // `anchor`: an empty tensor that requires grad, so the output has a grad_fn even when nothing else
-  // requires grad. `params`: the parameters fn used (empty: accumulated by the nested backward).
+  // requires grad. `params`: the trainable parameters fn used (none recorded without a ChunkedModel).
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 c10::intrusive_ptr<FnHolder> holder, const at::Tensor& anchor,
                                                 at::TensorList input_list, at::TensorList param_list) {
@@ -255,27 +255,23 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
         out_grads.push_back(grad_outputs[i]);
       }
     }
+    torch::autograd::variable_list grads(2 + inputs.size() + params.size());  // holder, anchor, inputs, params
+    if (outs.empty()) return grads;  // nothing flows back through the segment
     // Closed: every leaf the recompute reaches is an input or a recorded parameter (a frozen segment
     // with no recorded parameter too); plain LibTorch's trainable parameters are not recorded.
-    bool closed = !outs.empty();
-    if (closed) {
-      std::unordered_set<const c10::TensorImpl*> known;
-      for (const auto& t : inputs) {
-        if (t.defined()) known.insert(t.unsafeGetTensorImpl());
-      }
-      for (const auto& p : params) known.insert(p.unsafeGetTensorImpl());
-      closed = recompute_is_closed(outs, known, stops, begin, end);
-      static std::atomic<bool> warned{false};
-      if (!closed && !params.empty() && !warned.exchange(true)) {  // inside a ChunkedModel: a captured tensor
-        log::warn("ferry::checkpoint: the segment uses a tensor that requires grad and is neither among its "
-                  "inputs nor a wrapped module's parameter; its gradients (the parameters' too) are accumulated "
-                  "by a nested backward, so a parameter in two such segments of one backward is refused. Pass "
-                  "such tensors in checkpoint's inputs");
-      }
+    std::unordered_set<const c10::TensorImpl*> known;
+    for (const auto& t : inputs) {
+      if (t.defined()) known.insert(t.unsafeGetTensorImpl());
     }
-    torch::autograd::variable_list grads;
-    grads.emplace_back();  // for the holder
-    grads.emplace_back();  // for the anchor
+    for (const auto& p : params) known.insert(p.unsafeGetTensorImpl());
+    const bool closed = recompute_is_closed(outs, known, stops, begin, end);
+    static std::atomic<bool> warned{false};
+    if (!closed && !params.empty() && !warned.exchange(true)) {  // inside a ChunkedModel: a captured tensor
+      log::warn("ferry::checkpoint: the segment uses a tensor that requires grad and is neither among its "
+                "inputs nor a wrapped module's parameter; its gradients (the parameters' too) are accumulated "
+                "by a nested backward, so a parameter in two such segments of one backward is refused. Pass "
+                "such tensors in checkpoint's inputs");
+    }
     if (!closed) {  // Note [Checkpoint parameters as inputs]: no parameters recorded, or a captured tensor
       // Note [A backward that creates a graph through a checkpoint]: the nested backward would
       // accumulate gradients the caller did not ask for, or lose the graph the caller asked for.
@@ -283,7 +279,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       // it always did, and the enclosing one returns nothing for those parameters.
       const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
       const bool caller_asked = exec_info != nullptr && !exec_info->empty() && segment_grads_running == 0;
-      TORCH_CHECK(outs.empty() || (!create_graph && !caller_asked), "ferry::checkpoint: ",
+      TORCH_CHECK(!create_graph && !caller_asked, "ferry::checkpoint: ",
                   create_graph ? "a backward that creates a graph (create_graph, as a gradient penalty's)"
                                : "autograd::grad() (or a backward given `inputs`)",
                   " through a checkpointed segment needs the segment's parameters recorded, i.e. the segment "
@@ -292,12 +288,11 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
                   params.empty() ? "no parameters were recorded (no ChunkedModel)" : "fn captures a tensor that "
                   "requires grad",
                   ". Its nested backward would accumulate the parameters' gradients into .grad");
-      if (!outs.empty()) torch::autograd::backward(outs, out_grads);
-      for (size_t i = 0; i < inputs.size(); ++i) {
-        grads.push_back(inputs[i].defined() && needs_grad[i] ? inputs[i].grad() : at::Tensor());
+      torch::autograd::backward(outs, out_grads);
+      for (size_t i = 0; i < inputs.size(); ++i) {  // detached copies: their .grad is this backward's
+        if (inputs[i].defined() && needs_grad[i]) grads[2 + i] = inputs[i].grad();
       }
-      grads.resize(2 + inputs.size() + params.size());  // the parameters' were accumulated
-      return grads;
+      return grads;  // the parameters' were accumulated
     }
     // The gradients of the inputs that need one and of the trainable parameters, not accumulated.
     std::vector<at::Tensor> wrt;
@@ -314,7 +309,6 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
         slot.push_back(static_cast<int64_t>(2 + inputs.size() + k));
       }
     }
-    grads.resize(2 + inputs.size() + params.size());
     if (!wrt.empty()) {
       const SegmentGradsRunning running;
       const torch::autograd::variable_list g = torch::autograd::grad(outs, wrt, out_grads,
