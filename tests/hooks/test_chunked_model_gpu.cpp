@@ -1,14 +1,20 @@
 // ChunkedModel on a real GPU (`gpu` label; skipped without one): a bf16 model under a budget that
 // forces evictions computes what the same bf16 model computes unwrapped on the GPU, and prefetching on
 // the copy stream hides copy time behind compute (host waits with and without prefetch; times printed),
-// and ops between forward() and backward() are uses there too.
+// and ops between forward() and backward() are uses there too; a checkpointed stack with dropout under
+// CUDA autocast recomputes what its forward computed (the CUDA generator and autocast replayed).
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <chrono>
+#include <functional>
 #include <utility>
+#include <vector>
 
+#include <ATen/autocast_mode.h>
+
+#include "ferry/hooks/checkpoint.h"
 #include "ferry/hooks/chunked_model.h"
 #include "test_util.h"
 
@@ -22,10 +28,23 @@ struct StackImpl : torch::nn::Module {
       fc.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(d, d)));
     }
   }
+  torch::Tensor block(size_t i, const torch::Tensor& x) {
+    torch::Tensor h = torch::gelu(fc[i](ln[i](x)));
+    if (dropout > 0) h = torch::dropout(h, dropout, is_training());
+    return x + h;
+  }
   torch::Tensor forward(torch::Tensor x) {
-    for (size_t i = 0; i < fc.size(); ++i) x = x + torch::gelu(fc[i](ln[i](x)));
+    for (size_t i = 0; i < fc.size(); ++i) {
+      if (checkpointed) {
+        x = checkpoint([this, i](const std::vector<at::Tensor>& in) { return block(i, in[0]); }, {x});
+      } else {
+        x = block(i, x);
+      }
+    }
     return x.to(torch::kFloat).pow(2).mean();
   }
+  bool checkpointed = false;
+  double dropout = 0;
   std::vector<torch::nn::LayerNorm> ln;
   std::vector<torch::nn::Linear> fc;
 };
@@ -198,6 +217,56 @@ TEST(ChunkedModelGpu, AnEvaluationForwardLeavesEveryParameterReadable) {
     EXPECT_TRUE(torch::allclose(y, y_ref, 1e-2, 1e-3)) << y.item<float>() << " vs " << y_ref.item<float>();
   }
   model.end_iteration();
+}
+
+// D68 on CUDA: checkpointed blocks with dropout, the forward under CUDA autocast (bf16) and the
+// backward outside it, an fp32 model under evictions. The recompute draws the forward's dropout masks
+// from the CUDA generator and runs in bf16 again: loss and gradients as the unwrapped model's without
+// checkpoints, and the next random number on the GPU the same (the recompute took nothing from it).
+TEST(ChunkedModelGpu, ACheckpointedDropoutUnderAutocastMatchesTheUnwrappedModel) {
+  FERRY_REQUIRE_GPU();
+  constexpr int64_t d = 256, layers = 6, chunk = d * d * 4 + 4096;
+  torch::manual_seed(5);
+  Stack ref(d, layers);
+  ref->to(torch::kCUDA);
+  torch::manual_seed(5);
+  Stack net(d, layers);
+  ref->dropout = net->dropout = 0.2;
+  net->checkpointed = true;
+  ChunkedModel model(net.ptr(), cuda_config(chunk, 3 * chunk, Precision::kFp32));
+  const auto x = torch::randn({8, 32, d}, torch::kCUDA);
+  auto under_autocast = [](const std::function<torch::Tensor()>& f) {
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    torch::Tensor loss = f();
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+    at::autocast::clear_cache();
+    return loss;
+  };
+  int64_t evictions = 0;
+  for (int it = 0; it < 3; ++it) {
+    for (auto& p : ref->parameters()) p.mutable_grad().reset();
+    for (auto& p : net->parameters()) p.mutable_grad().reset();
+    torch::manual_seed(100 + it);
+    const torch::Tensor ref_loss = under_autocast([&] { return ref->forward(x); });
+    ref_loss.backward();
+    const torch::Tensor next_ref = torch::rand({4}, torch::kCUDA);
+    torch::manual_seed(100 + it);
+    const torch::Tensor loss = under_autocast([&] { return model.forward([&] { return net->forward(x); }); });
+    model.backward(loss);
+    const torch::Tensor next = torch::rand({4}, torch::kCUDA);
+    EXPECT_TRUE(torch::allclose(loss, ref_loss, 1e-3, 1e-5)) << loss.item<float>() << " vs " << ref_loss.item<float>();
+    auto pr = ref->named_parameters(), pn = net->named_parameters();
+    for (const auto& item : pr) {
+      const auto& g = pn[item.key()].grad();
+      ASSERT_TRUE(g.defined()) << item.key();
+      EXPECT_TRUE(torch::allclose(g, item.value().grad(), 1e-2, 1e-4))
+          << item.key() << " max diff " << (g - item.value().grad()).abs().max().item<float>();
+    }
+    EXPECT_TRUE(torch::equal(next, next_ref)) << "iteration " << it << ": the recompute drew from the CUDA stream";
+    evictions += model.last_iteration().evictions;
+  }
+  EXPECT_GT(evictions, 0);
 }
 
 }  // namespace
