@@ -137,6 +137,10 @@ void expect_pipeline_equals_step(DeviceKind device, double max_grad_norm, int mi
     clipped += rb.clip_coef < 1.0;
     ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, "step " + std::to_string(step)));
   }
+  // Note [A repack waits for held views]: nothing of ferry's own (copies, host jobs, device updates)
+  // holds a chunk's memory at the warm-up's end, on this device too, so the repack ran at once.
+  EXPECT_TRUE(a.layout_final() && b.layout_final());
+  EXPECT_EQ(a.repack_waits() + b.repack_waits(), 0);
   EXPECT_GT(evictions, 4) << "the budget must force evictions";
   EXPECT_GT(host_chunks, 4) << "some state must live on the host";
   EXPECT_GT(overlapped, 0) << "chunks should start their update during backward";

@@ -116,6 +116,9 @@ TEST(ChunkedModelGpu, Bf16MatchesTheUnwrappedBf16ModelUnderEvictions) {
     evictions += s.evictions;
   }
   EXPECT_GT(evictions, 0);
+  // Note [A repack waits for held views]: no copy of the copy stream holds a chunk at the warm-up's end.
+  EXPECT_TRUE(model.layout_final());
+  EXPECT_EQ(model.repack_waits(), 0);
 }
 
 // Mean wall time of an iteration (after warm-up) with the given prefetch depth.
