@@ -100,7 +100,11 @@ ChunkedModel::ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Conf
     const at::Tensor& p = item.value();
     if (!p.defined() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: once
     TORCH_CHECK(p.layout() == at::kStrided && at::isFloatingType(p.scalar_type()), "ferry: parameter ",
-                item.key(), " must be a dense floating-point tensor, got ", p.toString());
+                item.key(), " must be a dense floating-point tensor, got ", p.toString(),
+                p.layout() == at::kStrided && !p.is_complex() && !p.requires_grad()
+                    ? " (a tensor that is not trained, such as an index table, belongs in a buffer: "
+                      "register_buffer, which ChunkedModel leaves to the module)"
+                    : "");
     // A chunk of another ChunkedModel: both would bind, move and free the same tensors (seen: wrapping
     // twice, or a submodule and then its parent, ran without a word, each model's destructor then
     // giving the parameters plain memory under the other).

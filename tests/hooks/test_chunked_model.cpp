@@ -1175,6 +1175,26 @@ TEST(ChunkedModel, ABareLossBackwardAfterATrainingForwardIsRefused) {
 // twice, a submodule wrapped and then its parent, or the reverse with the parent's chunks evicted. It
 // used to run without a word, both models binding, moving and freeing the same tensors. Once the first
 // is destroyed (its parameters get plain memory again), wrapping again is fine.
+// A parameter ferry cannot hold in a chunk (complex, integer, sparse) is refused at wrapping, naming
+// it; an integer one that is not trained (an index table registered as a parameter) gets the remedy:
+// a buffer. The module is left as it was.
+TEST(ChunkedModel, AParameterThatIsNotDenseFloatingPointIsRefused) {
+  for (const auto& [value, hint] :
+       std::vector<std::pair<torch::Tensor, bool>>{{torch::randn({4}, torch::kComplexFloat), false},
+                                                   {torch::arange(4), true},
+                                                   {torch::randn({4}).to_sparse(), false}}) {
+    torch::nn::Sequential net(torch::nn::Linear(4, 4));
+    net->register_parameter("extra", value, /*requires_grad=*/value.is_complex());
+    const std::string err = test::error_of([&] { ChunkedModel model(net.ptr(), tiny_config(4 << 10, 0)); });
+    EXPECT_NE(err.find("ferry: parameter extra must be a dense floating-point tensor, got "), std::string::npos)
+        << err;
+    EXPECT_EQ(err.find("belongs in a buffer: register_buffer") != std::string::npos, hint) << err;
+    EXPECT_EQ(net->named_parameters()["extra"].unsafeGetTensorImpl(), value.unsafeGetTensorImpl());
+    const torch::Tensor weight = net->named_parameters()["0.weight"];
+    EXPECT_TRUE(weight.is_cpu() && weight.storage().nbytes() == 16 * sizeof(float)) << "left in its own memory";
+  }
+}
+
 TEST(ChunkedModel, AModuleWrappedTwiceIsRefused) {
   auto make = [] {
     torch::manual_seed(14);
