@@ -1487,7 +1487,11 @@ struct PerceptronImpl : torch::nn::Module {
     b = register_module("b", torch::nn::Linear(hidden, hidden));
     c = register_module("c", torch::nn::Linear(hidden, out));
   }
-  torch::Tensor forward(const torch::Tensor& x) { return c(torch::tanh(b(torch::tanh(a(x))))); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto first = [this](const std::vector<at::Tensor>& in) { return torch::tanh(b(torch::tanh(a(in[0])))); };
+    return c(checkpointed ? checkpoint(first, {x}) : first({x}));
+  }
+  bool checkpointed = false;  // its first two layers in a ferry::checkpoint segment
   torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
 };
 TORCH_MODULE(Perceptron);
@@ -1788,9 +1792,9 @@ TEST(HybridAdam, TwoWrappedHalvesTrainOnOneJointBackwardAsTheirTwins) {
 // output node but keeps the graph, so the iteration must go on (Note [Several forwards]: only a
 // backward that frees the graph counts); counting it ended the iteration at the next forward, and
 // the warm-up's repack broke the final backward ("setStorage ... out of bounds"). Under evictions,
-// bit-identical to the twin, one iteration per step.
+// bit-identical to the twin, one iteration per step. The same with the critic's first two layers
+// checkpointed (D69: the penalty's gradient goes through the segment's recompute, made with a graph).
 TEST(HybridAdam, AGradientPenaltyBeforeMoreForwardsTrainsAsTheTwin) {
-  WrappedPerceptron critic(2, 16, 40, 1);
   auto critic_loss = [](const std::function<torch::Tensor(const torch::Tensor&)>& score, int step) {
     torch::manual_seed(200 + step);
     const torch::Tensor real = torch::randn({4, 16}), fake = torch::randn({4, 16});
@@ -1803,20 +1807,25 @@ TEST(HybridAdam, AGradientPenaltyBeforeMoreForwardsTrainsAsTheTwin) {
     const torch::Tensor d_fake = score(fake);
     return d_fake.mean() - d_real.mean() + 10 * penalty;
   };
-  for (int step = 0; step < 4; ++step) {
-    critic.twin.zero_grad();
-    critic_loss([&](const torch::Tensor& x) { return critic.ref->forward(x); }, step).backward();
-    critic.twin.step();
-    const auto wrapped = [&](const torch::Tensor& x) {
-      return critic.model.forward([&] { return critic.net->forward(x); });
-    };
-    const torch::Tensor loss = critic_loss(wrapped, step);
-    ASSERT_NO_THROW(critic.model.backward(loss)) << "step " << step;
-    critic.adam.step();
-    EXPECT_EQ(critic.model.scheduler().iterations(), step + 1) << "one iteration per step, three forwards each";
+  for (const bool checkpointed : {false, true}) {
+    const std::string how = checkpointed ? "checkpointed" : "plain";
+    WrappedPerceptron critic(2, 16, 40, 1);
+    critic.net->checkpointed = checkpointed;
+    for (int step = 0; step < 4; ++step) {
+      critic.twin.zero_grad();
+      critic_loss([&](const torch::Tensor& x) { return critic.ref->forward(x); }, step).backward();
+      critic.twin.step();
+      const auto wrapped = [&](const torch::Tensor& x) {
+        return critic.model.forward([&] { return critic.net->forward(x); });
+      };
+      const torch::Tensor loss = critic_loss(wrapped, step);
+      ASSERT_NO_THROW(critic.model.backward(loss)) << how << ", step " << step;
+      critic.adam.step();
+      EXPECT_EQ(critic.model.scheduler().iterations(), step + 1) << how << ": one iteration per step, three forwards";
+    }
+    EXPECT_TRUE(critic.model.layout_final()) << how << ": the warm-up's repack ran";
+    critic.expect_masters_as_twin("critic, " + how);
   }
-  EXPECT_TRUE(critic.model.layout_final()) << "the warm-up's repack ran";
-  critic.expect_masters_as_twin("critic");
 }
 
 // A view of the optimizer state kept over the warm-up (a report over adam.state_store(); master(p)
