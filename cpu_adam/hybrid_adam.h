@@ -391,7 +391,15 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // Across ranks both are collectives with the same files (Note [Sharded optimizer state]).
   // load() checks the whole checkpoint first (every manifest number, names, shapes, group count, file
   // sizes, checksums, finite values) and changes nothing if any check fails; then it writes the state.
+  // Gradients are not saved: save() with gradients that no step() or zero_grad() has consumed yet
+  // (grads_pending(): between backward() and step(), or between micro-batches) says so in the log,
+  // since a run resumed from it starts without them.
   void save(const std::string& dir);
+  // Whether gradients landed since the last step() or zero_grad() (what a save would not hold).
+  bool grads_pending() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return grads_landed_;
+  }
   void load(const std::string& dir);
   // Fails now (creating `dir` if needed) if a checkpoint could not be written into `dir`: call it
   // before a long run that saves at the end.

@@ -563,6 +563,11 @@ void HybridAdam::save(const std::string& dir) {
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
   TORCH_CHECK(!dir.empty(), "ferry: save() needs a directory");
+  if (grads_landed_) {
+    log::warn("ferry: save(\"", dir, "\") with gradients that no step() has applied yet: the checkpoint holds the "
+              "state before them, and a run resumed from it starts without them (save after step() or "
+              "zero_grad() to checkpoint a step boundary)");
+  }
   if (world_ > 1) {
     save_across_ranks_locked(dir);
     return;

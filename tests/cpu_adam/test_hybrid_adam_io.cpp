@@ -423,6 +423,31 @@ TEST(HybridAdamIo, NonFiniteStateIsNotSaved) {
   c.expect_it_still_loads();
 }
 
+// A save between backward() and step() (a save-on-signal handler that checks its flag there) or
+// between micro-batches holds the state before the pending gradients, which are not saved: it says
+// so in the log, and grads_pending() tells beforehand. At a step boundary it says nothing.
+TEST(HybridAdamIo, ASaveWithGradientsPendingSaysSo) {
+  Trainer t(21);
+  t.train(0, 2);
+  const std::string dir = make_temp_dir("pending");
+  const std::string said = "with gradients that no step() has applied yet";
+  EXPECT_FALSE(t.adam->grads_pending());
+  testing::internal::CaptureStderr();
+  t.adam->save(dir);
+  std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(log.find(said), std::string::npos) << log;
+  const auto x = torch::randn({8, 16});
+  t.model->backward(t.model->forward([&] { return t.net->forward(x).pow(2).mean(); }));
+  EXPECT_TRUE(t.adam->grads_pending());
+  testing::internal::CaptureStderr();
+  t.adam->save(dir);
+  log = testing::internal::GetCapturedStderr();
+  EXPECT_NE(log.find(said), std::string::npos) << log;
+  ASSERT_TRUE(t.adam->step().applied);
+  EXPECT_FALSE(t.adam->grads_pending());
+  remove_tree(dir);
+}
+
 TEST(HybridAdamIo, SaveTargetIsCheckedUpFront) {
   const std::string root = make_temp_dir("target");
   EXPECT_NO_THROW(HybridAdam::check_save_target(root + "/a/b"));
