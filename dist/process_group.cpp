@@ -7,6 +7,7 @@
 #include <chrono>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ferry/chunk/copy_engine.h"
@@ -221,6 +222,24 @@ class C10dCommunicator final : public Communicator {
                 " s). Cause: ", cli::message_of(e));
   }
 
+  // Note [A collective lets go of its tensors]. A backend's worker can hold a finished work, and with it
+  // the tensors it names, a moment after wait() returns: Gloo's marks the future done, then resets its
+  // in-progress slot. A caller that counts the references to a chunk right after (the warm-up repack's
+  // check, Note [A repack waits for held views]: the masters broadcast at construction are state chunk
+  // memory) saw the worker's as a view held outside (seen once under load: a repack that waited for
+  // nothing, and at N > 1 every rank's first step refused). So a blocking collective returns once the
+  // work is the caller's alone; bounded, since nothing is wrong if a backend keeps it longer.
+  static void await_release(const c10::intrusive_ptr<c10d::Work>& work, const char* op) {
+    const auto deadline = Clock::now() + std::chrono::seconds(1);
+    while (work.use_count() > 1) {
+      if (Clock::now() > deadline) {
+        log::debug("ferry: the backend still holds a finished ", op, " after 1 s; going on");
+        return;
+      }
+      std::this_thread::yield();
+    }
+  }
+
   template <typename Launch>
   void run(const char* op, const at::Tensor& what, Launch&& launch) {
     TORCH_CHECK(!broken_.load(), "ferry: rank ", rank_, " of ", world_, ": the process group failed earlier; it "
@@ -230,6 +249,7 @@ class C10dCommunicator final : public Communicator {
     try {
       c10::intrusive_ptr<c10d::Work> work = launch();
       work->wait(timeout_);  // Note [Waiting for NCCL]
+      await_release(work, op);
     } catch (const std::exception& e) {
       fail(op, what, e);
     }

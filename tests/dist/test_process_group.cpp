@@ -103,6 +103,27 @@ TEST(ProcessGroup, AGroupOfOneRunsEveryCollectiveAndWritesTheOutputs) {
   EXPECT_GT(s.all_gather_bytes, 0);
 }
 
+// Note [A collective lets go of its tensors]: once a blocking collective returns, the backend holds
+// nothing of its tensor (Gloo's worker used to, a moment after the wait returned, so a reference count
+// taken right after, the warm-up repack's, could see it). Many rounds, so a worker slow to let go shows.
+TEST(ProcessGroup, ABlockingCollectiveLetsGoOfItsTensorWhenItReturns) {
+  FERRY_REQUIRE_BACKEND();
+  const std::shared_ptr<dist::Communicator> comm = dist::connect(alone(kBackend), /*even_alone=*/true);
+  ASSERT_NE(comm, nullptr);
+  for (const c10::Device& device : devices()) {
+    SCOPED_TRACE(device.str());
+    at::Tensor t = ramp(1000, at::kFloat, device);
+    int held = 0;
+    for (int round = 0; round < 1000; ++round) {
+      comm->broadcast(t, 0);
+      held += t.use_count() > 1;
+      comm->all_reduce(t, dist::ReduceOp::kMax);
+      held += t.use_count() > 1;
+    }
+    EXPECT_EQ(held, 0) << "rounds after which the backend still held the tensor";
+  }
+}
+
 TEST(ProcessGroup, MismatchedSizesFailNamingBoth) {
   FERRY_REQUIRE_BACKEND();
   const std::shared_ptr<dist::Communicator> comm = dist::connect(alone(kBackend), /*even_alone=*/true);
