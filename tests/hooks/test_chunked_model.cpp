@@ -616,6 +616,11 @@ TEST(ChunkedModel, AFrozenModelRunTwiceBeforeOneBackwardMatchesTheUnwrappedModel
 // bf16 compute with float inputs and no hand casts: the same result, bit for bit, as the unwrapped bf16
 // model fed inputs cast by hand; the input's gradient comes back in its own dtype. The same for a loss
 // term added after forward() (an op between forward and backward is a use, cast as inside forward).
+Config with_precision(Config c, Precision precision) {
+  c.precision = precision;
+  return c;
+}
+
 // model.backward(loss) backpropagates loss * loss_scale (fp16), as torch's GradScaler does: the
 // gradient of an input that requires grad (an adversarial example's) is scaled too, which the README
 // tells users to divide out: bit for bit the unwrapped model's gradient of the scaled loss (the
@@ -625,12 +630,9 @@ TEST(ChunkedModel, TheLossScaleScalesAnInputsGradientToo) {
     torch::manual_seed(13);
     return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
   };
-  auto ref = make();
+  auto ref = make(), net = make();
   ref->to(torch::kHalf);
-  auto net = make();
-  Config c = tiny_config(4 << 10, 0);
-  c.precision = Precision::kFp16;
-  ChunkedModel model(net.ptr(), c);
+  ChunkedModel model(net.ptr(), with_precision(tiny_config(4 << 10, 0), Precision::kFp16));
   model.set_loss_scale(8);
   const auto x = torch::randn({2, 8}, torch::requires_grad());
   const auto x_ref = x.detach().clone().requires_grad_(true);
@@ -646,12 +648,9 @@ TEST(ChunkedModel, Bf16AcceptsFloatInputsWithoutHandCasts) {
     return torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::LayerNorm(torch::nn::LayerNormOptions({32})),
                                  torch::nn::GELU(), torch::nn::Linear(32, 4));
   };
-  auto ref = make();
+  auto ref = make(), net = make();
   ref->to(torch::kBFloat16);
-  auto net = make();
-  Config c = tiny_config(4 << 10, 0);
-  c.precision = Precision::kBf16;
-  ChunkedModel model(net.ptr(), c);
+  ChunkedModel model(net.ptr(), with_precision(tiny_config(4 << 10, 0), Precision::kBf16));
   const auto x = torch::randn({6, 16}, torch::requires_grad());
   // From the third iteration on, a loss term after forward() (Note [Between forward and backward]): an
   // fp32 tensor meets the head's weight there too, and is cast as inside forward().
