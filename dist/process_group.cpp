@@ -227,8 +227,10 @@ class C10dCommunicator final : public Communicator {
   // in-progress slot. A caller that counts the references to a chunk right after (the warm-up repack's
   // check, Note [A repack waits for held views]: the masters broadcast at construction are state chunk
   // memory) saw the worker's as a view held outside (seen once under load: a repack that waited for
-  // nothing, and at N > 1 every rank's first step refused). So a blocking collective returns once the
-  // work is the caller's alone; bounded, since nothing is wrong if a backend keeps it longer.
+  // nothing, and at N > 1 every rank's first step refused). So a blocking Gloo collective returns once
+  // the work is the caller's alone; bounded, since nothing is wrong if a backend keeps it longer. Not
+  // NCCL: its tensors are device tensors or staged device copies of host ones (the masters' broadcast),
+  // and how long its watchdog keeps a work is unobserved here: a wait there could cost every step.
   static void await_release(const c10::intrusive_ptr<c10d::Work>& work, const char* op) {
     const auto deadline = Clock::now() + std::chrono::seconds(1);
     while (work.use_count() > 1) {
@@ -249,7 +251,7 @@ class C10dCommunicator final : public Communicator {
     try {
       c10::intrusive_ptr<c10d::Work> work = launch();
       work->wait(timeout_);  // Note [Waiting for NCCL]
-      await_release(work, op);
+      if (name_ == "gloo") await_release(work, op);
     } catch (const std::exception& e) {
       fail(op, what, e);
     }
