@@ -135,6 +135,10 @@ struct FnHolder : torch::CustomClassHolder {
   CheckpointFns fn;
   std::vector<at::Tensor> outs;
   ForwardContext context;
+  // fn's inputs as the caller gave them: `arity` tensors, of which the defined ones (the Function's
+  // inputs: autograd takes no undefined tensor there) sit at `positions`.
+  size_t arity = 0;
+  std::vector<size_t> positions;
 };
 
 // Note [Checkpoint parameters as inputs]
@@ -241,7 +245,9 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     {
       const ReplayForward replay(holder->context);  // Note [The recompute replays the forward's randomness ...]
       at::AutoGradMode grad_on(true);
-      recomputed = holder->fn(inputs);
+      std::vector<at::Tensor> call(holder->arity);  // undefined where the caller gave undefined
+      for (size_t k = 0; k < inputs.size(); ++k) call[holder->positions[k]] = inputs[k];
+      recomputed = holder->fn(call);
     }
     const uint64_t end = at::sequence_number::peek();
     const auto num_outputs = static_cast<size_t>(ctx->saved_data["num_outputs"].toInt());
@@ -345,6 +351,13 @@ std::vector<at::Tensor> checkpoint(CheckpointFns fn, const std::vector<at::Tenso
   if (!at::GradMode::is_enabled()) return fn(inputs);
   auto holder = c10::make_intrusive<FnHolder>(std::move(fn));
   holder->context = ForwardContext::capture(inputs);
+  holder->arity = inputs.size();
+  std::vector<at::Tensor> present;  // the defined inputs: the Function's own
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].defined()) continue;
+    present.push_back(inputs[i]);
+    holder->positions.push_back(i);
+  }
   std::vector<at::Tensor> params;  // Note [Checkpoint parameters as inputs]
   {
     const ParamUseRecorder recorder;
@@ -360,7 +373,7 @@ std::vector<at::Tensor> checkpoint(CheckpointFns fn, const std::vector<at::Tenso
                 holder->outs.size(), ")");
   }
   const at::Tensor anchor = at::empty({0}).requires_grad_(true);
-  return CheckpointFunction::apply(holder, anchor, at::TensorList(inputs), at::TensorList(params));
+  return CheckpointFunction::apply(holder, anchor, at::TensorList(present), at::TensorList(params));
 }
 
 at::Tensor checkpoint(CheckpointFn fn, const std::vector<at::Tensor>& inputs) {

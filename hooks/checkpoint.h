@@ -24,7 +24,8 @@
 //    device none of the inputs is on is not replayed, and no state changed by the first call may be
 //    read by the second (BatchNorm running stats are updated twice).
 //  - fn returns one tensor (or several: the second overload); inputs that require grad get
-//    gradients, others none, and so do the managed parameters fn uses. Inside a ChunkedModel, a tensor
+//    gradients, others none, and so do the managed parameters fn uses. An undefined input (an
+//    optional mask not given) reaches fn undefined, at its place, both times. Inside a ChunkedModel, a tensor
 //    that requires grad and that fn captures instead of taking it in `inputs` (not a parameter of a
 //    wrapped module) gets its gradient from a nested backward, warned once, which refuses a parameter
 //    used in two such segments of one backward: pass it in `inputs`.

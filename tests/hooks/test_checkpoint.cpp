@@ -321,6 +321,41 @@ TEST(Checkpoint, WithoutGradModeIsAPlainCall) {
   EXPECT_THROW(checkpoint(CheckpointFns(), {x}), c10::Error);
 }
 
+// An undefined input (an optional mask or bias not given) reaches fn undefined in the first run and in
+// the recompute, at its place; it used to fail in autograd with a raw "tensor does not have a device".
+// The same input twice, and one that needs no gradient, beside it. Wrapped and unwrapped: the
+// gradients of the plain computation.
+TEST(Checkpoint, AnUndefinedInputReachesFnUndefinedAtItsPlace) {
+  for (const bool wrapped : {false, true}) {
+    SCOPED_TRACE(wrapped ? "wrapped" : "unwrapped");
+    torch::manual_seed(3);
+    torch::nn::Linear ref(8, 8);
+    torch::manual_seed(3);
+    torch::nn::Linear net(8, 8);
+    std::unique_ptr<ChunkedModel> model;
+    if (wrapped) model = std::make_unique<ChunkedModel>(net.ptr(), simulated(0));
+    const torch::Tensor x = torch::randn({2, 8}, torch::requires_grad()), mask = torch::rand({2, 8});
+    const torch::Tensor x_ref = x.detach().clone().requires_grad_(true);
+    (ref(x_ref) * ref(x_ref) * mask).sum().backward();
+    int undefined_seen = 0;
+    auto body = [&](const std::vector<at::Tensor>& in) {
+      EXPECT_EQ(in.size(), 4u);
+      undefined_seen += !in[2].defined();
+      return (net(in[0]) * net(in[1]) * in[3]).sum();
+    };
+    auto run = [&] { return checkpoint(body, {x, x, torch::Tensor(), mask}); };
+    if (wrapped) {
+      model->backward(model->forward(run));
+    } else {
+      run().backward();
+    }
+    EXPECT_EQ(undefined_seen, 2) << "the first run and the recompute";
+    EXPECT_TRUE(torch::allclose(x.grad(), x_ref.grad(), 1e-6, 1e-7));
+    EXPECT_TRUE(torch::allclose(net->weight.grad(), ref->weight.grad(), 1e-6, 1e-7));
+    EXPECT_TRUE(torch::allclose(net->bias.grad(), ref->bias.grad(), 1e-6, 1e-7));
+  }
+}
+
 // What fn returns is checked: at least one tensor, every one defined, and as many in the recompute as
 // in the first run; each refusal says which.
 TEST(Checkpoint, FunctionsThatReturnTheWrongTensorsAreRefused) {
