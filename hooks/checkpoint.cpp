@@ -206,9 +206,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     const std::vector<at::Tensor> inputs = input_list.vec();
     ctx->saved_data["fn"] = c10::IValue::make_capsule(holder);
     std::vector<int64_t> needs_grad;
-    for (const auto& t : inputs) needs_grad.push_back(t.defined() && t.requires_grad());
+    for (const auto& t : inputs) needs_grad.push_back(t.requires_grad());  // all defined (FnHolder::positions)
     ctx->saved_data["needs_grad"] = needs_grad;
-    ctx->saved_data["num_inputs"] = static_cast<int64_t>(inputs.size());
     std::vector<at::Tensor> saved = inputs;
     saved.insert(saved.end(), param_list.begin(), param_list.end());
     ctx->save_for_backward(saved);
@@ -222,7 +221,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
                                                  torch::autograd::variable_list grad_outputs) {
     auto holder = c10::static_intrusive_pointer_cast<FnHolder>(ctx->saved_data["fn"].toCapsule());
     const auto needs_grad = ctx->saved_data["needs_grad"].toIntVector();
-    const auto num_inputs = static_cast<size_t>(ctx->saved_data["num_inputs"].toInt());
+    const size_t num_inputs = holder->positions.size();  // the Function's inputs: fn's defined ones
     const auto saved = ctx->get_saved_variables();
     // Note [A backward that creates a graph through a checkpoint]: the engine runs a backward under
     // grad mode exactly when it creates a graph (create_graph).
@@ -232,11 +231,11 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     for (size_t i = 0; i < num_inputs; ++i) {
       if (create_graph) {  // the inputs themselves: the gradients' graph must reach what made them
         inputs.push_back(saved[i]);
-        if (saved[i].defined() && saved[i].grad_fn()) stops.insert(saved[i].grad_fn().get());
+        if (saved[i].grad_fn()) stops.insert(saved[i].grad_fn().get());
         continue;
       }
-      at::Tensor t = saved[i].defined() ? saved[i].detach() : saved[i];
-      if (t.defined() && needs_grad[i]) t.requires_grad_(true);
+      at::Tensor t = saved[i].detach();
+      if (needs_grad[i]) t.requires_grad_(true);
       inputs.push_back(t);
     }
     const std::vector<at::Tensor> params(saved.begin() + static_cast<std::ptrdiff_t>(num_inputs), saved.end());
@@ -266,9 +265,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     // Closed: every leaf the recompute reaches is an input or a recorded parameter (a frozen segment
     // with no recorded parameter too); plain LibTorch's trainable parameters are not recorded.
     std::unordered_set<const c10::TensorImpl*> known;
-    for (const auto& t : inputs) {
-      if (t.defined()) known.insert(t.unsafeGetTensorImpl());
-    }
+    for (const auto& t : inputs) known.insert(t.unsafeGetTensorImpl());
     for (const auto& p : params) known.insert(p.unsafeGetTensorImpl());
     const bool closed = recompute_is_closed(outs, known, stops, begin, end);
     static std::atomic<bool> warned{false};
@@ -296,7 +293,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
                   ". Its nested backward would accumulate the parameters' gradients into .grad");
       torch::autograd::backward(outs, out_grads);
       for (size_t i = 0; i < inputs.size(); ++i) {  // detached copies: their .grad is this backward's
-        if (inputs[i].defined() && needs_grad[i]) grads[2 + i] = inputs[i].grad();
+        if (needs_grad[i]) grads[2 + i] = inputs[i].grad();
       }
       return grads;  // the parameters' were accumulated
     }
@@ -304,7 +301,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     std::vector<at::Tensor> wrt;
     std::vector<int64_t> slot;  // index into grads of each entry of wrt
     for (size_t i = 0; i < inputs.size(); ++i) {
-      if (inputs[i].defined() && needs_grad[i]) {
+      if (needs_grad[i]) {
         wrt.push_back(inputs[i]);
         slot.push_back(static_cast<int64_t>(2 + i));
       }
