@@ -357,9 +357,16 @@ void ChunkedModel::take_writes(const char* where) {
               "ferry's compute dtype, ", dtype_, ", which Config::precision sets: the parameters stay ", dtype_,
               grad_sink_ ? " (the optimizer's fp32 masters take the values at full precision)" : "");
   }
-  log::info("ferry: ", written.size(), " parameter(s) written (", names_[written.front().param],
-            written.size() > 1 ? ", ..." : "", "), taken in before ", where,
-            grad_sink_ ? ", into the optimizer's state too" : "");
+  // At info the first time only: a loop that writes every step (a torch optimizer over the module's
+  // parameters, a WGAN critic's clamp) would otherwise log a line per step. Later ones at debug.
+  const log::Level level = writes_taken_++ == 0 ? log::Level::kInfo : log::Level::kDebug;
+  if (log::enabled(level)) {
+    log::write(level, log::detail::concat("ferry: ", written.size(), " parameter(s) written (",
+                                          names_[written.front().param], written.size() > 1 ? ", ..." : "",
+                                          "), taken in before ", where,
+                                          grad_sink_ ? ", into the optimizer's state too" : "",
+                                          level == log::Level::kInfo ? " (later writes: at debug level)" : ""));
+  }
   for (const WrittenParam& w : written) release_initial_value(w.param);  // the write is the value now
   if (grad_sink_) grad_sink_->values_written(written);
   remember_bindings();

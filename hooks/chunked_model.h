@@ -450,6 +450,7 @@ class ChunkedModel final : private UseListener {
   std::vector<const c10::StorageImpl*> bound_storage_;
   std::vector<int64_t> bound_offset_;
   std::vector<int64_t> bound_version_;
+  int64_t writes_taken_ = 0;  // take_writes() calls that took something in (the first is logged at info)
   ChunkLayout layout_;
   std::shared_ptr<DeviceAccountant> accountant_ = std::make_shared<DeviceAccountant>();
   std::unique_ptr<ChunkStore> store_;

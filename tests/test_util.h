@@ -7,6 +7,7 @@
 #include <string>
 
 #include "ferry/common/gpu_info.h"
+#include "ferry/common/logging.h"
 
 namespace ferry::test {
 
@@ -18,6 +19,25 @@ inline std::string error_of(const std::function<void()>& fn) {
     return e.what_without_backtrace();
   }
   return "(no error)";
+}
+
+// Logs at `level` while it lives, then at the level before (single-process tests: the rank shown is 0).
+class LogLevelFor {
+ public:
+  explicit LogLevelFor(log::Level level) : before_(log::level()) { log::configure(level, 0); }
+  ~LogLevelFor() { log::configure(before_, 0); }
+  LogLevelFor(const LogLevelFor&) = delete;
+  LogLevelFor& operator=(const LogLevelFor&) = delete;
+
+ private:
+  log::Level before_;
+};
+
+// How many times `what` occurs in `text`.
+inline size_t occurrences(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + what.size())) ++n;
+  return n;
 }
 
 }  // namespace ferry::test

@@ -764,6 +764,33 @@ TEST(ChunkedModel, TorchLoadIntoTheWrappedModuleIsTakenIn) {
   }
 }
 
+// A ChunkedModel without HybridAdam keeps gradients in .grad, so a torch optimizer over the module's
+// parameters trains it (with an LR schedule): its in-place updates are writes, taken in before the next
+// forward (Note [Writes to parameters]). Under evictions, bit-identical to the unwrapped twin stepped
+// by the same optimizer. A write every step is logged once at info, not once per step.
+TEST(ChunkedModel, ATorchOptimizerOverTheModulesParametersTrainsAsTheTwin) {
+  EvictedGpt g(37);
+  auto loss_of = tiny_gpt_loss(EvictedGpt::V, EvictedGpt::T);
+  torch::optim::AdamW ref_opt(g.ref->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW opt(g.net->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::StepLR ref_lr(ref_opt, 2, 0.5), lr(opt, 2, 0.5);
+  const test::LogLevelFor info(log::Level::kInfo);
+  testing::internal::CaptureStderr();
+  for (int it = 0; it < 5; ++it) {
+    const std::string what = "step " + std::to_string(it);
+    compare_iteration(g.ref, g.net, g.model, loss_of, what);
+    EXPECT_GT(g.model.last_iteration().evictions, 0) << what;
+    ref_opt.step();
+    opt.step();
+    ref_lr.step();
+    lr.step();
+    expect_same_parameters(g.ref, g.net);
+  }
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(test::occurrences(log, "parameter(s) written"), 1u) << log;
+  EXPECT_NE(log.find("later writes: at debug level"), std::string::npos) << log;
+}
+
 // A parameter given a tensor of another shape (torch::load of another model's checkpoint) cannot go
 // back into its slot: the next forward refuses, naming it and both shapes, and changes nothing; given
 // its shape back, the model runs on.
