@@ -1,5 +1,6 @@
 #include "ferry/cpu_adam/device_adam.h"
 
+#include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 
 #include "ferry/cpu_adam/kernels/kernel_abi.h"
@@ -40,7 +41,13 @@ void device_adam_update(const CpuAdam& adam, const CpuAdam::FrozenGroup& group, 
     TORCH_CHECK(false, "ferry: device Adam: state on ", device, " but ferry was built without CUDA");
 #endif
   }
-  if (found_inf.defined() && found_inf.item<float>() != 0.0f) return;
+  if (found_inf.defined() && found_inf.item<float>() != 0.0f) {
+    if (span.param_lowp != nullptr) {  // the master's value back into the copy, as the CUDA kernel does
+      const at::Tensor master = at::from_blob(span.param, {span.numel}, at::kFloat);
+      at::from_blob(span.param_lowp, {span.numel}, at::TensorOptions(span.lowp_dtype)).copy_(master);
+    }
+    return;
+  }
   adam.update(group, span, UpdateOptions{grad_scale, /*grads_checked=*/true});
 }
 

@@ -11,8 +11,11 @@
 //  - `span` is as for CpuAdam::update, with every array on `device`, and its gradients finite (the
 //    caller checked them, or `found_inf` does).
 //  - CUDA: one kernel on the current stream of the current device (which must be `device`); nothing
-//    waits. `found_inf`: undefined, or a one-element float tensor on the device; nonzero there means the
-//    kernel writes nothing, and the host never reads it.
+//    waits. `found_inf`: undefined, or a one-element float tensor on the device, which the host never
+//    reads; nonzero there skips the update: the master and the moments are not written, and the
+//    low-precision copy, if the span has one, gets the master's value (rounded). That copy may be
+//    written over the gradient (HybridAdam's default mode), whose slot must hold the parameter's value
+//    again after a skipped update, as restore_values() gives it back on the host.
 //  - Simulated device (CPU tensors): CpuAdam's kernel on the calling thread; `found_inf` read here.
 //  - Uses the group's options and step count (advance_step first), as CpuAdam::update does; the
 //    FrozenGroup form uses the given options and step count, as CpuAdam::update(frozen, ...) does.

@@ -623,7 +623,8 @@ class HybridAdam final : private GradSink, private LayoutListener {
   ChunkNorms grad_norms_locked(bool pipelined = false);
   std::vector<std::pair<Span, AdamSpan>> host_spans_locked(int64_t chunk);  // (landed span, its CpuAdam span)
   void host_update_chunk_locked(int64_t chunk, const UpdateOptions& options);
-  // `found_inf` (a device flag, optional): the device Adam writes nothing when it is nonzero.
+  // `found_inf` (a device flag, optional): when it is nonzero the device Adam skips the update and the
+  // slots get their values back (round(master); device_adam.h).
   void device_update_chunk_locked(int64_t chunk, double grad_scale, const at::Tensor& found_inf = {});
 
   ChunkedModel& model_;  // through model() only, which refuses once the model is gone

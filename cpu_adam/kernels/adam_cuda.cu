@@ -4,6 +4,9 @@
 // __fdiv_rn, __fsqrt_rn), and the bf16/fp16 conversions are float16.h's own, so a chunk gets the same
 // bits on the GPU as on the host (D53).
 //
+// With the found_inf flag set, the update is skipped and only the low-precision copy is written: the
+// master rounded (6 B per element), so that a copy written over the gradient holds the value again.
+//
 // Traffic per element: the grad (2 B bf16 / 4 B fp32) and master, exp_avg, exp_avg_sq (12 B) read, the
 // three written back (12 B) and the bf16 copy written over the grad (2 B): 28 B with bf16 grads, the
 // floor for mixed-precision Adam. Accesses are coalesced; with every thread of the device resident,
@@ -44,8 +47,17 @@ template <GradType G, LowpType L, bool kDecoupled, bool kDecay>
 __global__ void __launch_bounds__(kThreads)
     adam_kernel(typename AdamLoop<CudaOps, G, L, kDecoupled, kDecay>::Consts c, float* param, const void* grad,
                 float* exp_avg, float* exp_avg_sq, void* param_lowp, int64_t n, const float* found_inf) {
-  if (found_inf != nullptr && *found_inf != 0.0f) return;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  if (found_inf != nullptr && *found_inf != 0.0f) {
+    // Skipped: master and moments stay; the low-precision copy, which may stand where the gradient was,
+    // gets the master's value back (device_adam.h).
+    if constexpr (L != LowpType::kNone) {
+      for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+        store_lowp<CudaOps, L>(param_lowp, i, param[i]);
+      }
+    }
+    return;
+  }
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     AdamLoop<CudaOps, G, L, kDecoupled, kDecay>::one(c, param + i, grad, i, exp_avg + i, exp_avg_sq + i, param_lowp,
                                                       i);

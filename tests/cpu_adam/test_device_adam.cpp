@@ -124,17 +124,30 @@ TEST_F(DeviceAdam, GivesTheBitsOfCpuAdamForEveryDtypeAndMode) {
   }
 }
 
-TEST_F(DeviceAdam, WritesNothingWhenFoundInfIsSet) {
-  const Case c{at::kBFloat16, at::kBFloat16, true, AdamMode::kAdamW, 0.1};
-  const Arrays before = make_arrays(c, 4099, 7);
-  const Arrays dev = to(before, device_under_test());
-  const auto adam = make_adam(c);
-  device_adam_update(*adam, 0, span_of(dev, c), 1.0, device_under_test(),
-                     torch::ones({}, torch::TensorOptions(torch::kFloat).device(device_under_test())));
-  expect_equal(before, dev, "found_inf = 1");
-  device_adam_update(*adam, 0, span_of(dev, c), 1.0, device_under_test(),
-                     torch::zeros({}, torch::TensorOptions(torch::kFloat).device(device_under_test())));
-  EXPECT_FALSE(torch::equal(before.p, dev.p.cpu())) << "found_inf = 0 must update";
+// A set found_inf skips the update: master and moments stay, and the low-precision copy gets the
+// master's value, rounded. HybridAdam writes that copy over the gradient: after a skipped update the slot
+// must hold the parameter again, not the non-finite gradient (seen: NaN parameters after one NaN
+// gradient in backward_step with device-resident state, and every later step skipped).
+TEST_F(DeviceAdam, AFoundInfSkipsTheUpdateAndGivesTheCopyTheMastersValue) {
+  for (const Case& c : {Case{at::kBFloat16, at::kBFloat16, true, AdamMode::kAdamW, 0.1},
+                        Case{at::kFloat, at::kHalf, false, AdamMode::kAdam, 0.0},
+                        Case{at::kFloat, at::ScalarType::Undefined, false, AdamMode::kAdamW, 0.1}}) {
+    const std::string what = name(c);
+    Arrays before = make_arrays(c, 4099, 7);
+    if (c.lowp_over_grad) before.g.index_put_({5}, std::nan(""));  // the skipped update's reason
+    const Arrays dev = to(before, device_under_test());
+    const auto adam = make_adam(c);
+    device_adam_update(*adam, 0, span_of(dev, c), 1.0, device_under_test(),
+                       torch::ones({}, torch::TensorOptions(torch::kFloat).device(device_under_test())));
+    Arrays expected = before;
+    if (c.lowp_over_grad) expected.g = before.p.to(c.lowp);
+    if (expected.lowp.defined()) expected.lowp = before.p.to(c.lowp);
+    expect_equal(expected, dev, what + ", found_inf = 1");
+    if (c.lowp_over_grad) continue;  // the gradient is gone: no update to run
+    device_adam_update(*adam, 0, span_of(dev, c), 1.0, device_under_test(),
+                       torch::zeros({}, torch::TensorOptions(torch::kFloat).device(device_under_test())));
+    EXPECT_FALSE(torch::equal(before.p, dev.p.cpu())) << what << ": found_inf = 0 must update";
+  }
 }
 
 TEST_F(DeviceAdam, RefusesAFoundInfFlagItCannotRead) {
