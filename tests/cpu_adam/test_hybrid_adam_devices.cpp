@@ -9,7 +9,7 @@
 //    last of two accumulated micro-batches;
 //  - ten fp32 steps follow the unwrapped model trained by torch::optim::AdamW on the same GPU;
 //  - state on the device and state on the host get the same bits (D53), also when a non-finite gradient
-//    skips a chunk (D70);
+//    skips a chunk (D70), and across freezes, writes and learning-rate changes (D60-D62);
 //  - ops between steps see the updates left running behind the step (D57).
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
@@ -223,6 +223,64 @@ TEST_P(HybridAdamOnDevice, StateOnTheDeviceAndOnTheHostGiveTheSameBits) {
     EXPECT_EQ(ra.device_chunks, chunks) << "step " << step;
     EXPECT_EQ(rb.host_chunks, chunks) << "step " << step;
     ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, "step " + std::to_string(step)));
+  }
+}
+
+// D53 under what a training script does between steps: a layer frozen and unfrozen (D61, D62: its
+// step count lags), a parameter written in place and one given new storage (D60), the learning rate
+// changed. All state on the device against all on the host, in backward() + step() and backward_step,
+// with and without accumulation over two micro-batches: the same bits at every step.
+TEST_P(HybridAdamOnDevice, StepsBetweenFreezesWritesAndLrChangesGiveTheSameBitsWhereverTheStateLives) {
+  const DeviceKind device = GetParam();
+  for (const bool pipelined : {false, true}) {
+    for (const bool accumulate : {false, true}) {
+      const std::string what = std::string(pipelined ? "backward_step" : "backward + step") +
+                               (accumulate ? ", two micro-batches" : "");
+      const auto nets = twins(23);
+      Lm a_net = nets.first, b_net = nets.second;
+      Config config = device_config(device, Precision::kBf16);
+      config.device_budget_bytes = 0;
+      ChunkedModel a(a_net.ptr(), config), b(b_net.ptr(), config);
+      const int64_t chunks = a.layout().num_chunks();
+      HybridAdam a_adam(a, options(0.0).with_device_state_chunks(chunks).with_accumulate_grads(accumulate));
+      HybridAdam b_adam(b, options(0.0).with_device_state_chunks(0).with_accumulate_grads(accumulate));
+      const int micro = accumulate ? 2 : 1;
+      for (int step = 0; step < 8; ++step) {
+        const std::string when = what + ", step " + std::to_string(step);
+        for (auto [net, adam] : {std::pair<Lm*, HybridAdam*>{&a_net, &a_adam}, {&b_net, &b_adam}}) {
+          torch::NoGradGuard no_grad;
+          if (step == 2 || step == 4) {
+            for (auto& p : (*net)->fc[1]->parameters()) p.set_requires_grad(step == 4);
+          }
+          if (step == 3) (*net)->out[2]->weight.mul_(0.5);
+          if (step == 5) adam->set_lr(0, 3e-4);
+          if (step == 6) (*net)->fc[0]->bias.set_data(torch::full_like((*net)->fc[0]->bias, 0.01));
+        }
+        for (auto [net, model, adam] : {std::tuple<Lm*, ChunkedModel*, HybridAdam*>{&a_net, &a, &a_adam},
+                                        {&b_net, &b, &b_adam}}) {
+          for (int k = 0; k < micro; ++k) {
+            const Batch x = batch(10 * step + k, device);
+            const torch::Tensor loss = model->forward([&] { return (*net)->loss(x.idx, x.target) / micro; });
+            if (pipelined && k + 1 == micro) {
+              ASSERT_TRUE(adam->backward_step(loss).applied) << when;
+            } else {
+              model->backward(loss);
+            }
+          }
+          if (!pipelined) ASSERT_TRUE(adam->step().applied) << when;
+          adam->zero_grad();
+        }
+        if (step > 0) ASSERT_EQ(a_adam.device_state_chunks(), chunks) << when;
+        ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, when));
+        for (int64_t p = 0; p < a.num_params(); ++p) {
+          ASSERT_EQ(a_adam.param_step_count(p), b_adam.param_step_count(p)) << when << ": " << a.param_name(p);
+        }
+      }
+      int64_t fc1 = 0;
+      while (fc1 < a.num_params() && a.param_name(fc1) != "fc1.weight") ++fc1;
+      ASSERT_LT(fc1, a.num_params());
+      EXPECT_EQ(a_adam.param_step_count(fc1), 6) << what << ": frozen for two of eight steps";
+    }
   }
 }
 
