@@ -589,6 +589,9 @@ HybridAdam::ChunkOutcome HybridAdam::host_norm(const at::Tensor& grads, const st
     out.sum_sq += norm.sum_sq;
     out.finite = out.finite && !norm.nonfinite;
   }
+  // A norm that overflows counts as non-finite, as the device's fp32 norm does (D70): a chunk is then
+  // skipped wherever its state lives, and the step's report agrees with what was updated.
+  out.finite = out.finite && std::isfinite(out.sum_sq);
   return out;
 }
 
@@ -971,7 +974,8 @@ StepResult HybridAdam::finish_pipelined_locked() {
   result.overflow = !norms.all_finite;
   result.applied = norms.all_finite;
   if (result.overflow) {
-    log::warn("ferry: backward_step: non-finite gradients; those chunks were not updated, the others were");
+    log::warn("ferry: backward_step: non-finite gradients (or a gradient norm that overflows); those chunks were "
+              "not updated, the others were");
   }
   return result;
 }
@@ -1223,7 +1227,8 @@ StepResult HybridAdam::apply_locked(const ChunkNorms& norms, StepResult result) 
       log::info("ferry: non-finite gradient at loss scale ", result.loss_scale, ": step skipped, scale now ",
                 scaler_.scale());
     } else {
-      log::warn("ferry: non-finite gradient: step skipped (the parameters and optimizer state are unchanged)");
+      log::warn("ferry: non-finite gradient (or a gradient norm that overflows): step skipped (the parameters "
+                "and optimizer state are unchanged)");
     }
     if (!options_.accumulate_grads) discard_grads_locked();  // consumed: the slots get their values back
     return result;

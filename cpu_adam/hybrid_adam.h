@@ -41,8 +41,8 @@
 //
 // A step (step()):
 //  1. Per chunk, the grad norm and finiteness (device: one reduction each, one host sync for all;
-//     host: CpuAdam::grad_norm_sq). A non-finite grad anywhere skips the step: nothing is written,
-//     the loss scaler (fp16) backs off, step counts stay.
+//     host: CpuAdam::grad_norm_sq). A non-finite grad anywhere, or a chunk's norm that overflows (D70),
+//     skips the step: nothing is written, the loss scaler (fp16) backs off, step counts stay.
 //  2. coef = clip coefficient (max_grad_norm / (norm + 1e-6), at most 1, as clip_grad_norm_) / loss scale.
 //  3. Each group's step count advances; every parameter that received a gradient since the last
 //     step is updated with it scaled by coef (one that received none is left alone, as torch's
@@ -466,7 +466,7 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // The pipeline (Note [Pipelined step]), default mode.
   struct ChunkOutcome {
     double sum_sq = 0.0;  // of the chunk's landed gradients as landed
-    bool finite = true;
+    bool finite = true;   // every gradient finite, and sum_sq too (an overflowing norm is non-finite)
   };
   // Resets this backward's landing counts; `armed`: a chunk becomes final when its parameters have had
   // as many landings as in the previous backward_step (remaining_ counts them down).

@@ -287,47 +287,56 @@ TEST_P(HybridAdamOnDevice, StepsBetweenFreezesWritesAndLrChangesGiveTheSameBitsW
 // A non-finite gradient in backward_step's eager pipeline skips its chunk (Note [Pipelined step]): the
 // chunk's slots, which held the gradients, get the parameters' values back, on the device as on the
 // host. Seen before on the simulated device: with the state on the device the skipped chunk kept its
-// NaN gradient as the parameter's value, so every later step overflowed. All state on the device
-// against all on the host, the NaN injected into one weight's gradient at step 2: the same bits at
-// every step, no non-finite value anywhere, and training goes on.
+// NaN gradient as the parameter's value, so every later step overflowed (D70). A gradient that is
+// finite but whose norm overflows (1e20 per element: its square is not a float) counts as non-finite
+// too, on the host as on the device; before, the host job updated such a chunk, the device skipped it,
+// and the step reported an overflow either way. All state on the device against all on the host, the
+// value injected into one weight's gradient at step 2: the same bits at every step, no non-finite value
+// anywhere, and training goes on.
 TEST_P(HybridAdamOnDevice, ANonFiniteGradientSkipsItsChunkWhereverItsStateLives) {
   const DeviceKind device = GetParam();
-  const auto nets = twins(19);
-  Lm a_net = nets.first, b_net = nets.second;
-  Config config = device_config(device, Precision::kBf16);
-  config.device_budget_bytes = 0;
-  ChunkedModel a(a_net.ptr(), config), b(b_net.ptr(), config);
-  const int64_t chunks = a.layout().num_chunks();
-  HybridAdam a_adam(a, options(0.0).with_device_state_chunks(chunks));
-  HybridAdam b_adam(b, options(0.0).with_device_state_chunks(0));
-  bool poison = false;
-  for (Lm* net : {&a_net, &b_net}) {
-    (*net)->fc[2]->weight.register_hook([&poison](const torch::Tensor& g) { return poison ? g * NAN : g; });
-  }
-  for (int step = 0; step < 5; ++step) {
-    const std::string when = "step " + std::to_string(step);
-    poison = step == 2;
-    const Batch x = batch(step, device);
-    const StepResult ra = a_adam.backward_step(a.forward([&] { return a_net->loss(x.idx, x.target); }));
-    const StepResult rb = b_adam.backward_step(b.forward([&] { return b_net->loss(x.idx, x.target); }));
-    a_adam.zero_grad();
-    b_adam.zero_grad();
-    EXPECT_EQ(ra.overflow, poison) << when;
-    EXPECT_EQ(rb.overflow, poison) << when;
-    if (step < 2) continue;  // placed and pipelined from step 2 on (the first steps trace and place)
-    ASSERT_EQ(ra.device_chunks, chunks) << when;
-    ASSERT_EQ(rb.host_chunks, chunks) << when;
-    ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, when));
-    for (int64_t p = 0; p < a.num_params(); ++p) {
-      ASSERT_TRUE(torch::isfinite(a.param_values(p)).all().item<bool>()) << when << ": " << a.param_name(p);
-      ASSERT_TRUE(torch::isfinite(a_adam.master(p)).all().item<bool>()) << when << ": master " << a.param_name(p);
+  for (const double injected : {double(NAN), 1e20}) {
+    const std::string what = "gradient " + std::to_string(injected);
+    const auto nets = twins(19);
+    Lm a_net = nets.first, b_net = nets.second;
+    Config config = device_config(device, Precision::kBf16);
+    config.device_budget_bytes = 0;
+    ChunkedModel a(a_net.ptr(), config), b(b_net.ptr(), config);
+    const int64_t chunks = a.layout().num_chunks();
+    HybridAdam a_adam(a, options(0.0).with_device_state_chunks(chunks));
+    HybridAdam b_adam(b, options(0.0).with_device_state_chunks(0));
+    bool poison = false;
+    for (Lm* net : {&a_net, &b_net}) {
+      (*net)->fc[2]->weight.register_hook(
+          [&poison, injected](const torch::Tensor& g) { return poison ? torch::full_like(g, injected) : g; });
     }
+    for (int step = 0; step < 5; ++step) {
+      const std::string when = what + ", step " + std::to_string(step);
+      poison = step == 2;
+      const Batch x = batch(step, device);
+      const StepResult ra = a_adam.backward_step(a.forward([&] { return a_net->loss(x.idx, x.target); }));
+      const StepResult rb = b_adam.backward_step(b.forward([&] { return b_net->loss(x.idx, x.target); }));
+      a_adam.zero_grad();
+      b_adam.zero_grad();
+      EXPECT_EQ(ra.overflow, poison) << when;
+      EXPECT_EQ(rb.overflow, poison) << when;
+      if (step < 2) continue;  // placed and pipelined from step 2 on (the first steps trace and place)
+      ASSERT_EQ(ra.device_chunks, chunks) << when;
+      ASSERT_EQ(rb.host_chunks, chunks) << when;
+      ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, when));
+      for (int64_t p = 0; p < a.num_params(); ++p) {
+        ASSERT_TRUE(torch::isfinite(a.param_values(p)).all().item<bool>()) << when << ": " << a.param_name(p);
+        ASSERT_TRUE(torch::isfinite(a_adam.master(p)).all().item<bool>()) << when << ": master " << a.param_name(p);
+        ASSERT_TRUE(torch::isfinite(a_adam.exp_avg_sq(p)).all().item<bool>()) << when << ": exp_avg_sq "
+                                                                              << a.param_name(p);
+      }
+    }
+    int64_t poisoned = 0;
+    while (poisoned < a.num_params() && a.param_name(poisoned) != "fc2.weight") ++poisoned;
+    ASSERT_LT(poisoned, a.num_params());
+    EXPECT_EQ(a_adam.param_step_count(poisoned), 4) << what << ": its chunk skipped one of five steps";
+    EXPECT_EQ(a_adam.param_step_count(0), 5) << what << ": the other chunks were updated";
   }
-  int64_t poisoned = 0;
-  while (poisoned < a.num_params() && a.param_name(poisoned) != "fc2.weight") ++poisoned;
-  ASSERT_LT(poisoned, a.num_params());
-  EXPECT_EQ(a_adam.param_step_count(poisoned), 4) << "its chunk skipped one of five steps";
-  EXPECT_EQ(a_adam.param_step_count(0), 5) << "the other chunks were updated";
 }
 
 // Note [Ops outside the scopes] (D57) where the device is real: right after step() returns with its
