@@ -94,6 +94,29 @@ std::pair<Lm, Lm> twins(uint64_t seed) {
   return {a, b};
 }
 
+// Twin Lms (bf16, no device budget) with their HybridAdams: `a` keeps all its optimizer state on the
+// device, `b` all on the host, so the placement is their only difference (D53).
+struct DeviceAndHostState {
+  DeviceAndHostState(DeviceKind device, uint64_t seed, const HybridAdamOptions& o)
+      : a_net(seeded(seed)), b_net(seeded(seed)), a(a_net.ptr(), config(device)),
+        b(b_net.ptr(), config(device)), chunks(a.layout().num_chunks()),
+        a_adam(a, HybridAdamOptions(o).with_device_state_chunks(chunks)),
+        b_adam(b, HybridAdamOptions(o).with_device_state_chunks(0)) {}
+  static Lm seeded(uint64_t seed) {
+    torch::manual_seed(seed);
+    return Lm(kVocab, kDim, kLayers);
+  }
+  static Config config(DeviceKind device) {
+    Config c = device_config(device, Precision::kBf16);
+    c.device_budget_bytes = 0;  // no limit: the placement is the only difference
+    return c;
+  }
+  Lm a_net, b_net;
+  ChunkedModel a, b;
+  int64_t chunks;
+  HybridAdam a_adam, b_adam;
+};
+
 class HybridAdamOnDevice : public ::testing::TestWithParam<DeviceKind> {
  protected:
   void SetUp() override {
@@ -207,14 +230,11 @@ TEST_P(HybridAdamOnDevice, TenFp32StepsFollowTorchAdamWOnTheSameDevice) {
 // is the GPU kernel against the CPU kernel.
 TEST_P(HybridAdamOnDevice, StateOnTheDeviceAndOnTheHostGiveTheSameBits) {
   const DeviceKind device = GetParam();
-  const auto nets = twins(13);
-  Lm a_net = nets.first, b_net = nets.second;
-  Config config = device_config(device, Precision::kBf16);
-  config.device_budget_bytes = 0;  // no limit: the placement below is the only difference
-  ChunkedModel a(a_net.ptr(), config), b(b_net.ptr(), config);
-  const int64_t chunks = a.layout().num_chunks();
-  HybridAdam a_adam(a, options(0.0).with_device_state_chunks(chunks));
-  HybridAdam b_adam(b, options(0.0).with_device_state_chunks(0));
+  DeviceAndHostState t(device, 13, options(0.0));
+  Lm &a_net = t.a_net, &b_net = t.b_net;  // (structured bindings cannot be captured in C++17)
+  ChunkedModel &a = t.a, &b = t.b;
+  HybridAdam &a_adam = t.a_adam, &b_adam = t.b_adam;
+  const int64_t chunks = t.chunks;
   for (int step = 0; step < 4; ++step) {
     const Batch x = batch(step, device);
     const StepResult ra = a_adam.backward_step(a.forward([&] { return a_net->loss(x.idx, x.target); }));
@@ -236,14 +256,11 @@ TEST_P(HybridAdamOnDevice, StepsBetweenFreezesWritesAndLrChangesGiveTheSameBitsW
     for (const bool accumulate : {false, true}) {
       const std::string what = std::string(pipelined ? "backward_step" : "backward + step") +
                                (accumulate ? ", two micro-batches" : "");
-      const auto nets = twins(23);
-      Lm a_net = nets.first, b_net = nets.second;
-      Config config = device_config(device, Precision::kBf16);
-      config.device_budget_bytes = 0;
-      ChunkedModel a(a_net.ptr(), config), b(b_net.ptr(), config);
-      const int64_t chunks = a.layout().num_chunks();
-      HybridAdam a_adam(a, options(0.0).with_device_state_chunks(chunks).with_accumulate_grads(accumulate));
-      HybridAdam b_adam(b, options(0.0).with_device_state_chunks(0).with_accumulate_grads(accumulate));
+      DeviceAndHostState t(device, 23, options(0.0).with_accumulate_grads(accumulate));
+      Lm &a_net = t.a_net, &b_net = t.b_net;
+      ChunkedModel &a = t.a, &b = t.b;
+      HybridAdam &a_adam = t.a_adam, &b_adam = t.b_adam;
+      const int64_t chunks = t.chunks;
       const int micro = accumulate ? 2 : 1;
       for (int step = 0; step < 8; ++step) {
         const std::string when = what + ", step " + std::to_string(step);
@@ -297,14 +314,11 @@ TEST_P(HybridAdamOnDevice, ANonFiniteGradientSkipsItsChunkWhereverItsStateLives)
   const DeviceKind device = GetParam();
   for (const double injected : {double(NAN), 1e20}) {
     const std::string what = "gradient " + std::to_string(injected);
-    const auto nets = twins(19);
-    Lm a_net = nets.first, b_net = nets.second;
-    Config config = device_config(device, Precision::kBf16);
-    config.device_budget_bytes = 0;
-    ChunkedModel a(a_net.ptr(), config), b(b_net.ptr(), config);
-    const int64_t chunks = a.layout().num_chunks();
-    HybridAdam a_adam(a, options(0.0).with_device_state_chunks(chunks));
-    HybridAdam b_adam(b, options(0.0).with_device_state_chunks(0));
+    DeviceAndHostState t(device, 19, options(0.0));
+    Lm &a_net = t.a_net, &b_net = t.b_net;
+    ChunkedModel &a = t.a, &b = t.b;
+    HybridAdam &a_adam = t.a_adam, &b_adam = t.b_adam;
+    const int64_t chunks = t.chunks;
     bool poison = false;
     for (Lm* net : {&a_net, &b_net}) {
       (*net)->fc[2]->weight.register_hook(
