@@ -38,6 +38,8 @@
 // the sum of the parts' losses / F (Note [Several forwards]: one iteration).
 // --copies=stream: the parameter stores copy on the stream-model engine (chunk/stream_model_engine.h:
 // copies pending until waited for, as on CUDA) instead of the synchronous one.
+// --nan-step=S --nan-rank=R: at step S, rank R's gradient of emb.weight (layout chunk 0, whose state is on
+// the device) is NaN: the step skips that chunk (backward_step) or everything (step), as in one process.
 // --precision=... and every other ferry option. Prints one line "FERRY_DIST_RESULT key=value ...".
 #include <torch/torch.h>
 
@@ -121,6 +123,8 @@ int run(int argc, char** argv) {
   const bool write_between = option(rest, "write-between-steps", "0") == "1";
   const bool term_after_forward = option(rest, "loss-term-after-forward", "0") == "1";
   const int forwards = std::stoi(option(rest, "forwards", "1"));
+  const int nan_step = std::stoi(option(rest, "nan-step", "-1"));
+  const int nan_rank = std::stoi(option(rest, "nan-rank", "-1"));
   TORCH_CHECK(emulate == 1 || config.world_size == 1, "--emulate-world is for the single-process reference");
   TORCH_CHECK(forwards == 1 || (emulate == 1 && micro == 1 && batch % (config.world_size * forwards) == 0),
               "--forwards needs --emulate-world=1, --micro=1 and a batch that splits over ranks and forwards");
@@ -154,6 +158,10 @@ int run(int argc, char** argv) {
   const int64_t construct_state_bytes = built.host.current_bytes + built.device.current_bytes;
   torch::Tensor held_view;  // --hold-view-rank
   if (config.rank == std::stoi(option(rest, "hold-view-rank", "-1"))) held_view = net->up->weight.detach();
+  bool poison = false;  // --nan-step
+  if (config.rank == nan_rank) {
+    net->emb->weight.register_hook([&poison](const torch::Tensor& g) { return poison ? g * NAN : g; });
+  }
   int first_step = 0;
   if (!resume.empty()) {
     adam.load(resume);
@@ -173,8 +181,10 @@ int run(int argc, char** argv) {
     return bytes;
   };
   int64_t ring_before_last = 0;  // ring bytes sent before the last step
+  int64_t overflows = 0;
   for (int step = first_step; step < steps; ++step) {
     if (step == die_at && config.rank == die_rank) std::_Exit(3);
+    poison = step == nan_step;
     if (step == steps - 1 && comm) ring_before_last = comm->stats().ring_bytes_sent;
     for (auto* layer : {&net->up, &net->down}) {
       for (auto& p : (*layer)->parameters()) p.set_requires_grad(step >= frozen_until);
@@ -236,7 +246,9 @@ int run(int argc, char** argv) {
       }
       evictions += model.last_iteration().evictions;
     }
-    TORCH_CHECK(r.applied, "step ", step, " was not applied");
+    overflows += r.overflow;
+    TORCH_CHECK(r.applied != (step == nan_step) && r.overflow == (step == nan_step), "step ", step,
+                r.applied ? " was" : " was not", " applied", r.overflow ? " (overflow)" : "");
     if (eval_every > 0 && step % eval_every == 0) {  // an evaluation forward between steps (no backward)
       torch::NoGradGuard no_grad;
       const torch::Tensor x = idx.slice(0, config.rank * rows, (config.rank + 1) * rows);
@@ -300,13 +312,24 @@ int run(int argc, char** argv) {
   }
   // D62: each parameter's own step count is read on the rank that owns its state; another refuses,
   // naming the owner. The MLP's count lags its group's by the steps it was frozen (--frozen-until).
+  // --nan-step under backward_step: the chunk of emb.weight missed that step (step() skips every chunk,
+  // and the group's count with them).
+  int64_t skipped_chunk = -1;
+  if (api == "backward_step" && nan_step >= first_step && nan_step < steps) {
+    for (int64_t p = 0; p < model.num_params(); ++p) {
+      if (model.param_name(p) == "emb.weight") skipped_chunk = model.layout().slots()[p].chunk;
+    }
+  }
   int64_t own_step_counts = 0;
   for (int64_t p = 0; p < model.num_params(); ++p) {
     try {
       const int64_t count = adam.param_step_count(p);
       const std::string& name = model.param_name(p);
       const bool mlp = name.rfind("up.", 0) == 0 || name.rfind("down.", 0) == 0;
-      const int64_t want = name == "spare" ? 0 : mlp ? adam.step_count(0) - std::min(frozen_until, steps) : adam.step_count(0);
+      const int64_t missed = model.layout().slots()[p].chunk == skipped_chunk ? 1 : 0;
+      const int64_t want = name == "spare" ? 0
+                           : mlp ? adam.step_count(0) - std::min(frozen_until, steps) - missed
+                                 : adam.step_count(0) - missed;
       TORCH_CHECK(count == want, "param_step_count of ", name, ": ", count, ", expected ", want);
       ++own_step_counts;
     } catch (const c10::Error& e) {
@@ -342,7 +365,7 @@ int run(int argc, char** argv) {
             << " values_from_owners=" << adam.values_from_owners() << " steps=" << steps << " grad_norm=" << grad_norm
             << " loss=" << loss_sum << " eval_loss=" << eval_loss << " touched_ok=" << touched_ok
             << " touched_refused=" << touched_refused << " own_step_counts=" << own_step_counts
-            << " param_tensors=" << model.num_params() << std::endl;
+            << " param_tensors=" << model.num_params() << " overflows=" << overflows << std::endl;
   if (option(rest, "eval-without-optimizer", "0") == "1") {
     // Training done, the optimizer dropped, the model evaluated: its sharded groups are still gathered
     // at their use (a collective), with nothing of the optimizer left to wait for.

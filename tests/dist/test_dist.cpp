@@ -241,6 +241,29 @@ void expect_equals_one_process(int world, const std::vector<std::string>& extra,
 
 TEST(Dist, TwoRanksEqualOneProcessOnTheConcatenatedBatch) { expect_equals_one_process(2, {}); }
 
+// A NaN in one rank's gradient of a chunk whose state is on the device (D70). In fp32, backward_step
+// skips that chunk on its owner and step() skips everything, either way as one process with the same
+// NaN does, and every rank reports the overflow (the worker checks it). In bf16, where the skipped
+// chunk's slots held the summed gradients in place of the values: before D70 the owner kept the NaN
+// there and the all-gather spread it to every rank (each rank's check that every compute copy is its
+// master rounded then fails); now both ranks end with the same finite parameters.
+TEST(Dist, ANonFiniteGradientOnOneRankSkipsAsInOneProcess) {
+  for (const std::string api : {"backward_step", "step"}) {
+    SCOPED_TRACE(api);
+    std::vector<std::string> args{"--nan-step=2", "--nan-rank=0", "--api=" + api};
+    if (api == "backward_step") args.push_back("--device-budget=20480");  // evictions, as in the test below
+    expect_equals_one_process(2, args);
+  }
+  const std::string dir = temp_dir();
+  const std::vector<Proc> ranks = run_world(2, {"--out=" + dir, "--steps=4", "--batch=8", "--nan-step=2", "--nan-rank=0",
+                                                "--api=backward_step", "--precision=bf16", "--device-budget=40960"});
+  for (const Proc& p : ranks) ASSERT_EQ(p.exit_code, 0) << describe(ranks);
+  const std::vector<float> rank0 = read_params(dir + "/rank0.bin");
+  EXPECT_EQ(rank0, read_params(dir + "/rank1.bin"));
+  for (float v : rank0) ASSERT_TRUE(std::isfinite(v));
+  for (const Proc& p : ranks) EXPECT_EQ(result_of(p)["overflows"], 1) << describe(ranks);
+}
+
 // Replicated parameter chunks (the step all-gathers the new values) give the same result.
 TEST(Dist, TwoRanksWithReplicatedParametersEqualOneProcess) { expect_equals_one_process(2, {"--shard-params=0"}); }
 
