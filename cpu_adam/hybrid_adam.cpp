@@ -281,6 +281,8 @@ void HybridAdam::follow_layout_locked() {
   placed_ = false;  // the old state store's device bytes left with it (discharged from the accountant)
   layout_version_ = model().layout_version();
   landings_.resize(model().num_params(), 0);  // per parameter: kept across a repack (counted in this backward)
+  uses_.resize(model().num_params(), 0);
+  last_uses_.resize(model().num_params(), 0);
   on_device_.assign(model().layout().num_chunks(), 0);
 }
 
@@ -690,16 +692,57 @@ void HybridAdam::after_landing(int64_t param) {
   if (slot_accumulation()) {
     const int64_t c = model().layout().slots()[param].chunk;
     if (accum_landings_[param] > accum_expected_[param] || --accum_remaining_[c] != 0) return;
-    // backward_step of the last micro-batch: the chunk's norm follows its accumulation, and its host
-    // update too unless clipping or loss scaling make the step two-phase.
-    consume_slot_grads_locked(c, !overlap_active_ ? AfterAccumulation::kNothing
-                                 : eager_        ? AfterAccumulation::kNormAndUpdate
-                                                 : AfterAccumulation::kNorm);
+    consume_final_chunk_locked(c);
     return;
   }
   if (!overlap_active_ || options_.accumulate_grads) return;
   const int64_t c = model().layout().slots()[param].chunk;
   if (landings_[param] <= expected_landings_[param] && --remaining_[c] == 0) launch_chunk_locked(c);
+}
+
+void HybridAdam::consume_final_chunk_locked(int64_t c) {
+  // backward_step of the last micro-batch: the chunk's norm follows its accumulation, and its host
+  // update too unless clipping or loss scaling make the step two-phase.
+  consume_slot_grads_locked(c, !overlap_active_ ? AfterAccumulation::kNothing
+                               : eager_        ? AfterAccumulation::kNormAndUpdate
+                                               : AfterAccumulation::kNorm);
+}
+
+// Note [A chunk final before its last use]
+// A chunk's gradients can all have landed while backward still needs the chunk: a frozen layer's
+// weight, in the chunk of a trainable layer after it, carries the gradient to trainable layers below
+// it. Final on its landings alone, the chunk went to the host and was locked there for its update or
+// accumulation, and the frozen weight's use failed ("locked on the host"): every backward_step after
+// the first, and every accumulating backward, of a model fine-tuned with such a layer. So a chunk is
+// final once its parameters have had the landings and the uses (in this model's backward) that they had
+// in the last complete backward; a chunk that expects no landing is never final early, as before. A use
+// this backward has beyond the last one's counts for nothing (it may then meet the lock, as a landing
+// beyond them is refused); a use it lacks leaves the chunk to backward's end.
+void HybridAdam::used_in_backward(int64_t param) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  sync_layout_locked();
+  if (++uses_[param] > last_uses_[param]) return;
+  const int64_t c = model().layout().slots()[param].chunk;
+  if (slot_accumulation()) {
+    if (accum_armed_ && accum_remaining_[c] > 0 && --accum_remaining_[c] == 0) consume_final_chunk_locked(c);
+    return;
+  }
+  if (!overlap_active_ || options_.accumulate_grads) return;
+  if (remaining_[c] > 0 && --remaining_[c] == 0) launch_chunk_locked(c);
+}
+
+std::vector<int64_t> HybridAdam::final_counts_locked(const std::vector<int64_t>& landings) const {
+  const int64_t n = num_chunks();
+  const auto& slots = model().layout().slots();
+  std::vector<int64_t> counts(n, 0), uses(n, 0);
+  for (int64_t p = 0; p < model().num_params(); ++p) {
+    counts[slots[p].chunk] += landings[p];
+    uses[slots[p].chunk] += std::max<int64_t>(0, last_uses_[p] - uses_[p]);
+  }
+  for (int64_t c = 0; c < n; ++c) {
+    if (counts[c] > 0) counts[c] += uses[c];
+  }
+  return counts;
 }
 
 void HybridAdam::launch_chunk_locked(int64_t c) {
@@ -789,10 +832,10 @@ void HybridAdam::arm_accumulation_locked() {
   in_slot_.assign(params, 0);
   accum_landings_.assign(params, 0);
   if (static_cast<int64_t>(accum_expected_.size()) != params) accum_expected_.assign(params, 0);
-  accum_remaining_.assign(n, 0);
   accum_consumed_.assign(n, 0);
   // With no previous backward every count is 0: no chunk is final early, backward_finished consumes all.
-  for (int64_t p = 0; p < params; ++p) accum_remaining_[model().layout().slots()[p].chunk] += accum_expected_[p];
+  // Armed at the first landing: the uses seen before it are left out (Note [A chunk final before its last use]).
+  accum_remaining_ = final_counts_locked(accum_expected_);
   for (int64_t c = 0; c < n; ++c) {
     if (accum_remaining_[c] == 0) accum_remaining_[c] = -1;  // never reaches 0 by counting down
   }
@@ -894,8 +937,7 @@ void HybridAdam::arm_landing_count_locked(bool armed) {
   std::fill(landings_.begin(), landings_.end(), 0);
   launched_.assign(n, 0);
   remaining_.assign(n, 0);
-  if (!armed) return;
-  for (int64_t p = 0; p < model().num_params(); ++p) remaining_[model().layout().slots()[p].chunk] += expected_landings_[p];
+  if (armed) remaining_ = final_counts_locked(expected_landings_);
 }
 
 bool HybridAdam::update_unlaunched_locked(const ChunkNorms& norms, StepResult& result) {
@@ -922,6 +964,10 @@ bool HybridAdam::update_unlaunched_locked(const ChunkNorms& norms, StepResult& r
 
 void HybridAdam::backward_finished(bool aborted) {
   std::lock_guard<std::mutex> lock(mutex_);
+  // Note [A chunk final before its last use]: this backward's uses are what the next one expects,
+  // unless it stopped part-way.
+  if (!aborted) last_uses_ = uses_;
+  std::fill(uses_.begin(), uses_.end(), 0);
   std::exception_ptr error;
   if (slot_accumulation() && accum_armed_) {
     // Chunks not final during backward (the first backward: all) are consumed now, an aborted backward's
@@ -929,7 +975,9 @@ void HybridAdam::backward_finished(bool aborted) {
     for (int64_t c = 0; c < num_chunks(); ++c) {
       if (!accum_consumed_[c]) consume_slot_grads_locked(c);
     }
-    accum_expected_ = accum_landings_;
+    // What the next backward expects: an aborted one's landings stopped part-way (a chunk would be final
+    // there after a part of them), so the last complete backward's stay.
+    if (!aborted) accum_expected_ = accum_landings_;
     accum_armed_ = false;
     // The accumulation jobs are the only ones in jobs_ in this mode: their errors surface here.
     error = join_jobs_locked();

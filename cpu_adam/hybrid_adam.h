@@ -58,7 +58,8 @@
 // Note [Accumulation per chunk]
 // With accumulate_grads on one process, a micro-batch's gradients land in the parameter slots as in
 // the default mode (Note [Gradient in the parameter slot]). When a layout chunk has had as many
-// landings as in the previous backward (the first backward: when it ends), its slots are emptied into
+// landings and uses as in the previous complete backward (the first backward: when it ends; a backward
+// that failed part-way leaves the expectations as they were), its slots are emptied into
 // the chunk's fp32 accumulation chunk and get their values back, round(master) (the invariant between
 // steps): for device-state chunks with two ops on the compute stream; for host-state chunks by one
 // transfer of the whole chunk to the host on the copy stream and an add on CpuAdam's worker, while
@@ -86,8 +87,10 @@
 // Note [Pipelined step]
 // backward_step(loss) runs backward and the optimizer step as one pipeline over the layout chunks.
 // A chunk is final in backward when each of its parameters has had as many gradient landings as in the
-// previous backward_step (the first call, and a call right after a repack or placement change, only
-// record them and run unpipelined). When a chunk becomes final, on autograd's thread:
+// previous backward_step, and as many uses as in the last complete backward (a frozen weight may carry
+// the gradient after its chunk's landings: Note [A chunk final before its last use], hybrid_adam.cpp;
+// the first call, and a call right after a repack or placement change, only record them and run
+// unpipelined). When a chunk becomes final, on autograd's thread:
 //  - host state: its parameter chunk (holding the gradients) starts its move to the host on the copy
 //    stream, one transfer per chunk, and is locked there (ChunkStore::lock_on_host); a job on CpuAdam's
 //    worker waits for that copy, computes the chunk's gradient norm and, unless the step needs every
@@ -438,6 +441,7 @@ class HybridAdam final : private GradSink, private LayoutListener {
   void before_landing(int64_t param) override;
   void land_grad(int64_t param, const at::Tensor& grad) override;
   void after_landing(int64_t param) override;
+  void used_in_backward(int64_t param) override;
   void backward_finished(bool aborted) override;
   void await_param(int64_t param) override;
   void await_params() override;
@@ -469,8 +473,12 @@ class HybridAdam final : private GradSink, private LayoutListener {
     bool finite = true;   // every gradient finite, and sum_sq too (an overflowing norm is non-finite)
   };
   // Resets this backward's landing counts; `armed`: a chunk becomes final when its parameters have had
-  // as many landings as in the previous backward_step (remaining_ counts them down).
+  // as many landings as in the previous backward_step and as many uses as in the last backward
+  // (remaining_ counts them down).
   void arm_landing_count_locked(bool armed);
+  // Per layout chunk: the landings `landings` expects of its parameters and, for a chunk that expects
+  // some, the uses its parameters had in the last complete backward not yet seen in this one.
+  std::vector<int64_t> final_counts_locked(const std::vector<int64_t>& landings) const;
   // Updates every chunk not launched during backward where its state lives (grad scale 1); a chunk with
   // non-finite gradients is skipped (default mode: its values restored). Returns whether all were finite.
   bool update_unlaunched_locked(const ChunkNorms& norms, StepResult& result);
@@ -493,6 +501,8 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // slots; a chunk with a non-finite gradient is not updated.
   enum class AfterAccumulation { kNothing, kNorm, kNormAndUpdate };
   void consume_slot_grads_locked(int64_t chunk, AfterAccumulation then = AfterAccumulation::kNothing);
+  // Accumulation: a chunk final in this backward is emptied, as its step follows or not.
+  void consume_final_chunk_locked(int64_t c);
   // At N > 1 after an accumulating backward: the values of the chunks this rank does not own, from
   // their owners (sharded: every gathered group given up; replicated: one all-gather). A collective.
   void values_from_owners_locked();
@@ -655,8 +665,12 @@ class HybridAdam final : private GradSink, private LayoutListener {
   std::vector<int64_t> lag_;
   // backward_step: landings per parameter in this backward, and those of the previous backward_step.
   std::vector<int64_t> landings_, expected_landings_;
+  // Note [A chunk final before its last use]: per parameter, its uses in this backward and in the last
+  // one that completed.
+  std::vector<int64_t> uses_, last_uses_;
   bool overlap_active_ = false;
-  std::vector<int64_t> remaining_;  // per layout chunk: landings still expected before it is final
+  // Per layout chunk: landings and uses still expected before it is final (final_counts_locked).
+  std::vector<int64_t> remaining_;
   std::vector<char> launched_;      // per layout chunk: its host update (or norm) is queued
   // Accumulation mode, per layout chunk: the update wrote the new compute-dtype values into the
   // parameter chunk (write_back_locked skips it, then clears this).

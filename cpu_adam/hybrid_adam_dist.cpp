@@ -384,6 +384,7 @@ void HybridAdam::agree_on_trace_locked() {
 void HybridAdam::check_landings_agree_locked() {
   Fingerprint f;
   for (int64_t v : expected_landings_) f.mix(v);
+  for (int64_t v : last_uses_) f.mix(v);  // a group is final after its uses too (Note [A chunk final before its last use])
   landings_agree_ = same_on_every_rank_locked(f.value());
 }
 

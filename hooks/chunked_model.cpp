@@ -687,9 +687,11 @@ void ChunkedModel::refuse_use_of_grad_slot(int64_t param) const {
 }
 
 void ChunkedModel::post_use(int64_t param) {
-  if (phase_.load() == ModelPhase::kIdle) return;  // pre_use checked it only
-  scheduler_->post_use(param, phase_.load() == ModelPhase::kBackward ? TensorState::kHoldAfterBwd
-                                                                      : TensorState::kHoldAfterFwd);
+  const ModelPhase phase = phase_.load();
+  if (phase == ModelPhase::kIdle) return;  // pre_use checked it only
+  const bool backward = phase == ModelPhase::kBackward;
+  scheduler_->post_use(param, backward ? TensorState::kHoldAfterBwd : TensorState::kHoldAfterFwd);
+  if (backward && grad_sink_) grad_sink_->used_in_backward(param);  // Note [A chunk final before its last use]
 }
 
 // Note [Several forwards]

@@ -161,6 +161,11 @@ class GradSink {
   virtual void land_grad(int64_t param, const at::Tensor& grad) = 0;
   // After the landing, with the parameter's chunk no longer held: the sink may move it.
   virtual void after_landing(int64_t /*param*/) {}
+  // After an op inside this model's backward used the parameter (its chunk no longer held). A chunk may
+  // still be used after all its gradients landed (a frozen layer the gradient flows through to
+  // trainable ones below it): a sink that moves or locks a chunk once its gradients are final must wait
+  // for its last use too.
+  virtual void used_in_backward(int64_t /*param*/) {}
   // backward() has run to its end (`aborted`: it threw), before the model ends the iteration (which
   // may repack the chunks): work the sink started on the chunks during backward must be done on return.
   virtual void backward_finished(bool /*aborted*/) {}

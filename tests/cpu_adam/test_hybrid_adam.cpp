@@ -1010,6 +1010,130 @@ TEST(HybridAdam, AccumulatedPipelinedStepWithFp16LossScalingEqualsBackwardThenSt
   expect_pipeline_equals_step({Precision::kFp16, 1.0, 3, 262144.0, /*min_overflows=*/1});
 }
 
+// Identity whose backward throws while g_fail_backward is set: a backward that fails part-way.
+std::atomic<bool> g_fail_backward{false};
+struct FailInBackward : torch::autograd::Function<FailInBackward> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+    TORCH_CHECK(!g_fail_backward.load(), "ferry test: this backward fails on purpose");
+    return {g[0]};
+  }
+};
+
+// Four 40 x 40 layers with tanh between: in fp32 and kChunk chunks, {l0, l1} and {l2, l3}. With
+// fail_after = i, a FailInBackward follows layer i.
+struct FourLayersImpl : torch::nn::Module {
+  explicit FourLayersImpl(int fail_after = -1) : fail_after(fail_after) {
+    for (int i = 0; i < 4; ++i) l.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(40, 40)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (int i = 0; i < 4; ++i) {
+      x = torch::tanh(l[i]->forward(x));
+      if (i == fail_after) x = FailInBackward::apply(x);
+    }
+    return x;
+  }
+  int fail_after;
+  std::vector<torch::nn::Linear> l;
+};
+TORCH_MODULE(FourLayers);
+
+// Note [A chunk final before its last use]: l2 frozen, l0 and l1 trained, so backward carries the
+// gradient through l2's weight after l3's gradients, the only ones l2's chunk gets, have landed. The
+// chunk went to the host for its update (or its accumulation) at that landing and l2's use failed,
+// "locked on the host": every backward_step after the first, and every accumulating backward. Now,
+// under evictions, with the state on the host or partly on the device, with and without two
+// micro-batches, backward_step equals backward() + step() bit for bit and still starts chunks during
+// backward.
+TEST(HybridAdam, AFrozenLayerBackwardGoesThroughTrainsPipelined) {
+  for (const int micro : {1, 2}) {
+    for (const int64_t device_state : {int64_t{0}, int64_t{1}}) {
+      const std::string what = std::to_string(micro) + " micro-batch(es), " + std::to_string(device_state) +
+                               " state chunk(s) on the device";
+      HybridAdamOptions options(adamw());
+      options.device_state_chunks = device_state;
+      options.accumulate_grads = micro > 1;
+      const int64_t budget = budget_for(1, device_state, options.accumulate_grads ? 4 : 3);
+      auto make = [] {
+        torch::manual_seed(43);
+        FourLayers net;
+        for (auto& p : net->l[2]->parameters()) p.set_requires_grad(false);
+        return net;
+      };
+      FourLayers a_net = make(), b_net = make();
+      ChunkedModel a(a_net.ptr(), sim_config(budget, Precision::kFp32));
+      ChunkedModel b(b_net.ptr(), sim_config(budget, Precision::kFp32));
+      HybridAdam a_adam(a, options), b_adam(b, options);
+      int64_t overlapped = 0, evictions = 0;
+      for (int step = 0; step < 6; ++step) {
+        const std::string when = what + ", step " + std::to_string(step);
+        torch::manual_seed(300 + step);
+        const torch::Tensor x = torch::randn({micro * 4, 40});
+        auto loss_of = [&](FourLayers& net, int k) { return net->forward(x.slice(0, 4 * k, 4 * k + 4)).pow(2).mean() / micro; };
+        for (int k = 0; k + 1 < micro; ++k) {
+          a.backward(a.forward([&] { return loss_of(a_net, k); }));
+          b.backward(b.forward([&] { return loss_of(b_net, k); }));
+        }
+        a.backward(a.forward([&] { return loss_of(a_net, micro - 1); }));
+        ASSERT_TRUE(a_adam.step().applied) << when;
+        StepResult rb;
+        ASSERT_EQ(test::error_of([&] { rb = b_adam.backward_step(b.forward([&] { return loss_of(b_net, micro - 1); })); }),
+                  "(no error)") << when;
+        ASSERT_TRUE(rb.applied) << when;
+        a_adam.zero_grad();
+        b_adam.zero_grad();
+        overlapped += rb.overlapped_chunks;
+        evictions += b.last_iteration().evictions;
+        ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, when));
+      }
+      const auto& slots = b.layout().slots();
+      ASSERT_EQ(slots[4].chunk, slots[6].chunk) << "l2 and l3 share a chunk";
+      ASSERT_NE(slots[2].chunk, slots[4].chunk) << "l1 is in another one";
+      EXPECT_GT(overlapped, 0) << what << ": chunks should still start during backward";
+      EXPECT_GT(evictions, 0) << what;
+      EXPECT_EQ(b_adam.param_step_count(4), 0) << what << ": l2 is frozen";
+      EXPECT_EQ(b_adam.param_step_count(0), 6) << what;
+    }
+  }
+}
+
+// A micro-batch's backward that fails part-way, after l3's gradients landed and before l2's (they share
+// a chunk), discarded by zero_grad(), the step going on with its last micro-batch in backward_step. The
+// failed backward's landings used to become what the next one expects, so there the chunk was final
+// after l3's landing alone: its update started during backward and l2's gradient was refused. Now the
+// last complete backward's stay, and every step runs pipelined.
+TEST(HybridAdam, AFailedMicroBatchBackwardLeavesTheNextBackwardStepPipelined) {
+  HybridAdamOptions options(adamw());
+  options.device_state_chunks = 0;
+  options.accumulate_grads = true;
+  torch::manual_seed(47);
+  FourLayers net(/*fail_after=*/2);
+  ChunkedModel model(net.ptr(), sim_config(budget_for(1, 0, 4), Precision::kFp32));
+  HybridAdam adam(model, options);
+  for (int step = 0; step < 6; ++step) {
+    const std::string when = "step " + std::to_string(step);
+    torch::manual_seed(400 + step);
+    const torch::Tensor x = torch::randn({8, 40});
+    g_fail_backward = step == 3;
+    const std::string failed = test::error_of(
+        [&] { model.backward(model.forward([&] { return net->forward(x.slice(0, 0, 4)).pow(2).mean() / 2; })); });
+    g_fail_backward = false;
+    if (step == 3) {
+      EXPECT_NE(failed.find("fails on purpose"), std::string::npos) << failed;
+      adam.zero_grad();  // the gradients that landed before it are discarded
+    } else {
+      ASSERT_EQ(failed, "(no error)") << when;
+    }
+    StepResult r;
+    ASSERT_EQ(test::error_of([&] {
+      r = adam.backward_step(model.forward([&] { return net->forward(x.slice(0, 4, 8)).pow(2).mean() / 2; }));
+    }), "(no error)") << when;
+    adam.zero_grad();
+    ASSERT_TRUE(r.applied) << when;
+    if (step > 1) EXPECT_GT(r.overlapped_chunks, 0) << when;
+  }
+}
+
 // Note [Update behind the next forward]: with update_behind_forward (b) the host updates after
 // backward are left running and the next forward waits for each chunk's own; against the same training
 // with it off (a), every loss (each computed by a forward that waited), master, moment and parameter is
