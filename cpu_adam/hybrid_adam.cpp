@@ -214,10 +214,45 @@ void HybridAdam::settle_deferred() {
   }
 }
 
+namespace {
+// Note [Expectations only grow]
+// The pipeline decides that a chunk is final from what earlier backwards had: each parameter's
+// landings and uses. Taken from the last backward alone, a model whose backward varies (a layer skipped
+// in some steps, stochastic depth; a parameter used only in some) found a chunk final at a step after
+// one without that layer, the layer's gradient was refused ("after its chunk's update had started"),
+// and every later step failed so: a refused backward taught nothing. Now the expectations only grow:
+// each backward's counts are merged in by maximum, an aborted one's too (they are a part of what it
+// would have had), and a refused landing is added. A step that lacks what was expected leaves those
+// chunks to backward's end (correct, not overlapped); only a landing no earlier backward had can be
+// refused, once. A change of requires_grad starts the counts anew (trainable_changed).
+void grow(std::vector<int64_t>& expected, const std::vector<int64_t>& seen) {
+  if (expected.size() != seen.size()) {
+    expected = seen;
+    return;
+  }
+  for (size_t i = 0; i < seen.size(); ++i) expected[i] = std::max(expected[i], seen[i]);
+}
+}  // namespace
+
 void HybridAdam::await_param(int64_t param) {
+  // Note [A chunk final before its last use]: a use the counts did not foresee waits for the chunk's job.
+  if (backward_jobs_.load()) await_backward_job(model().layout().slots()[param].chunk);
   if (!deferred_pending_.load()) return;  // the common case: no lock
   // The layout cannot change while updates run (follow_layout_locked asserts it): read without mutex_.
   await_chunk(model().layout().slots()[param].chunk);
+}
+
+void HybridAdam::grow_expected_landings_locked(bool complete) {
+  // A backward that stopped part-way says what it had so far; it does not start the expectations.
+  if (!complete && expected_landings_.size() != landings_.size()) return;
+  grow(expected_landings_, landings_);
+}
+
+void HybridAdam::await_backward_job(int64_t c) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (c >= static_cast<int64_t>(jobs_.size()) || !jobs_[c].valid()) return;
+  trace::Span span("adam", trace::enabled() ? "use waits for host adam chunk " + std::to_string(c) : std::string());
+  jobs_[c].wait();  // its errors surface where the jobs are joined
 }
 
 void HybridAdam::await_chunk(int64_t c) {
@@ -662,10 +697,15 @@ void HybridAdam::before_landing(int64_t param) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (slot_accumulation()) {
     const int64_t c = model().layout().slots()[param].chunk;
-    TORCH_CHECK(!overlap_active_ || !eager_ || !launched_[c], "ferry: HybridAdam::backward_step: parameter ",
-                model().param_name(param), " got gradient contribution ", landings_[param] + 1, " after its chunk's "
-                "update had started (the previous backward saw ", accum_expected_[param], "; Note [Pipelined step]). "
-                "Use backward() + step() for models whose backward changes between steps.");
+    if (overlap_active_ && eager_ && launched_[c]) {
+      const int64_t saw = accum_expected_[param];
+      // The next backward expects it (Note [Expectations only grow]).
+      accum_expected_[param] = std::max(saw, accum_landings_[param] + 1);
+      TORCH_CHECK(false, "ferry: HybridAdam::backward_step: parameter ", model().param_name(param), " got gradient "
+                  "contribution ", landings_[param] + 1, " after its chunk's update had started (the backwards before "
+                  "had at most ", saw, "; Note [Pipelined step]). The next backwards expect it; the gradients of this "
+                  "one that landed wait in their slots (zero_grad() discards them).");
+    }
     if (accum_armed_ && accum_consumed_[c]) {
       // A landing this backward did not have last time, on a chunk already consumed: its job (which
       // holds the chunk on the host) ends first; the chunk is consumed again when backward ends. In the
@@ -681,10 +721,12 @@ void HybridAdam::before_landing(int64_t param) {
   }
   if (!overlap_active_ || options_.accumulate_grads) return;
   const int64_t c = model().layout().slots()[param].chunk;
-  TORCH_CHECK(!launched_[c], "ferry: HybridAdam::backward_step: parameter ", model().param_name(param),
-              " got gradient contribution ", landings_[param] + 1, " after its chunk's update had started (the "
-              "previous backward_step saw ", expected_landings_[param], "; Note [Pipelined step]). Use backward() + "
-              "step() for models whose backward changes between steps.");
+  if (!launched_[c]) return;
+  const int64_t saw = expected_landings_[param];
+  expected_landings_[param] = std::max(saw, landings_[param] + 1);  // the next ones expect it (Note [Expectations only grow])
+  TORCH_CHECK(false, "ferry: HybridAdam::backward_step: parameter ", model().param_name(param), " got gradient "
+              "contribution ", landings_[param] + 1, " after its chunk's update had started (the backward_steps before "
+              "had at most ", saw, "; Note [Pipelined step]). The next backward_steps expect it.");
 }
 
 void HybridAdam::after_landing(int64_t param) {
@@ -714,10 +756,11 @@ void HybridAdam::consume_final_chunk_locked(int64_t c) {
 // it. Final on its landings alone, the chunk went to the host and was locked there for its update or
 // accumulation, and the frozen weight's use failed ("locked on the host"): every backward_step after
 // the first, and every accumulating backward, of a model fine-tuned with such a layer. So a chunk is
-// final once its parameters have had the landings and the uses (in this model's backward) that they had
-// in the last complete backward; a chunk that expects no landing is never final early, as before. A use
-// this backward has beyond the last one's counts for nothing (it may then meet the lock, as a landing
-// beyond them is refused); a use it lacks leaves the chunk to backward's end.
+// final once its parameters have had the landings and the uses (in this model's backward) that earlier
+// backwards had (Note [Expectations only grow]); a chunk that expects no landing is never final early,
+// as before. A use beyond them (a loop that ran longer) waits for the chunk's job in this backward
+// (await_param): the value it reads is not one the job writes, since a parameter is not used after its
+// own landing (that is refused, D64). A use fewer leaves the chunk to backward's end.
 void HybridAdam::used_in_backward(int64_t param) {
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
@@ -764,6 +807,7 @@ void HybridAdam::launch_chunk_locked(int64_t c) {
     return;
   }
   if (static_cast<int64_t>(jobs_.size()) < num_chunks()) jobs_.resize(num_chunks());
+  backward_jobs_.store(true);
   jobs_[c] = launch_host_job_locked(c, "pipelined host adam chunk ",
                          [this, c, spans = std::move(spans), eager = eager_](const at::Tensor& g, float* p, float* m,
                                                                            float* v, const at::Tensor& master) {
@@ -862,6 +906,7 @@ void HybridAdam::consume_slot_grads_locked(int64_t c, AfterAccumulation then) {
   if (!owned(c)) {
     // No master here: the slots keep the gradients until values_from_owners_locked (N > 1).
     TORCH_INTERNAL_ASSERT(!on_device_[c], "device state for chunk ", c, ", which rank ", rank_, " does not own");
+    backward_jobs_.store(true);
     jobs_[c] = launch_host_job_locked(
         c, "accumulate chunk ",
         [acc, spans = std::move(spans)](const at::Tensor& g, float*, float*, float*, const at::Tensor&) {
@@ -890,6 +935,7 @@ void HybridAdam::consume_slot_grads_locked(int64_t c, AfterAccumulation then) {
     launched_[c] = 1;
   }
   const bool update = then == AfterAccumulation::kNormAndUpdate;
+  backward_jobs_.store(true);
   jobs_[c] = launch_host_job_locked(
       c, update ? "accumulate + host adam chunk " : "accumulate chunk ",
       [this, c, acc, spans = std::move(spans), landed = std::move(landed), then, update](
@@ -929,6 +975,7 @@ std::exception_ptr HybridAdam::join_jobs_locked() {
     }
   }
   jobs_.clear();
+  backward_jobs_.store(false);
   return error;
 }
 
@@ -966,7 +1013,7 @@ void HybridAdam::backward_finished(bool aborted) {
   std::lock_guard<std::mutex> lock(mutex_);
   // Note [A chunk final before its last use]: this backward's uses are what the next one expects,
   // unless it stopped part-way.
-  if (!aborted) last_uses_ = uses_;
+  grow(last_uses_, uses_);  // an aborted backward's uses too: they are a part of what it would have had
   std::fill(uses_.begin(), uses_.end(), 0);
   std::exception_ptr error;
   if (slot_accumulation() && accum_armed_) {
@@ -975,9 +1022,9 @@ void HybridAdam::backward_finished(bool aborted) {
     for (int64_t c = 0; c < num_chunks(); ++c) {
       if (!accum_consumed_[c]) consume_slot_grads_locked(c);
     }
-    // What the next backward expects: an aborted one's landings stopped part-way (a chunk would be final
-    // there after a part of them), so the last complete backward's stay.
-    if (!aborted) accum_expected_ = accum_landings_;
+    // What the next backward expects (Note [Expectations only grow]); an aborted one's landings are a
+    // part of what it would have had.
+    grow(accum_expected_, accum_landings_);
     accum_armed_ = false;
     // The accumulation jobs are the only ones in jobs_ in this mode: their errors surface here.
     error = join_jobs_locked();
@@ -1094,17 +1141,19 @@ StepResult HybridAdam::backward_step(const at::Tensor& loss) {
       }
       grads_landed_ = std::any_of(landed_.begin(), landed_.end(), [](char l) { return l != 0; });
       jobs_.clear();
+      backward_jobs_.store(false);
       if (eager_ && started > 0) {
         log::error("ferry: backward_step: backward threw; ", started, " chunk(s) whose update had started are updated, ",
                    "the others hold their gradients (zero_grad() discards them), and the step count has advanced");
       }
     }
+    grow_expected_landings_locked(/*complete=*/false);
     overlap_active_ = false;
     throw;
   }
   std::lock_guard<std::mutex> lock(mutex_);
   overlap_active_ = false;
-  expected_landings_ = landings_;
+  grow_expected_landings_locked(/*complete=*/true);
   if (!pipelined) return step_locked();  // the first calls: nothing to expect yet
   return finish_pipelined_locked();
 }
@@ -1148,13 +1197,14 @@ StepResult HybridAdam::backward_step_accumulated(const at::Tensor& loss) {
     }
     chunk_device_norms_.clear();
     lowp_written_.clear();  // the launched chunks' jobs wrote their new values into the slots
+    grow_expected_landings_locked(/*complete=*/false);
     overlap_active_ = false;
     throw;
   }
   std::lock_guard<std::mutex> lock(mutex_);
   const bool overlapped = overlap_active_;
   overlap_active_ = false;
-  expected_landings_ = landings_;
+  grow_expected_landings_locked(/*complete=*/true);
   if (!overlapped) return step_locked();  // the first call: nothing to compare against yet
   // The accumulations and norms of the chunks final in backward ran during it (eager: their host
   // updates too, writing the new values into the slots); what remains runs now, as step() runs it.
@@ -1184,7 +1234,10 @@ StepResult HybridAdam::step() {
 
 void HybridAdam::trainable_changed() {
   std::lock_guard<std::mutex> lock(mutex_);
+  // What backwards had no longer says what the next ones will have: learned again from the next.
   expected_landings_.clear();
+  accum_expected_.clear();
+  std::fill(last_uses_.begin(), last_uses_.end(), 0);
 }
 
 // Note [Writes to parameters] (hooks/chunked_model.h). Every slot holds its value here. A replacement

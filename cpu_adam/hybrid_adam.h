@@ -58,8 +58,8 @@
 // Note [Accumulation per chunk]
 // With accumulate_grads on one process, a micro-batch's gradients land in the parameter slots as in
 // the default mode (Note [Gradient in the parameter slot]). When a layout chunk has had as many
-// landings and uses as in the previous complete backward (the first backward: when it ends; a backward
-// that failed part-way leaves the expectations as they were), its slots are emptied into
+// landings and uses as earlier backwards (the first backward: when it ends; Note [Expectations only
+// grow] in hybrid_adam.cpp), its slots are emptied into
 // the chunk's fp32 accumulation chunk and get their values back, round(master) (the invariant between
 // steps): for device-state chunks with two ops on the compute stream; for host-state chunks by one
 // transfer of the whole chunk to the host on the copy stream and an add on CpuAdam's worker, while
@@ -86,11 +86,11 @@
 
 // Note [Pipelined step]
 // backward_step(loss) runs backward and the optimizer step as one pipeline over the layout chunks.
-// A chunk is final in backward when each of its parameters has had as many gradient landings as in the
-// previous backward_step, and as many uses as in the last complete backward (a frozen weight may carry
-// the gradient after its chunk's landings: Note [A chunk final before its last use], hybrid_adam.cpp;
-// the first call, and a call right after a repack or placement change, only record them and run
-// unpipelined). When a chunk becomes final, on autograd's thread:
+// A chunk is final in backward when each of its parameters has had the most gradient landings earlier
+// backward_steps had, and the most uses earlier backwards had (a frozen weight may carry the gradient
+// after its chunk's landings: Note [A chunk final before its last use] and Note [Expectations only
+// grow], hybrid_adam.cpp; the first call, and a call right after a repack or placement change, only
+// record them and run unpipelined). When a chunk becomes final, on autograd's thread:
 //  - host state: its parameter chunk (holding the gradients) starts its move to the host on the copy
 //    stream, one transfer per chunk, and is locked there (ChunkStore::lock_on_host); a job on CpuAdam's
 //    worker waits for that copy, computes the chunk's gradient norm and, unless the step needs every
@@ -473,9 +473,14 @@ class HybridAdam final : private GradSink, private LayoutListener {
     bool finite = true;   // every gradient finite, and sum_sq too (an overflowing norm is non-finite)
   };
   // Resets this backward's landing counts; `armed`: a chunk becomes final when its parameters have had
-  // as many landings as in the previous backward_step and as many uses as in the last backward
-  // (remaining_ counts them down).
+  // the landings and uses earlier backwards had (remaining_ counts them down).
   void arm_landing_count_locked(bool armed);
+  // expected_landings_ grows by this backward's landings_ (Note [Expectations only grow]); `complete`:
+  // the backward ran to its end.
+  void grow_expected_landings_locked(bool complete);
+  // Note [A chunk final before its last use]: a use of a chunk whose job in this backward still runs
+  // waits for it.
+  void await_backward_job(int64_t c);
   // Per layout chunk: the landings `landings` expects of its parameters and, for a chunk that expects
   // some, the uses its parameters had in the last complete backward not yet seen in this one.
   std::vector<int64_t> final_counts_locked(const std::vector<int64_t>& landings) const;
@@ -665,8 +670,8 @@ class HybridAdam final : private GradSink, private LayoutListener {
   std::vector<int64_t> lag_;
   // backward_step: landings per parameter in this backward, and those of the previous backward_step.
   std::vector<int64_t> landings_, expected_landings_;
-  // Note [A chunk final before its last use]: per parameter, its uses in this backward and in the last
-  // one that completed.
+  // Note [A chunk final before its last use]: per parameter, its uses in this backward and the most
+  // an earlier one had (Note [Expectations only grow]).
   std::vector<int64_t> uses_, last_uses_;
   bool overlap_active_ = false;
   // Per layout chunk: landings and uses still expected before it is final (final_counts_locked).
@@ -679,6 +684,7 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // host jobs (per layout chunk; awaited when backward ends) and what they found, the device norms.
   bool eager_ = false;
   std::vector<std::future<void>> jobs_;
+  std::atomic<bool> backward_jobs_{false};  // jobs_ may hold a job launched in this backward
   std::vector<ChunkOutcome> outcomes_;
   std::vector<std::vector<at::Tensor>> chunk_device_norms_;
   std::exception_ptr job_error_;

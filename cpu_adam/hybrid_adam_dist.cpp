@@ -572,7 +572,7 @@ StepResult HybridAdam::dist_backward_step(const at::Tensor& loss) {
   overlap_active_ = false;
   dist_pipelined_ = false;
   step_follows_backward_ = false;
-  expected_landings_ = landings_;
+  grow_expected_landings_locked(/*complete=*/true);
   StepResult result = pipelined ? finish_dist_pipelined_locked() : step_locked();
   check_landings_agree_locked();  // for the next call
   return result;

@@ -1021,22 +1021,59 @@ struct FailInBackward : torch::autograd::Function<FailInBackward> {
 };
 
 // Four 40 x 40 layers with tanh between: in fp32 and kChunk chunks, {l0, l1} and {l2, l3}. With
-// fail_after = i, a FailInBackward follows layer i.
+// fail_after = i, a FailInBackward follows layer i; l2 is applied l2_times times.
 struct FourLayersImpl : torch::nn::Module {
   explicit FourLayersImpl(int fail_after = -1) : fail_after(fail_after) {
     for (int i = 0; i < 4; ++i) l.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(40, 40)));
   }
   torch::Tensor forward(torch::Tensor x) {
     for (int i = 0; i < 4; ++i) {
-      x = torch::tanh(l[i]->forward(x));
+      for (int k = 0; k < (i == 2 ? l2_times : 1); ++k) x = torch::tanh(l[i]->forward(x));
       if (i == fail_after) x = FailInBackward::apply(x);
     }
     return x;
   }
   int fail_after;
+  int l2_times = 1;  // how many times forward applies l2 (its weight's uses in backward)
   std::vector<torch::nn::Linear> l;
 };
 TORCH_MODULE(FourLayers);
+
+// Two FourLayers with the same values, each under evictions with its HybridAdam: `a` steps by
+// backward() + step(), `b` by backward_step() (Note [Pipelined step]). step() runs one step of both over
+// `micro` micro-batches of four rows of x each, and checks that both were applied and that b's did not
+// throw.
+struct FourLayerTwins {
+  FourLayerTwins(uint64_t seed, bool freeze_l2, const HybridAdamOptions& options)
+      : a_net(seeded(seed, freeze_l2)), b_net(seeded(seed, freeze_l2)),
+        a(a_net.ptr(), config(options)), b(b_net.ptr(), config(options)), a_adam(a, options), b_adam(b, options) {}
+  static FourLayers seeded(uint64_t seed, bool freeze_l2) {
+    torch::manual_seed(seed);
+    FourLayers net;
+    for (auto& p : net->l[2]->parameters()) p.set_requires_grad(!freeze_l2);
+    return net;
+  }
+  static Config config(const HybridAdamOptions& o) {  // one parameter chunk beside the device state
+    return sim_config(budget_for(1, o.device_state_chunks, o.accumulate_grads ? 4 : 3), Precision::kFp32);
+  }
+  void step(const torch::Tensor& x, int micro, const std::string& when, StepResult* rb) {
+    auto loss_of = [&](FourLayers& net, int k) { return net->forward(x.slice(0, 4 * k, 4 * k + 4)).pow(2).mean() / micro; };
+    for (int k = 0; k + 1 < micro; ++k) {
+      a.backward(a.forward([&] { return loss_of(a_net, k); }));
+      b.backward(b.forward([&] { return loss_of(b_net, k); }));
+    }
+    a.backward(a.forward([&] { return loss_of(a_net, micro - 1); }));
+    ASSERT_TRUE(a_adam.step().applied) << when;
+    ASSERT_EQ(test::error_of([&] { *rb = b_adam.backward_step(b.forward([&] { return loss_of(b_net, micro - 1); })); }),
+              "(no error)") << when;
+    ASSERT_TRUE(rb->applied) << when;
+    a_adam.zero_grad();
+    b_adam.zero_grad();
+  }
+  FourLayers a_net, b_net;
+  ChunkedModel a, b;
+  HybridAdam a_adam, b_adam;
+};
 
 // Note [A chunk final before its last use]: l2 frozen, l0 and l1 trained, so backward carries the
 // gradient through l2's weight after l3's gradients, the only ones l2's chunk gets, have landed. The
@@ -1053,55 +1090,80 @@ TEST(HybridAdam, AFrozenLayerBackwardGoesThroughTrainsPipelined) {
       HybridAdamOptions options(adamw());
       options.device_state_chunks = device_state;
       options.accumulate_grads = micro > 1;
-      const int64_t budget = budget_for(1, device_state, options.accumulate_grads ? 4 : 3);
-      auto make = [] {
-        torch::manual_seed(43);
-        FourLayers net;
-        for (auto& p : net->l[2]->parameters()) p.set_requires_grad(false);
-        return net;
-      };
-      FourLayers a_net = make(), b_net = make();
-      ChunkedModel a(a_net.ptr(), sim_config(budget, Precision::kFp32));
-      ChunkedModel b(b_net.ptr(), sim_config(budget, Precision::kFp32));
-      HybridAdam a_adam(a, options), b_adam(b, options);
+      FourLayerTwins t(43, /*freeze_l2=*/true, options);
       int64_t overlapped = 0, evictions = 0;
       for (int step = 0; step < 6; ++step) {
         const std::string when = what + ", step " + std::to_string(step);
         torch::manual_seed(300 + step);
-        const torch::Tensor x = torch::randn({micro * 4, 40});
-        auto loss_of = [&](FourLayers& net, int k) { return net->forward(x.slice(0, 4 * k, 4 * k + 4)).pow(2).mean() / micro; };
-        for (int k = 0; k + 1 < micro; ++k) {
-          a.backward(a.forward([&] { return loss_of(a_net, k); }));
-          b.backward(b.forward([&] { return loss_of(b_net, k); }));
-        }
-        a.backward(a.forward([&] { return loss_of(a_net, micro - 1); }));
-        ASSERT_TRUE(a_adam.step().applied) << when;
         StepResult rb;
-        ASSERT_EQ(test::error_of([&] { rb = b_adam.backward_step(b.forward([&] { return loss_of(b_net, micro - 1); })); }),
-                  "(no error)") << when;
-        ASSERT_TRUE(rb.applied) << when;
-        a_adam.zero_grad();
-        b_adam.zero_grad();
+        ASSERT_NO_FATAL_FAILURE(t.step(torch::randn({micro * 4, 40}), micro, when, &rb));
         overlapped += rb.overlapped_chunks;
-        evictions += b.last_iteration().evictions;
-        ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, when));
+        evictions += t.b.last_iteration().evictions;
+        ASSERT_NO_FATAL_FAILURE(test::expect_same_state(t.a_adam, t.b_adam, t.a, t.b, when));
       }
-      const auto& slots = b.layout().slots();
+      const auto& slots = t.b.layout().slots();
       ASSERT_EQ(slots[4].chunk, slots[6].chunk) << "l2 and l3 share a chunk";
       ASSERT_NE(slots[2].chunk, slots[4].chunk) << "l1 is in another one";
       EXPECT_GT(overlapped, 0) << what << ": chunks should still start during backward";
       EXPECT_GT(evictions, 0) << what;
-      EXPECT_EQ(b_adam.param_step_count(4), 0) << what << ": l2 is frozen";
-      EXPECT_EQ(b_adam.param_step_count(0), 6) << what;
+      EXPECT_EQ(t.b_adam.param_step_count(4), 0) << what << ": l2 is frozen";
+      EXPECT_EQ(t.b_adam.param_step_count(0), 6) << what;
     }
+  }
+}
+
+// Note [A chunk final before its last use], when the uses change: l2 frozen and applied once a step,
+// then twice (a loop whose length varies, as an RNN's does), then once again. The step where its
+// weight is used more often than before found its chunk final after the first use, gone to the host
+// for l3's update: the second use now waits for that update (its value is not one the update writes),
+// then the counts know two. backward_step equals backward() + step() bit for bit throughout.
+TEST(HybridAdam, MoreUsesThanTheLastBackwardWaitForTheChunksUpdate) {
+  HybridAdamOptions options(adamw());
+  options.device_state_chunks = 0;
+  FourLayerTwins t(53, /*freeze_l2=*/true, options);
+  const int times[] = {1, 1, 1, 2, 2, 1, 2};
+  for (int step = 0; step < 7; ++step) {
+    const std::string when = "step " + std::to_string(step);
+    t.a_net->l2_times = t.b_net->l2_times = times[step];
+    torch::manual_seed(500 + step);
+    StepResult rb;
+    ASSERT_NO_FATAL_FAILURE(t.step(torch::randn({4, 40}), 1, when, &rb));
+    if (step >= 2) EXPECT_GT(rb.overlapped_chunks, 0) << when;
+    ASSERT_NO_FATAL_FAILURE(test::expect_same_state(t.a_adam, t.b_adam, t.a, t.b, when));
+  }
+}
+
+// Note [Expectations only grow]: a layer skipped in some steps (stochastic depth, l2_times = 0), with
+// and without accumulation. The counts of the last backward alone made a skipped step's successor
+// expect nothing of l2: its chunk was final at l3's landing, and l2's gradient was refused ("after its
+// chunk's update had started"), in every step after, since a refused step taught nothing. Expectations
+// now only grow: a step without l2 leaves its chunk to backward's end, and backward_step equals
+// backward() + step() bit for bit throughout.
+TEST(HybridAdam, ALayerSkippedInSomeStepsTrainsPipelined) {
+  for (const int micro : {1, 2}) {
+    const std::string what = std::to_string(micro) + " micro-batch(es)";
+    HybridAdamOptions options(adamw());
+    options.device_state_chunks = 0;
+    options.accumulate_grads = micro > 1;
+    FourLayerTwins t(59, /*freeze_l2=*/false, options);
+    const int times[] = {1, 1, 1, 0, 1, 0, 0, 1};
+    for (int step = 0; step < 8; ++step) {
+      const std::string when = what + ", step " + std::to_string(step);
+      t.a_net->l2_times = t.b_net->l2_times = times[step];
+      torch::manual_seed(600 + step);
+      StepResult rb;
+      ASSERT_NO_FATAL_FAILURE(t.step(torch::randn({4 * micro, 40}), micro, when, &rb));
+      ASSERT_NO_FATAL_FAILURE(test::expect_same_state(t.a_adam, t.b_adam, t.a, t.b, when));
+    }
+    EXPECT_EQ(t.b_adam.param_step_count(4), 5) << what << ": l2 had a gradient in five of eight steps";
   }
 }
 
 // A micro-batch's backward that fails part-way, after l3's gradients landed and before l2's (they share
 // a chunk), discarded by zero_grad(), the step going on with its last micro-batch in backward_step. The
 // failed backward's landings used to become what the next one expects, so there the chunk was final
-// after l3's landing alone: its update started during backward and l2's gradient was refused. Now the
-// last complete backward's stay, and every step runs pipelined.
+// after l3's landing alone: its update started during backward and l2's gradient was refused. Now its
+// counts only add to the expectations (Note [Expectations only grow]), and every step runs pipelined.
 TEST(HybridAdam, AFailedMicroBatchBackwardLeavesTheNextBackwardStepPipelined) {
   HybridAdamOptions options(adamw());
   options.device_state_chunks = 0;
@@ -2412,7 +2474,7 @@ TEST(HybridAdam, PipelinedHostAdamStartsBeforeBackwardEnds) {
 // A gradient that arrives for a chunk whose pipelined update has started (a parameter the previous
 // steps did not train, used now at the start of forward, so its gradient lands at the end of backward,
 // after its chunk-mates') is refused with a clear error, not lost; zero_grad() discards the rest and the
-// model trains on without it.
+// model trains on without it, and with it once it comes back (the refused landing is expected then).
 TEST(HybridAdam, PipelinedStepRefusesALateGradient) {
   HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
   options.device_state_chunks = 0;
@@ -2454,6 +2516,16 @@ TEST(HybridAdam, PipelinedStepRefusesALateGradient) {
   }();
   ASSERT_GE(e, 0);
   EXPECT_TRUE(torch::equal(adam.master(e), torch::zeros({kDim}))) << "the refused gradient was not applied";
+  // Note [Expectations only grow]: the refused landing is expected from then on, so 'extra' trains
+  // pipelined when it is used again (its chunk waits for it), and is left to backward's end when not.
+  for (int step = 6; step < 9; ++step) {
+    use_extra = step != 7;
+    const Batch y = batch(step);
+    const StepResult r = adam.backward_step(model.forward([&] { return lm_loss(net, y.idx, y.target); }));
+    EXPECT_TRUE(r.applied) << "step " << step;
+    EXPECT_GT(r.overlapped_chunks, 0) << "step " << step;
+  }
+  EXPECT_FALSE(torch::equal(adam.master(e), torch::zeros({kDim}))) << "'extra' trains now";
 }
 
 // Asking for more device-resident state than the one device budget can hold next to a parameter chunk
