@@ -2475,57 +2475,62 @@ TEST(HybridAdam, PipelinedHostAdamStartsBeforeBackwardEnds) {
 // steps did not train, used now at the start of forward, so its gradient lands at the end of backward,
 // after its chunk-mates') is refused with a clear error, not lost; zero_grad() discards the rest and the
 // model trains on without it, and with it once it comes back (the refused landing is expected then).
+// In the default mode and with accumulate_grads (each a refusal of its own).
 TEST(HybridAdam, PipelinedStepRefusesALateGradient) {
-  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
-  options.device_state_chunks = 0;
-  torch::manual_seed(53);
-  TinyLm net(kVocab, kDim);
-  torch::Tensor extra = net->register_parameter("extra", torch::zeros({kDim}));
-  bool use_extra = false;
-  net->after_embedding = [&](const torch::Tensor& x) { return use_extra ? x + extra : x; };
-  ChunkedModel model(net.ptr(), sim_config(0, Precision::kFp32));
-  HybridAdam adam(model, options);
-  for (int step = 0; step < 3; ++step) {
-    const Batch x = batch(step);
-    EXPECT_TRUE(adam.backward_step(model.forward([&] { return lm_loss(net, x.idx, x.target); })).applied);
-  }
-  use_extra = true;
-  const Batch x = batch(3);
-  try {
-    adam.backward_step(model.forward([&] { return lm_loss(net, x.idx, x.target); }));
-    ADD_FAILURE() << "the late gradient of 'extra' must be refused";
-  } catch (const c10::Error& e) {
-    const std::string what = e.what();
-    EXPECT_NE(what.find("extra"), std::string::npos) << what;
-    EXPECT_NE(what.find("after its chunk's update had started"), std::string::npos) << what;
-  }
-  EXPECT_EQ(model.phase(), ModelPhase::kIdle);
-  adam.zero_grad();
-  EXPECT_FALSE(model.any_grad_in_slot());
-  use_extra = false;
-  for (int step = 4; step < 6; ++step) {
-    const Batch y = batch(step);
-    EXPECT_TRUE(adam.backward_step(model.forward([&] { return lm_loss(net, y.idx, y.target); })).applied)
-        << "usable afterwards";
-  }
-  const int64_t e = [&] {
-    for (int64_t p = 0; p < model.num_params(); ++p) {
-      if (model.param_name(p) == "extra") return p;
+  for (const bool accumulate : {false, true}) {
+    SCOPED_TRACE(accumulate ? "accumulate_grads" : "default mode");
+    HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+    options.device_state_chunks = 0;
+    options.accumulate_grads = accumulate;
+    torch::manual_seed(53);
+    TinyLm net(kVocab, kDim);
+    torch::Tensor extra = net->register_parameter("extra", torch::zeros({kDim}));
+    bool use_extra = false;
+    net->after_embedding = [&](const torch::Tensor& x) { return use_extra ? x + extra : x; };
+    ChunkedModel model(net.ptr(), sim_config(0, Precision::kFp32));
+    HybridAdam adam(model, options);
+    for (int step = 0; step < 3; ++step) {
+      const Batch x = batch(step);
+      EXPECT_TRUE(adam.backward_step(model.forward([&] { return lm_loss(net, x.idx, x.target); })).applied);
     }
-    return int64_t{-1};
-  }();
-  ASSERT_GE(e, 0);
-  EXPECT_TRUE(torch::equal(adam.master(e), torch::zeros({kDim}))) << "the refused gradient was not applied";
-  // Note [Expectations only grow]: the refused landing is expected from then on, so 'extra' trains
-  // pipelined when it is used again (its chunk waits for it), and is left to backward's end when not.
-  for (int step = 6; step < 9; ++step) {
-    use_extra = step != 7;
-    const Batch y = batch(step);
-    const StepResult r = adam.backward_step(model.forward([&] { return lm_loss(net, y.idx, y.target); }));
-    EXPECT_TRUE(r.applied) << "step " << step;
-    EXPECT_GT(r.overlapped_chunks, 0) << "step " << step;
+    use_extra = true;
+    const Batch x = batch(3);
+    try {
+      adam.backward_step(model.forward([&] { return lm_loss(net, x.idx, x.target); }));
+      ADD_FAILURE() << "the late gradient of 'extra' must be refused";
+    } catch (const c10::Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("extra"), std::string::npos) << what;
+      EXPECT_NE(what.find("after its chunk's update had started"), std::string::npos) << what;
+    }
+    EXPECT_EQ(model.phase(), ModelPhase::kIdle);
+    adam.zero_grad();
+    EXPECT_FALSE(model.any_grad_in_slot());
+    use_extra = false;
+    for (int step = 4; step < 6; ++step) {
+      const Batch y = batch(step);
+      EXPECT_TRUE(adam.backward_step(model.forward([&] { return lm_loss(net, y.idx, y.target); })).applied)
+          << "usable afterwards";
+    }
+    const int64_t e = [&] {
+      for (int64_t p = 0; p < model.num_params(); ++p) {
+        if (model.param_name(p) == "extra") return p;
+      }
+      return int64_t{-1};
+    }();
+    ASSERT_GE(e, 0);
+    EXPECT_TRUE(torch::equal(adam.master(e), torch::zeros({kDim}))) << "the refused gradient was not applied";
+    // Note [Expectations only grow]: the refused landing is expected from then on, so 'extra' trains
+    // pipelined when it is used again (its chunk waits for it), and is left to backward's end when not.
+    for (int step = 6; step < 9; ++step) {
+      use_extra = step != 7;
+      const Batch y = batch(step);
+      const StepResult r = adam.backward_step(model.forward([&] { return lm_loss(net, y.idx, y.target); }));
+      EXPECT_TRUE(r.applied) << "step " << step;
+      EXPECT_GT(r.overlapped_chunks, 0) << "step " << step;
+    }
+    EXPECT_FALSE(torch::equal(adam.master(e), torch::zeros({kDim}))) << "'extra' trains now";
   }
-  EXPECT_FALSE(torch::equal(adam.master(e), torch::zeros({kDim}))) << "'extra' trains now";
 }
 
 // Asking for more device-resident state than the one device budget can hold next to a parameter chunk
