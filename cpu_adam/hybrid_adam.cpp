@@ -760,7 +760,8 @@ void HybridAdam::consume_final_chunk_locked(int64_t c) {
 // backwards had (Note [Expectations only grow]); a chunk that expects no landing is never final early,
 // as before. A use beyond them (a loop that ran longer) waits for the chunk's job in this backward
 // (await_param): the value it reads is not one the job writes, since a parameter is not used after its
-// own landing (that is refused, D64). A use fewer leaves the chunk to backward's end.
+// own landing (that is refused, D64). (At N > 1 an owner's job waits for the ranks' sums, and such a use
+// still fails on the lock.) A use fewer leaves the chunk to backward's end.
 void HybridAdam::used_in_backward(int64_t param) {
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
@@ -1011,9 +1012,9 @@ bool HybridAdam::update_unlaunched_locked(const ChunkNorms& norms, StepResult& r
 
 void HybridAdam::backward_finished(bool aborted) {
   std::lock_guard<std::mutex> lock(mutex_);
-  // Note [A chunk final before its last use]: this backward's uses are what the next one expects,
-  // unless it stopped part-way.
-  grow(last_uses_, uses_);  // an aborted backward's uses too: they are a part of what it would have had
+  // Note [A chunk final before its last use]: this backward's uses join what the next ones expect (an
+  // aborted one's too: they are a part of what it would have had; Note [Expectations only grow]).
+  grow(last_uses_, uses_);
   std::fill(uses_.begin(), uses_.end(), 0);
   std::exception_ptr error;
   if (slot_accumulation() && accum_armed_) {

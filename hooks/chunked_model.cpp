@@ -691,7 +691,8 @@ void ChunkedModel::post_use(int64_t param) {
   if (phase == ModelPhase::kIdle) return;  // pre_use checked it only
   const bool backward = phase == ModelPhase::kBackward;
   scheduler_->post_use(param, backward ? TensorState::kHoldAfterBwd : TensorState::kHoldAfterFwd);
-  if (backward && grad_sink_) grad_sink_->used_in_backward(param);  // Note [A chunk final before its last use]
+  // Note [A chunk final before its last use] (cpu_adam/hybrid_adam.cpp).
+  if (backward && grad_sink_) grad_sink_->used_in_backward(param);
 }
 
 // Note [Several forwards]

@@ -335,7 +335,7 @@ TEST(Dist, AParameterWithoutGradientOnSomeRanksEqualsOneProcess) {
 // D62: the MLP frozen on every rank for the first steps, then trained: its parameters' own step counts
 // lag their group's, counted by the owners of their state (in the pipelined step, by its owner jobs
 // too), as one process counts them; also with two accumulated micro-batches, whose chunks become final
-// on the landings and uses (D71) of the last complete backward.
+// on the landings and uses that earlier backwards had (D71, D72).
 TEST(Dist, ALayerFrozenForTheFirstStepsEqualsOneProcess) {
   expect_equals_one_process(2, {"--frozen-until=2"});
   expect_equals_one_process(2, {"--frozen-until=2", "--api=backward_step"});
