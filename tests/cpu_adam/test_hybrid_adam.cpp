@@ -1128,7 +1128,9 @@ TEST(HybridAdam, MoreUsesThanTheLastBackwardWaitForTheChunksUpdate) {
     torch::manual_seed(500 + step);
     StepResult rb;
     ASSERT_NO_FATAL_FAILURE(t.step(torch::randn({4, 40}), 1, when, &rb));
-    if (step >= 2) EXPECT_GT(rb.overlapped_chunks, 0) << when;
+    if (step >= 2) {
+      EXPECT_GT(rb.overlapped_chunks, 0) << when;
+    }
     ASSERT_NO_FATAL_FAILURE(test::expect_same_state(t.a_adam, t.b_adam, t.a, t.b, when));
   }
 }
@@ -1192,7 +1194,9 @@ TEST(HybridAdam, AFailedMicroBatchBackwardLeavesTheNextBackwardStepPipelined) {
     }), "(no error)") << when;
     adam.zero_grad();
     ASSERT_TRUE(r.applied) << when;
-    if (step > 1) EXPECT_GT(r.overlapped_chunks, 0) << when;
+    if (step > 1) {
+      EXPECT_GT(r.overlapped_chunks, 0) << when;
+    }
   }
 }
 

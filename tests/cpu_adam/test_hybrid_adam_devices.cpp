@@ -284,10 +284,14 @@ TEST_P(HybridAdamOnDevice, StepsBetweenFreezesWritesAndLrChangesGiveTheSameBitsW
               model->backward(loss);
             }
           }
-          if (!pipelined) ASSERT_TRUE(adam->step().applied) << when;
+          if (!pipelined) {
+            ASSERT_TRUE(adam->step().applied) << when;
+          }
           adam->zero_grad();
         }
-        if (step > 0) ASSERT_EQ(a_adam.device_state_chunks(), chunks) << when;
+        if (step > 0) {
+          ASSERT_EQ(a_adam.device_state_chunks(), chunks) << when;
+        }
         ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, when));
         for (int64_t p = 0; p < a.num_params(); ++p) {
           ASSERT_EQ(a_adam.param_step_count(p), b_adam.param_step_count(p)) << when << ": " << a.param_name(p);
