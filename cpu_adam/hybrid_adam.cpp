@@ -18,6 +18,7 @@
 #include <limits>
 #include <optional>
 #include <unordered_map>
+#include <utility>
 
 #include "ferry/chunk/copy_engine.h"
 #include "ferry/common/event_trace.h"
@@ -223,8 +224,9 @@ namespace {
 // and every later step failed so: a refused backward taught nothing. Now the expectations only grow:
 // each backward's counts are merged in by maximum, an aborted one's too (they are a part of what it
 // would have had), and a refused landing is added. A step that lacks what was expected leaves those
-// chunks to backward's end (correct, not overlapped); only a landing no earlier backward had can be
-// refused, once. A change of requires_grad starts the counts anew (trainable_changed).
+// chunks to backward's end (correct, not overlapped); a landing no earlier backward had comes after
+// its chunk's update started, once (Note [A gradient after its chunk's update]). A change of
+// requires_grad starts the counts anew (trainable_changed).
 void grow(std::vector<int64_t>& expected, const std::vector<int64_t>& seen) {
   if (expected.size() != seen.size()) {
     expected = seen;
@@ -439,14 +441,14 @@ void HybridAdam::land_grad(int64_t param, const at::Tensor& grad) {
   ++landings_[param];
 }
 
-std::vector<HybridAdam::Span> HybridAdam::landed_spans_locked(int64_t c) const {
+std::vector<HybridAdam::Span> HybridAdam::landed_spans_locked(int64_t c, Landed which) const {
   const ChunkLayout& layout = model().layout();
   std::vector<Span> spans;
   bool open = false;  // the last slot seen landed and extends spans.back()
   for (int64_t t : layout.chunks()[c].tensors) {
     const Slot& slot = layout.slots()[t];
     if (slot.numel == 0) continue;
-    if (!landed_[t]) {
+    if (!landed_[t] || (which == Landed::kLate && !late(t))) {
       open = false;
       continue;
     }
@@ -468,13 +470,15 @@ CpuAdam::FrozenGroup HybridAdam::update_group(const Span& s, const std::vector<C
   return f;
 }
 
-void HybridAdam::count_missed_steps_locked(const std::vector<char>* updated_chunks) {
+void HybridAdam::count_missed_steps_locked(const std::vector<char>* updated_chunks,
+                                           const std::vector<char>* late_updated) {
   const ChunkLayout& layout = model().layout();
   for (int64_t c = 0; c < num_chunks(); ++c) {
     if (!owned(c)) continue;
     const bool updated = updated_chunks == nullptr || (*updated_chunks)[c] != 0;
+    const bool late_part = late_updated != nullptr && !late_updated->empty() && (*late_updated)[c] != 0;
     for (int64_t t : layout.chunks()[c].tensors) {
-      if (!updated || !landed_[t]) ++lag_[t];
+      if (!landed_[t] || !(late(t) ? late_part : updated)) ++lag_[t];
     }
   }
 }
@@ -509,14 +513,16 @@ void HybridAdam::stage_param_chunks_locked(bool skip_launched) {
   for (int pass = 0; pass < 2; ++pass) {
     const bool device = pass == 1;
     for (int64_t c = 0; c < num_chunks(); ++c) {
-      if (static_cast<bool>(on_device_[c]) != device || (skip_launched && launched_[c]) || !owned(c)) continue;
+      if (static_cast<bool>(on_device_[c]) != device || (skip_launched && launched_[c] && !has_late(c)) || !owned(c)) {
+        continue;
+      }
       const Location want = device ? Location::kDevice : Location::kHost;
       if (params.location(model().param_chunk(c)) != want) params.move(model().param_chunk(c), want);
     }
   }
   const int64_t on_device = std::count(on_device_.begin(), on_device_.end(), 1);
   for (int64_t c = 0; c < num_chunks(); ++c) {
-    if (!on_device_[c] || (skip_launched && launched_[c]) || !owned(c)) continue;
+    if (!on_device_[c] || (skip_launched && launched_[c] && !has_late(c)) || !owned(c)) continue;
     TORCH_CHECK(params.location(model().param_chunk(c)) == Location::kDevice, "ferry: HybridAdam: the parameter chunk of "
                 "state chunk ", c, " (state on the device) was evicted while the step staged the others: the device "
                 "budget's parameter region holds fewer chunks than the ", on_device, " whose state is on the device. "
@@ -600,8 +606,8 @@ at::Tensor HybridAdam::lowp_target_locked(int64_t c) {
   return payload;
 }
 
-std::vector<std::pair<HybridAdam::Span, AdamSpan>> HybridAdam::host_spans_locked(int64_t c) {
-  return adam_spans(landed_spans_locked(c), state_->payload(kMasterRole, c).data_ptr<float>(),
+std::vector<std::pair<HybridAdam::Span, AdamSpan>> HybridAdam::host_spans_locked(int64_t c, Landed which) {
+  return adam_spans(landed_spans_locked(c, which), state_->payload(kMasterRole, c).data_ptr<float>(),
                     state_->payload(kExpAvgRole, c).data_ptr<float>(),
                     state_->payload(kExpAvgSqRole, c).data_ptr<float>(), grad_payload_locked(c),
                     lowp_target_locked(c));
@@ -644,31 +650,38 @@ std::vector<at::Tensor> HybridAdam::device_norms(const at::Tensor& grads, const 
 void HybridAdam::finish_norms(const std::vector<at::Tensor>& device_norms, const std::vector<int64_t>& device_index,
                               ChunkNorms& norms) {
   int64_t syncs = 0;
+  const int64_t n = static_cast<int64_t>(norms.sum_sq.size());
   if (!device_norms.empty()) {  // one host sync for every device chunk
     const at::Tensor all = at::stack(device_norms).to(at::kCPU, at::kDouble);
     syncs = 1;
     const double* v = all.data_ptr<double>();
     for (size_t k = 0; k < device_index.size(); ++k) {
-      norms.finite[device_index[k]] = norms.finite[device_index[k]] && std::isfinite(v[k]);
-      norms.sum_sq[device_index[k]] += v[k] * v[k];
+      const bool late_part = device_index[k] >= n;  // n + c: chunk c's late part
+      const int64_t c = late_part ? device_index[k] - n : device_index[k];
+      std::vector<char>& finite = late_part ? norms.late_finite : norms.finite;
+      finite[c] = finite[c] && std::isfinite(v[k]);
+      (late_part ? norms.late_sum_sq : norms.sum_sq)[c] += v[k] * v[k];
     }
   }
   norms.total_sq = 0.0;
   norms.all_finite = true;
-  for (size_t c = 0; c < norms.sum_sq.size(); ++c) {
+  for (int64_t c = 0; c < n; ++c) {
     norms.all_finite = norms.all_finite && norms.finite[c];
     norms.total_sq += norms.sum_sq[c];
+    if (norms.late_sum_sq.empty()) continue;
+    norms.all_finite = norms.all_finite && norms.late_finite[c];
+    norms.total_sq += norms.late_sum_sq[c];
   }
   norms.all_finite = norms.all_finite && std::isfinite(norms.total_sq);
   norms.syncs = syncs;
 }
 
-void HybridAdam::host_update_chunk_locked(int64_t c, const UpdateOptions& update_options) {
+void HybridAdam::host_update_chunk_locked(int64_t c, const UpdateOptions& update_options, Landed which) {
   trace::Span span("adam", trace::enabled() ? "host adam chunk " + std::to_string(c) : std::string());
-  run_host_update(host_spans_locked(c), update_options);
+  run_host_update(host_spans_locked(c, which), update_options);
 }
 
-void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale, const at::Tensor& found_inf) {
+void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale, const at::Tensor& found_inf, Landed which) {
   trace::Span span("adam", trace::enabled() ? "device adam chunk " + std::to_string(c) : std::string());
   const at::Tensor p = state_->payload(kMasterRole, c);
   const at::Tensor g = grad_payload_locked(c);
@@ -679,7 +692,7 @@ void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale, const 
               "gradients) on the host; it must be staged on the device first (internal error)");
   // The spans the host update would get (adam_spans): in the default mode the new bf16/fp16 value is
   // written over the gradient in the same pass; an fp32 compute copy is the master, copied after.
-  for (const auto& [landed, s] : adam_spans(landed_spans_locked(c), p.data_ptr<float>(),
+  for (const auto& [landed, s] : adam_spans(landed_spans_locked(c, which), p.data_ptr<float>(),
                                             state_->payload(kExpAvgRole, c).data_ptr<float>(),
                                             state_->payload(kExpAvgSqRole, c).data_ptr<float>(), g,
                                             lowp_target_locked(c))) {
@@ -695,22 +708,14 @@ void HybridAdam::device_update_chunk_locked(int64_t c, double grad_scale, const 
 
 void HybridAdam::before_landing(int64_t param) {
   std::lock_guard<std::mutex> lock(mutex_);
+  const int64_t c = model().layout().slots()[param].chunk;
   if (slot_accumulation()) {
-    const int64_t c = model().layout().slots()[param].chunk;
-    if (overlap_active_ && eager_ && launched_[c]) {
-      const int64_t saw = accum_expected_[param];
-      // The next backward expects it (Note [Expectations only grow]).
-      accum_expected_[param] = std::max(saw, accum_landings_[param] + 1);
-      TORCH_CHECK(false, "ferry: HybridAdam::backward_step: parameter ", model().param_name(param), " got gradient "
-                  "contribution ", landings_[param] + 1, " after its chunk's update had started (the backwards before "
-                  "had at most ", saw, "; Note [Pipelined step]). The next backwards expect it; the gradients of this "
-                  "one that landed wait in their slots (zero_grad() discards them).");
-    }
+    if (overlap_active_ && eager_ && launched_[c]) return late_landing_locked(param, c);
     if (accum_armed_ && accum_consumed_[c]) {
       // A landing this backward did not have last time, on a chunk already consumed: its job (which
       // holds the chunk on the host) ends first; the chunk is consumed again when backward ends. In the
       // two-phase step only the chunk's norm was taken: the step takes it again.
-      if (static_cast<int64_t>(jobs_.size()) > c && jobs_[c].valid()) jobs_[c].wait();
+      await_superseded_job_locked(c);
       accum_consumed_[c] = 0;
       if (overlap_active_ && launched_[c]) {
         launched_[c] = 0;
@@ -719,14 +724,61 @@ void HybridAdam::before_landing(int64_t param) {
     }
     return;
   }
-  if (!overlap_active_ || options_.accumulate_grads) return;
-  const int64_t c = model().layout().slots()[param].chunk;
-  if (!launched_[c]) return;
-  const int64_t saw = expected_landings_[param];
-  expected_landings_[param] = std::max(saw, landings_[param] + 1);  // the next ones expect it (Note [Expectations only grow])
+  if (!overlap_active_ || options_.accumulate_grads || !launched_[c]) return;
+  late_landing_locked(param, c);
+}
+
+// Note [A gradient after its chunk's update]
+// A parameter's gradient can land after its chunk became final: a layer that no earlier backward reached
+// (skipped in the first steps by stochastic depth, a task head or an expert not used yet), or one more
+// contribution than any earlier backward had (Note [Expectations only grow]). This was refused, and the
+// step lost: a multi-task model alternating its heads, or stochastic depth skipping a layer in the
+// first step, failed at its second backward_step (found by a randomized comparison of backward_step
+// against backward() + step()). Now, at N = 1:
+//  - two-phase step (clipping, loss scaling): the chunk's job only took its norm, so it is taken again
+//    after backward with the late gradient: the chunk counts as not launched, and the step is exactly
+//    step()'s;
+//  - eager step, a parameter with no gradient yet in this backward: the chunk's job left it alone (it
+//    updates only the landed spans). The landing waits for the job, the parameter is marked late, and
+//    after backward its spans are updated as a chunk that was not launched is: their own norm and
+//    finiteness, then the update where the state lives. Adam is elementwise, so the bits are those of
+//    backward() + step() (the norm that the result reports is summed in another order); a non-finite
+//    late gradient skips the late spans only, as a non-finite chunk skips its own (Note [Pipelined step]);
+//  - a further contribution to a parameter whose update has run, or any late landing at N > 1 (the
+//    group's reduce-scatter has left), is refused, once: the next backwards expect it.
+// The late parameters are counted in StepResult::late_params; being late grows the expectations, so a
+// parameter is late at most once per requires_grad configuration.
+void HybridAdam::late_landing_locked(int64_t param, int64_t c) {
+  const bool accumulation = slot_accumulation();
+  std::vector<int64_t>& expected = accumulation ? accum_expected_ : expected_landings_;
+  const int64_t landed = accumulation ? accum_landings_[param] : landings_[param];
+  const int64_t saw = expected[param];
+  expected[param] = std::max(saw, landed + 1);  // the next backwards expect it (Note [Expectations only grow])
+  if (late(param)) return;                     // its update runs after backward: take every contribution
+  const bool untouched = !landed_[param];       // no span of the chunk's job holds it
+  if (!dist_pipelined_ && (!eager_ || untouched)) {
+    if (accumulation) {
+      await_superseded_job_locked(c);  // the chunk is consumed again when backward ends
+    } else if (static_cast<int64_t>(jobs_.size()) > c && jobs_[c].valid()) {
+      jobs_[c].wait();  // its errors surface where the jobs are joined
+    }
+    if (!eager_) {  // only its norm was taken: taken again after backward
+      launched_[c] = 0;
+      chunk_device_norms_[c].clear();
+      return;
+    }
+    late_[param] = 1;
+    late_chunks_[c] = 1;
+    // Accumulation: the slot is consumed again when backward ends (into the accumulation chunk).
+    if (accumulation) accum_consumed_[c] = 0;
+    return;
+  }
   TORCH_CHECK(false, "ferry: HybridAdam::backward_step: parameter ", model().param_name(param), " got gradient "
-              "contribution ", landings_[param] + 1, " after its chunk's update had started (the backward_steps before "
-              "had at most ", saw, "; Note [Pipelined step]). The next backward_steps expect it.");
+              "contribution ", landed + 1, " after its chunk's update had started (the backward",
+              accumulation ? "s" : "_steps", " before had at most ", saw, "; Note [A gradient after its chunk's "
+              "update]). The next backwards expect it",
+              accumulation ? "; the gradients of this one that landed wait in their slots (zero_grad() discards them)."
+                           : ".");
 }
 
 void HybridAdam::after_landing(int64_t param) {
@@ -959,6 +1011,15 @@ void HybridAdam::consume_slot_grads_locked(int64_t c, AfterAccumulation then) {
       /*with_state=*/update);
 }
 
+void HybridAdam::await_superseded_job_locked(int64_t c) {
+  if (static_cast<int64_t>(jobs_.size()) <= c || !jobs_[c].valid()) return;
+  try {
+    jobs_[c].get();
+  } catch (...) {
+    if (!job_error_) job_error_ = std::current_exception();  // join_jobs_locked reports it
+  }
+}
+
 void HybridAdam::check_backward_step_start_locked() {
   sync_layout_locked();
   TORCH_CHECK(!grads_landed_, "ferry: HybridAdam::backward_step: gradients of an earlier backward() wait for "
@@ -966,7 +1027,7 @@ void HybridAdam::check_backward_step_start_locked() {
 }
 
 std::exception_ptr HybridAdam::join_jobs_locked() {
-  std::exception_ptr error;
+  std::exception_ptr error = std::exchange(job_error_, nullptr);
   for (auto& job : jobs_) {
     if (!job.valid()) continue;
     try {
@@ -984,6 +1045,8 @@ void HybridAdam::arm_landing_count_locked(bool armed) {
   const int64_t n = num_chunks();
   std::fill(landings_.begin(), landings_.end(), 0);
   launched_.assign(n, 0);
+  late_.assign(model().num_params(), 0);
+  late_chunks_.assign(n, 0);
   remaining_.assign(n, 0);
   if (armed) remaining_ = final_counts_locked(expected_landings_);
 }
@@ -991,19 +1054,26 @@ void HybridAdam::arm_landing_count_locked(bool armed) {
 bool HybridAdam::update_unlaunched_locked(const ChunkNorms& norms, StepResult& result) {
   bool all_finite = true;
   for (int64_t c = 0; c < num_chunks(); ++c) {
-    if (launched_[c]) continue;
-    const std::vector<Span> spans = landed_spans_locked(c);
+    // A launched chunk's late part (Note [A gradient after its chunk's update]) is updated as an
+    // unlaunched chunk is, on its own norm.
+    const bool late_part = launched_[c] && has_late(c);
+    if (launched_[c] && !late_part) continue;
+    const Landed which = late_part ? Landed::kLate : Landed::kAll;
+    const std::vector<Span> spans = landed_spans_locked(c, which);
     if (spans.empty()) continue;
     const int64_t t0 = now_ns();
-    if (!norms.finite[c]) {
+    if (!(late_part ? norms.late_finite[c] : norms.finite[c])) {
       all_finite = false;
       // Default mode: the slots hold gradients; they get their values back. (Accumulation chunks keep theirs.)
       if (!options_.accumulate_grads) restore_values(grad_payload_locked(c), state_->payload(kMasterRole, c), spans);
     } else if (on_device_[c]) {
-      device_update_chunk_locked(c, 1.0);
+      device_update_chunk_locked(c, 1.0, {}, which);
       result.device_update_ns += now_ns() - t0;
     } else {
-      host_update_chunk_locked(c, UpdateOptions{1.0, /*grads_checked=*/true});
+      // Accumulation: the job of the launched part wrote its values into the parameter chunk; the late
+      // part's are written too, in the update's pass where the chunk is on the host, else by the write-back.
+      if (late_part && options_.accumulate_grads) lowp_written_[c] = 0;
+      host_update_chunk_locked(c, UpdateOptions{1.0, /*grads_checked=*/true}, which);
       result.host_update_ns += now_ns() - t0;
     }
   }
@@ -1062,9 +1132,20 @@ StepResult HybridAdam::finish_pipelined_locked() {
   result.norm_ns = now_ns() - t0;
   if (!eager_) return apply_locked(norms, result);  // clipping / loss scaling: every update now
 
-  // Eager: the launched chunks are updated (or restored) already; the others now, the same way.
+  // Eager: the launched chunks are updated (or restored) already; the others now, the same way, and
+  // the late parts of launched ones (Note [A gradient after its chunk's update]).
   update_unlaunched_locked(norms, result);
-  count_missed_steps_locked(&norms.finite);  // a chunk with a non-finite gradient was not updated
+  count_missed_steps_locked(&norms.finite, &norms.late_finite);  // a chunk with a non-finite gradient was not updated
+  result.late_params = std::count(late_.begin(), late_.end(), 1);
+  if (result.late_params > 0) {
+    int64_t first = 0;
+    while (!late_[first]) ++first;
+    log::info("ferry: backward_step: ", result.late_params, " parameter(s) (", model().param_name(first),
+              " first) got their first gradient after their chunk's update had started, as no earlier backward "
+              "had; updated after backward, and expected from now on");
+  }
+  late_.clear();
+  late_chunks_.clear();
   finish_values_locked(result);
   result.grad_norm = std::sqrt(norms.total_sq);
   result.overflow = !norms.all_finite;
@@ -1129,25 +1210,30 @@ StepResult HybridAdam::backward_step(const at::Tensor& loss) {
           updated[c] = at::isfinite(at::stack(chunk_device_norms_[c])).all().item<bool>();
         }
       }
-      if (eager_) count_missed_steps_locked(&updated);  // the step count has advanced
+      // The step count has advanced; a late parameter (Note [A gradient after its chunk's update]) was
+      // not updated, and keeps its gradient for zero_grad().
+      if (eager_) count_missed_steps_locked(&updated);
       for (int64_t c = 0; c < num_chunks(); ++c) {
         if (!launched_[c]) continue;
         ++started;
         if (!eager_) continue;
         for (int64_t p : model().layout().chunks()[c].tensors) {
-          if (!landed_[p]) continue;
+          if (!landed_[p] || late(p)) continue;
           landed_[p] = 0;
           model().clear_grad_slot(p);
         }
       }
       grads_landed_ = std::any_of(landed_.begin(), landed_.end(), [](char l) { return l != 0; });
       jobs_.clear();
+      job_error_ = nullptr;
       backward_jobs_.store(false);
       if (eager_ && started > 0) {
         log::error("ferry: backward_step: backward threw; ", started, " chunk(s) whose update had started are updated, ",
                    "the others hold their gradients (zero_grad() discards them), and the step count has advanced");
       }
     }
+    late_.clear();
+    late_chunks_.clear();
     grow_expected_landings_locked(/*complete=*/false);
     overlap_active_ = false;
     throw;
@@ -1192,12 +1278,14 @@ StepResult HybridAdam::backward_step_accumulated(const at::Tensor& loss) {
       for (int64_t c = 0; c < num_chunks(); ++c) {
         updated[c] = launched_[c] && !on_device_[c] && static_cast<int64_t>(outcomes_.size()) > c && outcomes_[c].finite;
       }
-      count_missed_steps_locked(&updated);  // the step count has advanced
+      count_missed_steps_locked(&updated);  // the step count has advanced; a late parameter was not updated
       log::error("ferry: backward_step: backward threw; ", started, " chunk(s) whose update had started are updated, ",
                  "the others are not, and the step count has advanced");
     }
     chunk_device_norms_.clear();
     lowp_written_.clear();  // the launched chunks' jobs wrote their new values into the slots
+    late_.clear();
+    late_chunks_.clear();
     grow_expected_landings_locked(/*complete=*/false);
     overlap_active_ = false;
     throw;
@@ -1274,6 +1362,11 @@ HybridAdam::ChunkNorms HybridAdam::grad_norms_locked(bool pipelined) {
   norms.finite.assign(n, 1);
   std::vector<at::Tensor> device;
   std::vector<int64_t> device_index;
+  const bool any_late = pipelined && std::any_of(late_chunks_.begin(), late_chunks_.end(), [](char l) { return l != 0; });
+  if (any_late) {
+    norms.late_sum_sq.assign(n, 0.0);
+    norms.late_finite.assign(n, 1);
+  }
   for (int64_t c = 0; c < n; ++c) {
     const bool done = pipelined && launched_[c];  // computed during backward
     if (!owned(c)) continue;                       // its owner's norm comes with the all-reduce
@@ -1284,10 +1377,21 @@ HybridAdam::ChunkNorms HybridAdam::grad_norms_locked(bool pipelined) {
         device.push_back(std::move(t));
         device_index.push_back(c);
       }
+      if (done && has_late(c)) {  // Note [A gradient after its chunk's update]: the late part's own
+        for (at::Tensor& t : device_norms(grad_payload_locked(c), landed_spans_locked(c, Landed::kLate))) {
+          device.push_back(std::move(t));
+          device_index.push_back(n + c);
+        }
+      }
     } else {
       const ChunkOutcome o = done ? outcomes_[c] : host_norm(grad_payload_locked(c), landed_spans_locked(c));
       norms.sum_sq[c] = o.sum_sq;
       norms.finite[c] = o.finite;
+      if (done && has_late(c)) {
+        const ChunkOutcome late = host_norm(grad_payload_locked(c), landed_spans_locked(c, Landed::kLate));
+        norms.late_sum_sq[c] = late.sum_sq;
+        norms.late_finite[c] = late.finite;
+      }
     }
   }
   if (pipelined) chunk_device_norms_.clear();

@@ -69,8 +69,9 @@
 // its add, the update writing the new values into the slots (with clipping or loss scaling: the norm
 // only, the update waiting for the global norm).
 // A landing a chunk did not have in the previous backward, after it was emptied, waits for its job
-// and the chunk is emptied again at the end (refused under backward_step once the update started; a
-// norm taken already is taken again by the step). A
+// and the chunk is emptied again at the end (under backward_step once the update started: a parameter
+// the update left alone is updated after backward, Note [A gradient after its chunk's update]; a norm
+// taken already is taken again by the step). A
 // gradient that reached its parameter twice in one backward is summed in the slot in the compute
 // dtype, as in the default mode.
 // At N > 1 the same, with one difference: a chunk another rank owns has no master here, so its slots
@@ -101,6 +102,8 @@
 //    to skip by a device flag if the chunk's gradients are not finite.
 // The jobs are awaited when backward ends (before the model may repack). Then one host sync reads every
 // device norm, chunks that did not become final run as step() runs them, and the result is reported.
+// A gradient that lands after its chunk became final (a layer no earlier backward reached) is taken:
+// Note [A gradient after its chunk's update] (hybrid_adam.cpp).
 // No host synchronization per parameter or per chunk on the training thread: the per-chunk waits
 // happen on the worker (ChunkStore's MoveStats count both).
 //  - Without clipping and loss scaling ("eager"): the updates are those of backward() + step(), bit for
@@ -299,6 +302,10 @@ struct StepResult {
   // (a parameter chunk away from its state, or fp32 compute); the update wrote the others' itself.
   int64_t written_back_chunks = 0;
   int64_t overlapped_chunks = 0;  // backward_step: chunks whose update (or norm) started during backward
+  // backward_step without clipping or loss scaling: parameters whose first gradient of this backward
+  // landed after their chunk's update had started (a layer no earlier backward reached); updated after
+  // backward (Note [A gradient after its chunk's update], hybrid_adam.cpp).
+  int64_t late_params = 0;
   // Host-state chunks whose update was still queued or running when the call returned (Note [Update
   // behind the next forward]); the next use of each waits for its own.
   int64_t deferred_chunks = 0;
@@ -430,6 +437,10 @@ class HybridAdam final : private GradSink, private LayoutListener {
   struct ChunkNorms {
     std::vector<double> sum_sq;  // per layout chunk, of the grads as landed
     std::vector<char> finite;    // per layout chunk
+    // Eager backward_step, per layout chunk: its late part (Note [A gradient after its chunk's update]),
+    // apart from the part its job updated; empty when no chunk has one.
+    std::vector<double> late_sum_sq;
+    std::vector<char> late_finite;
     double total_sq = 0.0;
     bool all_finite = true;
     int64_t syncs = 0;  // host syncs it took (reading device norms): 0 or 1
@@ -514,8 +525,12 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // Where the reduce-scatter buffers of the gradients live (hybrid_adam_dist.cpp).
   c10::Device comm_buffer_device() const;
   void arm_accumulation_locked();  // at the first landing of a backward
-  // Waits for every job in jobs_ and clears it; the first error any of them threw (or null).
+  // Waits for every job in jobs_ and clears it; the first error any of them threw (or null), a
+  // superseded one's first.
   std::exception_ptr join_jobs_locked();
+  // Accumulation: chunk c's job ends before the chunk is consumed again, which replaces it in jobs_;
+  // its error is kept in job_error_ for join_jobs_locked.
+  void await_superseded_job_locked(int64_t c);
   void check_backward_step_start_locked();  // the layout is followed, no gradients wait for step()
   // After a pipelined backward (default or accumulation mode): the norms, then every update left (eager)
   // or every update (two-phase), and the values back in the parameter chunks.
@@ -533,7 +548,10 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // After a step that advanced the groups' step counts: every parameter of an owned chunk that the step
   // did not update (no gradient landed, or its chunk was skipped: updated_chunks[c] == 0) falls one step
   // further behind its group (lag_). Before landed_ is cleared. updated_chunks null: every chunk updated.
-  void count_missed_steps_locked(const std::vector<char>* updated_chunks);
+  // A late parameter (Note [A gradient after its chunk's update]) goes by late_updated[c] instead (null:
+  // not updated).
+  void count_missed_steps_locked(const std::vector<char>* updated_chunks,
+                                 const std::vector<char>* late_updated = nullptr);
   // Accumulation mode at N = 1: layout chunk c's parameter chunk payload when it is where c's state is
   // (host or device) and 16-bit, so that the update writes the new values in its own pass and
   // write_back_locked skips the chunk (marked in lowp_written_); else undefined.
@@ -551,8 +569,12 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // The apply half of step(): decides on `norms`, updates, clears the gradients.
   StepResult apply_locked(const ChunkNorms& norms, StepResult result);
   // Spans of parameters that received gradients since the last step, per layout chunk (consecutive
-  // landed slots of one group and one lag merged; alignment gaps are zero in every role).
-  std::vector<Span> landed_spans_locked(int64_t chunk) const;
+  // landed slots of one group and one lag merged; alignment gaps are zero in every role). kLate: only
+  // those of late parameters (Note [A gradient after its chunk's update]).
+  enum class Landed { kAll, kLate };
+  std::vector<Span> landed_spans_locked(int64_t chunk, Landed which = Landed::kAll) const;
+  bool late(int64_t param) const { return param < static_cast<int64_t>(late_.size()) && late_[param]; }
+  bool has_late(int64_t chunk) const { return chunk < static_cast<int64_t>(late_chunks_.size()) && late_chunks_[chunk]; }
   int64_t num_chunks() const { return static_cast<int64_t>(on_device_.size()); }  // layout chunks mirrored
   // Where chunk c's gradients are: the fp32 accumulation chunk, or (default) the parameter chunk,
   // which is first moved to where c's state is.
@@ -636,11 +658,16 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // Every grad chunk's squared norm and finiteness; one host sync for all device chunks. `pipelined`:
   // the chunks launched during backward contribute what was computed then.
   ChunkNorms grad_norms_locked(bool pipelined = false);
-  std::vector<std::pair<Span, AdamSpan>> host_spans_locked(int64_t chunk);  // (landed span, its CpuAdam span)
-  void host_update_chunk_locked(int64_t chunk, const UpdateOptions& options);
+  // (landed span, its CpuAdam span); `which`: the spans of landed_spans_locked(chunk, which).
+  std::vector<std::pair<Span, AdamSpan>> host_spans_locked(int64_t chunk, Landed which = Landed::kAll);
+  void host_update_chunk_locked(int64_t chunk, const UpdateOptions& options, Landed which = Landed::kAll);
   // `found_inf` (a device flag, optional): when it is nonzero the device Adam skips the update and the
   // slots get their values back (round(master); device_adam.h).
-  void device_update_chunk_locked(int64_t chunk, double grad_scale, const at::Tensor& found_inf = {});
+  void device_update_chunk_locked(int64_t chunk, double grad_scale, const at::Tensor& found_inf = {},
+                                  Landed which = Landed::kAll);
+  // Note [A gradient after its chunk's update]: lets `param`'s landing into launched chunk c proceed
+  // (after c's job) or refuses it; before_landing, under mutex_.
+  void late_landing_locked(int64_t param, int64_t chunk);
 
   ChunkedModel& model_;  // through model() only, which refuses once the model is gone
   ChunkedModel& model() const {
@@ -677,6 +704,10 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // Per layout chunk: landings and uses still expected before it is final (final_counts_locked).
   std::vector<int64_t> remaining_;
   std::vector<char> launched_;      // per layout chunk: its host update (or norm) is queued
+  // Eager backward_step at N = 1 (Note [A gradient after its chunk's update]): per parameter, its first
+  // gradient of this backward landed after its chunk's job had started (so the job left it alone); per
+  // layout chunk, whether it has such a parameter. Reset when a pipelined backward starts.
+  std::vector<char> late_, late_chunks_;
   // Accumulation mode, per layout chunk: the update wrote the new compute-dtype values into the
   // parameter chunk (write_back_locked skips it, then clears this).
   std::vector<char> lowp_written_;
@@ -687,7 +718,7 @@ class HybridAdam final : private GradSink, private LayoutListener {
   std::atomic<bool> backward_jobs_{false};  // jobs_ may hold a job launched in this backward
   std::vector<ChunkOutcome> outcomes_;
   std::vector<std::vector<at::Tensor>> chunk_device_norms_;
-  std::exception_ptr job_error_;
+  std::exception_ptr job_error_;  // of a job superseded in jobs_ (await_superseded_job_locked)
   std::atomic<int64_t> jobs_started_{0};
   // Note [Update behind the next forward]: per layout chunk, its host update left running by the last
   // step; zeroing of accumulation chunks queued behind them; whether any of them may still run.

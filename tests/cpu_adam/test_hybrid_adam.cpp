@@ -1200,6 +1200,60 @@ TEST(HybridAdam, AFailedMicroBatchBackwardLeavesTheNextBackwardStepPipelined) {
   }
 }
 
+// A backward_step whose backward throws after a late gradient landed (Note [A gradient after its
+// chunk's update]): l2, skipped in the first steps, is used at step 3, so its gradients land after its
+// chunk-mate l3's update had started; then backward fails below l1. The late parameters were not
+// updated: they keep their gradients for zero_grad(), which gives them their values back, and their
+// step counts stay; l3's update stands, as documented. Training goes on, l2 pipelined.
+TEST(HybridAdam, ABackwardThatThrowsAfterALateGradientLeavesItUntouched) {
+  HybridAdamOptions options(adamw());
+  options.device_state_chunks = 0;
+  torch::manual_seed(67);
+  FourLayers net(/*fail_after=*/0);
+  ChunkedModel model(net.ptr(), sim_config(budget_for(1, 0), Precision::kFp32));
+  HybridAdam adam(model, options);
+  auto index = [&](const std::string& name) {
+    for (int64_t p = 0; p < model.num_params(); ++p) {
+      if (model.param_name(p) == name) return p;
+    }
+    return int64_t{-1};
+  };
+  const int64_t l2 = index("l2.weight"), l3 = index("l3.weight");
+  ASSERT_GE(l2, 0);
+  ASSERT_GE(l3, 0);
+  for (int step = 0; step < 7; ++step) {
+    const std::string when = "step " + std::to_string(step);
+    torch::manual_seed(500 + step);
+    const torch::Tensor x = torch::randn({4, 40});
+    net->l2_times = step < 3 ? 0 : 1;
+    g_fail_backward = step == 3;
+    const torch::Tensor l2_before = adam.master(l2).clone();
+    const int64_t l3_count = adam.param_step_count(l3);
+    StepResult r;
+    const std::string error =
+        test::error_of([&] { r = adam.backward_step(model.forward([&] { return net->forward(x).pow(2).mean(); })); });
+    g_fail_backward = false;
+    if (step == 3) {
+      EXPECT_NE(error.find("fails on purpose"), std::string::npos) << error;
+      EXPECT_EQ(model.phase(), ModelPhase::kIdle);
+      adam.zero_grad();
+      EXPECT_FALSE(model.any_grad_in_slot()) << when;
+      EXPECT_TRUE(torch::equal(adam.master(l2), l2_before)) << "the late parameter was not updated";
+      EXPECT_TRUE(torch::equal(model.param_values(l2), l2_before)) << "and has its value back, not its gradient";
+      EXPECT_EQ(adam.param_step_count(l2), 0);
+      EXPECT_EQ(adam.param_step_count(l3), l3_count + 1) << "l3's update had started: it stands";
+      continue;
+    }
+    ASSERT_EQ(error, "(no error)") << when;
+    EXPECT_TRUE(r.applied) << when;
+    EXPECT_EQ(r.late_params, 0) << when << ": l2 landed late at step 3, and is expected since";
+    if (step > 3) {
+      EXPECT_GT(r.overlapped_chunks, 0) << when;
+    }
+  }
+  EXPECT_EQ(adam.param_step_count(l2), 3) << "trained at steps 4 to 6";
+}
+
 // Note [Update behind the next forward]: with update_behind_forward (b) the host updates after
 // backward are left running and the next forward waits for each chunk's own; against the same training
 // with it off (a), every loss (each computed by a forward that waited), master, moment and parameter is
@@ -2312,24 +2366,27 @@ TEST(HybridAdam, OptimizerCallsBetweenForwardAndBackwardAreNotUses) {
   }
 }
 
+// A TinyLm with one more parameter, 'extra' (zeros, kDim), added to the embedding's output while
+// use_extra is set: a parameter some steps do not train, whose gradient lands last in backward.
+TinyLm tiny_lm_with_extra(uint64_t seed, const bool& use_extra) {
+  torch::manual_seed(seed);
+  TinyLm net(kVocab, kDim);
+  torch::Tensor extra = net->register_parameter("extra", torch::zeros({kDim}));
+  net->after_embedding = [&use_extra, extra](const torch::Tensor& x) { return use_extra ? x + extra : x; };
+  return net;
+}
+
 // The two-phase step with micro-batches takes a gradient its chunk did not have in the previous
 // backward, after that chunk's norm was taken (nothing irreversible had happened: the step takes the
-// norm again), and stays bit-identical to backward() + step(). The eager one refuses it
-// (PipelinedStepRefusesALateGradient).
+// norm again), and stays bit-identical to backward() + step(). (PipelinedStepTakesAGradientItsChunkDidNotExpect:
+// the default mode, and the eager step.)
 TEST(HybridAdam, AccumulatedTwoPhaseStepTakesALateGradient) {
   HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
   options.device_state_chunks = 2;
   options.max_grad_norm = 0.05;
   options.accumulate_grads = true;
   bool use_extra = false;
-  auto make = [&](uint64_t seed) {
-    torch::manual_seed(seed);
-    TinyLm net(kVocab, kDim);
-    torch::Tensor extra = net->register_parameter("extra", torch::zeros({kDim}));
-    net->after_embedding = [&use_extra, extra](const torch::Tensor& x) { return use_extra ? x + extra : x; };
-    return net;
-  };
-  TinyLm a_net = make(57), b_net = make(57);
+  TinyLm a_net = tiny_lm_with_extra(57, use_extra), b_net = tiny_lm_with_extra(57, use_extra);
   ChunkedModel a(a_net.ptr(), sim_config(budget_for(3, 2 * 2, 4), Precision::kBf16));
   ChunkedModel b(b_net.ptr(), sim_config(budget_for(3, 2 * 2, 4), Precision::kBf16));
   HybridAdam a_adam(a, options), b_adam(b, options);
@@ -2475,66 +2532,140 @@ TEST(HybridAdam, PipelinedHostAdamStartsBeforeBackwardEnds) {
   net->gate = false;
 }
 
-// A gradient that arrives for a chunk whose pipelined update has started (a parameter the previous
-// steps did not train, used now at the start of forward, so its gradient lands at the end of backward,
-// after its chunk-mates') is refused with a clear error, not lost; zero_grad() discards the rest and the
-// model trains on without it, and with it once it comes back (the refused landing is expected then).
-// In the default mode and with accumulate_grads (each a refusal of its own).
-TEST(HybridAdam, PipelinedStepRefusesALateGradient) {
+// A gradient that arrives for a chunk whose pipelined update (or norm) has started: a parameter no
+// earlier step trained ('extra', used at the start of forward, so its gradient lands at the end of
+// backward, after its chunk-mates'), as a task head or an expert used for the first time, or a layer
+// that stochastic depth skipped in the first steps. It was refused and the step lost; now it is taken
+// (Note [A gradient after its chunk's update]): the eager step updates it after backward (late_params),
+// the two-phase one takes its chunk's norm again; either way bit-identical to backward() + step(), and
+// once seen it is expected, so it trains pipelined after. Default mode and accumulate_grads (where only
+// the last micro-batch can be late: the first one's landings are expected in the last), state on the
+// host or all on the device, with and without clipping.
+TEST(HybridAdam, PipelinedStepTakesAGradientItsChunkDidNotExpect) {
   for (const bool accumulate : {false, true}) {
-    SCOPED_TRACE(accumulate ? "accumulate_grads" : "default mode");
-    HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
-    options.device_state_chunks = 0;
-    options.accumulate_grads = accumulate;
-    torch::manual_seed(53);
-    TinyLm net(kVocab, kDim);
-    torch::Tensor extra = net->register_parameter("extra", torch::zeros({kDim}));
-    bool use_extra = false;
-    net->after_embedding = [&](const torch::Tensor& x) { return use_extra ? x + extra : x; };
-    ChunkedModel model(net.ptr(), sim_config(0, Precision::kFp32));
-    HybridAdam adam(model, options);
-    for (int step = 0; step < 3; ++step) {
-      const Batch x = batch(step);
-      EXPECT_TRUE(adam.backward_step(model.forward([&] { return lm_loss(net, x.idx, x.target); })).applied);
-    }
-    use_extra = true;
-    const Batch x = batch(3);
-    try {
-      adam.backward_step(model.forward([&] { return lm_loss(net, x.idx, x.target); }));
-      ADD_FAILURE() << "the late gradient of 'extra' must be refused";
-    } catch (const c10::Error& e) {
-      const std::string what = e.what();
-      EXPECT_NE(what.find("extra"), std::string::npos) << what;
-      EXPECT_NE(what.find("after its chunk's update had started"), std::string::npos) << what;
-    }
-    EXPECT_EQ(model.phase(), ModelPhase::kIdle);
-    adam.zero_grad();
-    EXPECT_FALSE(model.any_grad_in_slot());
-    use_extra = false;
-    for (int step = 4; step < 6; ++step) {
-      const Batch y = batch(step);
-      EXPECT_TRUE(adam.backward_step(model.forward([&] { return lm_loss(net, y.idx, y.target); })).applied)
-          << "usable afterwards";
-    }
-    const int64_t e = [&] {
-      for (int64_t p = 0; p < model.num_params(); ++p) {
-        if (model.param_name(p) == "extra") return p;
+    for (const int64_t device_chunks : {int64_t{0}, int64_t{-1}}) {
+      for (const double clip : {0.0, 0.05}) {
+        const std::string what = std::string(accumulate ? "accumulate_grads" : "default mode") +
+                                 (device_chunks == 0 ? ", host state" : ", device state") +
+                                 (clip > 0 ? ", two-phase (clipping)" : ", eager");
+        HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+        options.device_state_chunks = device_chunks;
+        options.accumulate_grads = accumulate;
+        options.max_grad_norm = clip;
+        bool use_extra = false;
+        TinyLm a_net = tiny_lm_with_extra(53, use_extra), b_net = tiny_lm_with_extra(53, use_extra);
+        ChunkedModel a(a_net.ptr(), sim_config(0, Precision::kBf16)), b(b_net.ptr(), sim_config(0, Precision::kBf16));
+        HybridAdam a_adam(a, options), b_adam(b, options);
+        const int micro = accumulate ? 2 : 1;
+        for (int step = 0; step < 8; ++step) {
+          const std::string when = what + ", step " + std::to_string(step);
+          StepResult ra, rb;
+          for (int k = 0; k < micro; ++k) {
+            // From step 3 on, but not at step 6; at step 3 only in the last micro-batch.
+            use_extra = step >= 3 && step != 6 && (step > 3 || k + 1 == micro);
+            const Batch x = batch(10 * step + k);
+            a.backward(a.forward([&] { return lm_loss(a_net, x.idx, x.target) / micro; }));
+            const torch::Tensor loss = b.forward([&] { return lm_loss(b_net, x.idx, x.target) / micro; });
+            if (k + 1 < micro) {
+              b.backward(loss);
+            } else {
+              ASSERT_NO_THROW(rb = b_adam.backward_step(loss)) << when;
+            }
+          }
+          ra = a_adam.step();
+          a_adam.zero_grad();
+          b_adam.zero_grad();
+          ASSERT_TRUE(ra.applied && rb.applied) << when;
+          if (clip > 0) {
+            EXPECT_EQ(ra.grad_norm, rb.grad_norm) << when;
+            EXPECT_LT(ra.clip_coef, 1.0) << when << ": the clipping path";
+          }
+          ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, when));
+          for (int64_t p = 0; p < a.num_params(); ++p) {
+            ASSERT_EQ(a_adam.param_step_count(p), b_adam.param_step_count(p)) << when << ": " << a.param_name(p);
+          }
+          // The eager accumulating step updates device-state chunks after backward (nothing launched).
+          const bool launches = !(accumulate && device_chunks != 0 && clip == 0);
+          EXPECT_EQ(rb.late_params, step == 3 && clip == 0 && launches ? 1 : 0) << when;
+          if (step >= 1 && launches) {
+            EXPECT_GT(rb.overlapped_chunks, 0) << when;
+          }
+        }
+        const int64_t e = [&] {
+          for (int64_t p = 0; p < b.num_params(); ++p) {
+            if (b.param_name(p) == "extra") return p;
+          }
+          return int64_t{-1};
+        }();
+        ASSERT_GE(e, 0);
+        EXPECT_EQ(b_adam.param_step_count(e), 4) << what << ": trained at steps 3, 4, 5 and 7";
       }
-      return int64_t{-1};
-    }();
-    ASSERT_GE(e, 0);
-    EXPECT_TRUE(torch::equal(adam.master(e), torch::zeros({kDim}))) << "the refused gradient was not applied";
-    // Note [Expectations only grow]: the refused landing is expected from then on, so 'extra' trains
-    // pipelined when it is used again (its chunk waits for it), and is left to backward's end when not.
-    for (int step = 6; step < 9; ++step) {
-      use_extra = step != 7;
-      const Batch y = batch(step);
-      const StepResult r = adam.backward_step(model.forward([&] { return lm_loss(net, y.idx, y.target); }));
-      EXPECT_TRUE(r.applied) << "step " << step;
-      EXPECT_GT(r.overlapped_chunks, 0) << "step " << step;
     }
-    EXPECT_FALSE(torch::equal(adam.master(e), torch::zeros({kDim}))) << "'extra' trains now";
   }
+}
+
+// A second gradient contribution to a parameter whose chunk's update has run with the first cannot be
+// taken (that update used part of the gradient), so it is refused, once, naming it; the next backwards
+// expect it. Two contributions land when a custom Function's backward runs a backward of its own
+// through the parameter (a reentrant backward): W lands there, which made its one-parameter chunk
+// final and updated it, and then again from its use in forward.
+torch::Tensor g_nested_weight;
+struct NestedBackwardThroughWeight : torch::autograd::Function<NestedBackwardThroughWeight> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& h) { return h.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+    torch::AutoGradMode on(true);
+    torch::autograd::backward({(g_nested_weight * 0.5).sum()});
+    return {g[0]};
+  }
+};
+struct WeightThenHeadImpl : torch::nn::Module {
+  WeightThenHeadImpl() {
+    w = register_parameter("w", torch::randn({kDim, kDim}) * 0.1);
+    head = register_module("head", torch::nn::Linear(kDim, kDim));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    torch::Tensor h = torch::matmul(x, w.t());
+    if (nested) {
+      g_nested_weight = w;
+      h = NestedBackwardThroughWeight::apply(h);
+    }
+    return head->forward(h).pow(2).mean();
+  }
+  torch::Tensor w;
+  torch::nn::Linear head{nullptr};
+  bool nested = false;
+};
+TORCH_MODULE(WeightThenHead);
+
+TEST(HybridAdam, PipelinedStepRefusesASecondContributionAfterTheUpdate) {
+  HybridAdamOptions options(adamw());
+  options.device_state_chunks = 0;
+  torch::manual_seed(61);
+  WeightThenHead net;
+  Config config = sim_config(0);
+  config.chunk_size_bytes = kDim * kDim * 4 + 256;  // w alone in its chunk
+  ChunkedModel model(net.ptr(), config);
+  HybridAdam adam(model, options);
+  auto step = [&](int i) {
+    torch::manual_seed(100 + i);
+    const torch::Tensor x = torch::randn({4, kDim});
+    return adam.backward_step(model.forward([&] { return net->forward(x); }));
+  };
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(step(i).applied) << "step " << i;
+  net->nested = true;
+  const std::string error = test::error_of([&] { step(3); });
+  EXPECT_NE(error.find("parameter w got gradient contribution 2 after its chunk's update had started"),
+            std::string::npos) << error;
+  EXPECT_NE(error.find("The next backwards expect it"), std::string::npos) << error;
+  EXPECT_EQ(model.phase(), ModelPhase::kIdle);
+  adam.zero_grad();
+  EXPECT_FALSE(model.any_grad_in_slot());
+  const StepResult r = step(4);
+  EXPECT_TRUE(r.applied) << "expected now: no refusal";
+  EXPECT_GT(r.overlapped_chunks, 0);
+  net->nested = false;
+  EXPECT_TRUE(step(5).applied) << "one contribution fewer leaves the chunk to backward's end";
+  g_nested_weight = torch::Tensor();
 }
 
 // Asking for more device-resident state than the one device budget can hold next to a parameter chunk

@@ -39,11 +39,14 @@ struct LmImpl : torch::nn::Module {
   }
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& target) {
     auto x = wte(idx);
-    for (size_t i = 0; i < fc.size(); ++i) x = x + out[i](torch::gelu(fc[i](ln[i](x))));
+    for (size_t i = 0; i < fc.size(); ++i) {
+      if (static_cast<int64_t>(i) != skip) x = x + out[i](torch::gelu(fc[i](ln[i](x))));
+    }
     auto logits = torch::matmul(ln_f(x), wte->weight.t()).to(torch::kFloat);
     return torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}), target.reshape({-1}));
   }
   int64_t vocab;
+  int64_t skip = -1;  // a block the loss leaves out (stochastic depth)
   torch::nn::Embedding wte{nullptr};
   std::vector<torch::nn::LayerNorm> ln;
   std::vector<torch::nn::Linear> fc, out;
@@ -355,6 +358,43 @@ TEST_P(HybridAdamOnDevice, ANonFiniteGradientSkipsItsChunkWhereverItsStateLives)
     EXPECT_EQ(a_adam.param_step_count(poisoned), 4) << what << ": its chunk skipped one of five steps";
     EXPECT_EQ(a_adam.param_step_count(0), 5) << what << ": the other chunks were updated";
   }
+}
+
+// Note [A gradient after its chunk's update] wherever the state lives: block 2, skipped by the first
+// steps (stochastic depth), is used from step 3 on, so its gradients land after its chunk-mates' update
+// had started and are updated after backward. All state on the device against all on the host, both
+// under the eager backward_step: the same late parameters, the same bits at every step, no refusal.
+// (The two-phase step, which takes the chunk's norm again, is compared with backward() + step() in
+// PipelinedStepTakesAGradientItsChunkDidNotExpect; device and host norms differ in their last bits.)
+TEST_P(HybridAdamOnDevice, ALateGradientIsTakenWhereverTheStateLives) {
+  const DeviceKind device = GetParam();
+  DeviceAndHostState t(device, 29, options(0.0));
+  Lm &a_net = t.a_net, &b_net = t.b_net;
+  ChunkedModel &a = t.a, &b = t.b;
+  HybridAdam &a_adam = t.a_adam, &b_adam = t.b_adam;
+  int64_t late = 0;
+  for (int step = 0; step < 6; ++step) {
+    const std::string when = "step " + std::to_string(step);
+    a_net->skip = b_net->skip = step < 3 ? 2 : -1;
+    const Batch x = batch(step, device);
+    StepResult ra, rb;
+    ASSERT_EQ(test::error_of([&] { ra = a_adam.backward_step(a.forward([&] { return a_net->loss(x.idx, x.target); })); }),
+              "(no error)") << when;
+    ASSERT_EQ(test::error_of([&] { rb = b_adam.backward_step(b.forward([&] { return b_net->loss(x.idx, x.target); })); }),
+              "(no error)") << when;
+    a_adam.zero_grad();
+    b_adam.zero_grad();
+    ASSERT_TRUE(ra.applied && rb.applied) << when;
+    EXPECT_EQ(ra.late_params, rb.late_params) << when;
+    late += ra.late_params;
+    if (step < 2) continue;  // placed and pipelined from step 2 on (the first steps trace and place)
+    ASSERT_EQ(ra.device_chunks, t.chunks) << when;
+    ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, when));
+    for (int64_t p = 0; p < a.num_params(); ++p) {
+      ASSERT_EQ(a_adam.param_step_count(p), b_adam.param_step_count(p)) << when << ": " << a.param_name(p);
+    }
+  }
+  EXPECT_GT(late, 0) << "block 2's gradients came after their chunk's update had started";
 }
 
 // Note [Ops outside the scopes] (D57) where the device is real: right after step() returns with its
