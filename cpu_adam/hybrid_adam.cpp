@@ -744,10 +744,15 @@ void HybridAdam::before_landing(int64_t param) {
 //    finiteness, then the update where the state lives. Adam is elementwise, so the bits are those of
 //    backward() + step() (the norm that the result reports is summed in another order); a non-finite
 //    late gradient skips the late spans only, as a non-finite chunk skips its own (Note [Pipelined step]);
-//  - a further contribution to a parameter whose update has run, or any late landing at N > 1 (the
-//    group's reduce-scatter has left), is refused, once: the next backwards expect it.
+//  - a further contribution to a parameter whose update has run is refused, once: the next backwards
+//    expect it.
 // The late parameters are counted in StepResult::late_params; being late grows the expectations, so a
-// parameter is late at most once per requires_grad configuration.
+// parameter is late at most once per requires_grad configuration. At N > 1 a late landing cannot be
+// taken (the group's reduce-scatter has left): there a chunk holding a trainable parameter that no
+// backward has reached yet is not final early (arm_landing_count_locked), so the landing is not late,
+// at the cost of that chunk's overlap until the parameter trains (for good if it never does: such a
+// parameter should not require grad). requires_grad is the same on every rank (the landings'
+// fingerprint includes it), so the groups still complete in the same order everywhere.
 void HybridAdam::late_landing_locked(int64_t param, int64_t c) {
   const bool accumulation = slot_accumulation();
   std::vector<int64_t>& expected = accumulation ? accum_expected_ : expected_landings_;
@@ -1048,7 +1053,27 @@ void HybridAdam::arm_landing_count_locked(bool armed) {
   late_.assign(model().num_params(), 0);
   late_chunks_.assign(n, 0);
   remaining_.assign(n, 0);
-  if (armed) remaining_ = final_counts_locked(expected_landings_);
+  if (!armed) return;
+  remaining_ = final_counts_locked(expected_landings_);
+  if (world_ == 1) return;
+  // Note [A gradient after its chunk's update] at N > 1: a late landing cannot be taken (the group's
+  // reduce-scatter has left), so a chunk with a trainable parameter that no backward has reached yet
+  // waits for backward's end. The same on every rank: requires_grad joins the landings' fingerprint.
+  // (Cost: those chunks' updates are not overlapped while it lasts, for good for a parameter that never
+  // trains: it should not require grad. Told once.)
+  const auto& slots = model().layout().slots();
+  int64_t waiting = 0, first = -1;
+  for (int64_t p = 0; p < model().num_params(); ++p) {
+    if (expected_landings_[p] != 0 || !model().param(p).requires_grad()) continue;
+    remaining_[slots[p].chunk] = -1;
+    if (waiting++ == 0) first = p;
+  }
+  if (waiting > 0 && !told_unreached_) {
+    told_unreached_ = true;
+    log::info("ferry: backward_step: ", waiting, " parameter(s) that require grad (", model().param_name(first),
+              " first) had no gradient in any backward yet; across ranks their chunks wait for backward's end until "
+              "they do (a parameter that never trains should not require grad)");
+  }
 }
 
 bool HybridAdam::update_unlaunched_locked(const ChunkNorms& norms, StepResult& result) {

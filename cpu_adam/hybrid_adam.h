@@ -484,7 +484,8 @@ class HybridAdam final : private GradSink, private LayoutListener {
     bool finite = true;   // every gradient finite, and sum_sq too (an overflowing norm is non-finite)
   };
   // Resets this backward's landing counts; `armed`: a chunk becomes final when its parameters have had
-  // the landings and uses earlier backwards had (remaining_ counts them down).
+  // the landings and uses earlier backwards had (remaining_ counts them down); at N > 1 not one holding
+  // a trainable parameter no backward reached (Note [A gradient after its chunk's update]).
   void arm_landing_count_locked(bool armed);
   // expected_landings_ grows by this backward's landings_ (Note [Expectations only grow]); `complete`:
   // the backward ran to its end.
@@ -708,6 +709,7 @@ class HybridAdam final : private GradSink, private LayoutListener {
   // gradient of this backward landed after its chunk's job had started (so the job left it alone); per
   // layout chunk, whether it has such a parameter. Reset when a pipelined backward starts.
   std::vector<char> late_, late_chunks_;
+  bool told_unreached_ = false;  // N > 1: the log line about parameters no backward reached
   // Accumulation mode, per layout chunk: the update wrote the new compute-dtype values into the
   // parameter chunk (write_back_locked skips it, then clears this).
   std::vector<char> lowp_written_;

@@ -385,6 +385,8 @@ void HybridAdam::check_landings_agree_locked() {
   Fingerprint f;
   for (int64_t v : expected_landings_) f.mix(v);
   for (int64_t v : last_uses_) f.mix(v);  // a group is final after its uses too (Note [A chunk final before its last use])
+  // A chunk with a trainable parameter never landed is not final early (arm_landing_count_locked).
+  for (int64_t p = 0; p < model().num_params(); ++p) f.mix(model().param(p).requires_grad() ? 1 : 0);
   landings_agree_ = same_on_every_rank_locked(f.value());
 }
 

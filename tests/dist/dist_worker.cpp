@@ -14,6 +14,12 @@
 // rank R's rows frozen.
 // --frozen-until=K: the MLP (up, down) does not require grad before step K, on every rank (a parameter's
 // own step count then lags its group's, D62).
+// --freeze-spare=1: `spare` does not require grad (a parameter that never trains should not: at N > 1 a
+// trainable one that no backward reached holds its chunk's update back to backward's end).
+// --spare-from=K: from step K on, `spare` (otherwise never used) is added to the embedding's output, on
+// every rank: a trainable parameter that no backward reached before (a task head or an expert used
+// for the first time), packed with the head by the warm-up repack and landing after it in backward
+// (Note [A gradient after its chunk's update]).
 // --warmup-iterations=W: SchedulerOptions::warmup_iterations (the repack comes after W iterations).
 // --hold-view-rank=R: rank R keeps a detach() of up.weight for the whole run (its warm-up repack waits
 // for it: Note [A repack waits for held views]).
@@ -78,10 +84,12 @@ struct SmallLmImpl : torch::nn::Module {
   // frozen: the MLP gets no gradient from these rows (its output is detached).
   torch::Tensor forward(const torch::Tensor& idx, bool frozen = false) {
     auto x = emb(idx);
+    if (use_spare) x = x + spare;
     auto mlp = down(torch::gelu(up(x)));
     x = x + (frozen ? mlp.detach() : mlp);
     return head(norm(x));
   }
+  bool use_spare = false;
   torch::nn::Embedding emb{nullptr};
   torch::nn::Linear up{nullptr}, down{nullptr}, head{nullptr};
   torch::nn::LayerNorm norm{nullptr};
@@ -113,6 +121,7 @@ int run(int argc, char** argv) {
   const int die_rank = std::stoi(option(rest, "die-rank", "-1"));
   const int frozen_rank = std::stoi(option(rest, "frozen-rank", "-1"));
   const int frozen_until = std::stoi(option(rest, "frozen-until", "0"));
+  const int spare_from = std::stoi(option(rest, "spare-from", "-1"));
   const std::string save = option(rest, "save", ""), resume = option(rest, "resume", "");
   const int discard_step = std::stoi(option(rest, "discard-step", "-1"));
   const int emulate = std::stoi(option(rest, "emulate-world", "1"));
@@ -134,6 +143,7 @@ int run(int argc, char** argv) {
   auto comm = ferry::dist::connect(config);
   torch::manual_seed(7 + config.rank);  // different per rank on purpose: rank 0's values must win
   SmallLm net;
+  if (option(rest, "freeze-spare", "0") == "1") net->spare.set_requires_grad(false);
   ferry::ChunkedModelOptions model_options;
   model_options.scheduler.reshard_min_gap = std::stoll(option(rest, "reshard-gap", "0"));
   model_options.scheduler.reshard_after_forward = option(rest, "reshard", "1") == "1";
@@ -156,6 +166,7 @@ int run(int argc, char** argv) {
   ferry::HybridAdam& adam = *optimizer;
   const ferry::ChunkStoreStats built = adam.state_store().stats();
   const int64_t construct_state_bytes = built.host.current_bytes + built.device.current_bytes;
+  const int64_t construct_chunks = model.layout().num_chunks();  // the warm-up repack may change it
   torch::Tensor held_view;  // --hold-view-rank
   if (config.rank == std::stoi(option(rest, "hold-view-rank", "-1"))) held_view = net->up->weight.detach();
   bool poison = false;  // --nan-step
@@ -189,6 +200,7 @@ int run(int argc, char** argv) {
     for (auto* layer : {&net->up, &net->down}) {
       for (auto& p : (*layer)->parameters()) p.set_requires_grad(step >= frozen_until);
     }
+    net->use_spare = spare_from >= 0 && step >= spare_from;
     auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + step);
     const torch::Tensor idx = torch::randint(kVocab, {batch, kSeq}, gen, torch::kLong);
     const torch::Tensor target = (idx * 5 + 1) % kVocab;
@@ -327,7 +339,7 @@ int run(int argc, char** argv) {
       const std::string& name = model.param_name(p);
       const bool mlp = name.rfind("up.", 0) == 0 || name.rfind("down.", 0) == 0;
       const int64_t missed = model.layout().slots()[p].chunk == skipped_chunk ? 1 : 0;
-      const int64_t want = name == "spare" ? 0
+      const int64_t want = name == "spare" ? (spare_from >= 0 ? std::max(0, steps - spare_from) : 0)
                            : mlp ? adam.step_count(0) - std::min(frozen_until, steps) - missed
                                  : adam.step_count(0) - missed;
       TORCH_CHECK(count == want, "param_step_count of ", name, ": ", count, ", expected ", want);
@@ -358,7 +370,7 @@ int run(int argc, char** argv) {
             << " forward_end_bytes=" << forward_end_bytes << " gathers=" << ps.gathers << " prefetched=" << ps.prefetched
             << " released=" << ps.released_chunks << " landed_on_device=" << ps.landed_on_device << " groups=" << (shards ? shards->num_groups() : 0)
             << " state_bytes=" << ss.host.current_bytes + ss.device.current_bytes
-            << " state_device_bytes=" << ss.device.current_bytes << " construct_state_bytes=" << construct_state_bytes << " evictions=" << evictions
+            << " state_device_bytes=" << ss.device.current_bytes << " construct_state_bytes=" << construct_state_bytes << " construct_chunks=" << construct_chunks << " evictions=" << evictions
             << " ring_bytes=" << cs.ring_bytes_sent
             << " last_step_ring_bytes=" << cs.ring_bytes_sent - ring_before_last << " overlapped=" << overlapped << " deferred=" << deferred
             << " accumulation_jobs=" << (micro > 1 ? adam.pipelined_jobs_started() : 0)

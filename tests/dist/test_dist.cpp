@@ -230,8 +230,10 @@ void expect_equals_one_process(int world, const std::vector<std::string>& extra,
     const double chunks = res["chunks"];
     const double groups_held = std::ceil((chunks - r) / world);
     EXPECT_NEAR(res["state_bytes"], sharded * groups_held / chunks + replicated, 1) << "rank " << r;
-    // Before the first step a rank holds every master but no moment or accumulation chunk (D46).
-    EXPECT_NEAR(res["construct_state_bytes"], single_state / roles, 1) << "rank " << r;
+    // Before the first step a rank holds every master but no moment or accumulation chunk (D46), of the
+    // chunks before the warm-up repack (which packs a layer the first step did not use apart).
+    EXPECT_NEAR(res["construct_state_bytes"], single_state / roles * res["construct_chunks"] / chunks, 1)
+        << "rank " << r;
   }
   // Every sharded state byte exists once across the ranks; so does every parameter chunk byte.
   EXPECT_NEAR(held, sharded + replicated * world, 1) << describe(ranks);
@@ -342,6 +344,17 @@ TEST(Dist, ALayerFrozenForTheFirstStepsEqualsOneProcess) {
   expect_equals_one_process(2, {"--frozen-until=2", "--api=backward_step", "--micro=2"});
 }
 
+// Note [A gradient after its chunk's update] across ranks: `spare`, trainable but used by no step
+// before step 2 (a task head or an expert used for the first time), is packed with the head and lands
+// after it. In one process the late landing is taken; across ranks it could not be (the group's
+// reduce-scatter has left), so under backward_step a chunk with a trainable parameter that no backward
+// has reached waits for backward's end, the same on every rank: nothing is refused and the training is
+// one process's. (Before: every rank threw at step 2.)
+TEST(Dist, AParameterFirstUsedLateEqualsOneProcess) {
+  expect_equals_one_process(2, {"--spare-from=2", "--api=backward_step"});
+  expect_equals_one_process(2, {"--spare-from=2"});
+}
+
 // Note [Several forwards] across ranks: each rank's rows in two forward() calls, one backward (groups
 // gathered, given up after forward and reduce-scattered within the one iteration), as one process.
 TEST(Dist, TwoForwardsPerStepEqualOneProcess) {
@@ -357,12 +370,14 @@ TEST(Dist, TwoRanksBackwardStepEqualsOneProcess) {
 // backward_step pipelines the step into backward across ranks (each group's reduce-scatter and its
 // owner's host Adam start when the group is final): the same parameters as backward() + step(), bit
 // for bit, on every rank. With a rank whose landings differ it must not pipeline (groups would complete
-// in different orders), and stays right.
+// in different orders), and stays right. (`spare`, which never trains, does not require grad here: a
+// trainable parameter no backward reached holds its chunk, the head's, back to backward's end;
+// AParameterFirstUsedLateEqualsOneProcess.)
 TEST(Dist, PipelinedBackwardStepEqualsBackwardThenStepBitForBit) {
   for (const std::vector<std::string>& extra : {std::vector<std::string>{}, {"--frozen-rank=1"}}) {
     const std::string stepped = temp_dir(), pipelined = temp_dir();
     auto args = [&](const std::string& dir, const std::string& api) {
-      std::vector<std::string> a{"--out=" + dir, "--steps=6", "--batch=8", "--api=" + api};
+      std::vector<std::string> a{"--out=" + dir, "--steps=6", "--batch=8", "--api=" + api, "--freeze-spare=1"};
       a.insert(a.end(), extra.begin(), extra.end());
       return a;
     };
