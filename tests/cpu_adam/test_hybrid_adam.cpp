@@ -1254,6 +1254,49 @@ TEST(HybridAdam, ABackwardThatThrowsAfterALateGradientLeavesItUntouched) {
   EXPECT_EQ(adam.param_step_count(l2), 3) << "trained at steps 4 to 6";
 }
 
+// A non-finite late gradient (Note [A gradient after its chunk's update]) skips the late spans only, as
+// a non-finite chunk in the eager step skips itself: l2, first used at step 3 with a NaN gradient, keeps
+// its values and its step count; its chunk-mate l3, updated during backward, keeps its update; the
+// step reports the overflow, and l2 trains from step 4 on.
+TEST(HybridAdam, ANonFiniteLateGradientSkipsOnlyTheLateSpans) {
+  HybridAdamOptions options(adamw());
+  options.device_state_chunks = 0;
+  torch::manual_seed(71);
+  FourLayers net;
+  bool poison = false;
+  net->l[2]->weight.register_hook([&poison](const torch::Tensor& g) { return poison ? torch::full_like(g, NAN) : g; });
+  ChunkedModel model(net.ptr(), sim_config(budget_for(1, 0), Precision::kFp32));
+  HybridAdam adam(model, options);
+  int64_t l2 = -1, l3 = -1;
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    if (model.param_name(p) == "l2.weight") l2 = p;
+    if (model.param_name(p) == "l3.weight") l3 = p;
+  }
+  ASSERT_GE(l2, 0);
+  ASSERT_GE(l3, 0);
+  for (int step = 0; step < 6; ++step) {
+    const std::string when = "step " + std::to_string(step);
+    torch::manual_seed(600 + step);
+    const torch::Tensor x = torch::randn({4, 40});
+    net->l2_times = step < 3 ? 0 : 1;
+    poison = step == 3;
+    const torch::Tensor l2_before = adam.master(l2).clone();
+    const int64_t l3_count = adam.param_step_count(l3);
+    const StepResult r = adam.backward_step(model.forward([&] { return net->forward(x).pow(2).mean(); }));
+    EXPECT_EQ(r.overflow, step == 3) << when;
+    if (step != 3) continue;
+    EXPECT_EQ(r.late_params, 2) << "l2's weight and bias";
+    EXPECT_TRUE(torch::equal(adam.master(l2), l2_before)) << "the late spans were skipped";
+    EXPECT_TRUE(torch::equal(model.param_values(l2), l2_before)) << "and have their values back";
+    EXPECT_EQ(adam.param_step_count(l2), 0);
+    EXPECT_EQ(adam.param_step_count(l3), l3_count + 1) << "l3's update ran during backward";
+  }
+  EXPECT_EQ(adam.param_step_count(l2), 2) << "trained at steps 4 and 5";
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    EXPECT_TRUE(torch::isfinite(model.param_values(p)).all().item<bool>()) << model.param_name(p);
+  }
+}
+
 // Note [Update behind the next forward]: with update_behind_forward (b) the host updates after
 // backward are left running and the next forward waits for each chunk's own; against the same training
 // with it off (a), every loss (each computed by a forward that waited), master, moment and parameter is
