@@ -166,7 +166,6 @@ int run(int argc, char** argv) {
   ferry::HybridAdam& adam = *optimizer;
   const ferry::ChunkStoreStats built = adam.state_store().stats();
   const int64_t construct_state_bytes = built.host.current_bytes + built.device.current_bytes;
-  const int64_t construct_chunks = model.layout().num_chunks();  // the warm-up repack may change it
   torch::Tensor held_view;  // --hold-view-rank
   if (config.rank == std::stoi(option(rest, "hold-view-rank", "-1"))) held_view = net->up->weight.detach();
   bool poison = false;  // --nan-step
@@ -370,7 +369,7 @@ int run(int argc, char** argv) {
             << " forward_end_bytes=" << forward_end_bytes << " gathers=" << ps.gathers << " prefetched=" << ps.prefetched
             << " released=" << ps.released_chunks << " landed_on_device=" << ps.landed_on_device << " groups=" << (shards ? shards->num_groups() : 0)
             << " state_bytes=" << ss.host.current_bytes + ss.device.current_bytes
-            << " state_device_bytes=" << ss.device.current_bytes << " construct_state_bytes=" << construct_state_bytes << " construct_chunks=" << construct_chunks << " evictions=" << evictions
+            << " state_device_bytes=" << ss.device.current_bytes << " construct_state_bytes=" << construct_state_bytes << " evictions=" << evictions
             << " ring_bytes=" << cs.ring_bytes_sent
             << " last_step_ring_bytes=" << cs.ring_bytes_sent - ring_before_last << " overlapped=" << overlapped << " deferred=" << deferred
             << " accumulation_jobs=" << (micro > 1 ? adam.pipelined_jobs_started() : 0)
