@@ -347,10 +347,16 @@ TEST(Dist, ALayerFrozenForTheFirstStepsEqualsOneProcess) {
 // after it. In one process the late landing is taken; across ranks it could not be (the group's
 // reduce-scatter has left), so under backward_step a chunk with a trainable parameter that no backward
 // has reached waits for backward's end, the same on every rank: nothing is refused and the training is
-// one process's. (Before: every rank threw at step 2.)
+// one process's. (Before: every rank threw at step 2.) Also beside the other modes of the step.
 TEST(Dist, AParameterFirstUsedLateEqualsOneProcess) {
   expect_equals_one_process(2, {"--spare-from=2", "--api=backward_step"});
   expect_equals_one_process(2, {"--spare-from=2"});
+  // With micro-batches, with clipping, with the MLP unfrozen after spare's first use, and with a rank
+  // whose rows give the MLP no gradient (the ranks' landings differ: not pipelined).
+  expect_equals_one_process(2, {"--spare-from=2", "--api=backward_step", "--micro=2", "--batch=16"});
+  expect_equals_one_process(2, {"--spare-from=2", "--api=backward_step", "--clip=0.5"});
+  expect_equals_one_process(2, {"--spare-from=1", "--api=backward_step", "--frozen-until=3"});
+  expect_equals_one_process(2, {"--spare-from=3", "--api=backward_step", "--frozen-rank=1"}, {"--emulate-world=2"});
 }
 
 // Note [Several forwards] across ranks: each rank's rows in two forward() calls, one backward (groups
