@@ -336,14 +336,15 @@ TEST(Dist, AParameterWithoutGradientOnSomeRanksEqualsOneProcess) {
 // lag their group's, counted by the owners of their state (in the pipelined step, by its owner jobs
 // too), as one process counts them; also with two accumulated micro-batches, whose chunks become final
 // on the landings and uses that earlier backwards had (D71, D72). Then frozen for the whole run: a frozen
-// layer between trained ones under the pipelined step across ranks (D71), also with micro-batches and
-// beside a parameter first used late (D73).
+// layer between trained ones under the pipelined step across ranks (D71; the never-used spare frozen too,
+// so that the head's chunk, which holds it, is final early), also with micro-batches and beside a
+// parameter first used late (D73).
 TEST(Dist, ALayerFrozenForTheFirstStepsEqualsOneProcess) {
   expect_equals_one_process(2, {"--frozen-until=2"});
   expect_equals_one_process(2, {"--frozen-until=2", "--api=backward_step"});
   expect_equals_one_process(2, {"--frozen-until=2", "--api=backward_step", "--micro=2"});
-  expect_equals_one_process(2, {"--frozen-until=9", "--api=backward_step"});
-  expect_equals_one_process(2, {"--frozen-until=9", "--api=backward_step", "--micro=2"});
+  expect_equals_one_process(2, {"--frozen-until=9", "--api=backward_step", "--freeze-spare=1"});
+  expect_equals_one_process(2, {"--frozen-until=9", "--api=backward_step", "--freeze-spare=1", "--micro=2"});
   expect_equals_one_process(2, {"--frozen-until=9", "--api=backward_step", "--spare-from=2"});
 }
 
