@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <functional>
 #include <string>
 
@@ -32,6 +33,16 @@ class LogLevelFor {
  private:
   log::Level before_;
 };
+
+// The index of the parameter named `name` in a ChunkedModel (or anything with num_params() and
+// param_name(p)), or -1.
+template <class Model>
+int64_t param_index(const Model& model, const std::string& name) {
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    if (model.param_name(p) == name) return p;
+  }
+  return -1;
+}
 
 // How many times `what` occurs in `text`.
 inline size_t occurrences(const std::string& text, const std::string& what) {

@@ -688,10 +688,7 @@ TEST(HybridAdam, ParametersWithoutGradientsAreNotUpdated) {
     const at::Tensor frozen = net->ln_f->weight.detach().clone();
     ChunkedModel model(net.ptr(), sim_config(budget_for(3, 1, accumulate ? 4 : 3)));
     HybridAdam adam(model, HybridAdamOptions(adamw()).with_accumulate_grads(accumulate).with_device_state_chunks(1));
-    int64_t frozen_param = -1;
-    for (int64_t p = 0; p < model.num_params(); ++p) {
-      if (model.param_name(p) == "ln_f.weight") frozen_param = p;
-    }
+    const int64_t frozen_param = test::param_index(model, "ln_f.weight");
     ASSERT_GE(frozen_param, 0);
     const at::Tensor other_before = adam.master(0);
     for (int step = 0; step < 3; ++step) {
@@ -1212,13 +1209,7 @@ TEST(HybridAdam, ABackwardThatThrowsAfterALateGradientLeavesItUntouched) {
   FourLayers net(/*fail_after=*/0);
   ChunkedModel model(net.ptr(), sim_config(budget_for(1, 0), Precision::kFp32));
   HybridAdam adam(model, options);
-  auto index = [&](const std::string& name) {
-    for (int64_t p = 0; p < model.num_params(); ++p) {
-      if (model.param_name(p) == name) return p;
-    }
-    return int64_t{-1};
-  };
-  const int64_t l2 = index("l2.weight"), l3 = index("l3.weight");
+  const int64_t l2 = test::param_index(model, "l2.weight"), l3 = test::param_index(model, "l3.weight");
   ASSERT_GE(l2, 0);
   ASSERT_GE(l3, 0);
   for (int step = 0; step < 7; ++step) {
@@ -1267,11 +1258,7 @@ TEST(HybridAdam, ANonFiniteLateGradientSkipsOnlyTheLateSpans) {
   net->l[2]->weight.register_hook([&poison](const torch::Tensor& g) { return poison ? torch::full_like(g, NAN) : g; });
   ChunkedModel model(net.ptr(), sim_config(budget_for(1, 0), Precision::kFp32));
   HybridAdam adam(model, options);
-  int64_t l2 = -1, l3 = -1;
-  for (int64_t p = 0; p < model.num_params(); ++p) {
-    if (model.param_name(p) == "l2.weight") l2 = p;
-    if (model.param_name(p) == "l3.weight") l3 = p;
-  }
+  const int64_t l2 = test::param_index(model, "l2.weight"), l3 = test::param_index(model, "l3.weight");
   ASSERT_GE(l2, 0);
   ASSERT_GE(l3, 0);
   for (int step = 0; step < 6; ++step) {
@@ -1598,14 +1585,9 @@ TEST(HybridAdam, Bf16WritesKeepTheBitsTheyDoNotTouch) {
     const Batch x = batch(step);
     adam.backward_step(model.forward([&] { return lm_loss(net, x.idx, x.target); }));
   }
-  auto index_of = [&](const std::string& name) {
-    for (int64_t p = 0; p < model.num_params(); ++p) {
-      if (model.param_name(p) == name) return p;
-    }
-    ADD_FAILURE() << name;
-    return int64_t{0};
-  };
-  const int64_t fc = index_of("fc0.weight"), out = index_of("out0.weight");
+  const int64_t fc = test::param_index(model, "fc0.weight"), out = test::param_index(model, "out0.weight");
+  ASSERT_GE(fc, 0);
+  ASSERT_GE(out, 0);
   const torch::Tensor fc_before = adam.master(fc);
   ASSERT_FALSE(torch::equal(fc_before, fc_before.to(torch::kBFloat16).to(torch::kFloat)))
       << "the masters must have bits below bf16 for the test to mean anything";
@@ -2634,12 +2616,7 @@ TEST(HybridAdam, PipelinedStepTakesAGradientItsChunkDidNotExpect) {
             EXPECT_GT(rb.overlapped_chunks, 0) << when;
           }
         }
-        const int64_t e = [&] {
-          for (int64_t p = 0; p < b.num_params(); ++p) {
-            if (b.param_name(p) == "extra") return p;
-          }
-          return int64_t{-1};
-        }();
+        const int64_t e = test::param_index(b, "extra");
         ASSERT_GE(e, 0);
         EXPECT_EQ(b_adam.param_step_count(e), 4) << what << ": trained at steps 3, 4, 5 and 7";
       }
