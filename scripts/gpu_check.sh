@@ -5,8 +5,8 @@
 #  1-2. scripts/setup.sh with FERRY_OFFLINE=1: the python3 that imports torch 2.11 (FERRY_PYTHON to
 #     choose another); spdlog, oneTBB, GoogleTest from the system if CMake finds them, else the Debian
 #     packages carried in third_party/gpu-deps (FERRY_CARRIED_DEPS=1 forces that path); installs nothing;
-#  3. builds ferry into build-gpu/ (Release, Ninja) and runs the `gpu`-labelled tests, then the whole
-#     ctest suite (CPU tests also exercise the AVX-512 kernels if this CPU has them) unless
+#  3. builds ferry into build-gpu/ (Release, Ninja; only FERRY_BUILD_TARGETS when set) and runs the
+#     `gpu`-labelled tests, then the whole ctest suite (CPU tests also exercise the AVX-512 kernels if this CPU has them) unless
 #     FERRY_GPU_TESTS_ONLY=1;
 #  4. optionally runs benchmarks/bench_BENCHMARK with the given arguments.
 # Writes to OUT_DIR: env.txt, env.json, nvidia-smi.txt, build.log, tests.log, gpu_tests.log,
@@ -38,10 +38,20 @@ prefix_path="$torch_prefix${deps_prefix:+;$deps_prefix}"
 jobs=$(getconf _NPROCESSORS_ONLN)  # not nproc: it honours OMP_NUM_THREADS
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-say "configuring and building in $build with $jobs jobs"
+# FERRY_BUILD_TARGETS="a b ...": build only these (a short lease: the gpu-labelled tests and the
+# benchmarks its stages run, about half the full build); a failed targeted build falls back to all.
+targets=()
+[[ -n ${FERRY_BUILD_TARGETS:-} ]] && read -ra targets <<<"$FERRY_BUILD_TARGETS"
+build_all() {
+  if ((${#targets[@]})); then
+    cmake --build "$build" -j "$jobs" --target "${targets[@]}" && return 0
+    echo "[gpu_check] the targeted build failed: building everything"
+  fi
+  cmake --build "$build" -j "$jobs"
+}
+say "configuring and building in $build with $jobs jobs${targets:+ (targets: ${targets[*]})}"
 if ! { cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix_path" \
-         -DPython3_EXECUTABLE="$python" "${launcher[@]}" &&
-       cmake --build "$build" -j "$jobs"; } > "$out/build.log" 2>&1; then
+         -DPython3_EXECUTABLE="$python" "${launcher[@]}" && build_all; } > "$out/build.log" 2>&1; then
   say "build FAILED (see build.log)"; tail -40 "$out/build.log" >&2; exit 1
 fi
 "$build/examples/ferry_info" > "$out/env.txt" 2>&1

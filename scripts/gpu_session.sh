@@ -6,7 +6,8 @@
 # 2. each line of STAGES_FILE, "NAME SECONDS COMMAND...", run by bash under `timeout SECONDS` (cut to
 #    what is left of the call's deadline, FERRY_DEADLINE seconds, default 570), stdout to NAME.out and
 #    stderr to NAME.log; blank lines and lines starting with '#' are skipped;
-# 3. packs everything into $OUT/results.tgz (the device tool brings back at most 8 files), with
+# 3. packs everything into $OUT/results.tgz (the device tool brings back at most 8 files; small.tgz holds
+#    all but the traces and profiles, in case results.tgz is over the tool's 16 MiB a file), with
 #    stages.tsv (each step's exit status and seconds) and commit.txt; scripts/gpu_unpack.py files it
 #    under benchmarks/results/.
 # Stages see BUILD (the build directory), RES (the results directory) and COMMIT (FERRY_COMMIT, or
@@ -22,7 +23,13 @@ deadline=$((SECONDS + ${FERRY_DEADLINE:-570}))
 export RES=/tmp/ferry-gpu-results BUILD=$root/build-gpu
 export COMMIT=${FERRY_COMMIT:-$(git -C "$root" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 rm -rf "$RES" && mkdir -p "$RES"
-pack() { echo "$COMMIT" > "$RES/commit.txt"; tar czf "$out/results.tgz" -C "$RES" .; }
+# Two packs: everything, and everything but the traces and profiles (small.tgz): a results.tgz over the
+# tool's 16 MiB a file would not come back, and the stages' JSON and logs must.
+pack() {
+  echo "$COMMIT" > "$RES/commit.txt"
+  tar czf "$out/results.tgz" -C "$RES" .
+  tar czf "$out/small.tgz" --exclude='./trace-*' --exclude='./profile-*' -C "$RES" .
+}
 # One line per step, "NAME<TAB>EXIT<TAB>SECONDS" (EXIT "skipped" when no time was left): what
 # scripts/gpu_unpack.py reports beside the files.
 record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$RES/stages.tsv"; }
