@@ -106,10 +106,12 @@ TEST(ProcessGroup, AGroupOfOneRunsEveryCollectiveAndWritesTheOutputs) {
 // Note [A collective lets go of its tensors]: once a blocking Gloo collective returns, the backend
 // holds nothing of its tensor (its worker used to, a moment after the wait returned, so a reference
 // count taken right after, the warm-up repack's, could see it). Many rounds, so a worker slow to let
-// go shows. Gloo only: the wait is not taken for NCCL.
+// go shows. Gloo only: the wait is not taken for NCCL, so the NCCL binary does not hold this test (a
+// skipped case there made ctest report the whole binary as skipped although its NCCL cases ran and
+// passed, seen on the H100).
+#ifndef FERRY_TEST_NCCL
 TEST(ProcessGroup, ABlockingCollectiveLetsGoOfItsTensorWhenItReturns) {
   FERRY_REQUIRE_BACKEND();
-  if (std::string(kBackend) != "gloo") GTEST_SKIP() << "the release wait is Gloo's only";
   const std::shared_ptr<dist::Communicator> comm = dist::connect(alone(kBackend), /*even_alone=*/true);
   ASSERT_NE(comm, nullptr);
   for (const c10::Device& device : devices()) {
@@ -125,6 +127,7 @@ TEST(ProcessGroup, ABlockingCollectiveLetsGoOfItsTensorWhenItReturns) {
     EXPECT_EQ(held, 0) << "rounds after which the backend still held the tensor";
   }
 }
+#endif
 
 TEST(ProcessGroup, MismatchedSizesFailNamingBoth) {
   FERRY_REQUIRE_BACKEND();

@@ -161,9 +161,18 @@ TEST(ChunkedModelGpu, PrefetchOverlapsCopiesWithCompute) {
   EXPECT_GT(with.prefetches, 0);
   EXPECT_EQ(without.prefetches, 0);
   EXPECT_EQ(with.h2d_bytes, without.h2d_bytes) << "prefetch changes when chunks move, not how much (OPT)";
-  // Structural, not a speed target (those live in benchmarks): with copies issued ahead on the copy
-  // stream, the training thread blocks on them for less time than when each is issued at its use.
-  EXPECT_LT(with.wait_ns, without.wait_ns) << "prefetched copies should already be under way when waited for";
+  // Not a speed target (those live in benchmarks): whether the copies hide behind compute. Where the
+  // training thread blocks on copies, it blocks for less time when they were issued ahead. On CUDA a
+  // use of a chunk still on its way to the device is ordered on the compute stream
+  // (ChunkStore::ready_for_use), not waited for by the host: both runs then wait 0 ns on the host (seen
+  // on the H100, 2026-11-26) and the overlap shows only on the device's timeline, i.e. in the
+  // iteration's time (there 9.3 ms without prefetch, 7.2 ms with it).
+  if (without.wait_ns > 0) {
+    EXPECT_LT(with.wait_ns, without.wait_ns) << "prefetched copies should already be under way when waited for";
+  } else {
+    EXPECT_EQ(with.wait_ns, 0) << "a prefetch made the host wait where uses at the copy did not";
+    EXPECT_LT(t_with, t_without) << "copies issued ahead on the copy stream should hide behind compute";
+  }
 }
 
 // Note [Between forward and backward] where it matters: on CUDA a chunk evicted at the end of forward
