@@ -318,10 +318,20 @@ def trace_breakdown(path):
     return "\n".join(lines)
 
 
+def peer_optimizer(doc):
+    """torch.optim.AdamW's implementation in a gpt_peer result. JSONs from before gpt_peer.py's
+    --optimizer carry none: their FSDP2 runs left AdamW to itself, which takes the for-loop one for CPU
+    tensors, and their plain runs asked for fused on CUDA."""
+    if "optimizer" in doc:
+        return doc["optimizer"]
+    return "for-loop" if doc.get("mode") == "fsdp2" or doc.get("device") == "cpu" else "fused"
+
+
 def peer_table(doc, path):
     t, m = doc["time"], doc["memory"]
+    kind = doc["kind"] if "optimizer" in doc else f"{doc['kind']} (AdamW {peer_optimizer(doc)})"
     return "\n".join([
-        f"`{path}` — {doc['kind']}, commit `{doc['commit']}`, torch {doc['env']['torch']}, "
+        f"`{path}` — {kind}, commit `{doc['commit']}`, torch {doc['env']['torch']}, "
         f"GPU {doc['env']['gpu_name'] or 'none'}",
         "",
         "| preset | params | batch x seq | step s | fwd s | bwd s | opt s | tokens/s | TFLOPS 6N | start-up s | "
@@ -349,6 +359,7 @@ def scaling_plot(docs, out):
                                                                        doc["baseline"]["tokens_per_s"]))
         elif doc.get("benchmark") == "gpt_peer":
             name = {"plain": "plain PyTorch", "fsdp2": "FSDP2 + CPU offload"}.get(doc["mode"], doc["mode"])
+            name += f", AdamW {peer_optimizer(doc)}"
             lines.setdefault(name, []).append((doc["model"]["params"], doc["tokens_per_s"]))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, pts in sorted(lines.items()):
