@@ -6,8 +6,8 @@
 #     choose another); spdlog, oneTBB, GoogleTest from the system if CMake finds them, else the Debian
 #     packages carried in third_party/gpu-deps (FERRY_CARRIED_DEPS=1 forces that path); installs nothing;
 #  3. builds ferry into build-gpu/ (Release, Ninja; only FERRY_BUILD_TARGETS when set) and runs the
-#     `gpu`-labelled tests, then the whole ctest suite (CPU tests also exercise the AVX-512 kernels if this CPU has them) unless
-#     FERRY_GPU_TESTS_ONLY=1;
+#     `gpu`-labelled tests, then the whole ctest suite (CPU tests also exercise the AVX-512 kernels if
+#     this CPU has them) unless FERRY_GPU_TESTS_ONLY=1;
 #  4. optionally runs benchmarks/bench_BENCHMARK with the given arguments.
 # Writes to OUT_DIR: env.txt, env.json, nvidia-smi.txt, build.log, tests.log, gpu_tests.log,
 # bench_BENCHMARK.json and bench_BENCHMARK.log. Exits non-zero if the build or a test fails.

@@ -8,11 +8,12 @@ document like bench_gpt's (progress on stderr).
       params, fp32 reduce), torch.optim.AdamW over the sharded fp32 parameters (on the CPU), fused
       (--optimizer, below).
   python3 benchmarks/peers/gpt_peer.py --mode=plain --preset=1b ...
-      the model on the GPU in fp32, bf16 autocast, torch.optim.AdamW(fused=True).
+      the model on the GPU in fp32, bf16 autocast, torch.optim.AdamW (fused: --optimizer, below).
   --checkpoint-activations: torch.utils.checkpoint around each block (as ferry::checkpoint).
   --optimizer=fused|foreach|for-loop: torch.optim.AdamW's implementation (default fused, the fastest torch
       has on the CPU as on the GPU). Left to itself AdamW takes the for-loop one for CPU tensors, FSDP2's
-      offloaded shards among them: 16x slower than fused on a 2-core CPU (64 x 1M fp32 parameters), and
+      offloaded shards among them: 7.7x slower than fused on a 2-core CPU (64 x 1M fp32 parameters,
+      benchmarks/results/adamw-impls-cpu2-20261126-180333.txt), and
       the FSDP2 runs of 2026-11-26 on the H100 spent 6.2 of their 7.4 s at 4b in it. Those runs predate
       this option; their JSONs carry no "optimizer" field.
   --device=cpu runs either mode on the CPU (gloo; a smoke test of this script, not a measurement).
