@@ -1,4 +1,4 @@
-#include "ferry/chunk/chunk.h"
+#include "chunk.h"
 
 #include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>

@@ -29,9 +29,9 @@
 #include <memory>
 #include <vector>
 
-#include "ferry/chunk/copy_engine.h"
-#include "ferry/chunk/role.h"
-#include "ferry/chunk/state.h"
+#include "copy_engine.h"
+#include "role.h"
+#include "state.h"
 
 namespace ferry {
 

@@ -9,7 +9,7 @@
 //     reverses a pending one needs no host wait: its copy runs after the pending one on the stream, and
 //     its ticket replaces the old ticket.
 //  4. make_room(device) asks the policy; make_room(host) can only wait for pending host->device copies.
-#include "ferry/chunk/chunk_store.h"
+#include "chunk_store.h"
 
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -18,8 +18,8 @@
 #include <sstream>
 #include <unordered_set>
 
-#include "ferry/common/event_trace.h"
-#include "ferry/common/logging.h"
+#include "../common/event_trace.h"
+#include "../common/logging.h"
 
 namespace ferry {
 
@@ -280,7 +280,7 @@ bool ChunkStore::start_move(Chunk& chunk, Location to, bool must) {
               " is in COMPUTE and cannot move");
   if (to == Location::kDevice && chunk.host_locks > 0) {
     TORCH_CHECK(!must, "ferry: ", describe(chunk), " is locked on the host (the optimizer is updating it there, "
-                "Note [Pipelined step] in cpu_adam/hybrid_adam.h) and cannot move to the device now: a parameter "
+                "Note [Pipelined step] in optim/hybrid_adam.h) and cannot move to the device now: a parameter "
                 "of it is used after its gradient was final, or before the update a step left running behind it "
                 "has finished (Note [Update behind the next forward])");
     return false;

@@ -53,14 +53,14 @@
 #include <string>
 #include <vector>
 
-#include "ferry/chunk/chunk.h"
-#include "ferry/chunk/copy_engine.h"
-#include "ferry/chunk/device_accountant.h"
-#include "ferry/chunk/eviction_policy.h"
-#include "ferry/chunk/host_buffer.h"
-#include "ferry/chunk/layout.h"
-#include "ferry/chunk/out_of_memory.h"
-#include "ferry/common/config.h"
+#include "../common/config.h"
+#include "chunk.h"
+#include "copy_engine.h"
+#include "device_accountant.h"
+#include "eviction_policy.h"
+#include "host_buffer.h"
+#include "layout.h"
+#include "out_of_memory.h"
 
 namespace ferry {
 

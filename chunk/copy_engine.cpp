@@ -1,12 +1,12 @@
-#include "ferry/chunk/copy_engine.h"
+#include "copy_engine.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
 
-#include "ferry/common/event_trace.h"
-#include "ferry/common/gpu_info.h"
+#include "../common/event_trace.h"
+#include "../common/gpu_info.h"
 
 namespace ferry {
 namespace {

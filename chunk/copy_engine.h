@@ -23,7 +23,7 @@
 #include <memory>
 #include <string>
 
-#include "ferry/common/config.h"
+#include "../common/config.h"
 
 namespace ferry {
 

@@ -8,7 +8,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
-#include "ferry/chunk/copy_engine.h"
+#include "copy_engine.h"
 
 namespace ferry {
 namespace {

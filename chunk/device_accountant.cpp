@@ -1,4 +1,4 @@
-#include "ferry/chunk/device_accountant.h"
+#include "device_accountant.h"
 
 #include <c10/util/Exception.h>
 

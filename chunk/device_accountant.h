@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <mutex>
 
-#include "ferry/chunk/role.h"
+#include "role.h"
 
 namespace ferry {
 

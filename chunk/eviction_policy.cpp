@@ -1,4 +1,4 @@
-#include "ferry/chunk/eviction_policy.h"
+#include "eviction_policy.h"
 
 #include <algorithm>
 

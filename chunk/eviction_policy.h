@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "ferry/chunk/role.h"
+#include "role.h"
 
 namespace ferry {
 

@@ -1,4 +1,4 @@
-#include "ferry/chunk/host_buffer.h"
+#include "host_buffer.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>

@@ -1,4 +1,4 @@
-#include "ferry/chunk/layout.h"
+#include "layout.h"
 
 #include <c10/util/Exception.h>
 

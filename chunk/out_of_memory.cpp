@@ -1,8 +1,8 @@
-#include "ferry/chunk/out_of_memory.h"
+#include "out_of_memory.h"
 
 #include <sstream>
 
-#include "ferry/common/config.h"
+#include "../common/config.h"
 
 namespace ferry {
 namespace {

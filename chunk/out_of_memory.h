@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include "ferry/chunk/role.h"
+#include "role.h"
 
 namespace ferry {
 

@@ -1,4 +1,4 @@
-#include "ferry/chunk/repack.h"
+#include "repack.h"
 
 #include <c10/util/Exception.h>
 

@@ -18,8 +18,8 @@
 #include <functional>
 #include <vector>
 
-#include "ferry/chunk/chunk_store.h"
-#include "ferry/chunk/layout.h"
+#include "chunk_store.h"
+#include "layout.h"
 
 namespace ferry {
 

@@ -1,4 +1,4 @@
-#include "ferry/chunk/role.h"
+#include "role.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,4 +1,4 @@
-#include "ferry/chunk/state.h"
+#include "state.h"
 
 #include <c10/util/Exception.h>
 

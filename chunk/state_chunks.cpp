@@ -1,8 +1,8 @@
-#include "ferry/chunk/state_chunks.h"
+#include "state_chunks.h"
 
 #include <c10/util/Exception.h>
 
-#include "ferry/chunk/repack.h"
+#include "repack.h"
 
 namespace ferry {
 

@@ -26,8 +26,8 @@
 #include <memory>
 #include <vector>
 
-#include "ferry/chunk/chunk_store.h"
-#include "ferry/chunk/layout.h"
+#include "chunk_store.h"
+#include "layout.h"
 
 namespace ferry {
 

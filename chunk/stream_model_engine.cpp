@@ -1,4 +1,4 @@
-#include "ferry/chunk/stream_model_engine.h"
+#include "stream_model_engine.h"
 
 #include <c10/util/Exception.h>
 

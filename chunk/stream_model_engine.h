@@ -28,7 +28,7 @@
 #include <memory>
 #include <random>
 
-#include "ferry/chunk/copy_engine.h"
+#include "copy_engine.h"
 
 namespace ferry {
 

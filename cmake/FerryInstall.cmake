@@ -33,7 +33,7 @@ install(TARGETS ferry EXPORT ferryTargets
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(FILES ferry.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/ferry)
-foreach(dir common chunk scheduler cpu_adam hooks dist)
+foreach(dir common chunk scheduler cpu_adam hooks dist optim)
   install(DIRECTORY ${dir}/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/ferry/${dir}
     FILES_MATCHING PATTERN "*.h" PATTERN "kernels" EXCLUDE)
 endforeach()

@@ -1,4 +1,4 @@
-#include "ferry/common/cli.h"
+#include "cli.h"
 
 #include <c10/util/Exception.h>
 
@@ -9,7 +9,7 @@
 #include <iostream>
 #include <sstream>
 
-#include "ferry/common/logging.h"
+#include "logging.h"
 
 namespace ferry::cli {
 namespace {

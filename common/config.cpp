@@ -1,4 +1,4 @@
-#include "ferry/common/config.h"
+#include "config.h"
 
 #include <c10/util/Exception.h>
 
@@ -8,7 +8,7 @@
 #include <iomanip>
 #include <sstream>
 
-#include "ferry/common/cpu_features.h"
+#include "cpu_features.h"
 
 namespace ferry {
 namespace {

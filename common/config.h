@@ -11,7 +11,7 @@
 #include <string_view>
 #include <vector>
 
-#include "ferry/common/logging.h"
+#include "logging.h"
 
 namespace ferry {
 

@@ -1,4 +1,4 @@
-#include "ferry/common/cpu_features.h"
+#include "cpu_features.h"
 
 #include <cpuid.h>
 

@@ -1,4 +1,4 @@
-#include "ferry/common/crc32c.h"
+#include "crc32c.h"
 
 #include <cstring>
 

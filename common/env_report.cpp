@@ -1,4 +1,4 @@
-#include "ferry/common/env_report.h"
+#include "env_report.h"
 
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <dlfcn.h>
@@ -9,10 +9,10 @@
 #include <sstream>
 #include <thread>
 
-#include "ferry/common/cpu_features.h"
-#include "ferry/common/gpu_info.h"
-#include "ferry/common/logging.h"
-#include "ferry/common/version.h"
+#include "cpu_features.h"
+#include "gpu_info.h"
+#include "logging.h"
+#include "version.h"
 
 namespace ferry {
 namespace {

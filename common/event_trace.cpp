@@ -1,4 +1,4 @@
-#include "ferry/common/event_trace.h"
+#include "event_trace.h"
 
 #include <c10/util/Exception.h>
 #include <unistd.h>
@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#include "ferry/common/logging.h"
+#include "logging.h"
 
 namespace ferry::trace {
 namespace {

@@ -1,4 +1,4 @@
-#include "ferry/common/gpu_info.h"
+#include "gpu_info.h"
 
 #include <ATen/detail/CUDAHooksInterface.h>
 

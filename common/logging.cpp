@@ -1,5 +1,5 @@
 // The only translation unit that includes spdlog (see logging.h).
-#include "ferry/common/logging.h"
+#include "logging.h"
 
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>

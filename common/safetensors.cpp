@@ -1,4 +1,4 @@
-#include "ferry/common/safetensors.h"
+#include "safetensors.h"
 
 #include <c10/util/Exception.h>
 #include <fcntl.h>

@@ -1,4 +1,4 @@
-#include "ferry/cpu_adam/adam_options.h"
+#include "adam_options.h"
 
 #include <c10/util/Exception.h>
 

@@ -4,7 +4,7 @@
 // one contiguous range per thread whose boundaries are multiples of 16 elements (64 bytes of fp32), so
 // no two threads write the same cache line. Spans shorter than kMinPerThread per thread use fewer
 // threads (a fork/join costs more than it saves on small spans).
-#include "ferry/cpu_adam/cpu_adam.h"
+#include "cpu_adam.h"
 
 #include <c10/util/Exception.h>
 #include <omp.h>
@@ -16,8 +16,8 @@
 #include <functional>
 #include <mutex>
 
-#include "ferry/common/logging.h"
-#include "ferry/cpu_adam/kernels/kernel_abi.h"
+#include "../common/logging.h"
+#include "kernels/kernel_abi.h"
 
 namespace ferry {
 namespace {

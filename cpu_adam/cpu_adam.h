@@ -31,9 +31,9 @@
 #include <optional>
 #include <vector>
 
-#include "ferry/common/config.h"
-#include "ferry/common/cpu_features.h"
-#include "ferry/cpu_adam/adam_options.h"
+#include "../common/config.h"
+#include "../common/cpu_features.h"
+#include "adam_options.h"
 
 namespace ferry {
 namespace cpu_adam {

@@ -1,15 +1,15 @@
-#include "ferry/cpu_adam/device_adam.h"
+#include "device_adam.h"
 
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 
-#include "ferry/cpu_adam/kernels/kernel_abi.h"
+#include "kernels/kernel_abi.h"
 
 #ifdef FERRY_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "ferry/cpu_adam/kernels/adam_cuda.h"
+#include "kernels/adam_cuda.h"
 #endif
 
 namespace ferry {

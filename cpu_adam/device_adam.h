@@ -22,7 +22,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
-#include "ferry/cpu_adam/cpu_adam.h"
+#include "cpu_adam.h"
 
 namespace ferry {
 

@@ -1,4 +1,4 @@
-#include "ferry/dist/nccl.h"
+#include "nccl.h"
 
 #include <c10/util/Exception.h>
 

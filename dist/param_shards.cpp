@@ -1,5 +1,5 @@
 // ParamShards (see param_shards.h).
-#include "ferry/dist/param_shards.h"
+#include "param_shards.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -10,8 +10,8 @@
 #include <cstring>
 #include <string>
 
-#include "ferry/common/event_trace.h"
-#include "ferry/common/logging.h"
+#include "../common/event_trace.h"
+#include "../common/logging.h"
 
 namespace ferry::dist {
 namespace {

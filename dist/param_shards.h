@@ -2,7 +2,7 @@
 // ParamShards: the parameter chunks sharded across the ranks in groups of chunks (Note [Sharded
 // parameters], docs/ARCHITECTURE.md D45). The N ranks' chunks form groups of N consecutive layout
 // chunks; rank r owns member r of each group (chunk i with i % N == r), the same ownership as the
-// optimizer state's (Note [Sharded optimizer state] in cpu_adam/hybrid_adam.h), so a chunk's owner holds
+// optimizer state's (Note [Sharded optimizer state] in optim/hybrid_adam.h), so a chunk's owner holds
 // both its parameters and their optimizer state.
 //
 //  - An owned chunk always has its payload (on the device or the host, as the scheduler places it): the
@@ -39,9 +39,9 @@
 #include <mutex>
 #include <vector>
 
-#include "ferry/chunk/chunk_store.h"
-#include "ferry/dist/communicator.h"
-#include "ferry/scheduler/remote_chunks.h"
+#include "../chunk/chunk_store.h"
+#include "../scheduler/remote_chunks.h"
+#include "communicator.h"
 
 namespace ferry::dist {
 

@@ -1,4 +1,4 @@
-#include "ferry/dist/process_group.h"
+#include "process_group.h"
 
 #include <c10/util/Exception.h>
 
@@ -10,11 +10,11 @@
 #include <thread>
 #include <vector>
 
-#include "ferry/chunk/copy_engine.h"
-#include "ferry/common/cli.h"
-#include "ferry/common/event_trace.h"
-#include "ferry/common/logging.h"
-#include "ferry/dist/nccl.h"
+#include "../chunk/copy_engine.h"
+#include "../common/cli.h"
+#include "../common/event_trace.h"
+#include "../common/logging.h"
+#include "nccl.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>

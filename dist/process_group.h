@@ -26,8 +26,8 @@
 // claim the same rank; ranks disagree on the world size.
 #include <memory>
 
-#include "ferry/common/config.h"
-#include "ferry/dist/communicator.h"
+#include "../common/config.h"
+#include "communicator.h"
 
 namespace ferry::dist {
 

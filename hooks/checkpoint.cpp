@@ -1,4 +1,4 @@
-#include "ferry/hooks/checkpoint.h"
+#include "checkpoint.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
@@ -18,8 +18,8 @@
 #include <unordered_set>
 #include <utility>
 
-#include "ferry/common/logging.h"
-#include "ferry/hooks/param_use_recorder.h"
+#include "../common/logging.h"
+#include "param_use_recorder.h"
 
 namespace ferry {
 namespace {

@@ -1,4 +1,4 @@
-#include "ferry/hooks/chunked_model.h"
+#include "chunked_model.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
@@ -16,11 +16,11 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "ferry/chunk/copy_engine.h"
-#include "ferry/common/gpu_info.h"
-#include "ferry/chunk/repack.h"
-#include "ferry/common/logging.h"
-#include "ferry/hooks/param_use_recorder.h"
+#include "../chunk/copy_engine.h"
+#include "../chunk/repack.h"
+#include "../common/gpu_info.h"
+#include "../common/logging.h"
+#include "param_use_recorder.h"
 
 namespace ferry {
 namespace {
@@ -691,7 +691,7 @@ void ChunkedModel::post_use(int64_t param) {
   if (phase == ModelPhase::kIdle) return;  // pre_use checked it only
   const bool backward = phase == ModelPhase::kBackward;
   scheduler_->post_use(param, backward ? TensorState::kHoldAfterBwd : TensorState::kHoldAfterFwd);
-  // Note [A chunk final before its last use] (cpu_adam/hybrid_adam.cpp).
+  // Note [A chunk final before its last use] (optim/hybrid_adam.cpp).
   if (backward && grad_sink_) grad_sink_->used_in_backward(param);
 }
 

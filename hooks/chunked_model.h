@@ -18,7 +18,7 @@
 //    (off the device their storage aliases the host payload, chunk/chunk.h); a write, in place or by
 //    new storage (torch::load), is taken in before the next use, into the optimizer's masters too
 //    (Note [Writes to parameters]). An update the optimizer
-//    left running behind its step (Note [Update behind the next forward], cpu_adam/hybrid_adam.h) may
+//    left running behind its step (Note [Update behind the next forward], optim/hybrid_adam.h) may
 //    still write a chunk then: ops on the thread that ran the step wait for it (Note [Ops outside the
 //    scopes], hooks/interceptor.h); other threads, and reads that are no op (data_ptr()), call the
 //    optimizer's synchronize() first. With sharded parameters (N > 1) a chunk another rank owns has no
@@ -60,14 +60,14 @@
 #include <utility>
 #include <vector>
 
-#include "ferry/chunk/chunk_store.h"
-#include "ferry/chunk/layout.h"
-#include "ferry/chunk/state_chunks.h"
-#include "ferry/common/config.h"
-#include "ferry/common/event_trace.h"
-#include "ferry/common/safetensors.h"
-#include "ferry/hooks/interceptor.h"
-#include "ferry/scheduler/scheduler.h"
+#include "../chunk/chunk_store.h"
+#include "../chunk/layout.h"
+#include "../chunk/state_chunks.h"
+#include "../common/config.h"
+#include "../common/event_trace.h"
+#include "../common/safetensors.h"
+#include "../scheduler/scheduler.h"
+#include "interceptor.h"
 
 namespace ferry {
 
@@ -97,7 +97,7 @@ struct ChunkedModelOptions {
 // clear_grad_slots(). Gradient accumulation over micro-batches needs the values between backward
 // passes, so it keeps separate fp32 gradient memory (HybridAdamOptions::accumulate_grads), into which
 // the optimizer empties the slots chunk by chunk during backward and gives the values back
-// (Note [Accumulation per chunk], cpu_adam/hybrid_adam.h).
+// (Note [Accumulation per chunk], optim/hybrid_adam.h).
 
 // Note [Writes to parameters]
 // Users write parameters: pretrained weights loaded after the optimizer was built (a copy_, or
@@ -170,7 +170,7 @@ class GradSink {
   // may repack the chunks): work the sink started on the chunks during backward must be done on return.
   virtual void backward_finished(bool /*aborted*/) {}
   // Updates the sink left running on parameter chunks when its step returned (Note [Update behind the
-  // next forward], cpu_adam/hybrid_adam.h). await_param(p) returns once p's chunk holds its new values,
+  // next forward], optim/hybrid_adam.h). await_param(p) returns once p's chunk holds its new values,
   // await_params() once every chunk does; either rethrows an error such an update threw. The model
   // calls await_param before every use of a parameter, and await_params before anything else reads,
   // writes or moves the parameters (param_values, state_dict, load_state_dict, materialize, the end of

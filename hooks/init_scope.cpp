@@ -1,4 +1,4 @@
-#include "ferry/hooks/init_scope.h"
+#include "init_scope.h"
 
 #include <c10/core/DefaultDtype.h>
 #include <c10/util/Exception.h>

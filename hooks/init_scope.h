@@ -30,8 +30,8 @@
 
 #include <optional>
 
-#include "ferry/common/config.h"
-#include "ferry/hooks/interceptor.h"
+#include "../common/config.h"
+#include "interceptor.h"
 
 namespace ferry {
 

@@ -1,5 +1,5 @@
 // Note [Parameter interception]: see interceptor.h.
-#include "ferry/hooks/interceptor.h"
+#include "interceptor.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
@@ -19,7 +19,7 @@
 #include <shared_mutex>
 #include <unordered_map>
 
-#include "ferry/common/logging.h"
+#include "../common/logging.h"
 
 namespace ferry {
 namespace {

@@ -1,4 +1,4 @@
-#include "ferry/scheduler/access_trace.h"
+#include "access_trace.h"
 
 #include <c10/util/Exception.h>
 

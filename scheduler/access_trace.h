@@ -10,7 +10,7 @@
 #include <limits>
 #include <vector>
 
-#include "ferry/chunk/role.h"
+#include "../chunk/role.h"
 
 namespace ferry {
 

@@ -1,4 +1,4 @@
-#include "ferry/scheduler/memory_probe.h"
+#include "memory_probe.h"
 
 #ifdef FERRY_WITH_CUDA
 #include <ATen/Context.h>

@@ -8,7 +8,7 @@
 #include <functional>
 #include <memory>
 
-#include "ferry/common/config.h"
+#include "../common/config.h"
 
 namespace ferry {
 

@@ -1,4 +1,4 @@
-#include "ferry/scheduler/opt_policy.h"
+#include "opt_policy.h"
 
 #include <algorithm>
 

@@ -13,8 +13,8 @@
 #include <memory>
 #include <mutex>
 
-#include "ferry/chunk/eviction_policy.h"
-#include "ferry/scheduler/access_trace.h"
+#include "../chunk/eviction_policy.h"
+#include "access_trace.h"
 
 namespace ferry {
 

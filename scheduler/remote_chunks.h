@@ -10,7 +10,7 @@
 // up chunks. Thread-safe.
 #include <vector>
 
-#include "ferry/chunk/role.h"
+#include "../chunk/role.h"
 
 namespace ferry {
 

@@ -1,5 +1,5 @@
 // Scheduler (see scheduler.h).
-#include "ferry/scheduler/scheduler.h"
+#include "scheduler.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <unordered_set>
 
-#include "ferry/common/logging.h"
+#include "../common/logging.h"
 
 namespace ferry {
 

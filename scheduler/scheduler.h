@@ -24,11 +24,11 @@
 #include <mutex>
 #include <vector>
 
-#include "ferry/chunk/chunk_store.h"
-#include "ferry/scheduler/access_trace.h"
-#include "ferry/scheduler/memory_probe.h"
-#include "ferry/scheduler/opt_policy.h"
-#include "ferry/scheduler/remote_chunks.h"
+#include "../chunk/chunk_store.h"
+#include "access_trace.h"
+#include "memory_probe.h"
+#include "opt_policy.h"
+#include "remote_chunks.h"
 
 namespace ferry {
 

@@ -7,8 +7,8 @@
 
 #include <vector>
 
-#include "ferry/common/config.h"
-#include "ferry/cpu_adam/cpu_adam.h"
+#include "../common/config.h"
+#include "../cpu_adam/cpu_adam.h"
 
 namespace ferry::test {
 

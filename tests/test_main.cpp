@@ -2,7 +2,7 @@
 // readable.
 #include <gtest/gtest.h>
 
-#include "ferry/common/config.h"
+#include "../common/config.h"
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);

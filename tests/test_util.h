@@ -7,8 +7,8 @@
 #include <functional>
 #include <string>
 
-#include "ferry/common/gpu_info.h"
-#include "ferry/common/logging.h"
+#include "../common/gpu_info.h"
+#include "../common/logging.h"
 
 namespace ferry::test {
 

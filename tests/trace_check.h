@@ -12,7 +12,7 @@
 #include <fstream>
 #include <string>
 
-#include "ferry/common/event_trace.h"
+#include "../common/event_trace.h"
 
 namespace ferry::test {
 

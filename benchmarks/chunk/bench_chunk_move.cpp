@@ -13,7 +13,7 @@
 #include <iostream>
 #include <sstream>
 
-#include <ferry/ferry.h>
+#include "../../ferry.h"
 
 namespace {
 

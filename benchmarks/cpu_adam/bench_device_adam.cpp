@@ -19,7 +19,7 @@
 #include <iostream>
 #include <sstream>
 
-#include <ferry/ferry.h>
+#include "../../ferry.h"
 
 #ifdef FERRY_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>

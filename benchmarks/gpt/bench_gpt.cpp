@@ -31,7 +31,7 @@
 // instead of giving it up after forward; the "dist" section reports bytes sent against the floor and
 // the parameter and state bytes per rank between steps and at the peak.
 // Baseline: on CUDA bf16 autocast + fused AdamW; on the CPU fp32 + torch::optim::AdamW.
-#include <ferry/ferry.h>
+#include "../../ferry.h"
 #include <torch/cuda.h>
 #include <torch/torch.h>
 #include <ATen/autocast_mode.h>
@@ -48,7 +48,7 @@
 #include <set>
 #include <sstream>
 
-#include "gpt.h"
+#include "../../examples/gpt/gpt.h"
 
 namespace {
 

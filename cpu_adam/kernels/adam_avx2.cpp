@@ -1,12 +1,12 @@
 // AVX2 + FMA + F16C kernels (8 fp32 lanes). Compiled with -mavx2 -mfma -mf16c; see kernel_abi.h.
 #include <immintrin.h>
 
-#include "ferry/cpu_adam/kernels/kernel_abi.h"
+#include "kernel_abi.h"
 
 namespace ferry::cpu_adam {
 namespace {
 
-#include "ferry/cpu_adam/kernels/adam_body.h"
+#include "adam_body.h"
 
 struct Avx2Ops {
   using F = __m256;

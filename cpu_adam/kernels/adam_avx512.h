@@ -4,12 +4,12 @@
 // rounding path, flushes subnormal inputs |x| < 1.18e-38 to zero). See kernel_abi.h for the rules.
 #include <immintrin.h>
 
-#include "ferry/cpu_adam/kernels/kernel_abi.h"
+#include "kernel_abi.h"
 
 namespace ferry::cpu_adam {
 namespace {
 
-#include "ferry/cpu_adam/kernels/adam_body.h"
+#include "adam_body.h"
 
 struct Avx512Ops {
   using F = __m512;

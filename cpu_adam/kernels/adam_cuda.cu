@@ -16,13 +16,13 @@
 
 #include <algorithm>
 
-#include "ferry/cpu_adam/kernels/adam_cuda.h"
-#include "ferry/cpu_adam/kernels/float16.h"
+#include "adam_cuda.h"
+#include "float16.h"
 
 namespace ferry::cpu_adam {
 namespace {
 
-#include "ferry/cpu_adam/kernels/adam_body.h"
+#include "adam_body.h"
 
 #pragma nv_diag_suppress 177  // W: read by AdamLoop's host-only loop, which this file never instantiates
 struct CudaOps {

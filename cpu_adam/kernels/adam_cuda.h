@@ -4,7 +4,7 @@
 // CPU kernels' (D53). No torch or CUDA headers here: the caller passes its stream as a pointer.
 #include <cstdint>
 
-#include "ferry/cpu_adam/kernels/kernel_abi.h"
+#include "kernel_abi.h"
 
 namespace ferry::cpu_adam {
 

@@ -1,13 +1,13 @@
 // Portable kernels: the reference every SIMD kernel must match bit for bit.
 #include <cmath>
 
-#include "ferry/cpu_adam/kernels/float16.h"
-#include "ferry/cpu_adam/kernels/kernel_abi.h"
+#include "float16.h"
+#include "kernel_abi.h"
 
 namespace ferry::cpu_adam {
 namespace {
 
-#include "ferry/cpu_adam/kernels/adam_body.h"
+#include "adam_body.h"
 
 struct ScalarOps {
   using F = float;

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "ferry/cpu_adam/kernels/host_device.h"
+#include "host_device.h"
 
 
 namespace ferry::cpu_adam {

@@ -2,7 +2,7 @@
 //   ferry_info [--json] [--key=value ...]   (any ferry Config option, e.g. --log-level=debug)
 #include <iostream>
 
-#include <ferry/ferry.h>
+#include "../../ferry.h"
 
 int main(int argc, char** argv) {
   try {

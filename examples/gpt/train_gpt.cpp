@@ -17,7 +17,7 @@
 // Defaults follow the device: on a GPU bf16 and a device budget of 90% of its memory; on the CPU
 // (simulated device) fp32, a chunk size of 1/8 of the model and a device budget of half the model, so
 // chunks really move.
-#include <ferry/ferry.h>
+#include "../../ferry.h"
 
 #include <atomic>
 #include <chrono>

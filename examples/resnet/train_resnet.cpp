@@ -17,7 +17,7 @@
 //
 // The data is synthetic (no image dataset ships with the machine): 32x32 RGB images whose class sets
 // the frequency of a pattern, plus noise, so the loss falls.
-#include <ferry/ferry.h>
+#include "../../ferry.h"
 #include <torch/torch.h>
 
 #include <cstdio>

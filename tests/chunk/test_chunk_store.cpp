@@ -8,9 +8,9 @@
 #include <string>
 #include <thread>
 
-#include "ferry/chunk/stream_model_engine.h"
-#include "test_util.h"
-#include "ferry/chunk/chunk_store.h"
+#include "../../chunk/chunk_store.h"
+#include "../../chunk/stream_model_engine.h"
+#include "../test_util.h"
 
 namespace ferry {
 namespace {

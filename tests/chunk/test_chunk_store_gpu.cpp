@@ -8,8 +8,8 @@
 #include <cmath>
 #include <iostream>
 
-#include "ferry/chunk/chunk_store.h"
-#include "test_util.h"
+#include "../../chunk/chunk_store.h"
+#include "../test_util.h"
 
 #ifdef FERRY_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>

@@ -9,8 +9,8 @@
 #include <map>
 #include <random>
 
-#include "ferry/chunk/stream_model_engine.h"
-#include "ferry/chunk/chunk_store.h"
+#include "../../chunk/chunk_store.h"
+#include "../../chunk/stream_model_engine.h"
 
 namespace ferry {
 namespace {

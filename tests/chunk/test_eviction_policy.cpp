@@ -1,7 +1,7 @@
 // LRU picks least recently used first, ties by id, and stops once enough bytes are chosen.
 #include <gtest/gtest.h>
 
-#include "ferry/chunk/eviction_policy.h"
+#include "../../chunk/eviction_policy.h"
 
 namespace ferry {
 namespace {

@@ -7,7 +7,7 @@
 #include <numeric>
 #include <random>
 
-#include "ferry/chunk/layout.h"
+#include "../../chunk/layout.h"
 
 namespace ferry {
 namespace {

@@ -8,9 +8,9 @@
 #include <numeric>
 #include <set>
 
-#include "ferry/chunk/chunk_store.h"
-#include "ferry/chunk/device_accountant.h"
-#include "ferry/chunk/repack.h"
+#include "../../chunk/chunk_store.h"
+#include "../../chunk/device_accountant.h"
+#include "../../chunk/repack.h"
 
 namespace ferry {
 namespace {

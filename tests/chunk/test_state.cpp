@@ -5,7 +5,7 @@
 #include <set>
 #include <string>
 
-#include "ferry/chunk/state.h"
+#include "../../chunk/state.h"
 
 namespace ferry {
 namespace {

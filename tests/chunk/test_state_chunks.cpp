@@ -6,8 +6,8 @@
 
 #include <numeric>
 
-#include "ferry/chunk/state_chunks.h"
-#include "test_util.h"
+#include "../../chunk/state_chunks.h"
+#include "../test_util.h"
 
 namespace ferry {
 namespace {

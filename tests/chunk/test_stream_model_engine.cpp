@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "ferry/chunk/stream_model_engine.h"
+#include "../../chunk/stream_model_engine.h"
 
 namespace ferry {
 namespace {

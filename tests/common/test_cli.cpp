@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "ferry/common/cli.h"
-#include "ferry/common/crc32c.h"
+#include "../../common/cli.h"
+#include "../../common/crc32c.h"
 
 namespace ferry {
 namespace {

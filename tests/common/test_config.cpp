@@ -1,7 +1,7 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
-#include "ferry/common/config.h"
+#include "../../common/config.h"
 
 namespace ferry {
 namespace {

@@ -3,7 +3,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "ferry/common/cpu_features.h"
+#include "../../common/cpu_features.h"
 
 namespace ferry {
 namespace {

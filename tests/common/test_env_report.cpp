@@ -1,8 +1,8 @@
 #include <gtest/gtest.h>
 #include <torch/version.h>
 
-#include "ferry/common/env_report.h"
-#include "ferry/common/gpu_info.h"
+#include "../../common/env_report.h"
+#include "../../common/gpu_info.h"
 
 namespace ferry {
 namespace {

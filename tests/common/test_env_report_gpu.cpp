@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 
-#include "ferry/common/env_report.h"
-#include "test_util.h"
+#include "../../common/env_report.h"
+#include "../test_util.h"
 
 namespace ferry {
 namespace {

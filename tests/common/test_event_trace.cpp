@@ -5,10 +5,10 @@
 #include <chrono>
 #include <thread>
 
-#include "ferry/chunk/stream_model_engine.h"
-#include "ferry/chunk/chunk_store.h"
-#include "ferry/common/event_trace.h"
-#include "trace_check.h"
+#include "../../chunk/chunk_store.h"
+#include "../../chunk/stream_model_engine.h"
+#include "../../common/event_trace.h"
+#include "../trace_check.h"
 
 namespace ferry {
 namespace {

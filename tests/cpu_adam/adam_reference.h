@@ -27,7 +27,7 @@
 #include <cmath>
 #include <string>
 
-#include "ferry/cpu_adam/adam_options.h"
+#include "../../cpu_adam/adam_options.h"
 
 namespace ferry::test {
 

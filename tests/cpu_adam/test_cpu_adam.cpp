@@ -18,7 +18,7 @@
 #include <stdexcept>
 #include <thread>
 
-#include "ferry/cpu_adam/cpu_adam.h"
+#include "../../cpu_adam/cpu_adam.h"
 
 namespace ferry {
 namespace {

@@ -10,9 +10,9 @@
 #include <memory>
 #include <string>
 
-#include "ferry/cpu_adam/cpu_adam.h"
-#include "ferry/cpu_adam/device_adam.h"
-#include "test_util.h"
+#include "../../cpu_adam/cpu_adam.h"
+#include "../../cpu_adam/device_adam.h"
+#include "../test_util.h"
 
 namespace ferry {
 namespace {

@@ -7,7 +7,7 @@
 #include <limits>
 #include <random>
 
-#include "ferry/cpu_adam/kernels/float16.h"
+#include "../../cpu_adam/kernels/float16.h"
 
 namespace ferry::cpu_adam {
 namespace {

@@ -61,12 +61,12 @@
 #include <thread>
 #include <vector>
 
-#include "ferry/chunk/stream_model_engine.h"
-#include "ferry/common/config.h"
-#include "ferry/common/logging.h"
-#include "ferry/cpu_adam/hybrid_adam.h"
-#include "ferry/dist/process_group.h"
-#include "ferry/hooks/chunked_model.h"
+#include "../../chunk/stream_model_engine.h"
+#include "../../common/config.h"
+#include "../../common/logging.h"
+#include "../../dist/process_group.h"
+#include "../../hooks/chunked_model.h"
+#include "../../optim/hybrid_adam.h"
 
 namespace {
 

@@ -10,10 +10,10 @@
 #include <memory>
 #include <string>
 
-#include "ferry/common/config.h"
-#include "ferry/dist/process_group.h"
+#include "../../common/config.h"
+#include "../../dist/process_group.h"
+#include "../test_util.h"
 #include "free_port.h"
-#include "test_util.h"
 
 namespace ferry {
 namespace {

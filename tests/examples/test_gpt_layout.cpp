@@ -6,8 +6,8 @@
 
 #include <iostream>
 
-#include "ferry/chunk/layout.h"
-#include "gpt.h"
+#include "../../chunk/layout.h"
+#include "../../examples/gpt/gpt.h"
 
 namespace ferry {
 namespace {

@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "ferry/chunk/layout.h"
-#include "ferry/common/config.h"
+#include "../../chunk/layout.h"
+#include "../../common/config.h"
 
 namespace ferry::test {
 

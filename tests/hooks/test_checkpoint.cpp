@@ -10,9 +10,9 @@
 #include <string>
 #include <utility>
 
-#include "ferry/hooks/checkpoint.h"
-#include "ferry/hooks/chunked_model.h"
-#include "test_util.h"
+#include "../../hooks/checkpoint.h"
+#include "../../hooks/chunked_model.h"
+#include "../test_util.h"
 
 namespace ferry {
 namespace {

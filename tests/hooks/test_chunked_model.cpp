@@ -18,13 +18,13 @@
 #include <functional>
 #include <thread>
 
-#include "ferry/chunk/out_of_memory.h"
-#include "ferry/common/event_trace.h"
-#include "ferry/hooks/chunked_model.h"
-#include "ferry/chunk/stream_model_engine.h"
+#include "../../chunk/out_of_memory.h"
+#include "../../chunk/stream_model_engine.h"
+#include "../../common/event_trace.h"
+#include "../../hooks/chunked_model.h"
+#include "../test_util.h"
+#include "../trace_check.h"
 #include "module_twins.h"
-#include "test_util.h"
-#include "trace_check.h"
 
 namespace ferry {
 namespace {

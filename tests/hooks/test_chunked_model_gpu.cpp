@@ -14,9 +14,9 @@
 
 #include <ATen/autocast_mode.h>
 
-#include "ferry/hooks/checkpoint.h"
-#include "ferry/hooks/chunked_model.h"
-#include "test_util.h"
+#include "../../hooks/checkpoint.h"
+#include "../../hooks/chunked_model.h"
+#include "../test_util.h"
 
 namespace ferry {
 namespace {

@@ -15,10 +15,10 @@
 #include <atomic>
 #include <cstring>
 
-#include "ferry/cpu_adam/hybrid_adam.h"
-#include "ferry/hooks/chunked_model.h"
-#include "ferry/hooks/init_scope.h"
-#include "ferry/hooks/interceptor.h"
+#include "../../hooks/chunked_model.h"
+#include "../../hooks/init_scope.h"
+#include "../../hooks/interceptor.h"
+#include "../../optim/hybrid_adam.h"
 
 namespace ferry {
 namespace {

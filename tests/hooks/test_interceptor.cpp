@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "ferry/hooks/interceptor.h"
+#include "../../hooks/interceptor.h"
 
 namespace ferry {
 namespace {

@@ -14,10 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "ferry/chunk/stream_model_engine.h"
-#include "ferry/cpu_adam/hybrid_adam.h"
-#include "ferry/hooks/chunked_model.h"
-#include "cpu_adam_twin.h"
+#include "../../chunk/stream_model_engine.h"
+#include "../../hooks/chunked_model.h"
+#include "../../optim/hybrid_adam.h"
+#include "../cpu_adam_twin.h"
 #include "module_twins.h"
 
 namespace ferry {

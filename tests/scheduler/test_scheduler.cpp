@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "ferry/scheduler/access_trace.h"
-#include "ferry/scheduler/opt_policy.h"
-#include "ferry/scheduler/scheduler.h"
+#include "../../scheduler/access_trace.h"
+#include "../../scheduler/opt_policy.h"
+#include "../../scheduler/scheduler.h"
 
 namespace ferry {
 namespace {

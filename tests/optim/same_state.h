@@ -8,8 +8,8 @@
 
 #include <string>
 
-#include "ferry/cpu_adam/hybrid_adam.h"
-#include "ferry/hooks/chunked_model.h"
+#include "../../hooks/chunked_model.h"
+#include "../../optim/hybrid_adam.h"
 
 namespace ferry::test {
 

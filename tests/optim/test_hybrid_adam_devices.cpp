@@ -19,9 +19,9 @@
 #include <sstream>
 #include <thread>
 
-#include "ferry/cpu_adam/hybrid_adam.h"
-#include "ferry/hooks/chunked_model.h"
-#include "test_util.h"
+#include "../../hooks/chunked_model.h"
+#include "../../optim/hybrid_adam.h"
+#include "../test_util.h"
 #include "same_state.h"
 
 namespace ferry {

@@ -1,4 +1,4 @@
-// HybridAdam::save / load (cpu_adam/hybrid_adam_io.cpp, docs/CHECKPOINT.md) under what kills or
+// HybridAdam::save / load (optim/hybrid_adam_io.cpp, docs/CHECKPOINT.md) under what kills or
 // corrupts checkpoints: a save killed at random points always leaves a loadable checkpoint (the old or
 // the new one); a full disk and an unwritable directory keep the previous checkpoint; every kind of
 // manifest or data corruption is refused before anything is written; non-finite state is not saved.
@@ -21,10 +21,10 @@
 #include <sstream>
 #include <thread>
 
-#include "test_util.h"
-#include "ferry/common/crc32c.h"
-#include "ferry/cpu_adam/hybrid_adam.h"
-#include "ferry/hooks/chunked_model.h"
+#include "../../common/crc32c.h"
+#include "../../hooks/chunked_model.h"
+#include "../../optim/hybrid_adam.h"
+#include "../test_util.h"
 
 namespace ferry {
 namespace {

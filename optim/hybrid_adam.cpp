@@ -1,4 +1,4 @@
-#include "ferry/cpu_adam/hybrid_adam.h"
+#include "hybrid_adam.h"
 
 #include <ATen/ops/all.h>
 #include <ATen/ops/full.h>
@@ -20,11 +20,11 @@
 #include <unordered_map>
 #include <utility>
 
-#include "ferry/chunk/copy_engine.h"
-#include "ferry/common/event_trace.h"
-#include "ferry/common/logging.h"
-#include "ferry/cpu_adam/device_adam.h"
-#include "ferry/hooks/interceptor.h"
+#include "../chunk/copy_engine.h"
+#include "../common/event_trace.h"
+#include "../common/logging.h"
+#include "../cpu_adam/device_adam.h"
+#include "../hooks/interceptor.h"
 
 namespace ferry {
 namespace {

@@ -36,10 +36,10 @@
 #include <memory>
 #include <sstream>
 
-#include "ferry/common/cli.h"
-#include "ferry/common/crc32c.h"
-#include "ferry/common/logging.h"
-#include "ferry/cpu_adam/hybrid_adam.h"
+#include "../common/cli.h"
+#include "../common/crc32c.h"
+#include "../common/logging.h"
+#include "hybrid_adam.h"
 
 namespace ferry {
 namespace {

@@ -230,13 +230,13 @@
 #include <string>
 #include <vector>
 
-#include "ferry/chunk/chunk_store.h"
-#include "ferry/cpu_adam/adam_options.h"
-#include "ferry/cpu_adam/cpu_adam.h"
-#include "ferry/cpu_adam/loss_scaler.h"
-#include "ferry/dist/communicator.h"
-#include "ferry/dist/param_shards.h"
-#include "ferry/hooks/chunked_model.h"
+#include "../chunk/chunk_store.h"
+#include "../cpu_adam/adam_options.h"
+#include "../cpu_adam/cpu_adam.h"
+#include "../dist/communicator.h"
+#include "../dist/param_shards.h"
+#include "../hooks/chunked_model.h"
+#include "loss_scaler.h"
 
 namespace ferry {
 

@@ -1,4 +1,4 @@
-#include "ferry/cpu_adam/loss_scaler.h"
+#include "loss_scaler.h"
 
 #include <c10/util/Exception.h>
 

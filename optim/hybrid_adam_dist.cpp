@@ -1,4 +1,4 @@
-// HybridAdam across ranks: Note [Sharded optimizer state] (cpu_adam/hybrid_adam.h), D44.
+// HybridAdam across ranks: Note [Sharded optimizer state] (optim/hybrid_adam.h), D44.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/isfinite.h>
@@ -12,9 +12,9 @@
 #include <cmath>
 #include <cstdint>
 
-#include "ferry/common/event_trace.h"
-#include "ferry/common/logging.h"
-#include "ferry/cpu_adam/hybrid_adam.h"
+#include "../common/event_trace.h"
+#include "../common/logging.h"
+#include "hybrid_adam.h"
 
 namespace ferry {
 namespace {

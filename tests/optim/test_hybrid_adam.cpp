@@ -18,15 +18,15 @@
 #include <map>
 #include <thread>
 
-#include "adam_reference.h"
-#include "cpu_adam_twin.h"
-#include "ferry/chunk/stream_model_engine.h"
-#include "ferry/cpu_adam/hybrid_adam.h"
-#include "ferry/hooks/checkpoint.h"
-#include "ferry/hooks/chunked_model.h"
-#include "ferry/hooks/interceptor.h"
+#include "../../chunk/stream_model_engine.h"
+#include "../../hooks/checkpoint.h"
+#include "../../hooks/chunked_model.h"
+#include "../../hooks/interceptor.h"
+#include "../../optim/hybrid_adam.h"
+#include "../cpu_adam/adam_reference.h"
+#include "../cpu_adam_twin.h"
+#include "../test_util.h"
 #include "same_state.h"
-#include "test_util.h"
 
 namespace ferry {
 namespace {
