@@ -1,4 +1,5 @@
-// HybridAdam::save / load: the checkpoint directory format and its guarantees are documented in
+// The checkpoint files: HybridAdam's training state in a directory, written atomically and durably,
+// read back only after every check passed. The format and its guarantees are documented in
 // docs/CHECKPOINT.md.
 //
 // Save is atomic and durable. The data files of a save carry a generation number that no file in the
@@ -14,16 +15,14 @@
 // size, then one read of every file for its checksum and for finite values. Only then a second read
 // copies the values in. The price is reading the checkpoint twice (the page cache often serves the
 // second read).
-//
-// Plain POSIX file calls, no std::filesystem: libtorch.so (the PyPI wheel) exports its own
-// std::filesystem symbols, which the dynamic linker binds first and which crash (ARCHITECTURE D21).
+#include "checkpoint_files.h"
+
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
-#include <dirent.h>
-#include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -38,10 +37,10 @@
 
 #include "../common/cli.h"
 #include "../common/crc32c.h"
+#include "../common/durable_file.h"
 #include "../common/logging.h"
-#include "hybrid_adam.h"
 
-namespace ferry {
+namespace ferry::optim {
 namespace {
 
 constexpr const char* kMagic = "ferry-checkpoint";
@@ -52,96 +51,6 @@ constexpr int64_t kMaxDim = int64_t{1} << 40;      // per dimension
 constexpr int64_t kMaxNumel = int64_t{1} << 48;    // per parameter and in total (1 PiB of fp32)
 constexpr int64_t kMaxCount = 100'000'000;         // parameters, groups
 constexpr size_t kBlockFloats = size_t{1} << 21;   // 8 MiB per read in the verify pass
-
-std::string join(const std::string& dir, const std::string& name) { return dir + "/" + name; }
-
-std::string errno_text() { return std::strerror(errno); }
-
-// An fd written whole, fsync'd and closed with every error checked.
-class DurableFile {
- public:
-  // Creates (truncates) the file; with `existing`, opens one another process created for writing.
-  explicit DurableFile(std::string path, bool existing = false) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), existing ? O_WRONLY | O_CLOEXEC : O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    TORCH_CHECK(fd_ >= 0, "ferry: cannot ", existing ? "open " : "create ", path_, ": ", errno_text());
-  }
-  ~DurableFile() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  DurableFile(const DurableFile&) = delete;
-  DurableFile& operator=(const DurableFile&) = delete;
-  void write(const void* data, size_t n) {
-    const auto* p = static_cast<const char*>(data);
-    while (n > 0) {
-      const ssize_t w = ::write(fd_, p, n);
-      if (w < 0 && errno == EINTR) continue;
-      TORCH_CHECK(w > 0, "ferry: writing ", path_, " failed: ", w < 0 ? errno_text() : "no progress");
-      p += w;
-      n -= static_cast<size_t>(w);
-    }
-  }
-  // At byte `offset` (files written out of order: the checkpoint of several ranks).
-  void write_at(int64_t offset, const void* data, size_t n) {
-    const auto* p = static_cast<const char*>(data);
-    while (n > 0) {
-      const ssize_t w = ::pwrite(fd_, p, n, static_cast<off_t>(offset));
-      if (w < 0 && errno == EINTR) continue;
-      TORCH_CHECK(w > 0, "ferry: writing ", path_, " failed: ", w < 0 ? errno_text() : "no progress");
-      p += w;
-      offset += w;
-      n -= static_cast<size_t>(w);
-    }
-  }
-  int fd() const { return fd_; }
-  void sync_and_close() {
-    TORCH_CHECK(::fsync(fd_) == 0, "ferry: fsync of ", path_, " failed: ", errno_text());
-    const int fd = fd_;
-    fd_ = -1;
-    TORCH_CHECK(::close(fd) == 0, "ferry: closing ", path_, " failed: ", errno_text());
-  }
-
- private:
-  std::string path_;
-  int fd_ = -1;
-};
-
-void fsync_dir(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  TORCH_CHECK(fd >= 0, "ferry: cannot open directory ", dir, ": ", errno_text());
-  const int rc = ::fsync(fd);
-  const std::string err = rc == 0 ? "" : errno_text();
-  ::close(fd);
-  TORCH_CHECK(rc == 0, "ferry: fsync of directory ", dir, " failed: ", err);
-}
-
-// mkdir -p.
-void make_dirs(const std::string& dir) {
-  for (size_t pos = 1; pos <= dir.size(); ++pos) {
-    if (pos < dir.size() && dir[pos] != '/') continue;
-    const std::string prefix = dir.substr(0, pos);
-    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
-      TORCH_CHECK(false, "ferry: cannot create directory ", prefix, ": ", errno_text());
-    }
-  }
-  struct stat st {};
-  TORCH_CHECK(::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode), "ferry: checkpoint path ", dir,
-              " is not a directory");
-}
-
-// -1 if it does not exist.
-int64_t file_size(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
-}
-
-std::vector<std::string> list_dir(const std::string& dir) {
-  std::vector<std::string> names;
-  DIR* d = ::opendir(dir.c_str());
-  if (!d) return names;
-  while (const dirent* e = ::readdir(d)) names.emplace_back(e->d_name);
-  ::closedir(d);
-  return names;
-}
 
 // The generation of a data file name "<role>.<g>.f32", or -1.
 int64_t generation_of(const std::string& name) {
@@ -273,6 +182,18 @@ class ManifestReader {
     }
     return 0;
   }
+  // A line `key N` (N in [min, kMaxCount]): how many entries follow.
+  int64_t count(const char* key, int64_t min) {
+    next(key);
+    const int64_t n = integer(min, kMaxCount);
+    done();
+    return n;
+  }
+  // The next line starts `key i`: entry i of `count` (`what`, numbered from 0).
+  void entry(const char* key, int64_t i, int64_t count, const char* what) {
+    next(key);
+    fail_unless(integer(0, kMaxCount) == i, std::string(what) + " must be numbered 0.." + std::to_string(count - 1));
+  }
   void done() { fail_unless(at_ == tokens_.size(), "unexpected '" + (at_ < tokens_.size() ? tokens_[at_] : "") + "'"); }
   void fail_unless(bool ok, const std::string& what) const {
     TORCH_CHECK(ok, "ferry: checkpoint manifest ", path_, " line ", line_, ": ", what);
@@ -305,13 +226,10 @@ Manifest parse_manifest(const std::string& path) {
   r.fail_unless(m.precision == "Float" || m.precision == "BFloat16" || m.precision == "Half",
                 "expected precision Float, BFloat16 or Half, got '" + m.precision + "'");
   r.done();
-  r.next("params");
-  const int64_t count = r.integer(0, kMaxCount);
-  r.done();
+  const int64_t count = r.count("params", 0);
   for (int64_t i = 0; i < count; ++i) {
-    r.next("param");
+    r.entry("param", i, count, "parameters");
     Manifest::Param p;
-    r.fail_unless(r.integer(0, kMaxCount) == i, "parameters must be numbered 0.." + std::to_string(count - 1));
     p.numel = r.integer(0, kMaxNumel);
     const int64_t ndim = r.integer(0, kMaxDims);
     int64_t product = 1;
@@ -328,13 +246,10 @@ Manifest parse_manifest(const std::string& path) {
     r.fail_unless(m.total_numel <= kMaxNumel, "too many elements in total");
     m.params.push_back(std::move(p));
   }
-  r.next("groups");
-  const int64_t groups = r.integer(1, kMaxCount);
-  r.done();
+  const int64_t groups = r.count("groups", 1);
   for (int64_t i = 0; i < groups; ++i) {
-    r.next("group");
+    r.entry("group", i, groups, "groups");
     Manifest::Group g;
-    r.fail_unless(r.integer(0, kMaxCount) == i, "groups must be numbered 0.." + std::to_string(groups - 1));
     r.expect("step");
     g.step = r.integer(0, std::numeric_limits<int64_t>::max());
     r.expect("lr");
@@ -414,7 +329,7 @@ Manifest parse_manifest(const std::string& path) {
 // problem. `scaler`: the optimizer's loss scaler when it scales (its saved state is validated too).
 Manifest verify_checkpoint(const std::string& dir, const ChunkedModel& model, const std::vector<int>& group_of_param,
                            int num_groups, const DynamicLossScaler* scaler) {
-  const Manifest m = parse_manifest(join(dir, "manifest.txt"));
+  const Manifest m = parse_manifest(join_path(dir, "manifest.txt"));
 
   // 1. Check everything before changing anything.
   TORCH_CHECK(static_cast<int64_t>(m.params.size()) == model.num_params(), "ferry: checkpoint ", dir, " has ",
@@ -435,8 +350,8 @@ Manifest verify_checkpoint(const std::string& dir, const ChunkedModel& model, co
   }
   const int64_t want_bytes = m.total_numel * static_cast<int64_t>(sizeof(float));
   for (const auto& f : m.files) {
-    const int64_t size = file_size(join(dir, f.name));
-    TORCH_CHECK(size == want_bytes, "ferry: checkpoint file ", join(dir, f.name),
+    const int64_t size = file_size(join_path(dir, f.name));
+    TORCH_CHECK(size == want_bytes, "ferry: checkpoint file ", join_path(dir, f.name),
                 size < 0 ? " is missing" : " has " + std::to_string(size) + " bytes", ", expected ", want_bytes,
                 " bytes");
   }
@@ -451,7 +366,7 @@ Manifest verify_checkpoint(const std::string& dir, const ChunkedModel& model, co
   {
     std::vector<float> block(kBlockFloats);
     for (int r = 0; r < 3; ++r) {
-      const std::string path = join(dir, m.files[r].name);
+      const std::string path = join_path(dir, m.files[r].name);
       std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
       TORCH_CHECK(f, "ferry: cannot open ", path, ": ", errno_text());
       uint32_t crc = 0;
@@ -483,10 +398,10 @@ Manifest verify_checkpoint(const std::string& dir, const ChunkedModel& model, co
 
 }  // namespace
 
-void HybridAdam::check_save_target(const std::string& dir) {
+void check_checkpoint_target(const std::string& dir) {
   TORCH_CHECK(!dir.empty(), "ferry: the checkpoint directory is empty; name a directory to save into");
   make_dirs(dir);
-  const std::string probe = join(dir, ".ferry-write-test." + std::to_string(::getpid()));
+  const std::string probe = join_path(dir, ".ferry-write-test." + std::to_string(::getpid()));
   {
     DurableFile f(probe);
     f.write("ok", 2);
@@ -495,51 +410,55 @@ void HybridAdam::check_save_target(const std::string& dir) {
   TORCH_CHECK(::unlink(probe.c_str()) == 0, "ferry: cannot remove ", probe, ": ", errno_text());
 }
 
-std::string HybridAdam::manifest_text_locked(int64_t generation, const std::string& file_lines,
-                                             const std::vector<int64_t>& lags) const {
+namespace {
+
+std::string manifest_text(const ChunkedModel& model, const std::vector<int>& group_of_param,
+                          const CheckpointCounters& counters, int64_t generation, const std::string& file_lines) {
   std::ostringstream m;
   m << std::setprecision(17) << kMagic << " " << kVersion << "\n";
   m << "generation " << generation << "\n";
-  m << "precision " << c10::toString(model().compute_dtype()) << "\n";
-  m << "params " << model().num_params() << "\n";
-  for (int64_t p = 0; p < model().num_params(); ++p) {
-    const auto& shape = model().param_shapes()[p];
+  m << "precision " << c10::toString(model.compute_dtype()) << "\n";
+  m << "params " << model.num_params() << "\n";
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    const auto& shape = model.param_shapes()[p];
     int64_t numel = 1;
     for (int64_t d : shape) numel *= d;
     m << "param " << p << " " << numel << " " << shape.size();
     for (int64_t d : shape) m << " " << d;
-    m << " " << model().param_name(p) << "\n";
+    m << " " << model.param_name(p) << "\n";
   }
-  m << "groups " << num_param_groups() << "\n";
-  for (int g = 0; g < num_param_groups(); ++g) {
-    const AdamOptions& o = cpu_adam_.options(g);
-    m << "group " << g << " step " << cpu_adam_.step_count(g) << " lr " << o.lr << " beta1 " << o.beta1 << " beta2 "
+  const int groups = static_cast<int>(counters.options.size());
+  m << "groups " << groups << "\n";
+  for (int g = 0; g < groups; ++g) {
+    const AdamOptions& o = counters.options[g];
+    m << "group " << g << " step " << counters.steps[g] << " lr " << o.lr << " beta1 " << o.beta1 << " beta2 "
       << o.beta2 << " eps " << o.eps << " weight_decay " << o.weight_decay << " mode "
       << (o.mode == AdamMode::kAdam ? "adam" : "adamw") << "\n";
   }
   int64_t lagging = 0;
-  for (int64_t lag : lags) lagging += lag != 0;
+  for (int64_t lag : counters.lags) lagging += lag != 0;
   m << "param_steps " << lagging << "\n";
-  for (int64_t p = 0; p < model().num_params(); ++p) {
-    if (lags[p] != 0) m << "param_step " << p << " " << cpu_adam_.step_count(group_of_param_[p]) - lags[p] << "\n";
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    if (counters.lags[p] != 0) m << "param_step " << p << " " << counters.steps[group_of_param[p]] - counters.lags[p] << "\n";
   }
-  const LossScalerState& s = scaler_.state();
+  const LossScalerState& s = counters.scaler;
   m << "loss_scaler scale " << s.scale << " clean_steps " << s.clean_steps << " hysteresis_left "
     << s.hysteresis_left << " overflows " << s.overflows << "\n";
   m << file_lines << "end\n";
   return m.str();
 }
 
-void HybridAdam::publish_checkpoint_locked(const std::string& dir, int64_t generation, const std::string& file_lines,
-                                           const std::vector<int64_t>& lags, std::vector<std::string>& written) {
-  const std::string manifest_tmp = join(dir, "manifest.tmp." + std::to_string(generation));
-  const std::string text = manifest_text_locked(generation, file_lines, lags);
+// Writes the manifest over the previous one (`written`: the files to remove if it fails), then removes
+// the previous generation's files.
+void publish_checkpoint(const std::string& dir, int64_t generation, const std::string& text,
+                        std::vector<std::string>& written) {
+  const std::string manifest_tmp = join_path(dir, "manifest.tmp." + std::to_string(generation));
   written.push_back(manifest_tmp);
   DurableFile f(manifest_tmp);
   f.write(text.data(), text.size());
   f.sync_and_close();
   // The switch: atomic on POSIX file systems; durable once the directory is synced.
-  TORCH_CHECK(::rename(manifest_tmp.c_str(), join(dir, "manifest.txt").c_str()) == 0,
+  TORCH_CHECK(::rename(manifest_tmp.c_str(), join_path(dir, "manifest.txt").c_str()) == 0,
               "ferry: cannot rename the manifest in ", dir, ": ", errno_text());
   written.pop_back();
   fsync_dir(dir);
@@ -550,28 +469,17 @@ void HybridAdam::publish_checkpoint_locked(const std::string& dir, int64_t gener
     const bool stale_v1 = name == "master.f32" || name == "exp_avg.f32" || name == "exp_avg_sq.f32";
     const bool stale_tmp = name.rfind("manifest.tmp", 0) == 0;
     if ((g >= 0 && g != generation) || stale_v1 || stale_tmp) {
-      if (::unlink(join(dir, name).c_str()) != 0) {
-        log::warn("ferry: cannot remove the stale checkpoint file ", join(dir, name), ": ", errno_text());
+      if (::unlink(join_path(dir, name).c_str()) != 0) {
+        log::warn("ferry: cannot remove the stale checkpoint file ", join_path(dir, name), ": ", errno_text());
       }
     }
   }
 }
 
-void HybridAdam::save(const std::string& dir) {
-  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
-  settle("save()");
-  std::lock_guard<std::mutex> lock(mutex_);
-  sync_layout_locked();
-  TORCH_CHECK(!dir.empty(), "ferry: save() needs a directory");
-  if (grads_landed_) {
-    log::warn("ferry: save(\"", dir, "\") with gradients that no step() has applied yet: the checkpoint holds the "
-              "state before them, and a run resumed from it starts without them (save after step() or "
-              "zero_grad() to checkpoint a step boundary)");
-  }
-  if (world_ > 1) {
-    save_across_ranks_locked(dir);
-    return;
-  }
+}  // namespace
+
+void save_checkpoint(const std::string& dir, const ChunkedModel& model, StateChunks& state,
+                     const std::vector<int>& group_of_param, const CheckpointCounters& counters) {
   make_dirs(dir);
   const int64_t generation = next_generation(dir);
   std::vector<std::string> written;
@@ -580,13 +488,13 @@ void HybridAdam::save(const std::string& dir) {
     std::ostringstream files;
     for (int r = 0; r < 3; ++r) {
       const std::string name = data_file_name(r, generation);
-      written.push_back(join(dir, name));
+      written.push_back(join_path(dir, name));
       DurableFile f(written.back());
       uint32_t crc = 0;
       int64_t role_bytes = 0;
-      for (int64_t p = 0; p < model().num_params(); ++p) {
+      for (int64_t p = 0; p < model.num_params(); ++p) {
         // One parameter at a time: at most one slot is ever copied off the device.
-        const at::Tensor t = savable(state_->view(r, p), r, r == kExpAvgSqRole, model().param_name(p));
+        const at::Tensor t = savable(state.view(r, p), r, r == kExpAvgSqRole, model.param_name(p));
         const float* x = t.data_ptr<float>();
         const size_t n = static_cast<size_t>(t.numel()) * sizeof(float);
         crc = crc32c_extend(crc, x, n);
@@ -597,38 +505,41 @@ void HybridAdam::save(const std::string& dir) {
       bytes += role_bytes;
       files << "file " << kRoleNames[r] << " " << name << " bytes " << role_bytes << " crc32c " << crc32c_hex(crc) << "\n";
     }
-    publish_checkpoint_locked(dir, generation, files.str(), lag_, written);
+    publish_checkpoint(dir, generation, manifest_text(model, group_of_param, counters, generation, files.str()),
+                       written);
   } catch (...) {
     for (const std::string& path : written) ::unlink(path.c_str());  // best effort; the old checkpoint stands
     throw;
   }
-  log::info("ferry: saved training state (step ", cpu_adam_.step_count(0), ", ", format_bytes(bytes), ") to ", dir);
+  log::info("ferry: saved training state (step ", counters.steps[0], ", ", format_bytes(bytes), ") to ", dir);
 }
 
-void HybridAdam::save_across_ranks_locked(const std::string& dir) {
+void save_checkpoint_across_ranks(const std::string& dir, const ChunkedModel& model, StateChunks& state,
+                                  const std::vector<int>& group_of_param, const CheckpointCounters& counters,
+                                  const Ownership& ownership, dist::Communicator& comm) {
+  const int world = ownership.world(), rank = ownership.rank();
   // The same files as one process's save. Rank 0 creates them; then every rank writes the parameters of
   // the chunks it owns at their offsets (pwrite, in parallel) and the CRC-32C of what it wrote. Rank 0
   // reads the files back once: the whole-file CRCs for the manifest, and per rank the CRC of its part,
   // which must equal the writer's, or the directory is not one directory shared by every rank.
-  const int64_t np = model().num_params();
+  const int64_t np = model.num_params();
   std::vector<int64_t> offset(np + 1, 0);
   std::vector<int> owner(np);
   for (int64_t p = 0; p < np; ++p) {
-    offset[p + 1] = offset[p] + model().layout().slots()[p].numel;
-    owner[p] = static_cast<int>(model().layout().slots()[p].chunk % world_);
+    offset[p + 1] = offset[p] + model.layout().slots()[p].numel;
+    owner[p] = ownership.owner(model.layout().slots()[p].chunk);
   }
   const int64_t bytes = offset[np] * static_cast<int64_t>(sizeof(float));
   std::string error;  // this rank's
   int64_t generation = 0;
   std::vector<std::string> paths;
-  if (rank_ == 0) {
+  if (rank == 0) {
     try {
       make_dirs(dir);
       generation = next_generation(dir);
       for (int r = 0; r < 3; ++r) {
-        DurableFile f(join(dir, data_file_name(r, generation)));
-        TORCH_CHECK(::ftruncate(f.fd(), static_cast<off_t>(bytes)) == 0, "ferry: sizing ",
-                    join(dir, data_file_name(r, generation)), " failed: ", errno_text());
+        DurableFile f(join_path(dir, data_file_name(r, generation)));
+        f.truncate(bytes);
         f.sync_and_close();
       }
     } catch (const std::exception& e) {
@@ -636,25 +547,25 @@ void HybridAdam::save_across_ranks_locked(const std::string& dir) {
     }
   }
   at::Tensor created = at::tensor({static_cast<double>(generation), error.empty() ? 0.0 : 1.0}, at::kDouble);
-  comm_->broadcast(created, 0);
+  comm.broadcast(created, 0);
   generation = static_cast<int64_t>(created[0].item<double>());
-  for (int r = 0; r < 3; ++r) paths.push_back(join(dir, data_file_name(r, generation)));
+  for (int r = 0; r < 3; ++r) paths.push_back(join_path(dir, data_file_name(r, generation)));
   auto fail_all = [&](const std::string& why) {
-    if (rank_ == 0) {
+    if (rank == 0) {
       for (const std::string& path : paths) ::unlink(path.c_str());  // best effort; the old checkpoint stands
     }
-    TORCH_CHECK(false, "ferry: rank ", rank_, ": saving ", dir, " failed: ", why,
+    TORCH_CHECK(false, "ferry: rank ", rank, ": saving ", dir, " failed: ", why,
                 "; the directory keeps its previous checkpoint");
   };
-  if (created[1].item<double>() != 0.0) fail_all(rank_ == 0 ? error : "rank 0 could not create the files (its log says why)");
+  if (created[1].item<double>() != 0.0) fail_all(rank == 0 ? error : "rank 0 could not create the files (its log says why)");
   // Every rank: its parts, and their CRCs (model order within the rank's parameters).
   std::vector<uint32_t> mine(3, 0);
   try {
     for (int r = 0; r < 3; ++r) {
       DurableFile f(paths[r], /*existing=*/true);
       for (int64_t p = 0; p < np; ++p) {
-        if (owner[p] != rank_) continue;
-        const at::Tensor t = savable(state_->view(r, p), r, r == kExpAvgSqRole, model().param_name(p));
+        if (owner[p] != rank) continue;
+        const at::Tensor t = savable(state.view(r, p), r, r == kExpAvgSqRole, model.param_name(p));
         const float* x = t.data_ptr<float>();
         const size_t n = static_cast<size_t>(t.numel()) * sizeof(float);
         f.write_at(offset[p] * static_cast<int64_t>(sizeof(float)), x, n);
@@ -667,21 +578,21 @@ void HybridAdam::save_across_ranks_locked(const std::string& dir) {
   }
   at::Tensor report = at::tensor({error.empty() ? 0.0 : 1.0, static_cast<double>(mine[0]), static_cast<double>(mine[1]),
                                   static_cast<double>(mine[2])}, at::kDouble);
-  at::Tensor reports = at::empty({world_ * 4}, at::kDouble);
-  comm_->all_gather(reports, report);
+  at::Tensor reports = at::empty({world * 4}, at::kDouble);
+  comm.all_gather(reports, report);
   // Each parameter's lag from the rank that owns its state (D62); the others add zero.
   at::Tensor lags = at::zeros({np}, at::kDouble);  // exact up to 2^53 steps
   for (int64_t p = 0; p < np; ++p) {
-    if (owner[p] == rank_) lags.data_ptr<double>()[p] = static_cast<double>(lag_[p]);
+    if (owner[p] == rank) lags.data_ptr<double>()[p] = static_cast<double>(counters.lags[p]);
   }
-  comm_->all_reduce(lags, dist::ReduceOp::kSum);
-  for (int k = 0; k < world_; ++k) {
+  comm.all_reduce(lags, dist::ReduceOp::kSum);
+  for (int k = 0; k < world; ++k) {
     if (reports[k * 4].item<double>() != 0.0) {
-      fail_all(k == rank_ ? error : "rank " + std::to_string(k) + " could not write its part (its log says why)");
+      fail_all(k == rank ? error : "rank " + std::to_string(k) + " could not write its part (its log says why)");
     }
   }
   // Rank 0: one read of each file, the manifest, and the word to every rank.
-  if (rank_ == 0) {
+  if (rank == 0) {
     try {
       std::ostringstream lines;
       std::vector<float> block(kBlockFloats);
@@ -689,7 +600,7 @@ void HybridAdam::save_across_ranks_locked(const std::string& dir) {
         std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(paths[r].c_str(), "rb"), &std::fclose);
         TORCH_CHECK(f, "cannot open ", paths[r], ": ", errno_text());
         uint32_t whole = 0;
-        std::vector<uint32_t> part(world_, 0);
+        std::vector<uint32_t> part(world, 0);
         for (int64_t p = 0; p < np; ++p) {
           for (int64_t done = offset[p]; done < offset[p + 1];) {
             const int64_t n = std::min<int64_t>(kBlockFloats, offset[p + 1] - done);
@@ -700,7 +611,7 @@ void HybridAdam::save_across_ranks_locked(const std::string& dir) {
             done += n;
           }
         }
-        for (int k = 0; k < world_; ++k) {
+        for (int k = 0; k < world; ++k) {
           const auto wrote = static_cast<uint32_t>(reports[k * 4 + 1 + r].item<double>());
           TORCH_CHECK(part[k] == wrote, "rank ", k, "'s part of ", paths[r], " reads back with CRC-32C ",
                       crc32c_hex(part[k]), ", it wrote ", crc32c_hex(wrote), ": every rank must write into the same "
@@ -709,53 +620,54 @@ void HybridAdam::save_across_ranks_locked(const std::string& dir) {
         lines << "file " << kRoleNames[r] << " " << data_file_name(r, generation) << " bytes " << bytes << " crc32c "
               << crc32c_hex(whole) << "\n";
       }
-      std::vector<int64_t> all_lags(np);
-      for (int64_t p = 0; p < np; ++p) all_lags[p] = static_cast<int64_t>(lags.data_ptr<double>()[p]);
-      publish_checkpoint_locked(dir, generation, lines.str(), all_lags, paths);
+      CheckpointCounters all = counters;
+      for (int64_t p = 0; p < np; ++p) all.lags[p] = static_cast<int64_t>(lags.data_ptr<double>()[p]);
+      publish_checkpoint(dir, generation, manifest_text(model, group_of_param, all, generation, lines.str()), paths);
     } catch (const std::exception& e) {
       error = cli::message_of(e);
     }
   }
   at::Tensor failed = at::full({1}, error.empty() ? 0.0f : 1.0f, at::kFloat);
-  comm_->broadcast(failed, 0);
+  comm.broadcast(failed, 0);
   if (failed.item<float>() != 0.0f) {
-    fail_all(rank_ == 0 ? error : "on rank 0, which checks and publishes it (its log says why)");
+    fail_all(rank == 0 ? error : "on rank 0, which checks and publishes it (its log says why)");
   }
-  log::info("ferry: saved training state (step ", cpu_adam_.step_count(0), ", ", world_, " ranks, each writing its "
+  log::info("ferry: saved training state (step ", counters.steps[0], ", ", world, " ranks, each writing its "
             "part) to ", dir);
 }
 
-void HybridAdam::load(const std::string& dir) {
-  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
-  settle("load()");
-  std::lock_guard<std::mutex> lock(mutex_);
-  sync_layout_locked();
+
+CheckpointCounters load_checkpoint(const std::string& dir, const ChunkedModel& model, StateChunks& state,
+                                   const std::vector<int>& group_of_param, int num_groups,
+                                   const DynamicLossScaler* scaler, const Ownership& ownership,
+                                   dist::Communicator* comm) {
   // Every rank reads the checkpoint (it must see the directory: one host, or a shared file system) and
   // checks it; all ranks agree before any writes a value, so either every rank loads or none does.
   Manifest m;
   std::string error;
+  const int world = ownership.world(), rank = ownership.rank();
   try {
-    m = verify_checkpoint(dir, model(), group_of_param_, num_param_groups(), scaling_ ? &scaler_ : nullptr);
+    m = verify_checkpoint(dir, model, group_of_param, num_groups, scaler);
   } catch (const std::exception& e) {
-    if (world_ == 1) throw;
+    if (world == 1) throw;
     error = cli::message_of(e);
   }
-  if (world_ > 1) {
-    at::Tensor failed = at::full({1}, error.empty() ? 0.0f : static_cast<float>(rank_ + 1), at::kFloat);
-    comm_->all_reduce(failed, dist::ReduceOp::kMax);
+  if (world > 1) {
+    at::Tensor failed = at::full({1}, error.empty() ? 0.0f : static_cast<float>(rank + 1), at::kFloat);
+    comm->all_reduce(failed, dist::ReduceOp::kMax);
     const int bad_rank = static_cast<int>(failed.item<float>()) - 1;
-    TORCH_CHECK(bad_rank < 0, "ferry: rank ", rank_, ": loading ", dir, " failed",
+    TORCH_CHECK(bad_rank < 0, "ferry: rank ", rank, ": loading ", dir, " failed",
                 error.empty() ? " on rank " + std::to_string(bad_rank) + " (its log says why)" : ": " + error,
                 "; nothing was loaded on any rank");
   }
   // 3. Copy the values in: the state this rank holds (every chunk group before sharding, its own after).
   for (int r = 0; r < 3; ++r) {
-    const std::string path = join(dir, m.files[r].name);
+    const std::string path = join_path(dir, m.files[r].name);
     std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
     TORCH_CHECK(f, "ferry: cannot open ", path, ": ", errno_text());
-    for (int64_t p = 0; p < model().num_params(); ++p) {
+    for (int64_t p = 0; p < model.num_params(); ++p) {
       const int64_t n = m.params[p].numel;
-      if (!state_->held(r, model().layout().slots()[p].chunk)) {
+      if (!state.held(r, model.layout().slots()[p].chunk)) {
         TORCH_CHECK(std::fseek(f.get(), static_cast<long>(n * sizeof(float)), SEEK_CUR) == 0, "ferry: seeking in ",
                     path, " failed");
         continue;
@@ -764,33 +676,19 @@ void HybridAdam::load(const std::string& dir) {
       TORCH_CHECK(std::fread(host.data_ptr<float>(), sizeof(float), static_cast<size_t>(n), f.get()) ==
                       static_cast<size_t>(n),
                   "ferry: reading ", path, " failed (it changed while loading?)");
-      at::Tensor slot = state_->view(r, p);
+      at::Tensor slot = state.view(r, p);
       slot.copy_(host.view(slot.sizes()));
     }
   }
-  for (int g = 0; g < num_param_groups(); ++g) {
-    cpu_adam_.set_options(g, m.groups[g].options);
-    cpu_adam_.set_step_count(g, m.groups[g].step);
+  CheckpointCounters counters;
+  for (const Manifest::Group& g : m.groups) {
+    counters.options.push_back(g.options);
+    counters.steps.push_back(g.step);
   }
-  std::fill(lag_.begin(), lag_.end(), 0);
-  for (const auto& [p, step] : m.param_steps) lag_[p] = m.groups[group_of_param_[p]].step - step;
-  if (scaling_) {
-    scaler_.set_state(m.scaler);
-    model().set_loss_scale(scaler_.scale());
-  }
-  std::fill(landed_.begin(), landed_.end(), 0);  // the write-back below gives every slot its value
-  if (options_.accumulate_grads) {
-    for (int64_t c = 0; c < num_chunks(); ++c) state_->payload(kGradRole, c).zero_();
-  }
-  model().clear_grad_slots();
-  grads_landed_ = false;
-  write_back_locked();
-  if (param_shards_) {
-    param_shards_->release_all();  // the other chunks: fetched from their owners at their next use
-  } else if (sharded_) {
-    gather_params_locked();  // the other chunks' values from their owners
-  }
-  log::info("ferry: resumed training state from ", dir, " at step ", cpu_adam_.step_count(0));
+  counters.lags.assign(model.num_params(), 0);
+  for (const auto& [p, step] : m.param_steps) counters.lags[p] = m.groups[group_of_param[p]].step - step;
+  counters.scaler = m.scaler;
+  return counters;
 }
 
-}  // namespace ferry
+}  // namespace ferry::optim

@@ -1,0 +1,209 @@
+#include "chunk_updates.h"
+
+#include <ATen/ops/linalg_vector_norm.h>
+#include <ATen/ops/stack.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "../common/event_trace.h"
+#include "../cpu_adam/device_adam.h"
+
+namespace ferry::optim {
+
+ChunkUpdates::ChunkUpdates(ChunkedModel& model, CpuAdam& adam, bool accumulate_grads, StatePlacement& placement,
+                           GradLedger& ledger, const Ownership& ownership, std::function<at::Tensor(int64_t)> reduced)
+    : model_(model),
+      adam_(adam),
+      accumulate_(accumulate_grads),
+      placement_(placement),
+      ledger_(ledger),
+      ownership_(ownership),
+      reduced_(std::move(reduced)) {}
+
+at::Tensor ChunkUpdates::grad_payload(int64_t c) {
+  if (accumulate_) {
+    // A data-parallel step reads the gradients summed over ranks; the accumulation chunk keeps this rank's.
+    if (reduced_) {
+      at::Tensor sums = reduced_(c);
+      if (sums.defined()) return sums;
+    }
+    return placement_.payload(kGradRole, c);
+  }
+  return model_.store().payload(model_.param_chunk(c));
+}
+
+std::vector<std::pair<Span, AdamSpan>> ChunkUpdates::adam_spans(const std::vector<Span>& landed, float* p, float* m,
+                                                                float* v, const at::Tensor& grads,
+                                                                const at::Tensor& lowp) const {
+  const at::ScalarType grad_dtype = grads.scalar_type();
+  const int64_t grad_elem = static_cast<int64_t>(c10::elementSize(grad_dtype));
+  char* g = static_cast<char*>(grads.data_ptr());
+  // Default mode: the grads are in the parameter chunk (on the host now); the kernel writes the new
+  // bf16/fp16 value over each grad it has read, in the same pass (fp32: copied after the update).
+  // Accumulation mode: into `lowp` (the parameter chunk, where lowp_target found it), if given.
+  const bool in_place_lowp = !accumulate_ && grad_dtype != at::kFloat;
+  TORCH_INTERNAL_ASSERT(!lowp.defined() || (accumulate_ && lowp.scalar_type() != at::kFloat));
+  char* lowp_base = in_place_lowp ? g : (lowp.defined() ? static_cast<char*>(lowp.data_ptr()) : nullptr);
+  const at::ScalarType lowp_dtype = in_place_lowp ? grad_dtype : (lowp.defined() ? lowp.scalar_type() : at::kFloat);
+  const int64_t lowp_elem = static_cast<int64_t>(c10::elementSize(lowp_dtype));
+  std::vector<std::pair<Span, AdamSpan>> spans;
+  for (const Span& s : landed) {
+    AdamSpan span;
+    span.param = p + s.begin;
+    span.grad = g + s.begin * grad_elem;
+    span.grad_dtype = grad_dtype;
+    span.exp_avg = m + s.begin;
+    span.exp_avg_sq = v + s.begin;
+    span.numel = s.end - s.begin;
+    if (lowp_base != nullptr) {
+      span.param_lowp = lowp_base + s.begin * lowp_elem;
+      span.lowp_dtype = lowp_dtype;
+    }
+    spans.emplace_back(s, span);
+  }
+  return spans;
+}
+
+CpuAdam::FrozenGroup ChunkUpdates::update_group(const Span& s, const std::vector<CpuAdam::FrozenGroup>* frozen) const {
+  CpuAdam::FrozenGroup f = frozen != nullptr ? (*frozen)[s.group] : adam_.freeze(s.group);
+  f.step -= s.lag;
+  TORCH_INTERNAL_ASSERT(f.step >= 1, "a span of group ", s.group, " with lag ", s.lag, " at group step ", f.step + s.lag);
+  return f;
+}
+
+void ChunkUpdates::run_host(const std::vector<std::pair<Span, AdamSpan>>& spans, const UpdateOptions& options,
+                            const std::vector<CpuAdam::FrozenGroup>* frozen) const {
+  for (const auto& [s, span] : spans) {
+    adam_.update(update_group(s, frozen), span, options);
+    if (!accumulate_ && !span.param_lowp) {  // fp32 compute copy: the master is the value
+      std::memcpy(const_cast<void*>(span.grad), span.param, static_cast<size_t>(span.numel) * sizeof(float));
+    }
+  }
+}
+
+at::Tensor ChunkUpdates::lowp_target(int64_t c) {
+  if (!accumulate_ || ownership_.world() > 1) return {};
+  ChunkStore& params = model_.store();
+  const ChunkId pc = model_.param_chunk(c);
+  if (params.location(pc) != (placement_.on_device(c) ? Location::kDevice : Location::kHost)) return {};
+  at::Tensor payload = params.payload(pc);  // waits for a copy into the host; orders the stream after one into the device
+  if (payload.scalar_type() == at::kFloat) return {};
+  mark_written(c);
+  return payload;
+}
+
+void ChunkUpdates::mark_written(int64_t chunk) {
+  TORCH_INTERNAL_ASSERT(chunk < static_cast<int64_t>(written_.size()), "the written marks are not armed");
+  written_[chunk] = 1;
+}
+
+std::vector<std::pair<Span, AdamSpan>> ChunkUpdates::spans_of(int64_t c, const std::vector<char>* only) {
+  return adam_spans(ledger_.spans(model_.layout(), c, only), placement_.payload(kMasterRole, c).data_ptr<float>(),
+                    placement_.payload(kExpAvgRole, c).data_ptr<float>(),
+                    placement_.payload(kExpAvgSqRole, c).data_ptr<float>(), grad_payload(c), lowp_target(c));
+}
+
+void ChunkUpdates::host_update(int64_t c, const UpdateOptions& options, const std::vector<char>* only) {
+  trace::Span span("adam", trace::enabled() ? "host adam chunk " + std::to_string(c) : std::string());
+  run_host(spans_of(c, only), options);
+}
+
+void ChunkUpdates::device_update(int64_t c, double grad_scale, const at::Tensor& found_inf,
+                                 const std::vector<char>* only) {
+  trace::Span span("adam", trace::enabled() ? "device adam chunk " + std::to_string(c) : std::string());
+  const at::Tensor p = placement_.payload(kMasterRole, c);
+  const at::Tensor g = grad_payload(c);
+  // On CUDA the kernel would fault on a host gradient; the simulated device would not notice, so the
+  // invariant is checked here for both.
+  TORCH_CHECK(accumulate_ || model_.store().location(model_.param_chunk(c)) == Location::kDevice,
+              "ferry: HybridAdam: the device update of state chunk ", c, " found its parameter chunk (holding the "
+              "gradients) on the host; it must be staged on the device first (internal error)");
+  // The spans the host update would get (adam_spans): in the default mode the new bf16/fp16 value is
+  // written over the gradient in the same pass; an fp32 compute copy is the master, copied after.
+  for (const auto& [landed, s] : adam_spans(ledger_.spans(model_.layout(), c, only), p.data_ptr<float>(),
+                                            placement_.payload(kExpAvgRole, c).data_ptr<float>(),
+                                            placement_.payload(kExpAvgSqRole, c).data_ptr<float>(), g,
+                                            lowp_target(c))) {
+    device_adam_update(adam_, update_group(landed, nullptr), s, grad_scale, p.device(), found_inf);
+    if (!accumulate_ && !s.param_lowp) {
+      const int64_t begin = s.param - p.data_ptr<float>();
+      g.slice(0, begin, begin + s.numel).copy_(p.slice(0, begin, begin + s.numel));
+    }
+  }
+}
+
+ChunkOutcome ChunkUpdates::host_norm(const at::Tensor& grads, const std::vector<Span>& spans) const {
+  ChunkOutcome out;
+  const int64_t elem = static_cast<int64_t>(grads.element_size());
+  const char* base = static_cast<const char*>(grads.data_ptr());
+  for (const Span& s : spans) {
+    const GradNorm norm = adam_.grad_norm_sq(base + s.begin * elem, grads.scalar_type(), s.end - s.begin);
+    out.sum_sq += norm.sum_sq;
+    out.finite = out.finite && !norm.nonfinite;
+  }
+  // A norm that overflows counts as non-finite, as the device's fp32 norm does (D70): a chunk is then
+  // skipped wherever its state lives, and the step's report agrees with what was updated.
+  out.finite = out.finite && std::isfinite(out.sum_sq);
+  return out;
+}
+
+std::vector<at::Tensor> ChunkUpdates::device_norms(const at::Tensor& grads, const std::vector<Span>& spans) {
+  std::vector<at::Tensor> norms;
+  for (const Span& s : spans) {
+    // fp32 accumulation whatever the gradients' dtype; inf/NaN if any gradient is.
+    norms.push_back(at::linalg_vector_norm(grads.slice(0, s.begin, s.end), 2, c10::nullopt, false, at::kFloat));
+  }
+  return norms;
+}
+
+void ChunkUpdates::finish_norms(const std::vector<at::Tensor>& device_norms, const std::vector<int64_t>& device_index,
+                                ChunkNorms& norms) {
+  int64_t syncs = 0;
+  const int64_t n = static_cast<int64_t>(norms.sum_sq.size());
+  if (!device_norms.empty()) {  // one host sync for every device chunk
+    const at::Tensor all = at::stack(device_norms).to(at::kCPU, at::kDouble);
+    syncs = 1;
+    const double* v = all.data_ptr<double>();
+    for (size_t k = 0; k < device_index.size(); ++k) {
+      const bool late_part = device_index[k] >= n;  // n + c: chunk c's late part
+      const int64_t c = late_part ? device_index[k] - n : device_index[k];
+      std::vector<char>& finite = late_part ? norms.late_finite : norms.finite;
+      finite[c] = finite[c] && std::isfinite(v[k]);
+      (late_part ? norms.late_sum_sq : norms.sum_sq)[c] += v[k] * v[k];
+    }
+  }
+  norms.total_sq = 0.0;
+  norms.all_finite = true;
+  for (int64_t c = 0; c < n; ++c) {
+    norms.all_finite = norms.all_finite && norms.finite[c];
+    norms.total_sq += norms.sum_sq[c];
+    if (norms.late_sum_sq.empty()) continue;
+    norms.all_finite = norms.all_finite && norms.late_finite[c];
+    norms.total_sq += norms.late_sum_sq[c];
+  }
+  norms.all_finite = norms.all_finite && std::isfinite(norms.total_sq);
+  norms.syncs = syncs;
+}
+
+void ChunkUpdates::restore_values(const at::Tensor& param, const at::Tensor& master, const std::vector<Span>& spans) {
+  for (const Span& sp : spans) param.slice(0, sp.begin, sp.end).copy_(master.slice(0, sp.begin, sp.end));
+}
+
+int64_t ChunkUpdates::write_back(bool after_update) {
+  int64_t copied = 0;
+  for (int64_t c = 0; c < placement_.num_chunks(); ++c) {
+    if (!ownership_.owned(c)) continue;  // sharded: the gather brings the owner's values
+    // The update wrote the new compute-dtype values in its own pass (lowp_target).
+    if (after_update && static_cast<int64_t>(written_.size()) > c && written_[c]) continue;
+    model_.store().payload(model_.param_chunk(c)).copy_(placement_.payload(kMasterRole, c));
+    ++copied;
+  }
+  written_.clear();
+  return copied;
+}
+
+}  // namespace ferry::optim

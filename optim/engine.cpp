@@ -1,0 +1,375 @@
+// HybridAdam's engine: construction, and what the model calls during an iteration (engine.h).
+#include "engine.h"
+
+#include <ATen/ops/where.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <string>
+#include <utility>
+
+#include "../common/event_trace.h"
+#include "../common/logging.h"
+#include "../hooks/interceptor.h"
+
+namespace ferry::optim {
+namespace {
+
+constexpr ChunkRole kRoleOf[] = {ChunkRole::kMaster, ChunkRole::kExpAvg, ChunkRole::kExpAvgSq, ChunkRole::kGrad};
+
+// The model, once it is known that an optimizer may attach to it now.
+ChunkedModel& attachable(ChunkedModel& model) {
+  const ModelPhase phase = model.phase();
+  TORCH_CHECK(phase == ModelPhase::kIdle || phase == ModelPhase::kForwardDone, "ferry: HybridAdam HybridAdam() while "
+              "the model is in ", to_string(phase), "; call it between iterations");
+  // Before any state is allocated: a second optimizer would double the state's memory, take the
+  // gradients from the first (which then failed on an internal assert), and, destroyed, detach the other.
+  TORCH_CHECK(model.grad_sink() == nullptr, "ferry: this ChunkedModel has an optimizer attached already; one "
+              "HybridAdam per model: destroy the first before constructing another (with a std::unique_ptr, "
+              "`adam.reset();` before `adam = std::make_unique<ferry::HybridAdam>(...)`, which builds the new one "
+              "before the old one goes). Other options for some parameters are a parameter group "
+              "(HybridAdamOptions::with_group)");
+  return model;
+}
+
+// Adds the option's groups to `adam` and says which one each parameter is in: the first rule that
+// matches it, else group 0.
+std::vector<int> assign_groups(const ChunkedModel& model, const HybridAdamOptions& options, CpuAdam& adam) {
+  for (const auto& rule : options.groups) adam.add_param_group(rule.options);
+  std::vector<int> group_of(model.num_params(), 0);
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    for (size_t g = 0; g < options.groups.size(); ++g) {
+      if (options.groups[g].match(model.param_name(p), model.param(p))) {
+        group_of[p] = static_cast<int>(g) + 1;
+        break;
+      }
+    }
+  }
+  return group_of;
+}
+
+// The state chunks, paired with the parameter chunks group by group, belong to the model's chunk layer
+// (migrated by its repacks). They get memory one layout chunk at a time as they are filled: the masters
+// take over from the parameters' initial fp32 values, each released as soon as it is copied, so the
+// fp32 values are never held twice. The moments (and accumulation chunks) start at zero: memory only
+// when first touched, so none is spent before the first step, and at N > 1 none for the groups the
+// rank will not own (D46).
+std::shared_ptr<StateChunks> attach_state(ChunkedModel& model, int num_roles) {
+  std::vector<ChunkRole> roles(kRoleOf, kRoleOf + num_roles);
+  std::vector<int> zero_roles{kExpAvgRole, kExpAvgSqRole};
+  if (num_roles > kGradRole) zero_roles.push_back(kGradRole);
+  return model.attach_state(roles, [&model](int r, int64_t p, const at::Tensor& slot) {
+    if (r != kMasterRole) return;  // moments (and accumulated grads) start at zero
+    // The masters start from the values the module built (fp32), not from their rounded compute copy.
+    const at::Tensor initial = model.initial_value(p);
+    slot.copy_(initial.defined() ? initial : model.param_values(p));
+    model.release_initial_value(p);
+  }, zero_roles);
+}
+
+Ownership ownership_of(const std::shared_ptr<dist::Communicator>& comm) {
+  return comm && comm->world_size() > 1 ? Ownership(comm->world_size(), comm->rank()) : Ownership();
+}
+
+std::unique_ptr<PlacementPolicy> policy_for(const HybridAdamOptions& options) {
+  return options.device_state_chunks >= 0 ? make_fixed_count_policy(options.device_state_chunks)
+                                          : make_first_chunks_first_policy();
+}
+
+}  // namespace
+
+Engine::Engine(ChunkedModel& wrapped, HybridAdamOptions options)
+    : model_(attachable(wrapped)),
+      options_((options.validate(), std::move(options))),
+      cpu_adam_(options_.defaults, CpuAdamConfig::from(wrapped.config())),
+      scaler_(options_.loss_scaler),
+      scaling_(wrapped.compute_dtype() == at::kHalf),
+      num_roles_(options_.accumulate_grads ? 4 : 3),
+      policy_(policy_for(options_)),
+      ledger_(assign_groups(wrapped, options_, cpu_adam_)),
+      placement_(attach_state(wrapped, num_roles_)),
+      ownership_(ownership_of(options_.communicator)),
+      jobs_(cpu_adam_),
+      updates_(wrapped, cpu_adam_, options_.accumulate_grads, placement_, ledger_, ownership_,
+               [this](int64_t c) { return sharded_.reduced(c); }),
+      pipeline_(StepParts{wrapped, ledger_, finality_, placement_, updates_, jobs_, ownership_}),
+      accumulation_(StepParts{wrapped, ledger_, finality_, placement_, updates_, jobs_, ownership_}, pipeline_),
+      sharded_(StepParts{wrapped, ledger_, finality_, placement_, updates_, jobs_, ownership_}, ownership_,
+               options_.communicator, options_.accumulate_grads, options_.shard_params, pipeline_) {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
+  model().set_loss_scale(scaling_ ? scaler_.scale() : 1.0);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    follow_layout_locked();
+    if (sharded_.active()) sharded_.broadcast_initial_values();
+  }
+  model().release_initial_values();  // the masters hold them now
+  model().set_grad_sink(this);
+  model().set_layout_listener(this);
+  log::info("ferry: HybridAdam over ", model().num_params(), " parameters in ", num_param_groups(), " groups, ",
+            placement_.num_chunks(), " state chunk groups (fp32 master, exp_avg, exp_avg_sq",
+            options_.accumulate_grads ? ", grad accumulation" : "; grads in the parameter chunks", "), CPU kernel ",
+            to_string(cpu_adam_.isa()), " x", cpu_adam_.threads(), " threads",
+            scaling_ ? ", fp16 dynamic loss scaling" : "",
+            sharded_.active() ? ", rank " + std::to_string(ownership_.rank()) + " of " +
+                                    std::to_string(ownership_.world()) + " (state sharded at the first step)"
+                              : std::string());
+}
+
+Engine::~Engine() {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
+  // The model may keep the shards (its remote chunks) beyond this object: their guard waits on it.
+  if (sharded_.param_shards()) sharded_.param_shards()->set_send_guard(nullptr);
+  try {
+    std::lock_guard<std::mutex> lock(mutex_);
+    deferred_.settle();  // the jobs use this object
+  } catch (const std::exception& e) {
+    log::error("ferry: an update HybridAdam left running failed: ", e.what());
+  }
+  if (model_gone_.load()) return;  // destroyed first: nothing of it to detach from
+  try {
+    // Between forward() and backward() too (an evaluation forward not ended): the model must not call
+    // this object once it is gone.
+    if (model().phase() == ModelPhase::kIdle || model().phase() == ModelPhase::kForwardDone) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (ledger_.any()) discard_grads_locked();  // the parameters get their values back
+      }
+      if (model().grad_sink() == this) {
+        model().set_grad_sink(nullptr);
+        model().set_loss_scale(1.0);
+      }
+      if (model().layout_listener() == this) model().set_layout_listener(nullptr);
+    }
+  } catch (const std::exception& e) {
+    log::error("ferry: HybridAdam could not detach from the model: ", e.what());
+  }
+}
+
+ChunkedModel& Engine::model() const {
+  TORCH_CHECK(!model_gone_.load(std::memory_order_relaxed), "ferry: HybridAdam used after its ChunkedModel was "
+              "destroyed: destroy the optimizer before its model (declare it after the model)");
+  return model_;
+}
+
+void Engine::model_gone() {
+  if (sharded_.param_shards()) sharded_.param_shards()->set_send_guard(nullptr);
+  model_gone_ = true;
+}
+
+void Engine::check_idle(const char* what) const {
+  TORCH_CHECK(!model_gone_.load(), "ferry: HybridAdam ", what, " after its ChunkedModel was destroyed: destroy the "
+              "optimizer before its model (declare it after the model)");
+  const ModelPhase phase = model().phase();
+  TORCH_CHECK(phase == ModelPhase::kIdle || phase == ModelPhase::kForwardDone, "ferry: HybridAdam ", what,
+              " while the model is in ", to_string(phase), "; call it between iterations");
+}
+
+void Engine::settle(const char* what) {
+  check_idle(what);
+  await_params();
+  model().take_writes(what);  // Note [Writes to parameters]: what was written is in the masters first
+}
+
+std::function<bool(int64_t)> Engine::owned_fn() const {
+  return [this](int64_t c) { return ownership_.owned(c); };
+}
+
+// ---- the layout and the placement ------------------------------------------------------------------
+
+void Engine::follow_layout_locked() {
+  // The model waits for updates left running before it ends an iteration, where it repacks.
+  TORCH_INTERNAL_ASSERT(!deferred_.pending(), "a layout change with host updates still running");
+  placement_.follow_layout(model().layout_version(), model().layout().num_chunks());
+  finality_.follow_layout(model().num_params());  // per parameter: kept across a repack
+}
+
+void Engine::layout_changed() {
+  // The model migrated the state with the parameters (StateChunks, in the same repack); placement
+  // starts over for the new layout.
+  std::lock_guard<std::mutex> lock(mutex_);
+  follow_layout_locked();
+}
+
+void Engine::sync_layout_locked() const {
+  // The model announces every repack (layout_changed): the state always mirrors its layout.
+  TORCH_INTERNAL_ASSERT(placement_.layout_version() == model().layout_version(), "HybridAdam missed a repack of "
+                        "the model");
+}
+
+void Engine::place_locked() {
+  placement_.place(model(), *policy_, ownership_, /*params_travel=*/!options_.accumulate_grads,
+                   /*remote_params=*/sharded_.param_shards() != nullptr);
+}
+
+bool Engine::placed() const {
+  return locked([&] { return placement_.placed(); });
+}
+
+int64_t Engine::device_state_chunks() const {
+  return locked([&] { return placement_.num_on_device(); });
+}
+
+bool Engine::state_on_device(int64_t layout_chunk) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(layout_chunk >= 0 && layout_chunk < placement_.num_chunks(), "ferry: layout chunk ", layout_chunk,
+              " out of range [0, ", placement_.num_chunks(), ")");
+  return placement_.on_device(layout_chunk);
+}
+
+// ---- the model's calls during backward (GradSink) --------------------------------------------------
+
+void Engine::before_landing(int64_t param) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const int64_t c = model().layout().slots()[param].chunk;
+  if (options_.accumulate_grads) {
+    accumulation_.before_landing(param, c);
+    return;
+  }
+  if (!pipeline_.active() || !pipeline_.launched(c)) return;
+  pipeline_.late_landing(param, c, /*accumulation=*/false);
+}
+
+void Engine::land_grad(int64_t param, const at::Tensor& grad) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  sync_layout_locked();
+  TORCH_CHECK(grad.layout() == at::kStrided, "ferry: HybridAdam needs dense gradients; parameter ",
+              model().param_name(param), " got a ", grad.layout(), " one");
+  // The model wrote it into the parameter's slot (grads_into_param_slots). With accumulation,
+  // after_landing() consumes the chunk when it is final for this backward (Note [Accumulation per chunk]).
+  if (options_.accumulate_grads) accumulation_.land(param);
+  ledger_.land(param);
+  finality_.count_landing(param);
+}
+
+void Engine::after_landing(int64_t param) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const int64_t c = model().layout().slots()[param].chunk;
+  if (options_.accumulate_grads) {
+    if (finality_.final_after_landing(param, c)) accumulation_.consume_final(c);
+    return;
+  }
+  if (pipeline_.active() && finality_.final_after_landing(param, c)) chunk_final_locked(c);
+}
+
+void Engine::used_in_backward(int64_t param) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  sync_layout_locked();
+  const int64_t c = model().layout().slots()[param].chunk;
+  if (options_.accumulate_grads) {
+    if (finality_.use(param, c, accumulation_.armed())) accumulation_.consume_final(c);
+    return;
+  }
+  if (finality_.use(param, c, pipeline_.active())) chunk_final_locked(c);
+}
+
+void Engine::chunk_final_locked(int64_t c) {
+  if (pipeline_.across_ranks()) {
+    sharded_.chunk_final(c);
+  } else {
+    pipeline_.launch(c);
+  }
+}
+
+void Engine::backward_finished(bool aborted) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Note [A chunk final before its last use]: this backward's uses join what the next ones expect (an
+  // aborted one's too: they are a part of what it would have had; Note [Expectations only grow]).
+  finality_.end_uses();
+  std::exception_ptr error;
+  if (options_.accumulate_grads) error = accumulation_.end_backward();
+  // Every rank, armed or not (a rank may have landed nothing), whatever its jobs did: the collectives
+  // must pair up. An aborted backward too: the other ranks' backwards end here as well (no collective
+  // runs inside an accumulating backward), and the next forward needs the values.
+  if (options_.accumulate_grads && ownership_.sharded() && ownership_.world() > 1 &&
+      (aborted || !sharded_.step_follows_backward())) {
+    sharded_.values_from_owners();
+  }
+  if (error) std::rethrow_exception(error);
+  // The jobs read and write parameter chunks: done before the model ends the iteration.
+  jobs_.wait_all();
+}
+
+void Engine::await_param(int64_t param) {
+  // Before every use of a parameter: the common case (nothing running) is two atomic loads.
+  const bool backward = jobs_.in_backward();
+  if (!backward && !deferred_.pending()) return;
+  const int64_t c = model().layout().slots()[param].chunk;
+  // Note [A chunk final before its last use]: a use the counts did not foresee waits for the chunk's job.
+  if (backward) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (jobs_.has(c)) {
+      trace::Span span("adam", trace::enabled() ? "use waits for host adam chunk " + std::to_string(c) : std::string());
+      jobs_.wait(c);  // its errors surface where the jobs are joined
+    }
+  }
+  // The layout cannot change while updates run (follow_layout_locked asserts it): read without the mutex.
+  deferred_.await_chunk(c);
+}
+
+void Engine::trainable_changed() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // What backwards had no longer says what the next ones will have: learned again from the next.
+  finality_.forget();
+  pipeline_.forget();
+}
+
+// Note [Writes to parameters] (hooks/chunked_model.h). Every slot holds its value here. A replacement
+// is taken whole, at its own precision; an in-place write where the slot differs from the master
+// rounded to the compute dtype (in fp32, everywhere: the slot is the master's copy). Another rank's
+// chunk (sharded state): its owner takes the write, and the values come from it after the step.
+void Engine::values_written(const std::vector<WrittenParam>& written) {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
+  for (const WrittenParam& w : written) await_param(w.param);  // an update left running writes the master
+  std::lock_guard<std::mutex> lock(mutex_);
+  sync_layout_locked();
+  for (const WrittenParam& w : written) {
+    if (!ownership_.owned(model().layout().slots()[w.param].chunk)) continue;
+    at::Tensor master = placement_.view(kMasterRole, w.param);
+    if (w.replacement.defined()) {
+      master.copy_(w.replacement);
+      continue;
+    }
+    const at::Tensor value = model().param_values(w.param).to(master.device());
+    if (value.scalar_type() == at::kFloat) {
+      master.copy_(value);
+      continue;
+    }
+    const at::Tensor changed = value.ne(master.to(value.scalar_type()));
+    master.copy_(at::where(changed, value.to(at::kFloat), master));
+  }
+}
+
+// ---- options and counts --------------------------------------------------------------------------
+
+void Engine::set_lr(int group, double lr) {
+  AdamOptions o = cpu_adam_.options(group);
+  o.lr = lr;
+  o.validate();
+  cpu_adam_.set_options(group, o);
+}
+
+void Engine::set_lr(double lr) {
+  TORCH_CHECK(std::isfinite(lr) && lr >= 0, "ferry: lr must be finite and >= 0, got ", lr);
+  for (int g = 0; g < num_param_groups(); ++g) set_lr(g, lr);
+}
+
+int64_t Engine::param_step_count(int64_t param) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(param >= 0 && param < model().num_params(), "ferry: HybridAdam::param_step_count: expected a parameter "
+              "index in [0, ", model().num_params(), "), got ", param);
+  const int64_t c = model().layout().slots()[param].chunk;
+  TORCH_CHECK(ownership_.owned(c), "ferry: HybridAdam::param_step_count: the state of ", model().param_name(param),
+              " is on rank ", ownership_.owner(c), ", not on rank ", ownership_.rank(), " (ask the rank that owns it)");
+  return cpu_adam_.step_count(ledger_.group_of(param)) - ledger_.lag(param);
+}
+
+int64_t Engine::values_from_owners() const {
+  return locked([&] { return sharded_.values_from_owners_count(); });
+}
+
+bool Engine::grads_pending() const {
+  return locked([&] { return ledger_.any(); });
+}
+
+}  // namespace ferry::optim

@@ -1,0 +1,580 @@
+// HybridAdam's engine: step() and backward_step() (engine.h).
+//
+// A step (step()):
+//  1. Per chunk, the grad norm and finiteness (device: one reduction each, one host sync for all;
+//     host: CpuAdam::grad_norm_sq). A non-finite grad anywhere, or a chunk's norm that overflows (D70),
+//     skips the step: nothing is written, the loss scaler (fp16) backs off, step counts stay.
+//  2. coef = clip coefficient (max_grad_norm / (norm + 1e-6), at most 1, as clip_grad_norm_) / loss scale.
+//  3. Each group's step count advances; every parameter that received a gradient since the last
+//     step is updated with it scaled by coef (one that received none is left alone, as torch's
+//     optimizers skip a parameter whose .grad is undefined), with the bias corrections of its own
+//     step count, its number of updates (D62).
+//  4. The updated fp32 masters are written into the parameter chunks in the compute dtype, by the
+//     update in its own pass (host or device kernel; with accumulate_grads where the parameter chunk is
+//     where the state is, else by a copy after it).
+//     Host updates may still run when step() returns: Note [Update behind the next forward].
+//  Without accumulate_grads, the parameter chunk of a host-state chunk moves to the host for the
+//  update and that of a device-state chunk to the device (each where its state is).
+// backward_step() runs the same updates as a pipeline over the chunks during backward (Note [Pipelined
+// step]), with micro-batches (Note [Accumulation per chunk]) or across ranks (Note [Sharded optimizer
+// state]); what is left after backward runs here as step() runs it.
+#include <ATen/ops/all.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/stack.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "../common/event_trace.h"
+#include "../common/logging.h"
+#include "../hooks/interceptor.h"
+#include "engine.h"
+
+namespace ferry::optim {
+namespace {
+
+using trace::now_ns;
+
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "(not a std::exception)";
+  }
+}
+
+}  // namespace
+
+StepResult Engine::step() {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
+  settle("step()");
+  std::lock_guard<std::mutex> lock(mutex_);
+  return step_locked();
+}
+
+StepResult Engine::step_locked() {
+  sync_layout_locked();
+  if (sharded_.active()) return dist_step_locked();
+  TORCH_CHECK(ledger_.any(), "ferry: HybridAdam::step() found no gradients since the last zero_grad(); call "
+                             "model.backward(loss) first");
+  place_locked();
+  StepResult result;
+  result.loss_scale = loss_scale();
+
+  trace::Span step_span("adam", "adam.step");
+  stage_param_chunks_locked();
+  // 1. Norms and finiteness, one host sync for all device chunks.
+  const int64_t t0 = now_ns();
+  const ChunkNorms norms = grad_norms_locked();
+  for (int64_t c = 0; c < placement_.num_chunks(); ++c) {
+    (placement_.on_device(c) ? result.device_chunks : result.host_chunks) += 1;
+  }
+  result.device_syncs = norms.syncs;
+  result.norm_ns = now_ns() - t0;
+  trace::complete("adam", "adam.grad_norm", t0, t0 + result.norm_ns);
+  return apply_locked(norms, result);
+}
+
+StepResult Engine::dist_step_locked() {
+  trace::Span step_span("adam", "adam.dist_step");
+  sharded_.shard([this](int64_t c) { deferred_.await_chunk(c); });
+  place_locked();
+  StepResult result;
+  result.loss_scale = loss_scale();
+  int64_t comm_ns = 0;
+  int64_t t0 = now_ns();
+  // 1. Every rank's gradients summed into their owners' chunks, with the union of the landed sets.
+  sharded_.reduce_grads();
+  if (sharded_.param_shards()) sharded_.param_shards()->release_all();  // their gradients are with the owners now
+  comm_ns += now_ns() - t0;
+  // 2. The owned chunks to their state's tier; their norms, totalled over the ranks.
+  stage_param_chunks_locked();
+  t0 = now_ns();
+  ChunkNorms norms = grad_norms_locked();
+  result.device_syncs = norms.syncs;
+  int64_t landed = 0;
+  for (int64_t c = 0; c < placement_.num_chunks(); ++c) {
+    if (!ownership_.owned(c)) continue;
+    for (int64_t p : model().layout().chunks()[c].tensors) landed += ledger_.landed(p);
+  }
+  const int64_t tn = now_ns();
+  const std::vector<double> totals =
+      sharded_.sum_over_ranks({norms.total_sq, norms.all_finite ? 0.0 : 1.0, static_cast<double>(landed)});
+  comm_ns += now_ns() - tn;
+  norms.total_sq = totals[0];
+  norms.all_finite = totals[1] == 0.0 && std::isfinite(norms.total_sq);
+  result.norm_ns = now_ns() - t0;
+  if (totals[2] == 0.0) {  // the same on every rank: all fail together
+    if (!sharded_.param_shards()) sharded_.gather_params();  // slots of this rank's own landings (if any) get values back
+    ledger_.clear();
+    model().clear_grad_slots();
+    TORCH_CHECK(false, "ferry: HybridAdam::step() found no gradients since the last zero_grad() on any rank; call "
+                       "model.backward(loss) first");
+  }
+  ledger_.mark_any();
+  for (int64_t c = 0; c < placement_.num_chunks(); ++c) {
+    if (ownership_.owned(c)) (placement_.on_device(c) ? result.device_chunks : result.host_chunks) += 1;
+  }
+  // 3. The owners update (or, on overflow, restore) their chunks; 4. everyone gets the new values.
+  result = apply_locked(norms, result);
+  sharded_.clear_reduced();
+  sharded_.agree_on_trace();
+  t0 = now_ns();
+  if (!sharded_.param_shards()) sharded_.gather_params();  // sharded parameters: fetched at their next use instead
+  comm_ns += now_ns() - t0;
+  result.comm_ns = comm_ns;
+  return result;
+}
+
+ChunkNorms Engine::grad_norms_locked(bool pipelined) {
+  const int64_t n = placement_.num_chunks();
+  const ChunkLayout& layout = model().layout();
+  ChunkNorms norms;
+  norms.sum_sq.assign(n, 0.0);
+  norms.finite.assign(n, 1);
+  std::vector<at::Tensor> device;
+  std::vector<int64_t> device_index;
+  const bool any_late = pipelined && pipeline_.any_late();
+  if (any_late) {
+    norms.late_sum_sq.assign(n, 0.0);
+    norms.late_finite.assign(n, 1);
+  }
+  const std::vector<char>* late = &pipeline_.late_mask();
+  for (int64_t c = 0; c < n; ++c) {
+    const bool done = pipelined && pipeline_.launched(c);  // computed during backward
+    if (!ownership_.owned(c)) continue;                     // its owner's norm comes with the all-reduce
+    if (placement_.on_device(c)) {
+      std::vector<at::Tensor> d = done ? std::move(pipeline_.device_norms(c))
+                                       : ChunkUpdates::device_norms(updates_.grad_payload(c), ledger_.spans(layout, c));
+      for (at::Tensor& t : d) {
+        device.push_back(std::move(t));
+        device_index.push_back(c);
+      }
+      if (done && pipeline_.has_late(c)) {  // Note [A gradient after its chunk's update]: the late part's own
+        for (at::Tensor& t : ChunkUpdates::device_norms(updates_.grad_payload(c), ledger_.spans(layout, c, late))) {
+          device.push_back(std::move(t));
+          device_index.push_back(n + c);
+        }
+      }
+    } else {
+      const ChunkOutcome o = done ? pipeline_.outcome(c) : updates_.host_norm(updates_.grad_payload(c), ledger_.spans(layout, c));
+      norms.sum_sq[c] = o.sum_sq;
+      norms.finite[c] = o.finite;
+      if (done && pipeline_.has_late(c)) {
+        const ChunkOutcome late_part = updates_.host_norm(updates_.grad_payload(c), ledger_.spans(layout, c, late));
+        norms.late_sum_sq[c] = late_part.sum_sq;
+        norms.late_finite[c] = late_part.finite;
+      }
+    }
+  }
+  if (pipelined) pipeline_.clear_device_norms();
+  ChunkUpdates::finish_norms(device, device_index, norms);
+  return norms;
+}
+
+void Engine::stage_param_chunks_locked(bool skip_launched) {
+  if (options_.accumulate_grads) return;
+  trace::Span span("adam", "adam.stage_param_chunks");
+  ChunkStore& params = model().store();
+  const int64_t n = placement_.num_chunks();
+  auto skipped = [&](int64_t c) {
+    return (skip_launched && pipeline_.launched(c) && !pipeline_.has_late(c)) || !ownership_.owned(c);
+  };
+  // Host-bound chunks first: they must leave anyway, and the room they free is what the device-bound
+  // ones are moved into. (Device-bound first let the eviction policy, which knows nothing of the step,
+  // evict a device-bound chunk staged a moment before to make room for the next one: seen on a GPU,
+  // where the device norms then met a gradient on the host.)
+  for (int pass = 0; pass < 2; ++pass) {
+    const bool device = pass == 1;
+    for (int64_t c = 0; c < n; ++c) {
+      if (placement_.on_device(c) != device || skipped(c)) continue;
+      const Location want = device ? Location::kDevice : Location::kHost;
+      if (params.location(model().param_chunk(c)) != want) params.move(model().param_chunk(c), want);
+    }
+  }
+  const int64_t on_device = placement_.num_on_device();
+  for (int64_t c = 0; c < n; ++c) {
+    if (!placement_.on_device(c) || skipped(c)) continue;
+    TORCH_CHECK(params.location(model().param_chunk(c)) == Location::kDevice, "ferry: HybridAdam: the parameter chunk of "
+                "state chunk ", c, " (state on the device) was evicted while the step staged the others: the device "
+                "budget's parameter region holds fewer chunks than the ", on_device, " whose state is on the device. "
+                "Lower HybridAdamOptions::device_state_chunks or raise the device budget.");
+  }
+}
+
+StepResult Engine::apply_locked(const ChunkNorms& norms, StepResult result) {
+  const int64_t n = placement_.num_chunks();
+  updates_.arm_written(n);
+  int64_t t0 = now_ns();
+  if (!norms.all_finite) {
+    result.overflow = true;
+    result.grad_norm = std::numeric_limits<double>::infinity();
+    if (scaling_) {
+      scaler_.update(true);
+      model().set_loss_scale(scaler_.scale());
+      log::info("ferry: non-finite gradient at loss scale ", result.loss_scale, ": step skipped, scale now ",
+                scaler_.scale());
+    } else {
+      log::warn("ferry: non-finite gradient (or a gradient norm that overflows): step skipped (the parameters "
+                "and optimizer state are unchanged)");
+    }
+    if (!options_.accumulate_grads) discard_grads_locked();  // consumed: the slots get their values back
+    return result;
+  }
+  // Data parallelism: the gradients are sums over the ranks; their mean is the concatenated batch's.
+  const double world = static_cast<double>(ownership_.world());
+  result.grad_norm = std::sqrt(norms.total_sq) / (result.loss_scale * world);
+  if (options_.max_grad_norm > 0) {
+    result.clip_coef = std::min(1.0, options_.max_grad_norm / (result.grad_norm + 1e-6));
+  }
+  const double grad_scale = result.clip_coef / (result.loss_scale * world);
+
+  // 2. Update: device chunks with the device kernel, host chunks with CpuAdam.
+  for (int g = 0; g < num_param_groups(); ++g) cpu_adam_.advance_step(g);
+  t0 = now_ns();
+  for (int64_t c = 0; c < n; ++c) {
+    if (placement_.on_device(c) && ownership_.owned(c)) updates_.device_update(c, grad_scale);
+  }
+  result.device_update_ns = now_ns() - t0;
+  trace::complete("adam", "adam.device_update", t0, t0 + result.device_update_ns,
+                  "\"chunks\": " + std::to_string(result.device_chunks));
+  t0 = now_ns();
+  UpdateOptions update_options;
+  update_options.grad_scale = grad_scale;
+  update_options.grads_checked = true;
+  // Note [Update behind the next forward]: the host updates queued in forward order (layout order),
+  // each group's options and step count frozen now. At N > 1 only where the next use gathers the new
+  // values (sharded parameters, whose gathers wait for them); else the step's own gather reads them.
+  std::shared_ptr<const std::vector<CpuAdam::FrozenGroup>> frozen;
+  if (options_.update_behind_forward && (ownership_.world() == 1 || sharded_.param_shards())) {
+    auto groups = std::make_shared<std::vector<CpuAdam::FrozenGroup>>();
+    for (int g = 0; g < num_param_groups(); ++g) groups->push_back(cpu_adam_.freeze(g));
+    frozen = std::move(groups);
+  }
+  for (int64_t c = 0; c < n; ++c) {
+    if (placement_.on_device(c) || !ownership_.owned(c)) continue;
+    if (frozen && defer_host_update_locked(c, update_options, frozen)) {
+      ++result.deferred_chunks;
+    } else {
+      updates_.host_update(c, update_options);
+    }
+  }
+  result.host_update_ns = now_ns() - t0;  // on this thread: queueing only, for the chunks left running
+  trace::complete("adam", "adam.host_update", t0, t0 + result.host_update_ns,
+                  "\"chunks\": " + std::to_string(result.host_chunks));
+
+  // The spans above (those left running too) took their lags already.
+  ledger_.count_missed_steps(model().layout(), owned_fn(), nullptr, nullptr, nullptr);
+  finish_values_locked(result);
+  if (scaling_) {
+    scaler_.update(false);
+    model().set_loss_scale(scaler_.scale());
+  }
+  // The updates left running write the parameters: ops on this thread that use them wait for them
+  // (Note [Ops outside the scopes]). Last, so that the step's own ops above are not watched.
+  if (result.deferred_chunks > 0) watch_outside_uses();
+  result.applied = true;
+  return result;
+}
+
+bool Engine::defer_host_update_locked(int64_t c, const UpdateOptions& options,
+                                      const std::shared_ptr<const std::vector<CpuAdam::FrozenGroup>>& frozen) {
+  ChunkStore& params = model().store();
+  const ChunkId pc = model().param_chunk(c);
+  // Default mode: staged on the host with the gradients. With accumulate_grads where the scheduler left
+  // it: a parameter chunk on the device keeps the update here and the copy after it (write_back).
+  if (params.location(pc) != Location::kHost) return false;
+  std::vector<Span> spans = ledger_.spans(model().layout(), c);
+  if (spans.empty()) return false;
+  at::Tensor acc;  // accumulate_grads: the gradients; the job writes the new values into the parameter chunk
+  if (options_.accumulate_grads) {
+    acc = updates_.grad_payload(c);  // at N > 1 the sums over the ranks (a tensor of their own)
+    updates_.mark_written(c);
+  }
+  const HostState state = placement_.host_state(c, /*held=*/true, /*moments=*/true);
+  deferred_.put(c, jobs_.launch(
+                       params, pc, c, "deferred host adam chunk ",
+                       [this, spans = std::move(spans), options, frozen, acc, state](const at::Tensor& g) {
+                         if (!acc.defined()) {  // default mode: the new values over the gradients
+                           updates_.run_host(updates_.adam_spans(spans, state.master, state.exp_avg, state.exp_avg_sq, g),
+                                             options, frozen.get());
+                           return;
+                         }
+                         const bool lowp = g.scalar_type() != at::kFloat;
+                         updates_.run_host(updates_.adam_spans(spans, state.master, state.exp_avg, state.exp_avg_sq,
+                                                               acc, lowp ? g : at::Tensor()),
+                                           options, frozen.get());
+                         // fp32 compute: the master is the value, as the write-back copies it
+                         if (!lowp) g.copy_(state.master_tensor);
+                       },
+                       /*background_write=*/true));
+  return true;
+}
+
+void Engine::finish_values_locked(StepResult& result) {
+  // The parameters in the compute dtype: the default mode's updates wrote them over the gradients; with
+  // accumulate_grads, where the parameter chunk was beside the state (the others are copied now).
+  const int64_t t0 = now_ns();
+  if (options_.accumulate_grads) {
+    result.written_back_chunks = updates_.write_back(/*after_update=*/true);
+  } else {
+    model().clear_grad_slots();
+    ledger_.clear();
+  }
+  result.writeback_ns = now_ns() - t0;
+  trace::complete("adam", "adam.writeback", t0, t0 + result.writeback_ns);
+}
+
+void Engine::discard_grads_locked() {
+  const int64_t n = placement_.num_chunks();
+  if (!options_.accumulate_grads) {
+    // The slots of landed parameters hold gradients: give them their values (the masters) back.
+    ChunkStore& params = model().store();
+    for (int64_t c = 0; c < n; ++c) {
+      const std::vector<Span> spans = ledger_.spans(model().layout(), c);
+      if (spans.empty() || !ownership_.owned(c)) continue;  // sharded: the owners' values come with the next gather
+      ChunkUpdates::restore_values(params.payload(model().param_chunk(c)), placement_.payload(kMasterRole, c), spans);
+    }
+    model().clear_grad_slots();
+  } else {
+    for (int64_t c = 0; c < n; ++c) {
+      at::Tensor acc = placement_.payload(kGradRole, c);
+      if (deferred_.has(c)) {
+        // Note [Update behind the next forward]: the update still running reads this sum; the zeroing
+        // queues behind it on the same worker (where the next accumulation into the chunk queues too).
+        deferred_.put_zeroing(cpu_adam_.run_async([acc] { acc.zero_(); }));
+      } else {
+        acc.zero_();
+      }
+    }
+  }
+  ledger_.clear();
+}
+
+// ---- backward_step ---------------------------------------------------------------------------------
+
+void Engine::check_backward_step_start_locked() const {
+  sync_layout_locked();
+  TORCH_CHECK(!ledger_.any(), "ferry: HybridAdam::backward_step: gradients of an earlier backward() wait for "
+                              "step(); call step() or zero_grad() first");
+}
+
+PipelinedStep::Kind Engine::kind_at_one_rank() const {
+  return options_.max_grad_norm == 0 && !scaling_ ? PipelinedStep::Kind::kEager : PipelinedStep::Kind::kTwoPhase;
+}
+
+void Engine::start_pipeline_locked(PipelinedStep::Kind kind) {
+  pipeline_.start(kind);
+  if (!pipeline_.eager()) return;
+  for (int g = 0; g < num_param_groups(); ++g) cpu_adam_.advance_step(g);  // updates start during backward
+}
+
+StepResult Engine::backward_step(const at::Tensor& loss) {
+  const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
+  if (sharded_.active()) return backward_step_across_ranks(loss);
+  return backward_step_at_one_rank(loss);
+}
+
+StepResult Engine::backward_step_at_one_rank(const at::Tensor& loss) {
+  settle("backward_step()");
+  const bool accumulate = options_.accumulate_grads;
+  bool pipelined = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (accumulate) {
+      sync_layout_locked();  // the earlier micro-batches' gradients are what this call completes
+    } else {
+      check_backward_step_start_locked();
+    }
+    place_locked();
+    // Pipelined once an earlier call said how many landings to expect and, in the default mode, placed
+    // (the trace and the repack are behind us).
+    pipelined = pipeline_.has_history() && (accumulate || placement_.placed());
+    pipeline_.arm(pipelined);
+    if (pipelined) {
+      if (accumulate) {
+        updates_.arm_written(placement_.num_chunks());
+      } else {
+        jobs_.reset(placement_.num_chunks());
+      }
+      start_pipeline_locked(kind_at_one_rank());
+    }
+  }
+  try {
+    model().backward(loss);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    abandon_backward_step_locked(pipelined);
+    pipeline_.clear_late();
+    finality_.learn_landings(/*complete=*/false);
+    pipeline_.stop();
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  pipeline_.stop();
+  finality_.learn_landings(/*complete=*/true);
+  pipeline_.learned();
+  // The first calls: nothing to expect yet. Else what the pipeline did not do during backward runs now
+  // (with accumulation the chunks final in backward had their accumulations and norms, eager their host
+  // updates too, writing the new values into the slots), as step() runs it.
+  return pipelined ? finish_pipelined_locked() : step_locked();
+}
+
+void Engine::abandon_backward_step_locked(bool pipelined) {
+  // backward_finished() waited for (accumulation: joined) the jobs.
+  const int64_t n = placement_.num_chunks();
+  const bool eager = pipelined && pipeline_.eager();
+  if (options_.accumulate_grads) {
+    if (eager) {
+      // A launched host chunk with finite gradients was updated.
+      std::vector<char> updated(n, 0);
+      for (int64_t c = 0; c < n; ++c) {
+        updated[c] = pipeline_.launched(c) && !placement_.on_device(c) && pipeline_.has_outcome(c) &&
+                     pipeline_.outcome(c).finite;
+      }
+      // The step count has advanced; a late parameter was not updated.
+      ledger_.count_missed_steps(model().layout(), owned_fn(), &updated, nullptr, &pipeline_.late_mask());
+      log::error("ferry: backward_step: backward threw; ", pipeline_.num_launched(), " chunk(s) whose update had ",
+                 "started are updated, the others are not, and the step count has advanced");
+    }
+    pipeline_.clear_device_norms();
+    updates_.clear_written();  // the launched chunks' jobs wrote their new values into the slots
+    return;
+  }
+  if (!pipelined) return;
+  // Eager: the launched chunks hold new values (or restored ones), not gradients; the others keep their
+  // gradients for zero_grad().
+  int64_t started = 0;
+  std::vector<char> updated(n, 0);  // eager: the launched chunks whose update was applied
+  for (int64_t c = 0; c < n; ++c) {
+    bool failed = false;
+    if (std::exception_ptr error = jobs_.take(c)) {
+      failed = true;
+      log::error("ferry: backward_step: the host update of chunk ", c, " failed too: ", message_of(error));
+    }
+    if (!pipeline_.launched(c) || !eager || failed) continue;
+    if (!placement_.on_device(c)) {
+      updated[c] = pipeline_.outcome(c).finite;
+    } else if (!pipeline_.device_norms(c).empty()) {  // found_inf decided on the device: read it (an error path)
+      updated[c] = at::isfinite(at::stack(pipeline_.device_norms(c))).all().item<bool>();
+    }
+  }
+  // The step count has advanced; a late parameter (Note [A gradient after its chunk's update]) was not
+  // updated, and keeps its gradient for zero_grad().
+  if (eager) ledger_.count_missed_steps(model().layout(), owned_fn(), &updated, nullptr, &pipeline_.late_mask());
+  for (int64_t c = 0; c < n; ++c) {
+    if (!pipeline_.launched(c)) continue;
+    ++started;
+    if (!eager) continue;
+    for (int64_t p : model().layout().chunks()[c].tensors) {
+      if (!ledger_.landed(p) || pipeline_.late(p)) continue;
+      ledger_.forget(p);
+      model().clear_grad_slot(p);
+    }
+  }
+  ledger_.recount();
+  jobs_.drop();
+  if (eager && started > 0) {
+    log::error("ferry: backward_step: backward threw; ", started, " chunk(s) whose update had started are updated, ",
+               "the others hold their gradients (zero_grad() discards them), and the step count has advanced");
+  }
+}
+
+StepResult Engine::finish_pipelined_locked() {
+  trace::Span step_span("adam", "adam.finish_pipelined_step");
+  sync_layout_locked();  // the layout cannot change under a pipelined step
+  StepResult result;
+  result.loss_scale = loss_scale();
+  if (std::exception_ptr error = jobs_.join()) std::rethrow_exception(error);
+  result.overlapped_chunks = pipeline_.num_launched();
+  for (int64_t c = 0; c < placement_.num_chunks(); ++c) {
+    (placement_.on_device(c) ? result.device_chunks : result.host_chunks) += 1;
+  }
+  const bool eager = pipeline_.eager();
+  // Chunks that did not become final during backward: staged now, as step() stages them; the norms of
+  // all, summed as step() sums them. Not eager (clipping, loss scaling): the launched chunks only had
+  // their norms taken and wait for their update, and the eviction policy may have sent a device-bound
+  // one to the host since; they are staged too (seen on a GPU: the fused kernel met a host gradient).
+  stage_param_chunks_locked(/*skip_launched=*/eager);
+  const int64_t t0 = now_ns();
+  const ChunkNorms norms = grad_norms_locked(/*pipelined=*/true);
+  result.device_syncs = norms.syncs;
+  result.norm_ns = now_ns() - t0;
+  if (!eager) return apply_locked(norms, result);  // clipping / loss scaling: every update now
+
+  // Eager: the launched chunks are updated (or restored) already; the others now, the same way, and
+  // the late parts of launched ones (Note [A gradient after its chunk's update]).
+  pipeline_.update_unlaunched(norms, options_.accumulate_grads, result);
+  // A chunk with a non-finite gradient was not updated.
+  ledger_.count_missed_steps(model().layout(), owned_fn(), &norms.finite, &norms.late_finite, &pipeline_.late_mask());
+  int64_t first = -1;
+  result.late_params = pipeline_.take_late(&first);
+  if (result.late_params > 0) {
+    log::info("ferry: backward_step: ", result.late_params, " parameter(s) (", model().param_name(first),
+              " first) got their first gradient after their chunk's update had started, as no earlier backward "
+              "had; updated after backward, and expected from now on");
+  }
+  finish_values_locked(result);
+  result.grad_norm = std::sqrt(norms.total_sq);
+  result.overflow = !norms.all_finite;
+  result.applied = norms.all_finite;
+  if (result.overflow) {
+    log::warn("ferry: backward_step: non-finite gradients (or a gradient norm that overflows); those chunks were "
+              "not updated, the others were");
+  }
+  return result;
+}
+
+StepResult Engine::backward_step_across_ranks(const at::Tensor& loss) {
+  settle("backward_step()");
+  bool pipelined = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (options_.accumulate_grads) {
+      sync_layout_locked();  // the earlier micro-batches' gradients are what this call completes
+    } else {
+      check_backward_step_start_locked();
+    }
+    // Pipelined once sharded and placed, without clipping, loss scaling or accumulation (eager), when
+    // every rank expects the same landings (so groups complete in the same order everywhere).
+    pipelined = ownership_.sharded() && placement_.placed() && sharded_.landings_agree() &&
+                !options_.accumulate_grads && options_.max_grad_norm == 0 && !scaling_ && pipeline_.has_history();
+    pipeline_.arm(pipelined);
+    if (pipelined) {
+      jobs_.reset(placement_.num_chunks());
+      sharded_.start_flights();
+      start_pipeline_locked(PipelinedStep::Kind::kAcrossRanks);
+    }
+    sharded_.set_step_follows_backward(true);
+  }
+  try {
+    model().backward(loss);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    sharded_.set_step_follows_backward(false);
+    if (pipelined) {
+      if (jobs_.join()) log::error("ferry: backward_step: an owner update failed too");
+      sharded_.drop_flights();  // waits for the collectives in flight
+      log::error("ferry: backward_step: backward threw on rank ", ownership_.rank(), "; the other ranks will fail at "
+                 "their next collective");
+    }
+    pipeline_.stop();
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  pipeline_.stop();
+  sharded_.set_step_follows_backward(false);
+  finality_.learn_landings(/*complete=*/true);
+  pipeline_.learned();
+  StepResult result = pipelined ? sharded_.finish_pipelined(loss_scale()) : step_locked();
+  sharded_.check_landings_agree(finality_);  // for the next call
+  return result;
+}
+
+}  // namespace ferry::optim

@@ -1,0 +1,71 @@
+#pragma once
+// HostJobs: the work HybridAdam queues on CpuAdam's worker during a backward, one job per layout chunk
+// (a chunk's host Adam, its norm, or emptying its slots into the accumulation chunk), and the mechanism
+// that runs such a job on a parameter chunk: the chunk moves to the host on the copy stream (one
+// transfer), is locked there, and the job runs once the copy has landed; the chunk is unlocked when the
+// job ends, whatever happens.
+//
+// Contract: put/wait/join and the rest are called under HybridAdam's mutex; in_backward() and
+// started() are atomic, read without it (a parameter use inside backward asks in_backward() first).
+// A job's error surfaces where the jobs are joined (join()), also when another job superseded it.
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <future>
+#include <vector>
+
+#include "../chunk/chunk_store.h"
+#include "../cpu_adam/cpu_adam.h"
+
+namespace ferry::optim {
+
+class HostJobs {
+ public:
+  explicit HostJobs(CpuAdam& worker) : worker_(worker) {}
+
+  // Queues `work(grads)` on the worker, to run once parameter chunk `pc` (layout chunk `chunk`) is on the
+  // host: its move is started here (one transfer on the copy stream), and the chunk is locked on the
+  // host until the job has ended. `grads`: the chunk's host payload. `background_write`: the job writes
+  // parameters after the step returns (Note [Ops outside the scopes], hooks/interceptor.h): ops between
+  // iterations wait for it. `what` names the job in the event trace.
+  std::future<void> launch(ChunkStore& params, ChunkId pc, int64_t chunk, const char* what,
+                           std::function<void(const at::Tensor& grads)> work, bool background_write = false);
+
+  // Backward's jobs, per layout chunk. reset(): none, room for `num_chunks`.
+  void reset(int64_t num_chunks);
+  // `uses_wait`: a use of the chunk's parameters later in this backward waits for the job (Note [A chunk
+  // final before its last use]); not for an owner's job across ranks, which waits for the ranks' sums.
+  void put(int64_t chunk, std::future<void> job, bool uses_wait = true);
+  bool has(int64_t chunk) const {
+    return chunk < static_cast<int64_t>(jobs_.size()) && jobs_[chunk].valid();
+  }
+  // Waits for chunk `chunk`'s job (its error surfaces at join()).
+  void wait(int64_t chunk);
+  // Chunk `chunk`'s job ends before the chunk is worked on again (a later job replaces it); its error
+  // is kept for join().
+  void supersede(int64_t chunk);
+  // Waits for the job and returns its error (null: none), taking it out.
+  std::exception_ptr take(int64_t chunk);
+  // Waits for every job and forgets them; the first error any of them threw (a superseded one's first).
+  std::exception_ptr join();
+  // Waits for every job without taking them (their errors surface at join()).
+  void wait_all();
+  // Forgets every job and error (after a failed backward has dealt with them).
+  void drop();
+  // Whether a job of this backward that uses wait for may be queued (atomic).
+  bool in_backward() const { return in_backward_.load(); }
+  // Jobs that have started running since construction (tests, reports).
+  int64_t started() const { return started_.load(); }
+
+ private:
+  CpuAdam& worker_;
+  std::vector<std::future<void>> jobs_;  // per layout chunk
+  std::exception_ptr superseded_error_;  // of a job superseded in jobs_
+  std::atomic<bool> in_backward_{false};
+  std::atomic<int64_t> started_{0};
+};
+
+}  // namespace ferry::optim

@@ -1,0 +1,93 @@
+#pragma once
+// What HybridAdam is told (HybridAdamOptions) and what a step reports (StepResult).
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../cpu_adam/adam_options.h"
+#include "../dist/communicator.h"
+#include "loss_scaler.h"
+
+namespace ferry {
+
+// Parameters whose (name, tensor) `match` returns true go into a group with `options`.
+struct ParamGroupRule {
+  std::function<bool(const std::string& name, const at::Tensor& param)> match;
+  AdamOptions options;
+};
+
+struct HybridAdamOptions {
+  HybridAdamOptions() = default;
+  // One group with `defaults`: HybridAdam(model, ferry::AdamOptions().with_lr(3e-4)).
+  HybridAdamOptions(const AdamOptions& defaults) : defaults(defaults) {}  // NOLINT: implicit on purpose
+
+  AdamOptions defaults;                 // group 0: every parameter no rule matched
+  std::vector<ParamGroupRule> groups;   // groups 1.. in order; the first matching rule wins
+  double max_grad_norm = 0.0;           // global L2 clipping (0: none)
+  LossScalerOptions loss_scaler;        // used when the model's precision is fp16
+  int64_t device_state_chunks = -1;     // -1: as many as fit after warm-up; else this many (at most all)
+  // Keep fp32 gradient chunks that accumulate across backward() calls (micro-batches). Off: gradients
+  // live in the parameter chunks (Note [Gradient in the parameter slot]) and cost no memory.
+  bool accumulate_grads = false;
+  // Data parallelism over the ranks of this communicator (dist::connect; null or world size 1: one
+  // process). Note [Sharded optimizer state].
+  std::shared_ptr<dist::Communicator> communicator;
+  // With N > 1 ranks, shard the parameter chunks too (Note [Sharded parameters], dist/param_shards.h):
+  // each rank keeps only the chunks it owns between steps and gathers the others before their use.
+  // Off: every rank keeps every parameter chunk, and a step all-gathers the updated values.
+  bool shard_params = true;
+  // Leave the host updates that run after backward (with clipping or fp16 loss scaling, and in
+  // step()) running behind the return, in forward order, each chunk's next use waiting for its own
+  // (Note [Update behind the next forward]); at N > 1 only with shard_params. Off: step() and
+  // backward_step() return with every update written.
+  bool update_behind_forward = true;
+
+  // `defaults` for matrices; biases and norm weights (tensors of dim <= 1) in group 1 without decay.
+  static HybridAdamOptions no_decay_for_bias_and_norm(const AdamOptions& defaults);
+  // Chainable setters.
+  HybridAdamOptions& with_group(std::function<bool(const std::string&, const at::Tensor&)> match,
+                                const AdamOptions& options) {
+    groups.push_back({std::move(match), options});
+    return *this;
+  }
+  HybridAdamOptions& with_max_grad_norm(double v) { max_grad_norm = v; return *this; }
+  HybridAdamOptions& with_loss_scaler(const LossScalerOptions& v) { loss_scaler = v; return *this; }
+  HybridAdamOptions& with_device_state_chunks(int64_t n) { device_state_chunks = n; return *this; }
+  HybridAdamOptions& with_accumulate_grads(bool v = true) { accumulate_grads = v; return *this; }
+  HybridAdamOptions& with_shard_params(bool v = true) { shard_params = v; return *this; }
+  HybridAdamOptions& with_update_behind_forward(bool v = true) { update_behind_forward = v; return *this; }
+  void validate() const;
+};
+
+// What one step did (step() or backward_step()). Times are nanoseconds of the calling thread.
+struct StepResult {
+  bool applied = false;     // the update was written
+  bool overflow = false;    // a non-finite gradient skipped it
+  double grad_norm = 0.0;   // global L2 norm of the (unscaled, unclipped) gradients; inf/NaN on overflow
+  double clip_coef = 1.0;   // factor the gradients were clipped by
+  double loss_scale = 1.0;  // the scale the gradients of this step carried
+  int64_t device_chunks = 0;  // layout chunks updated on the device (count)
+  int64_t host_chunks = 0;    // ... on the host (count)
+  int64_t norm_ns = 0, device_update_ns = 0, host_update_ns = 0, writeback_ns = 0;
+  // accumulate_grads: layout chunks whose new values were copied from the masters after the update
+  // (a parameter chunk away from its state, or fp32 compute); the update wrote the others' itself.
+  int64_t written_back_chunks = 0;
+  int64_t overlapped_chunks = 0;  // backward_step: chunks whose update (or norm) started during backward
+  // backward_step without clipping or loss scaling: parameters whose first gradient of this backward
+  // landed after their chunk's update had started (a layer no earlier backward reached); updated after
+  // backward (Note [A gradient after its chunk's update]).
+  int64_t late_params = 0;
+  // Host-state chunks whose update was still queued or running when the call returned (Note [Update
+  // behind the next forward]); the next use of each waits for its own.
+  int64_t deferred_chunks = 0;
+  // Host synchronizations by the optimizer on the calling thread (reading device norms): at most 1.
+  int64_t device_syncs = 0;
+  int64_t comm_ns = 0;  // data parallelism: time in collectives (reduce-scatter, norm, all-gather)
+};
+
+}  // namespace ferry

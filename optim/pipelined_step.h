@@ -1,0 +1,152 @@
+#pragma once
+// PipelinedStep: the state of one pipelined backward_step — which layout chunks became final and were
+// launched during backward, what their jobs found, which parameters landed late — and the default
+// mode's launches (Note [Pipelined step]).
+//
+// Note [Pipelined step]
+// backward_step(loss) runs backward and the optimizer step as one pipeline over the layout chunks.
+// A chunk is final in backward when each of its parameters has had the most gradient landings earlier
+// backward_steps had, and the most uses earlier backwards had (Note [A chunk final before its last use],
+// Note [Expectations only grow]; the first call, and a call right after a repack or placement change,
+// only record them and run unpipelined). When a chunk becomes final, on autograd's thread:
+//  - host state: its parameter chunk (holding the gradients) starts its move to the host on the copy
+//    stream, one transfer per chunk, and is locked there (ChunkStore::lock_on_host); a job on CpuAdam's
+//    worker waits for that copy, computes the chunk's gradient norm and, unless the step needs every
+//    gradient first, runs the host Adam, writing the new compute-dtype values over the gradients. The
+//    chunk stays on the host until the next forward brings it back (prefetched from the trace).
+//  - device state: its parameter chunk is brought to the device if evicted (no host stall), its
+//    norm is reduced on the device (no host sync) and the device Adam runs on the compute stream, told
+//    to skip by a device flag if the chunk's gradients are not finite.
+// The jobs are awaited when backward ends (before the model may repack). Then one host sync reads every
+// device norm, chunks that did not become final run as step() runs them, and the result is reported.
+// A gradient that lands after its chunk became final (a layer no earlier backward reached) is taken:
+// Note [A gradient after its chunk's update].
+// No host synchronization per parameter or per chunk on the training thread: the per-chunk waits
+// happen on the worker (ChunkStore's MoveStats count both).
+//  - Without clipping and loss scaling ("eager"): the updates are those of backward() + step(), bit for
+//    bit (same kernels, same gradients, same order per chunk). A non-finite gradient skips that chunk
+//    only (its values are restored from the masters; the others are updated, and the result reports the
+//    overflow): all-or-nothing would need every gradient before the first update.
+//  - With global-norm clipping or fp16 loss scaling, which need every gradient first: during backward
+//    only the transfers and the per-chunk norms run; after backward the norm (one scalar) gives the
+//    clip coefficient and the overflow decision, then every chunk is updated as step() would, bit for
+//    bit. Cost against eager: the host Adam is no longer hidden behind backward (it runs after it,
+//    beside the next forward: Note [Update behind the next forward]), while the gradients' transfers
+//    still are.
+//
+// Note [A gradient after its chunk's update]
+// A parameter's gradient can land after its chunk became final: a layer that no earlier backward reached
+// (skipped in the first steps by stochastic depth, a task head or an expert not used yet), or one more
+// contribution than any earlier backward had (Note [Expectations only grow]). This was refused, and the
+// step lost: a multi-task model alternating its heads, or stochastic depth skipping a layer in the
+// first step, failed at its second backward_step (found by a randomized comparison of backward_step
+// against backward() + step()). Now, at N = 1:
+//  - two-phase step (clipping, loss scaling): the chunk's job only took its norm, so it is taken again
+//    after backward with the late gradient: the chunk counts as not launched, and the step is exactly
+//    step()'s;
+//  - eager step, a parameter with no gradient yet in this backward: the chunk's job left it alone (it
+//    updates only the landed spans). The landing waits for the job, the parameter is marked late, and
+//    after backward its spans are updated as a chunk that was not launched is: their own norm and
+//    finiteness, then the update where the state lives. Adam is elementwise, so the bits are those of
+//    backward() + step() (the norm that the result reports is summed in another order); a non-finite
+//    late gradient skips the late spans only, as a non-finite chunk skips its own (Note [Pipelined step]);
+//  - a further contribution to a parameter whose update has run is refused, once: the next backwards
+//    expect it.
+// The late parameters are counted in StepResult::late_params; being late grows the expectations, so a
+// parameter is late at most once per requires_grad configuration. At N > 1 a late landing cannot be
+// taken (the group's reduce-scatter has left): there a chunk holding a trainable parameter that no
+// backward has reached yet is not final early (arm()), so the landing is not late, at the cost of that
+// chunk's overlap until the parameter trains (for good if it never does: such a parameter should not
+// require grad). requires_grad is the same on every rank (the landings' fingerprint includes it), so
+// the groups still complete in the same order everywhere.
+//
+// Contract: not thread-safe; HybridAdam's engine calls it under its mutex, on autograd's thread during
+// backward. A host job writes its chunk's outcome (set before the job is queued, read after it is joined).
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "hybrid_adam_options.h"
+#include "step_parts.h"
+
+namespace ferry::optim {
+
+class PipelinedStep {
+ public:
+  // How the steps of this backward run: updates during backward (eager), only norms during it and the
+  // updates after the global norm (two-phase: clipping, loss scaling), or eager with each group's
+  // reduce-scatter started when its chunks are final (across ranks, Note [Sharded optimizer state]).
+  enum class Kind { kTwoPhase, kEager, kAcrossRanks };
+
+  explicit PipelinedStep(const StepParts& parts) : parts_(parts) {}
+
+  // A backward_step completed since the expectations last started over (the next one may pipeline).
+  bool has_history() const { return history_; }
+  void learned() { history_ = true; }
+  void forget() { history_ = false; }
+
+  // Starts a backward_step's counts (finality: this backward's landings forgotten; `armed`: counting
+  // down, and at N > 1 a chunk with a trainable parameter no backward reached held back); forgets what
+  // the last one launched.
+  void arm(bool armed);
+  // The pipeline runs in this backward: outcomes and device norms for every chunk.
+  void start(Kind kind);
+  // Backward is over (or failed): no more launches; the kind stays for the step's end.
+  void stop() { active_ = false; }
+  bool active() const { return active_; }
+  bool eager() const { return kind_ != Kind::kTwoPhase; }
+  bool across_ranks() const { return kind_ == Kind::kAcrossRanks; }
+
+  // Chunk c is final in the default mode: its norm (and, eager, its update) starts now, where its state is.
+  void launch(int64_t chunk);
+  // Note [A gradient after its chunk's update]: lets `param`'s landing into launched chunk c proceed
+  // (after c's job) or refuses it; before the landing. `accumulation`: the chunk's job is an
+  // accumulation's (Note [Accumulation per chunk]). Returns whether the chunk's slots must be emptied
+  // again when backward ends (an accumulation chunk that takes a late landing).
+  bool late_landing(int64_t param, int64_t chunk, bool accumulation);
+
+  // Launch bookkeeping, per layout chunk.
+  bool launched(int64_t chunk) const { return chunk < static_cast<int64_t>(launched_.size()) && launched_[chunk]; }
+  void mark_launched(int64_t chunk) { launched_[chunk] = 1; }
+  // Counts as not launched again (its norm is taken after backward instead).
+  void unlaunch(int64_t chunk);
+  int64_t num_launched() const;
+  // A host job's finding (written on the worker, read after the jobs are joined).
+  void set_outcome(int64_t chunk, const ChunkOutcome& outcome) { outcomes_[chunk] = outcome; }
+  const ChunkOutcome& outcome(int64_t chunk) const { return outcomes_[chunk]; }
+  bool has_outcome(int64_t chunk) const { return chunk < static_cast<int64_t>(outcomes_.size()); }
+  void set_device_norms(int64_t chunk, std::vector<at::Tensor> norms) { device_norms_[chunk] = std::move(norms); }
+  std::vector<at::Tensor>& device_norms(int64_t chunk) { return device_norms_[chunk]; }
+  // Forgets the device norms (once read, or when the step fails).
+  void clear_device_norms() { device_norms_.clear(); }
+
+  // Late parameters (Note [A gradient after its chunk's update]).
+  bool late(int64_t param) const { return param < static_cast<int64_t>(late_.size()) && late_[param]; }
+  bool has_late(int64_t chunk) const { return chunk < static_cast<int64_t>(late_chunks_.size()) && late_chunks_[chunk]; }
+  bool any_late() const;
+  const std::vector<char>& late_mask() const { return late_; }
+  // How many, and the first one's name for the log; then forgets them.
+  int64_t take_late(int64_t* first);
+  void clear_late();
+
+  // After backward: every chunk not launched (and the late part of a launched one) updated where its
+  // state lives as step() would, with grad scale 1; a chunk with non-finite gradients is skipped
+  // (default mode: its values restored). Adds the times to `result`; returns whether all were finite.
+  bool update_unlaunched(const ChunkNorms& norms, bool accumulate_grads, StepResult& result);
+
+ private:
+  StepParts parts_;
+  bool history_ = false;
+  bool active_ = false;
+  Kind kind_ = Kind::kTwoPhase;
+  std::vector<char> launched_;                      // per layout chunk: its host update (or norm) is queued
+  std::vector<ChunkOutcome> outcomes_;              // per layout chunk, what its host job found
+  std::vector<std::vector<at::Tensor>> device_norms_;  // per layout chunk, its norms taken on the device
+  // Eager, N = 1: per parameter, its first gradient of this backward landed after its chunk's job had
+  // started (so the job left it alone); per layout chunk, whether it has such a parameter.
+  std::vector<char> late_, late_chunks_;
+  bool told_unreached_ = false;  // N > 1: the log line about parameters no backward reached
+};
+
+}  // namespace ferry::optim

@@ -1,0 +1,74 @@
+#include "state_placement.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "../common/config.h"
+#include "../common/logging.h"
+
+namespace ferry::optim {
+
+StatePlacement::StatePlacement(std::shared_ptr<StateChunks> state) : state_(std::move(state)) {
+  TORCH_INTERNAL_ASSERT(state_ != nullptr, "StatePlacement without state");
+}
+
+HostState StatePlacement::host_state(int64_t chunk, bool held, bool moments) {
+  HostState s;
+  if (held) {
+    s.master_tensor = state_->payload(kMasterRole, chunk);
+    s.master = s.master_tensor.data_ptr<float>();
+  }
+  TORCH_INTERNAL_ASSERT(held || !moments, "host Adam job for chunk ", chunk, ", not owned here");
+  if (moments) {
+    s.exp_avg = state_->payload(kExpAvgRole, chunk).data_ptr<float>();
+    s.exp_avg_sq = state_->payload(kExpAvgSqRole, chunk).data_ptr<float>();
+  }
+  return s;
+}
+
+void StatePlacement::follow_layout(int64_t layout_version, int64_t num_chunks) {
+  placed_ = false;  // the old state store's device bytes left with it (discharged from the accountant)
+  layout_version_ = layout_version;
+  on_device_.assign(num_chunks, 0);
+}
+
+int64_t StatePlacement::num_on_device() const { return std::count(on_device_.begin(), on_device_.end(), 1); }
+
+void StatePlacement::place(ChunkedModel& model, const PlacementPolicy& policy, const Ownership& ownership,
+                           bool params_travel, bool remote_params) {
+  // A forward-only trace lacks backward's memory; a backward_step whose forward came after the warm-up
+  // but before any step (micro-batches, or a discarded first step) is inside one: its step places.
+  if (placed_ || !model.scheduler().trace() || model.scheduler().trace_is_forward_only()) return;
+  if (model.phase() != ModelPhase::kIdle) return;
+  const int64_t n = num_chunks();
+  PlacementInput input;
+  input.params_travel = params_travel;
+  input.remote_params = remote_params;
+  int64_t held = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    StateGroup g;
+    g.param_bytes = model.store().chunk_info(model.param_chunk(c)).nbytes;
+    g.held = ownership.owned(c);
+    g.state_bytes = g.held ? group_bytes(c) : 0;
+    held += g.held;
+    input.groups.push_back(g);
+  }
+  const Placement placement = place_state(model.scheduler(), policy, std::move(input));
+  for (int64_t c = 0; c < n; ++c) {
+    if (!placement.on_device[c]) continue;
+    state_->move_group(c, Location::kDevice);
+    on_device_[c] = 1;
+  }
+  placed_ = true;
+  if (placement.host_cache_bytes > 0) {
+    model.store().set_host_cache_bytes(std::max(model.store().host_cache_bytes(), placement.host_cache_bytes));
+  }
+  const int64_t margin = placement.margin_bytes;
+  log::info("ferry: HybridAdam placed optimizer state: ", placement.count(), " of ", held, " chunk groups on the device (",
+            format_bytes(placement.device_bytes), ")", margin >= 0 ? ", margin after parameters and non-model peak " : "",
+            margin >= 0 ? format_bytes(std::max<int64_t>(0, margin)) : std::string());
+}
+
+}  // namespace ferry::optim

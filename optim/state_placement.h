@@ -1,0 +1,70 @@
+#pragma once
+// StatePlacement: HybridAdam's optimizer state (StateChunks: per layout chunk a group of fp32 chunks —
+// master, exp_avg, exp_avg_sq, and with accumulate_grads the accumulated gradient — that the model made
+// and migrates with its repacks) and where each group lives. Until the model's warm-up has finished
+// all state is on the host; at the first step after it, place() asks a PlacementPolicy (scheduler/
+// placement_policy.h) from the room the trace leaves, moves the groups it puts on the device there, and
+// sizes the parameter store's pinned host cache for the round trips of the others. A repack starts it
+// over (follow_layout).
+//
+// Contract: not thread-safe (HybridAdam's engine calls it under its mutex); the views it hands out
+// (payload, view, host_state) are the optimizer's own work's, during backward too.
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "../chunk/state_chunks.h"
+#include "../hooks/chunked_model.h"
+#include "../scheduler/placement_policy.h"
+#include "ownership.h"
+#include "state_roles.h"
+
+namespace ferry::optim {
+
+// A host-state group's arrays for a host Adam job: fp32 master, exp_avg, exp_avg_sq (null where not
+// asked for or not held here), and the master as a tensor (undefined where not held: another rank's).
+struct HostState {
+  float* master = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  at::Tensor master_tensor;
+};
+
+class StatePlacement {
+ public:
+  explicit StatePlacement(std::shared_ptr<StateChunks> state);
+
+  StateChunks& state() { return *state_; }
+  const StateChunks& state() const { return *state_; }
+  at::Tensor payload(int role, int64_t chunk) { return state_->payload(role, chunk); }
+  at::Tensor view(int role, int64_t param) { return state_->view(role, param); }
+  // Chunk `chunk`'s arrays for a host job: the master if held, the moments with `moments`.
+  HostState host_state(int64_t chunk, bool held, bool moments);
+
+  // The model's layout (version `layout_version`, `num_chunks` layout chunks) is the state's now: every
+  // group on the host's books, placement to be decided again (the old state store's device bytes left
+  // with it). Only with no host update running.
+  void follow_layout(int64_t layout_version, int64_t num_chunks);
+  int64_t layout_version() const { return layout_version_; }
+  int64_t num_chunks() const { return static_cast<int64_t>(on_device_.size()); }
+
+  // Decides (once per layout, after a training warm-up, between iterations: the room it reserves may
+  // need evictions) and moves: `policy` over the groups `ownership` says this rank holds. `params_travel`
+  // and `remote_params` as PlacementInput's. Logs what it placed.
+  void place(ChunkedModel& model, const PlacementPolicy& policy, const Ownership& ownership, bool params_travel,
+             bool remote_params);
+  bool placed() const { return placed_; }
+  bool on_device(int64_t chunk) const { return on_device_[chunk] != 0; }
+  int64_t num_on_device() const;
+  int64_t group_bytes(int64_t chunk) const { return state_->group_bytes(chunk); }
+
+ private:
+  std::shared_ptr<StateChunks> state_;
+  int64_t layout_version_ = -1;
+  std::vector<char> on_device_;  // per layout chunk
+  bool placed_ = false;
+};
+
+}  // namespace ferry::optim
