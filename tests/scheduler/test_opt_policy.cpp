@@ -1,0 +1,228 @@
+// OptEvictionPolicy against a brute-force reference on small random traces. Next uses are found by
+// scanning the sequence (not through AccessTrace's index):
+//  - a demand access: the victims are the candidates in order of furthest next use (ties: least
+//    recently used, then lower id), as few as free the bytes needed; in particular, with one chunk
+//    needed, the victim is one whose next use is the furthest;
+//  - a prefetch (the incoming chunk's next use is ahead): only candidates used after the incoming chunk,
+//    after the next use (from then on) of the chunk at the current position, and after the next use
+//    (from then on) of every candidate needed before the incoming chunk may go; among them the same
+//    order. So a prefetch never evicts a chunk needed before the one it brings in.
+//  - without a trace or off it (position -1): the LRU policy's answer.
+// (Hand-computed cases are in test_scheduler.cpp.)
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../../scheduler/opt_policy.h"
+
+namespace ferry {
+namespace {
+
+constexpr int64_t kNever = AccessTrace::kNever;
+
+// The first q >= position using `chunk` in the trace repeated forever (iterations repeat); kNever if
+// it is never used. Positions past the trace's end are in the next iteration.
+int64_t next_use_by_scan(const std::vector<ChunkId>& seq, ChunkId chunk, int64_t position) {
+  const int64_t n = static_cast<int64_t>(seq.size());
+  if (std::find(seq.begin(), seq.end(), chunk) == seq.end()) return kNever;
+  for (int64_t q = position;; ++q) {
+    if (seq[q % n] == chunk) return q;
+  }
+}
+
+// The reference: which candidates may go, in which order, how many.
+std::vector<ChunkId> reference_choice(const std::vector<ChunkId>& seq, int64_t position, const EvictionRequest& r) {
+  const bool prefetch = r.incoming >= 0 && !r.demand;
+  const int64_t incoming_next = prefetch ? next_use_by_scan(seq, r.incoming, position) : position;
+  std::vector<EvictionCandidate> eligible;
+  for (const auto& c : r.candidates) {
+    const int64_t next = next_use_by_scan(seq, c.chunk, position);
+    if (prefetch && incoming_next > position) {
+      if (next <= incoming_next) continue;  // needed before (or with) the incoming chunk
+      // Belady at incoming_next compares by next use after it: the current chunk (in COMPUTE now) and
+      // every candidate used before incoming_next must come before c, or c would not be its victim.
+      if (next <= next_use_by_scan(seq, seq[position], incoming_next)) continue;
+      bool blocked = false;
+      for (const auto& d : r.candidates) {
+        if (next_use_by_scan(seq, d.chunk, position) < incoming_next && next <= next_use_by_scan(seq, d.chunk, incoming_next)) {
+          blocked = true;
+        }
+      }
+      if (blocked) continue;
+    }
+    eligible.push_back(c);
+  }
+  std::stable_sort(eligible.begin(), eligible.end(), [&](const EvictionCandidate& a, const EvictionCandidate& b) {
+    const int64_t na = next_use_by_scan(seq, a.chunk, position), nb = next_use_by_scan(seq, b.chunk, position);
+    if (na != nb) return na > nb;
+    if (a.last_use != b.last_use) return a.last_use < b.last_use;
+    return a.chunk < b.chunk;
+  });
+  std::vector<ChunkId> victims;
+  int64_t freed = 0;
+  for (const auto& c : eligible) {
+    if (freed >= r.bytes_needed) break;
+    victims.push_back(c.chunk);
+    freed += c.bytes;
+  }
+  return victims;
+}
+
+struct RandomCase {
+  std::vector<ChunkId> seq;
+  std::shared_ptr<AccessTrace> trace;
+  int num_chunks = 0;
+};
+
+RandomCase random_trace(std::mt19937_64& rng) {
+  RandomCase rc;
+  rc.num_chunks = 3 + static_cast<int>(rng() % 6);
+  const int length = 4 + static_cast<int>(rng() % 24);
+  rc.trace = std::make_shared<AccessTrace>();
+  for (int i = 0; i < length; ++i) {
+    // The last chunk id is never used: its next use is kNever.
+    const ChunkId c = static_cast<ChunkId>(rng() % (rc.num_chunks - 1));
+    rc.seq.push_back(c);
+    rc.trace->record(c, c, 0);
+  }
+  rc.trace->finalize(rc.num_chunks);
+  return rc;
+}
+
+// Candidates: a random subset of the chunks other than the one at `position` (in COMPUTE) and the
+// incoming one, with random sizes and last uses.
+std::vector<EvictionCandidate> random_candidates(std::mt19937_64& rng, const RandomCase& rc, int64_t position,
+                                                 ChunkId incoming, bool equal_sizes) {
+  std::vector<EvictionCandidate> out;
+  for (ChunkId c = 0; c < rc.num_chunks; ++c) {
+    if (c == rc.seq[position] || c == incoming || rng() % 4 == 0) continue;
+    EvictionCandidate e;
+    e.chunk = c;
+    e.bytes = equal_sizes ? 100 : 50 * static_cast<int64_t>(1 + rng() % 4);
+    e.last_use = rng() % 5;  // ties happen
+    out.push_back(e);
+  }
+  std::shuffle(out.begin(), out.end(), rng);  // the policy must not depend on the order given
+  return out;
+}
+
+TEST(OptEvictionPolicy, ADemandAccessEvictsTheFurthestNextUseFirst) {
+  std::mt19937_64 rng(21);
+  OptEvictionPolicy opt;
+  int checked = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const RandomCase rc = random_trace(rng);
+    opt.set_trace(rc.trace);
+    const int64_t position = static_cast<int64_t>(rng() % rc.seq.size());
+    opt.set_position(position);
+    const bool equal_sizes = trial % 2 == 0;
+    EvictionRequest r;
+    r.demand = true;
+    r.incoming = static_cast<ChunkId>(rng() % rc.num_chunks);
+    r.candidates = random_candidates(rng, rc, position, r.incoming, equal_sizes);
+    if (r.candidates.empty()) continue;
+    r.bytes_needed = equal_sizes ? 100 : 1 + static_cast<int64_t>(rng() % 250);
+    const std::vector<ChunkId> got = opt.choose(r);
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    ASSERT_EQ(got, reference_choice(rc.seq, position, r));
+    if (equal_sizes) {  // one chunk's bytes: one victim, whose next use is the furthest of all
+      ASSERT_EQ(got.size(), 1u);
+      int64_t furthest = -1;
+      for (const auto& c : r.candidates) furthest = std::max(furthest, next_use_by_scan(rc.seq, c.chunk, position));
+      ASSERT_EQ(next_use_by_scan(rc.seq, got[0], position), furthest);
+    }
+    ++checked;
+  }
+  EXPECT_GT(checked, 300);
+}
+
+TEST(OptEvictionPolicy, APrefetchNeverEvictsAChunkNeededBeforeTheOneItBringsIn) {
+  std::mt19937_64 rng(22);
+  OptEvictionPolicy opt;
+  int checked = 0, refused = 0, evicted = 0;
+  for (int trial = 0; trial < 1500; ++trial) {
+    const RandomCase rc = random_trace(rng);
+    opt.set_trace(rc.trace);
+    const int64_t position = static_cast<int64_t>(rng() % rc.seq.size());
+    opt.set_position(position);
+    EvictionRequest r;
+    r.demand = false;
+    r.incoming = static_cast<ChunkId>(rng() % (rc.num_chunks - 1));
+    if (r.incoming == rc.seq[position]) continue;
+    // Incoming chunks next used in the next iteration: see the disabled test below.
+    if (next_use_by_scan(rc.seq, r.incoming, position) >= static_cast<int64_t>(rc.seq.size())) continue;
+    r.candidates = random_candidates(rng, rc, position, r.incoming, trial % 2 == 0);
+    if (r.candidates.empty()) continue;
+    r.bytes_needed = 1 + static_cast<int64_t>(rng() % 200);
+    const std::vector<ChunkId> got = opt.choose(r);
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    ASSERT_EQ(got, reference_choice(rc.seq, position, r));
+    const int64_t incoming_next = next_use_by_scan(rc.seq, r.incoming, position);
+    for (ChunkId v : got) {
+      ASSERT_GT(next_use_by_scan(rc.seq, v, position), incoming_next) << "victim " << v << " is needed first";
+    }
+    ++checked;
+    (got.empty() ? refused : evicted) += 1;
+  }
+  EXPECT_GT(checked, 300);
+  EXPECT_GT(refused, 20) << "the guard must be exercised";
+  EXPECT_GT(evicted, 20) << "and so must allowed evictions";
+}
+
+// A prefetch of a chunk next used in the next iteration (incoming_next >= size()) asks
+// AccessTrace::next_use(c, incoming_next) for positions past the trace's end, where it answers c's first
+// use + size() even when that is before incoming_next (its header promises q >= position). The guard's
+// threshold then comes out too low. Found by the random test above (seed 22, trial 7): trace of 18
+// positions, at position 15 (chunk 3), prefetching chunk 4 (next used at 3 + 18 = 21). Chunk 0 (used
+// at 0 and 2, so needed at 18, before 21) is next used after 21 at 0 + 36; Belady at 21 would evict the
+// never-used chunk 6 and then chunk 0, which cannot go now, so the prefetch should take only chunk 6
+// (too few bytes: the store then moves nothing). ferry's guard sees chunk 0's next use after 21 as 18,
+// and also evicts chunk 1 (next used at 27), which Belady at 21 would keep. Not fixed here (a test
+// that found a library bug is reported, not fixed): disabled until AccessTrace::next_use wraps positions
+// past the end, or OPT asks it for next_use(c, p - size()) + size().
+TEST(OptEvictionPolicy, DISABLED_APrefetchIntoTheNextIterationFollowsBeladyThere) {
+  const std::vector<ChunkId> seq = {0, 2, 0, 4, 2, 3, 3, 5, 3, 1, 3, 5, 4, 3, 4, 3, 3, 2};
+  auto trace = std::make_shared<AccessTrace>();
+  for (ChunkId c : seq) trace->record(c, c, 0);
+  trace->finalize(7);
+  OptEvictionPolicy opt;
+  opt.set_trace(trace);
+  opt.set_position(15);
+  EvictionRequest r;
+  r.demand = false;
+  r.incoming = 4;
+  r.bytes_needed = 160;
+  r.candidates = {{2, 100, 2}, {0, 50, 1}, {1, 150, 1}, {6, 150, 4}};
+  EXPECT_EQ(reference_choice(seq, 15, r), (std::vector<ChunkId>{6}));
+  EXPECT_EQ(opt.choose(r), (std::vector<ChunkId>{6})) << "chunk 1 is kept by Belady at position 21";
+}
+
+TEST(OptEvictionPolicy, WithoutATraceOrOffItIsLru) {
+  std::mt19937_64 rng(23);
+  OptEvictionPolicy opt;
+  LruEvictionPolicy lru;
+  EXPECT_STREQ(opt.name(), "opt");
+  for (int trial = 0; trial < 100; ++trial) {
+    const RandomCase rc = random_trace(rng);
+    EvictionRequest r;
+    r.demand = trial % 2 == 0;
+    r.incoming = 0;
+    r.candidates = random_candidates(rng, rc, 0, r.incoming, false);
+    r.bytes_needed = 1 + static_cast<int64_t>(rng() % 200);
+    if (trial % 3 == 0) {
+      opt.set_trace(nullptr);
+      opt.set_position(0);
+    } else {
+      opt.set_trace(rc.trace);
+      opt.set_position(-1);
+    }
+    EXPECT_EQ(opt.choose(r), lru.choose(r)) << "trial " << trial;
+  }
+}
+
+}  // namespace
+}  // namespace ferry
