@@ -7,9 +7,6 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cmath>
 #include <atomic>
@@ -152,66 +149,6 @@ TEST(Construction, InitScopeBuildsInTheComputeDtypeAndNeverInFp32) {
     EXPECT_TRUE(torch::equal(model.param_values(p), values[p])) << model.param_name(p);
   }
   EXPECT_THROW(InitScope(at::kLong), c10::Error);
-}
-
-// Note [Parallel initializers]: inside an InitScope, nn::Linear's kaiming_uniform_ and a model's
-// normal_ run on every core, follow torch::manual_seed, do not depend on the thread count, keep their
-// distributions; small tensors, explicit generators and parallel_init = false keep torch's own stream.
-at::Tensor linear_weight_in_scope(at::ScalarType dtype, uint64_t seed, bool parallel = true) {
-  torch::manual_seed(seed);
-  InitScope scope(dtype, parallel);
-  torch::nn::Linear l(1024, 2048);  // 2^21 weights, two blocks: replaced; 2048 biases: torch's own
-  return l->weight.detach().clone();
-}
-
-TEST(Construction, ParallelInitializersFollowTheSeedNotTheThreadCount) {
-  const int threads = at::get_num_threads();
-  const int64_t before = parallel_init_elements();
-  at::set_num_threads(1);
-  const at::Tensor one = linear_weight_in_scope(at::kBFloat16, 5);
-  at::set_num_threads(std::max(2, threads));
-  const at::Tensor many = linear_weight_in_scope(at::kBFloat16, 5);
-  at::set_num_threads(threads);
-  EXPECT_EQ(parallel_init_elements() - before, 2 * (1 << 21)) << "the weights were filled in parallel";
-  EXPECT_TRUE(torch::equal(one, many)) << "values must not depend on the thread count";
-  EXPECT_FALSE(torch::equal(one, linear_weight_in_scope(at::kBFloat16, 6))) << "another seed, other values";
-  // kaiming_uniform_(a = sqrt(5)) on fan_in 1024: U(-1/32, 1/32).
-  const double bound = 1.0 / 32.0;
-  const at::Tensor w = linear_weight_in_scope(at::kFloat, 7).to(at::kDouble);
-  EXPECT_LE(w.abs().max().item<double>(), bound);
-  EXPECT_NEAR(w.mean().item<double>(), 0.0, 0.01 * bound);
-  EXPECT_NEAR(w.std().item<double>(), bound / std::sqrt(3.0), 0.01 * bound);
-  EXPECT_GT(w.abs().max().item<double>(), 0.99 * bound);
-  // normal_ (the GPT example's init) in bf16: N(0, 0.02).
-  {
-    torch::manual_seed(8);
-    InitScope scope(at::kBFloat16);
-    at::Tensor t = torch::empty({1 << 20});
-    t.normal_(0.0, 0.02);
-    const at::Tensor d = t.to(at::kDouble);
-    EXPECT_NEAR(d.mean().item<double>(), 0.0, 1e-4);
-    EXPECT_NEAR(d.std().item<double>(), 0.02, 2e-4);
-  }
-  EXPECT_EQ(parallel_init_elements() - before, 4 * (1 << 21) + (1 << 20)) << "four weights and one normal_";
-}
-
-TEST(Construction, ParallelInitializersKeepTorchsStreamWhereAsked) {
-  const int64_t before = parallel_init_elements();
-  torch::manual_seed(9);
-  torch::nn::Linear plain(1024, 2048);
-  EXPECT_TRUE(torch::equal(plain->weight.detach(), linear_weight_in_scope(at::kFloat, 9, /*parallel=*/false)))
-      << "parallel_init = false: torch's serial stream";
-  {
-    InitScope scope(at::kFloat);
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
-    at::Tensor mine = torch::empty({1 << 17});
-    mine.uniform_(0.0, 1.0, gen);  // an explicit generator: its own stream
-    auto gen2 = at::make_generator<at::CPUGeneratorImpl>(3);
-    EXPECT_TRUE(torch::equal(mine, torch::empty({1 << 17}, at::kFloat).uniform_(0.0, 1.0, gen2)));
-    at::Tensor leaf = torch::empty({1 << 17}).requires_grad_();
-    EXPECT_THROW(leaf.uniform_(), c10::Error) << "autograd's in-place-on-leaf error is kept";
-  }
-  EXPECT_EQ(parallel_init_elements(), before) << "nothing was replaced";
 }
 
 }  // namespace
