@@ -1,8 +1,11 @@
 // Randomized property test of the ChunkStore: random access/release/move/prefetch/view sequences under
 // random budgets, on the synchronous simulated engine and on the stream-model engine
-// (chunk/stream_model_engine.h; its host seeing completions as they run, or late, as CUDA's does). After every operation: no budget is exceeded, tier bytes match the chunks' locations, no chunk
-// in COMPUTE has moved, chunk states agree with a reference model; every few operations (and at the
-// end) every tensor holds exactly the values the model says.
+// (chunk/stream_model_engine.h; its host seeing completions as they run, or late, as CUDA's does).
+// After every operation: no budget is exceeded; the tiers' bytes equal the chunks' locations exactly
+// (the host's: the chunks on the host plus the buffers of host->device copies in flight), and the host
+// tier equals the host pool's buffers in use; no chunk in COMPUTE has moved; chunk states agree with a
+// reference model. Every few operations (and at the end) every tensor holds exactly the values the
+// model says.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -30,11 +33,14 @@ void check_invariants(ChunkStore& store, const Model& model, int64_t device_budg
   if (host_budget) {
     ASSERT_LE(stats.host.current_bytes, host_budget);
   }
-  int64_t on_device = 0, on_host = 0;
+  int64_t on_device = 0, on_host = 0, arriving = 0;
   for (ChunkId c = 0; c < store.num_chunks(); ++c) {
     const auto info = store.chunk_info(c);
     if (info.location == Location::kDevice) on_device += info.nbytes;
     if (info.location == Location::kHost) on_host += info.nbytes;
+    // On the device with a copy still pending: a host->device copy whose source, the chunk's host
+    // buffer, stays charged to the host tier until the store sees the copy complete.
+    if (info.location == Location::kDevice && info.copy_pending) arriving += info.nbytes;
     bool computing = false;
     for (TensorId t : info.tensors) computing |= model.uses[t] > 0;
     ASSERT_EQ(info.state == ChunkState::kCompute, computing) << "chunk " << c;
@@ -43,7 +49,14 @@ void check_invariants(ChunkStore& store, const Model& model, int64_t device_budg
     }
   }
   ASSERT_EQ(stats.device.current_bytes, on_device);
-  ASSERT_GE(stats.host.current_bytes, on_host);  // plus host buffers of pending host->device copies
+  // Exact: a host payload (or buffer of a copy) the store keeps charged after its chunk left the host
+  // fails here, and so does one it dropped from the tier while the chunk is still there.
+  ASSERT_EQ(stats.host.current_bytes, on_host + arriving)
+      << on_host << " B of chunks on the host, " << arriving << " B of host->device copies in flight";
+  // Every byte of the host tier is a buffer handed out by the store's pool and not given back, and the
+  // other way round (released buffers are cached apart, in host_buffers.cached_bytes): a host buffer
+  // that left the tier's count without going back to the pool is a leak.
+  ASSERT_EQ(stats.host_buffers.in_use_bytes, stats.host.current_bytes);
   int64_t device_roles = 0, host_roles = 0;  // the breakdown by role adds up to the tiers
   for (int r = 0; r < kNumChunkRoles; ++r) device_roles += stats.device_bytes_by_role[r], host_roles += stats.host_bytes_by_role[r];
   ASSERT_EQ(device_roles, stats.device.current_bytes);
