@@ -9,6 +9,7 @@
 #include "../../chunk/stream_model_engine.h"
 #include "../../common/event_trace.h"
 #include "../trace_check.h"
+#include "../trace_spans.h"
 
 namespace ferry {
 namespace {
@@ -152,6 +153,48 @@ TEST(ClockAnchor, PlacesMarksOnTheHostClock) {
 
 // Intervals that ran off the host's threads go on a named track: one name record per track, then
 // the spans under its id, which no thread id takes.
+// tests/trace_spans.h reads the spans back in C++ (what the GPU test of prefetch overlap asserts on):
+// each with its track's name (host threads' spans: none), its times in microseconds, names unescaped;
+// overlap_us and covered_us on synthetic intervals with known answers.
+TEST(EventTrace, SpansReadBackWithTheirTracksAndTheirOverlaps) {
+  trace::start();
+  const int64_t t0 = trace::now_ns() + 1'000'000;
+  trace::complete_on("device", "device", "forward", t0, t0 + 4'000'000);                    // [0, 4] ms
+  trace::complete_on("copy stream", "link", "h2d chunk 1", t0 + 3'000'000, t0 + 5'000'000);   // [3, 5]: 1 ms in forward
+  trace::complete_on("copy stream", "link", "d2h \"x\"", t0 + 5'000'000, t0 + 6'000'000);  // [5, 6]: touches only
+  trace::complete_on("device", "device", "backward", t0 + 5'200'000, t0 + 5'700'000);       // inside the d2h
+  trace::complete("model", "forward", t0 - 500'000, t0 + 4'500'000);                         // a host thread's
+  trace::instant("test", "not a span");
+  trace::stop();
+  const std::vector<test::TraceSpan> spans = test::trace_spans(trace::chrome_json());
+  ASSERT_EQ(spans.size(), 5u) << trace::chrome_json();
+  const auto device = test::spans_on(spans, "device");
+  const auto copies = test::spans_on(spans, "copy stream");
+  const auto h2d = test::spans_on(spans, "copy stream", "h2d");
+  const auto host = test::spans_on(spans, "");
+  ASSERT_EQ(device.size(), 2u);
+  ASSERT_EQ(copies.size(), 2u);
+  ASSERT_EQ(h2d.size(), 1u);
+  ASSERT_EQ(host.size(), 1u);
+  EXPECT_EQ(device[0].name, "forward");
+  EXPECT_EQ(device[0].cat, "device");
+  EXPECT_EQ(copies[1].name, "d2h \"x\"") << "unescaped";
+  EXPECT_EQ(copies[1].cat, "link");
+  EXPECT_EQ(host[0].cat, "model");
+  EXPECT_NEAR(device[0].duration_us(), 4000, 0.002);
+  EXPECT_NEAR(h2d[0].begin_us - device[0].begin_us, 3000, 0.002) << "one clock for every track";
+  EXPECT_NEAR(device[0].begin_us - host[0].begin_us, 500, 0.002);
+  EXPECT_NEAR(test::overlap_us(device[0], h2d[0]), 1000, 0.002);
+  EXPECT_NEAR(test::overlap_us(h2d[0], device[0]), 1000, 0.002) << "symmetric";
+  EXPECT_EQ(test::overlap_us(device[0], copies[1]), 0.0) << "disjoint";
+  EXPECT_EQ(test::overlap_us(h2d[0], copies[1]), 0.0) << "touching is not overlapping";
+  EXPECT_NEAR(test::overlap_us(device[1], copies[1]), 500, 0.002) << "one inside the other: the inner one";
+  EXPECT_NEAR(test::overlap_us(host[0], device[0]), 4000, 0.002);
+  EXPECT_NEAR(test::covered_us(device, copies), 1000 + 500, 0.004);
+  EXPECT_EQ(test::covered_us(device, {}), 0.0);
+  EXPECT_TRUE(test::trace_spans("").empty());
+}
+
 TEST(EventTrace, NamedTracksGetTheirOwnRow) {
   trace::start();
   trace::complete_on("device", "device", "forward", trace::now_ns(), trace::now_ns() + 1000);
