@@ -67,35 +67,14 @@
 #include "../../dist/process_group.h"
 #include "../../hooks/chunked_model.h"
 #include "../../optim/hybrid_adam.h"
+#include "small_lm.h"
 
 namespace {
 
-constexpr int64_t kVocab = 32, kDim = 16, kSeq = 8;
-
-struct SmallLmImpl : torch::nn::Module {
-  SmallLmImpl() {
-    emb = register_module("emb", torch::nn::Embedding(kVocab, kDim));
-    up = register_module("up", torch::nn::Linear(kDim, 4 * kDim));
-    down = register_module("down", torch::nn::Linear(4 * kDim, kDim));
-    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})));
-    head = register_module("head", torch::nn::Linear(kDim, kVocab));
-    spare = register_parameter("spare", torch::randn({kDim}));  // never used: no rank lands a gradient
-  }
-  // frozen: the MLP gets no gradient from these rows (its output is detached).
-  torch::Tensor forward(const torch::Tensor& idx, bool frozen = false) {
-    auto x = emb(idx);
-    if (use_spare) x = x + spare;
-    auto mlp = down(torch::gelu(up(x)));
-    x = x + (frozen ? mlp.detach() : mlp);
-    return head(norm(x));
-  }
-  bool use_spare = false;
-  torch::nn::Embedding emb{nullptr};
-  torch::nn::Linear up{nullptr}, down{nullptr}, head{nullptr};
-  torch::nn::LayerNorm norm{nullptr};
-  torch::Tensor spare;
-};
-TORCH_MODULE(SmallLm);
+using ferry::test::kDim;
+using ferry::test::kSeq;
+using ferry::test::kVocab;
+using ferry::test::SmallLm;
 
 std::string option(const std::vector<std::string>& rest, const std::string& key, const std::string& fallback) {
   const std::string prefix = "--" + key + "=";
@@ -141,7 +120,7 @@ int run(int argc, char** argv) {
 
   ferry::log::configure(config.log_level, config.rank);
   auto comm = ferry::dist::connect(config);
-  torch::manual_seed(7 + config.rank);  // different per rank on purpose: rank 0's values must win
+  torch::manual_seed(ferry::test::kRank0Seed + config.rank);  // different per rank on purpose: rank 0's values must win
   SmallLm net;
   if (option(rest, "freeze-spare", "0") == "1") net->spare.set_requires_grad(false);
   ferry::ChunkedModelOptions model_options;
@@ -200,9 +179,8 @@ int run(int argc, char** argv) {
       for (auto& p : (*layer)->parameters()) p.set_requires_grad(step >= frozen_until);
     }
     net->use_spare = spare_from >= 0 && step >= spare_from;
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + step);
-    const torch::Tensor idx = torch::randint(kVocab, {batch, kSeq}, gen, torch::kLong);
-    const torch::Tensor target = (idx * 5 + 1) % kVocab;
+    const ferry::test::Batch global = ferry::test::global_batch(step, batch);
+    const torch::Tensor idx = global.idx, target = global.target;
     ferry::StepResult r;
     for (int m = 0; m < micro; ++m) {
       const int64_t begin = config.rank * rows + m * micro_rows;

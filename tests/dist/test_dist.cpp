@@ -1,7 +1,9 @@
 // Data parallelism over c10d Gloo, with processes started by the test (tests/dist/dist_worker.cpp): after
 // K AdamW steps with forced evictions, every rank's parameters equal one process trained on the
-// concatenated batch; the optimizer state per rank is 1/N of it; a dead rank, ranks that disagree on
-// the world size and an unreachable master fail with clear errors within the timeout, never hang.
+// concatenated batch; after the first step they equal the unwrapped module trained by
+// torch::optim::AdamW on that batch (a reference that is not ferry); the optimizer state per rank is
+// 1/N of it; a dead rank, ranks that disagree on the world size and an unreachable master fail with
+// clear errors within the timeout, never hang.
 #include <gtest/gtest.h>
 
 #include <signal.h>
@@ -14,13 +16,18 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include <torch/torch.h>
+
+#include "../cpu_adam/adam_reference.h"
 #include "free_port.h"
+#include "small_lm.h"
 
 extern char** environ;
 
@@ -240,6 +247,98 @@ void expect_equals_one_process(int world, const std::vector<std::string>& extra,
 }
 
 TEST(Dist, TwoRanksEqualOneProcessOnTheConcatenatedBatch) { expect_equals_one_process(2, {}); }
+
+// A reference that is not ferry: the same module (small_lm.h), unwrapped, from rank 0's initial values,
+// one torch::optim::AdamW step (the worker's hyper-parameters: lr 1e-2, weight decay 0.1, betas
+// (0.9, 0.999), eps 1e-8, one group) on the concatenated batch of every rank, fp32. Every rank's
+// parameters after ferry's first step must equal it within
+//     tol = 2 x 16 u (|p| + lr)  +  2 lr (|g_dp - g| + 8 u S) / (|g| + eps),     u = 2^-24,
+// per element, where g is torch's gradient on the whole batch, g_dp the mean over ranks of torch's
+// gradient on each rank's rows (what data parallelism sums, computed here) and S the mean of their
+// magnitudes. Why: at step 1 AdamW's update is p (1 - lr wd) - lr f(g) with f(g) = g / (|g| + eps) (the
+// bias corrections cancel); each side's fp32 evaluation is within 16 u (|p| + lr) of it
+// (cpu_adam/adam_reference.h); and |f(g') - f(g)| <= 2 |g' - g| / (|g| + eps) for any g, g' (same signs:
+// it is eps |g' - g| / ((|g| + eps)(|g'| + eps)); opposite signs: |f(g)| + |f(g')| with |g' - g| =
+// |g| + |g'|, within the bound in both cases |g'| < eps and |g'| >= eps / 2), where g' = ferry's
+// gradient differs from g by the summation order only: the rows summed per rank and then across the
+// ranks instead of in one pass (|g_dp - g|, measured here), and ferry's cross-rank sum and division in
+// its own order rather than this test's (a few ulps of the summed terms: 8 u S). Elements whose
+// gradient cancels to near 0 get the loose bound they need (their f(g) is decided by rounding) and no
+// others do. spare has no gradient: both leave it as it was.
+TEST(Dist, TheFirstStepEqualsTorchAdamWOnTheConcatenatedBatch) {
+  constexpr double lr = 1e-2, weight_decay = 0.1, eps = 1e-8;
+  constexpr int64_t batch = 8;
+  for (const int world : {2, 4}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    const std::string dir = temp_dir();
+    const std::vector<Proc> ranks = run_world(world, {"--out=" + dir, "--steps=1", "--batch=" + std::to_string(batch)});
+    for (const Proc& p : ranks) ASSERT_EQ(p.exit_code, 0) << describe(ranks);
+
+    // The reference, in this process, on one thread as the workers run (OMP_NUM_THREADS=1).
+    const int threads = at::get_num_threads();
+    at::set_num_threads(1);
+    torch::manual_seed(ferry::test::kRank0Seed);
+    ferry::test::SmallLm ref;
+    const auto params = ref->named_parameters();
+    std::vector<torch::Tensor> before, grad_dp, grad_mag;
+    for (const auto& item : params) {
+      before.push_back(item.value().detach().clone());
+      grad_dp.push_back(torch::zeros_like(item.value()));
+      grad_mag.push_back(torch::zeros_like(item.value()));
+    }
+    const ferry::test::Batch b = ferry::test::global_batch(0, batch);
+    const int64_t rows = batch / world;
+    for (int r = 0; r < world; ++r) {  // each rank's rows, as the rank's backward sees them
+      for (const auto& item : params) item.value().mutable_grad().reset();
+      ferry::test::lm_loss(ref, b.idx.slice(0, r * rows, (r + 1) * rows), b.target.slice(0, r * rows, (r + 1) * rows))
+          .backward();
+      for (size_t i = 0; i < params.size(); ++i) {
+        const torch::Tensor& g = params[i].value().grad();
+        if (!g.defined()) continue;
+        grad_dp[i] += g / world;
+        grad_mag[i] += g.abs() / world;
+      }
+    }
+    for (const auto& item : params) item.value().mutable_grad().reset();
+    ferry::test::lm_loss(ref, b.idx, b.target).backward();  // the concatenated batch
+    torch::optim::AdamW adamw(ref->parameters(), torch::optim::AdamWOptions(lr).weight_decay(weight_decay).eps(eps));
+    adamw.step();
+    at::set_num_threads(threads);
+
+    double largest = 0, largest_abs = 0;  // of excess and of |ferry - torch|, reported
+    for (int r = 0; r < world; ++r) {
+      const std::vector<float> mine = read_params(dir + "/rank" + std::to_string(r) + ".bin");
+      int64_t offset = 0;
+      for (size_t i = 0; i < params.size(); ++i) {
+        const torch::Tensor want = params[i].value().detach().to(torch::kDouble);
+        const int64_t n = want.numel();
+        ASSERT_LE(offset + n, static_cast<int64_t>(mine.size())) << "rank " << r << ": fewer values than parameters";
+        const torch::Tensor got =
+            torch::from_blob(const_cast<float*>(mine.data() + offset), want.sizes(), torch::kFloat).to(torch::kDouble);
+        offset += n;
+        const torch::Tensor& g32 = params[i].value().grad();
+        if (!g32.defined()) {  // no gradient anywhere (spare): AdamW skips it, ferry leaves it alone
+          EXPECT_TRUE(torch::equal(got.to(torch::kFloat), before[i])) << params[i].key() << " on rank " << r;
+          continue;
+        }
+        const torch::Tensor g = g32.to(torch::kDouble);
+        const torch::Tensor delta = (grad_dp[i].to(torch::kDouble) - g).abs() +
+                                    8 * ferry::test::kUnitRoundoff * grad_mag[i].to(torch::kDouble);
+        const torch::Tensor tol =
+            2 * 16 * ferry::test::kUnitRoundoff * (before[i].to(torch::kDouble).abs() + lr) + 2 * lr * delta / (g.abs() + eps);
+        const double excess = ferry::test::excess(got, want, tol);
+        largest = std::max(largest, excess);
+        largest_abs = std::max(largest_abs, (got - want).abs().max().item<double>());
+        EXPECT_LE(excess, 1.0) << params[i].key() << " on rank " << r << ": max |ferry - torch| / tol";
+        // The first step moved it (a reference that had not stepped would not pass).
+        EXPECT_GT((want - before[i].to(torch::kDouble)).abs().max().item<double>(), 0.5 * lr) << params[i].key();
+      }
+      EXPECT_EQ(offset, static_cast<int64_t>(mine.size())) << "rank " << r << ": one value per parameter element";
+    }
+    std::cout << "[ measured ] " << world << " ranks vs torch::optim::AdamW: largest |difference| " << largest_abs
+              << ", largest difference / tolerance " << largest << std::endl;  // flushed: launch() forks
+  }
+}
 
 // A NaN in one rank's gradient of a chunk whose state is on the device (D70). In fp32, backward_step
 // skips that chunk on its owner and step() skips everything, either way as one process with the same
