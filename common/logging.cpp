@@ -71,6 +71,8 @@ void write(Level lvl, std::string_view message) {
 }
 
 bool warn_once(std::string_view key, std::string_view message) {
+  // Below the level nothing is written and the key is kept: the warning appears once the level allows.
+  if (!enabled(Level::kWarn)) return false;
   {
     State& s = state();
     std::lock_guard<std::mutex> lock(s.mutex);

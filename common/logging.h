@@ -22,7 +22,8 @@ Level level();
 bool enabled(Level level);
 // Writes one line at `level` (no-op below the configured level).
 void write(Level level, std::string_view message);
-// Writes `message` at Warn the first time `key` is seen in this process; returns whether it wrote.
+// Writes `message` at Warn the first time `key` is seen in this process while Warn is enabled; returns
+// whether it wrote (below Warn the key is not used up).
 bool warn_once(std::string_view key, std::string_view message);
 // "1.10.0": the spdlog this binary runs with (for the environment report).
 std::string spdlog_version();

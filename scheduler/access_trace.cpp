@@ -43,8 +43,12 @@ int64_t AccessTrace::next_use(ChunkId chunk, int64_t position) const {
   if (chunk < 0 || chunk >= static_cast<ChunkId>(positions_of_chunk_.size())) return kNever;
   const auto& p = positions_of_chunk_[chunk];
   if (p.empty()) return kNever;
-  auto it = std::lower_bound(p.begin(), p.end(), position);
-  return it != p.end() ? *it : p.front() + size();  // the next iteration's first use
+  // The trace repeats: a position past its end is in a later iteration (prefetching into the next
+  // one asks so), whose uses are this iteration's shifted by a multiple of size().
+  const int64_t n = size();
+  const int64_t base = position > 0 ? position / n * n : 0;
+  auto it = std::lower_bound(p.begin(), p.end(), position - base);
+  return base + (it != p.end() ? *it : p.front() + n);  // else the iteration after's first use
 }
 
 int64_t AccessTrace::non_model_peak(int64_t position, int64_t window) const {

@@ -114,11 +114,10 @@ TEST(Logging, WarnOnceIsOnceAcrossThreads) {
   EXPECT_EQ(occurrences(out, "raced warning"), 1u) << out;
 }
 
-// The header says warn_once "returns whether it wrote". Below Warn it writes nothing, yet returns true
-// and uses up the key, so the warning never appears once the level is lowered again. Disabled: it fails
-// on the code of 2026-11-26 (reported, not fixed here; the fix is the owner's call: either the comment
-// says "the first time key is seen", or the key is kept only when the line was written).
-TEST(Logging, DISABLED_WarnOnceBelowTheLevelReturnsFalseAndKeepsTheKey) {
+// The header says warn_once "returns whether it wrote". Below Warn it wrote nothing, yet returned true
+// and used up the key, so the warning never appeared once the level was lowered again (found by this
+// test, 2026-11-26): now the key is kept until the line is written.
+TEST(Logging, WarnOnceBelowTheLevelReturnsFalseAndKeepsTheKey) {
   {
     LogLevelFor quiet(log::Level::kError);
     EXPECT_FALSE(log::warn_once("test_logging: quiet key", "not written")) << "nothing was written";

@@ -117,10 +117,10 @@ TEST(AccessTrace, NextUseAndRunEndEqualTheirDefinitionsOnRandomTraces) {
 
 // The header: next_use is "the first position q >= position" with iterations repeating. For a position
 // past the trace's end (in the next iteration; OptEvictionPolicy asks for them when a prefetch's
-// incoming chunk is next used there) it answers the chunk's first use + size() even when that is
-// before the position. Disabled: it fails on the code of 2026-11-26 (reported, not fixed here; see
-// test_opt_policy.cpp's disabled test for what it costs).
-TEST(AccessTrace, DISABLED_NextUseFromAPositionInTheNextIterationIsNotBeforeIt) {
+// incoming chunk is next used there) it answered the chunk's first use + size() even when that was
+// before the position (found by this test, 2026-11-26; what it cost: test_opt_policy.cpp,
+// APrefetchIntoTheNextIterationFollowsBeladyThere).
+TEST(AccessTrace, NextUseFromAPositionInTheNextIterationIsNotBeforeIt) {
   AccessTrace t;
   for (ChunkId c : {0, 1, 0, 1}) t.record(c, c, 0);
   t.finalize(2);

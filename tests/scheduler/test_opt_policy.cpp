@@ -181,10 +181,9 @@ TEST(OptEvictionPolicy, APrefetchNeverEvictsAChunkNeededBeforeTheOneItBringsIn) 
 // at 0 and 2, so needed at 18, before 21) is next used after 21 at 0 + 36; Belady at 21 would evict the
 // never-used chunk 6 and then chunk 0, which cannot go now, so the prefetch should take only chunk 6
 // (too few bytes: the store then moves nothing). ferry's guard sees chunk 0's next use after 21 as 18,
-// and also evicts chunk 1 (next used at 27), which Belady at 21 would keep. Not fixed here (a test
-// that found a library bug is reported, not fixed): disabled until AccessTrace::next_use wraps positions
-// past the end, or OPT asks it for next_use(c, p - size()) + size().
-TEST(OptEvictionPolicy, DISABLED_APrefetchIntoTheNextIterationFollowsBeladyThere) {
+// and also evicted chunk 1 (next used at 27), which Belady at 21 would keep, until AccessTrace::next_use
+// wrapped positions past the end (found by this test, 2026-11-26).
+TEST(OptEvictionPolicy, APrefetchIntoTheNextIterationFollowsBeladyThere) {
   const std::vector<ChunkId> seq = {0, 2, 0, 4, 2, 3, 3, 5, 3, 1, 3, 5, 4, 3, 4, 3, 3, 2};
   auto trace = std::make_shared<AccessTrace>();
   for (ChunkId c : seq) trace->record(c, c, 0);
