@@ -2,7 +2,7 @@
 // ParamShards: the parameter chunks sharded across the ranks in groups of chunks (Note [Sharded
 // parameters], docs/ARCHITECTURE.md D45). The N ranks' chunks form groups of N consecutive layout
 // chunks; rank r owns member r of each group (chunk i with i % N == r), the same ownership as the
-// optimizer state's (Note [Sharded optimizer state] in optim/hybrid_adam.h), so a chunk's owner holds
+// optimizer state's (Note [Sharded optimizer state] in optim/sharded_step.h), so a chunk's owner holds
 // both its parameters and their optimizer state.
 //
 //  - An owned chunk always has its payload (on the device or the host, as the scheduler places it): the

@@ -72,7 +72,7 @@ class InterceptionScope {
 // Between iterations the wrapped module is an ordinary module (D35): any op may read or write its
 // parameters. Two things can make such an op unsafe, *hazards*:
 //  - a chunk still being written on another thread: HybridAdam leaves its host updates running when
-//    step() returns (Note [Update behind the next forward], optim/hybrid_adam.h); an op would read
+//    step() returns (Note [Update behind the next forward], optim/deferred_updates.h); an op would read
 //    half-updated values, or have its own write overwritten;
 //  - a chunk with no memory here: with sharded parameters (world size N > 1) a chunk another rank owns
 //    is given up between its uses; torch's kernels do not check, so an op would crash the process.
