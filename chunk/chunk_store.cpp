@@ -50,7 +50,7 @@ ChunkStoreOptions validated(ChunkStoreOptions options) {
 
 ChunkStore::ChunkStore(ChunkStoreOptions options, std::unique_ptr<CopyEngine> engine)
     : options_(validated(std::move(options))),
-      engine_(engine ? std::move(engine) : make_copy_engine(options_.device)),
+      engine_(engine ? std::move(engine) : options_.device.make()->make_copy_engine()),
       policy_(options_.policy ? options_.policy : std::make_shared<LruEvictionPolicy>()),
       accountant_(options_.accountant ? options_.accountant : std::make_shared<DeviceAccountant>()),
       host_pool_(engine_->pinned_host() && options_.pin_host_memory, options_.host_cache_bytes) {

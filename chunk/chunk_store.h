@@ -56,6 +56,7 @@
 #include "../common/config.h"
 #include "chunk.h"
 #include "copy_engine.h"
+#include "device.h"
 #include "device_accountant.h"
 #include "eviction_policy.h"
 #include "host_buffer.h"
@@ -65,7 +66,9 @@
 namespace ferry {
 
 struct ChunkStoreOptions {
-  DeviceKind device = DeviceKind::kAuto;
+  // The device tier's device: a kind (made into a Device when the store is built) or a Device object
+  // (chunk/device.h), shared with other stores.
+  DeviceSpec device;
   int64_t device_budget_bytes = 0;             // 0 = no limit
   int64_t host_budget_bytes = 0;               // 0 = no limit
   int64_t host_cache_bytes = int64_t{256} << 20;  // freed host buffers kept for reuse, at most
@@ -75,8 +78,9 @@ struct ChunkStoreOptions {
   std::shared_ptr<DeviceAccountant> accountant;
   std::string name = "chunks";                 // in trace counters ("<name> device bytes")
 
-  // device and budgets from ferry's Config.
+  // device (its kind) and budgets from ferry's Config.
   static ChunkStoreOptions from(const Config& config);
+  // Checked once, by the ChunkStore's constructor: a standalone store is a public entry point.
   void validate() const;
 };
 
@@ -146,7 +150,7 @@ struct TensorInfo {
 
 class ChunkStore {
  public:
-  // `engine` null: make_copy_engine(options.device).
+  // `engine` null: the device's own (Device::make_copy_engine).
   explicit ChunkStore(ChunkStoreOptions options, std::unique_ptr<CopyEngine> engine = nullptr);
   // Waits for every pending copy.
   ~ChunkStore();

@@ -6,7 +6,6 @@
 #include <cmath>
 
 #include "../common/event_trace.h"
-#include "../common/gpu_info.h"
 
 namespace ferry {
 namespace {
@@ -74,30 +73,5 @@ int64_t ClockAnchor::host_ns(const StreamMark& mark) const {
 }
 
 std::unique_ptr<CopyEngine> make_simulated_copy_engine() { return std::make_unique<SimulatedCopyEngine>(); }
-
-DeviceKind resolve_device_kind(DeviceKind kind) {
-  switch (kind) {
-    case DeviceKind::kAuto: return cuda_available() ? DeviceKind::kCuda : DeviceKind::kSimulated;
-    case DeviceKind::kCuda:
-    case DeviceKind::kSimulated: return kind;
-  }
-  return kind;
-}
-
-std::unique_ptr<CopyEngine> make_copy_engine(DeviceKind kind) {
-  switch (resolve_device_kind(kind)) {
-    case DeviceKind::kSimulated: return make_simulated_copy_engine();
-    case DeviceKind::kCuda:
-#ifdef FERRY_WITH_CUDA
-      TORCH_CHECK(cuda_available(), "ferry: device=cuda was asked for, but no CUDA GPU is available "
-                  "(use device=auto or device=simulated)");
-      return make_cuda_copy_engine();
-#else
-      TORCH_CHECK(false, "ferry: device=cuda was asked for, but this ferry was built without CUDA");
-#endif
-    case DeviceKind::kAuto: break;
-  }
-  TORCH_INTERNAL_ASSERT(false, "unresolved device kind");
-}
 
 }  // namespace ferry

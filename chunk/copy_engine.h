@@ -23,8 +23,6 @@
 #include <memory>
 #include <string>
 
-#include "../common/config.h"
-
 namespace ferry {
 
 // A point in the work queued on the caller's current stream, timed by the device's own clock, so that
@@ -117,15 +115,10 @@ class ClockAnchor {
   int64_t host_ns_ = 0;
 };
 
-// kSimulated -> the simulated engine; kCuda -> the CUDA engine on the current CUDA device (fails
-// without a GPU or in a build without CUDA); kAuto -> CUDA when a GPU is present, else simulated.
-std::unique_ptr<CopyEngine> make_copy_engine(DeviceKind kind);
-// kAuto resolved as make_copy_engine would.
-DeviceKind resolve_device_kind(DeviceKind kind);
-
+// The engines (a Device makes the one of its kind: Device::make_copy_engine, chunk/device.h).
 std::unique_ptr<CopyEngine> make_simulated_copy_engine();
 #ifdef FERRY_WITH_CUDA
-std::unique_ptr<CopyEngine> make_cuda_copy_engine();  // defined in copy_engine_cuda.cpp
+std::unique_ptr<CopyEngine> make_cuda_copy_engine();  // defined in copy_engine_cuda.cpp; needs a GPU
 #endif
 
 }  // namespace ferry

@@ -1,7 +1,7 @@
 #pragma once
 // dist's CUDA side, kept in its own translation unit (ProcessGroupNCCL's headers pull in ATen and the
-// CUDA runtime): the NCCL backend of c10d and the device a rank runs on. Internal to dist/; the public
-// entry point is dist::connect (dist/process_group.h).
+// CUDA runtime): the NCCL backend of c10d. (The GPU a rank runs on is bound by its Device,
+// chunk/device.h.) Internal to dist/; the public entry point is dist::connect (dist/process_group.h).
 //
 // Built when LibTorch is a CUDA build and nccl.h is found (the torch wheel's nvidia-nccl package ships
 // it); otherwise have_nccl() is false and the other functions fail naming why.
@@ -14,11 +14,6 @@ namespace ferry::dist::detail {
 
 // Whether this build of ferry has c10d's NCCL backend.
 bool have_nccl();
-
-// Makes CUDA device `local_rank` this process's current device (the launcher's LOCAL_RANK /
-// SLURM_LOCALID: one rank per GPU) and returns it. When it does not exist: fails naming the devices
-// there are, or with `may_share` (Gloo, which does not mind) takes local_rank modulo their number.
-c10::Device bind_cuda_device(int local_rank, bool may_share);
 
 // c10d's ProcessGroupNCCL over `store`, bound to `device` (its communicator is created now, so a bad
 // launch fails here and not in the first collective). Collectives that outlive `timeout` make NCCL's

@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "../chunk/copy_engine.h"
+#include "../chunk/device.h"
 #include "../common/cli.h"
 #include "../common/event_trace.h"
 #include "../common/logging.h"
@@ -325,14 +325,16 @@ c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10
 }
 #endif
 
-// The backend a run uses: "auto" is NCCL where the chunks live on CUDA and ferry has NCCL, else Gloo.
-std::string choose_backend(const Config& config, bool cuda) {
-  if (config.dist_backend == "auto" && cuda && detail::have_nccl()) return "nccl";
+// The backend a run uses: "auto" is NCCL where the chunks' device runs NCCL's collectives in place (CUDA)
+// and ferry has NCCL, else Gloo.
+std::string choose_backend(const Config& config, const Device& device) {
+  const bool nccl_device = std::string(device.collective_backend()) == "nccl";
+  if (config.dist_backend == "auto" && nccl_device && detail::have_nccl()) return "nccl";
   if (config.dist_backend == "nccl") {
     TORCH_CHECK(detail::have_nccl(), "ferry: dist-backend 'nccl' is not built into this ferry (it needs a CUDA "
                 "build of LibTorch and nccl.h at build time); use gloo");
-    TORCH_CHECK(cuda, "ferry: dist-backend 'nccl' needs the chunks on CUDA devices, but this run's device is ",
-                to_string(resolve_device_kind(config.device)), "; use gloo (or auto)");
+    TORCH_CHECK(nccl_device, "ferry: dist-backend 'nccl' needs the chunks on CUDA devices, but this run's device is ",
+                device.name(), "; use gloo (or auto)");
     return "nccl";
   }
   TORCH_CHECK(have_gloo(), "ferry was built without Gloo's headers (Debian: libgloo-dev; scripts/setup.sh installs "
@@ -355,12 +357,12 @@ bool have_nccl() { return detail::have_nccl(); }
 std::shared_ptr<Communicator> connect(const Config& config, bool even_alone) {
   config.validate();
   if (config.world_size == 1 && !even_alone) return nullptr;
-  const bool cuda = resolve_device_kind(config.device) == DeviceKind::kCuda;
-  const std::string backend = choose_backend(config, cuda);
+  const std::shared_ptr<const Device> chunks_device = make_device(config.device);
+  const std::string backend = choose_backend(config, *chunks_device);
   // One rank per GPU: this process's device is its local rank's, before any chunk is placed.
   // (NCCL refuses two ranks on one GPU; Gloo does not mind, so several ranks may share one there.)
-  const c10::Device device =
-      cuda ? detail::bind_cuda_device(config.local_rank, /*may_share=*/backend == "gloo") : c10::Device(c10::kCPU);
+  const c10::Device device = chunks_device->bind_local_rank(config.local_rank, /*may_share=*/backend == "gloo");
+  const bool cuda = device.is_cuda();
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.dist_timeout_s * 1000.0));
   const bool serve = config.rank == 0 && !config.agent_store;
   log::info("ferry: rank ", config.rank, " of ", config.world_size, " joining ", config.master_addr, ":",

@@ -18,7 +18,6 @@
 
 #include "../chunk/copy_engine.h"
 #include "../chunk/repack.h"
-#include "../common/gpu_info.h"
 #include "../common/logging.h"
 #include "param_use_recorder.h"
 
@@ -81,18 +80,14 @@ ChunkedModel::ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Conf
     : module_(std::move(module)), config_(config), options_(std::move(options)), dtype_(dtype_of(config.precision)) {
   TORCH_CHECK(module_, "ferry: ChunkedModel needs a module, got null");
   config_.validate();
-  options_.scheduler.device_budget_bytes = config_.device_budget_bytes;
-  // Capacity: what the user said; else on CUDA 90% of the GPU's memory (the rest for the CUDA context,
-  // cuBLAS workspaces and the caching allocator's fragmentation); else, on the simulated device, the
-  // device budget when asked to count activations (a simulated GPU of that size), or unknown.
-  const DeviceKind kind = resolve_device_kind(config_.device);
-  int64_t capacity = config_.device_capacity_bytes;
-  if (capacity == 0 && kind == DeviceKind::kCuda) capacity = query_gpus().total_memory_bytes / 10 * 9;
-  if (capacity == 0 && kind == DeviceKind::kSimulated && options_.measure_host_non_model) {
-    capacity = config_.device_budget_bytes;
-  }
-  options_.scheduler.device_capacity_bytes = capacity;
-  options_.scheduler.validate();
+  device_ = make_device(config_.device);
+  // Host memory counts as the device's non-model memory only where the device's memory is host memory.
+  const bool counts_host = options_.measure_host_non_model && device_->torch_device().is_cpu();
+  const DeviceBudget budget = DeviceBudget::of(config_, *device_, counts_host);
+  options_.scheduler.device_budget_bytes = budget.budget_bytes;
+  options_.scheduler.device_capacity_bytes = budget.capacity_bytes;
+  options_.scheduler.validate();  // the caller's scheduler options, before the module is touched
+  const int64_t capacity = budget.capacity_bytes;
   std::unordered_set<const c10::TensorImpl*> seen;
   int64_t wider = 0;  // float64 parameters
   std::string first_wider;
@@ -134,13 +129,13 @@ ChunkedModel::ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Conf
     if (b.defined() && b.device() != device) b.set_data(b.to(device));
   }
   std::unique_ptr<MemoryProbe> probe = std::move(options_.probe);
-  if (!probe && options_.measure_host_non_model && kind == DeviceKind::kSimulated) {
+  if (!probe && counts_host) {
     probe = make_heap_probe([this] {
       const ChunkStoreStats s = store_->stats();
       return s.device.current_bytes + s.host.current_bytes + s.host_buffers.cached_bytes;
     });
   }
-  if (!probe) probe = make_memory_probe(kind);
+  if (!probe) probe = make_memory_probe(device_);
   scheduler_ = std::make_unique<Scheduler>(*store_, policy_, std::move(probe), options_.scheduler, tensor_of_param_,
                                            chunk_of_param_);
   int64_t bytes = 0;
@@ -174,6 +169,7 @@ void ChunkedModel::build(const std::vector<int64_t>& order) {
   const PackOptions pack = PackOptions::from_bytes(chunk_bytes, dtype_);
   ChunkLayout layout = ChunkLayout::pack(numels_, order, pack);
   ChunkStoreOptions store_options = ChunkStoreOptions::from(config_);
+  store_options.device = device_;
   store_options.policy = policy_;
   store_options.name = "params";
   store_options.host_cache_bytes = options_.host_cache_bytes;
@@ -401,9 +397,8 @@ std::shared_ptr<StateChunks> ChunkedModel::attach_state(std::vector<ChunkRole> r
   TORCH_CHECK(phase_.load() == ModelPhase::kIdle || phase_.load() == ModelPhase::kForwardDone,
               "ferry: attach_state() inside an iteration");
   take_writes("attach_state()");  // the state starts from what was written before it (Note [Writes to parameters])
-  ChunkStoreOptions options = ChunkStoreOptions::from(config_);
-  options.device_budget_bytes = 0;  // groups are placed by the optimizer, admitted by the scheduler
-  options.host_budget_bytes = 0;
+  ChunkStoreOptions options;
+  options.device = device_;  // no budget of its own: groups are placed by the optimizer, admitted by the scheduler
   options.name = "optimizer state";
   // Pinned memory only for what moves every iteration (the parameter chunks): state chunks either stay
   // on the host (CpuAdam reads them there) or move to the device once, at placement; pinning them would

@@ -431,6 +431,7 @@ class ChunkedModel final : private UseListener {
 
   std::shared_ptr<torch::nn::Module> module_;
   Config config_;
+  std::shared_ptr<const Device> device_;  // made once from config_.device; every store of the model shares it
   ChunkedModelOptions options_;
   at::ScalarType dtype_;
   std::vector<at::Tensor> params_;

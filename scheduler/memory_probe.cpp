@@ -1,10 +1,6 @@
 #include "memory_probe.h"
 
-#ifdef FERRY_WITH_CUDA
-#include <ATen/Context.h>
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAFunctions.h>
-#endif
+#include <c10/util/Exception.h>
 
 #include <malloc.h>
 
@@ -38,24 +34,18 @@ class HeapProbe final : public MemoryProbe {
   int64_t base_heap_ = 0, base_ferry_ = 0;
 };
 
-class UnknownProbe final : public MemoryProbe {
+// Asks the device (chunk/device.h): -1 where it cannot tell.
+class DeviceProbe final : public MemoryProbe {
  public:
-  const char* name() const override { return "none"; }
-  int64_t device_allocated_bytes() override { return -1; }
-};
-
-#ifdef FERRY_WITH_CUDA
-class CudaProbe final : public MemoryProbe {
- public:
-  // getDeviceStats asserts if CUDA was not initialised yet (see copy_engine_cuda.cpp).
-  CudaProbe() { at::globalContext().lazyInitDevice(c10::DeviceType::CUDA); }
-  const char* name() const override { return "cuda-caching-allocator"; }
-  int64_t device_allocated_bytes() override {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(c10::cuda::current_device());
-    return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
+  explicit DeviceProbe(std::shared_ptr<const Device> device) : device_(std::move(device)) {
+    TORCH_CHECK(device_ != nullptr, "ferry: a device memory probe needs a device, got none");
   }
+  const char* name() const override { return device_->name(); }
+  int64_t device_allocated_bytes() override { return device_->allocated_bytes(); }
+
+ private:
+  std::shared_ptr<const Device> device_;
 };
-#endif
 
 class FunctionProbe final : public MemoryProbe {
  public:
@@ -74,11 +64,8 @@ int64_t host_heap_in_use_bytes() {
   return static_cast<int64_t>(m.uordblks + m.hblkhd);
 }
 
-std::unique_ptr<MemoryProbe> make_memory_probe(DeviceKind resolved_kind) {
-#ifdef FERRY_WITH_CUDA
-  if (resolved_kind == DeviceKind::kCuda) return std::make_unique<CudaProbe>();
-#endif
-  return std::make_unique<UnknownProbe>();
+std::unique_ptr<MemoryProbe> make_memory_probe(const DeviceSpec& device) {
+  return std::make_unique<DeviceProbe>(device.make());
 }
 
 std::unique_ptr<MemoryProbe> make_function_probe(std::function<int64_t()> fn) {

@@ -3,12 +3,13 @@
 // it at every parameter use during warm-up; minus the chunk payloads it is the non-model memory
 // (activations, temporaries, workspace) that the per-moment chunk budget leaves room for.
 //
-// Injectable so the budget logic is tested without a GPU.
+// Injectable so the budget logic is tested without a GPU; the device's own probe asks the Device object
+// (chunk/device.h), whatever its kind.
 #include <cstdint>
 #include <functional>
 #include <memory>
 
-#include "../common/config.h"
+#include "../chunk/device.h"
 
 namespace ferry {
 
@@ -24,9 +25,10 @@ class MemoryProbe {
   virtual int64_t non_model_bytes(int64_t chunk_device_bytes);
 };
 
-// CUDA: the caching allocator's allocated bytes on the current device. Simulated: cannot tell (-1):
-// ferry's simulated device does not separate activations from other host memory.
-std::unique_ptr<MemoryProbe> make_memory_probe(DeviceKind resolved_kind);
+// The device's own count (Device::allocated_bytes): on CUDA the caching allocator's allocated bytes on
+// the current device; the simulated device cannot tell (-1): it does not separate activations from
+// other host memory. `device` is shared with the probe (a kind: a Device made now).
+std::unique_ptr<MemoryProbe> make_memory_probe(const DeviceSpec& device);
 // Bytes of the process heap in use now (glibc mallinfo2: arenas + mmapped blocks), where CPU tensors
 // live; about 0 under AddressSanitizer.
 int64_t host_heap_in_use_bytes();
