@@ -9,6 +9,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "config.h"
 #include "logging.h"
 
 namespace ferry::cli {
@@ -164,7 +165,7 @@ std::string message_of(const std::exception& e) {
 }
 
 bool prefer_expandable_segments() {
-  if (std::getenv("PYTORCH_CUDA_ALLOC_CONF") != nullptr || std::getenv("PYTORCH_ALLOC_CONF") != nullptr) return false;
+  if (cuda_allocator_configured()) return false;  // read where the environment is read (config.cpp)
   return ::setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", /*overwrite=*/0) == 0;
 }
 

@@ -147,6 +147,10 @@ std::map<std::string, std::string> read_environment() {
   return env;
 }
 
+bool cuda_allocator_configured() {
+  return std::getenv("PYTORCH_CUDA_ALLOC_CONF") != nullptr || std::getenv("PYTORCH_ALLOC_CONF") != nullptr;
+}
+
 void Config::set(std::string_view key, std::string_view value) {
   const std::string k = lower(key);
   if (k == "device") device = parse_device(value);

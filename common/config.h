@@ -4,7 +4,8 @@
 // Sources, later ones win: built-in defaults < environment (launchers' RANK/WORLD_SIZE/LOCAL_RANK or
 // SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, MASTER_ADDR/MASTER_PORT, torchrun's
 // TORCHELASTIC_USE_AGENT_STORE, FERRY_DIST_TIMEOUT and FERRY_LOG_LEVEL) < command line (--key=value).
-// No other file of ferry reads the environment.
+// No other file of ferry reads the environment (the CUDA allocator's settings, which are torch's, are
+// read here too: cuda_allocator_configured).
 #include <cstdint>
 #include <map>
 #include <string>
@@ -77,6 +78,9 @@ struct Config {
 
 // The process environment as a map (only the variables Config reads).
 std::map<std::string, std::string> read_environment();
+// Whether the user configured the CUDA caching allocator: PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF
+// is set (cli::prefer_expandable_segments then leaves it alone).
+bool cuda_allocator_configured();
 
 // "64MiB", "1.5GiB", "512MB", "4096" (bytes) -> bytes. Binary (KiB/MiB/GiB/TiB, K/M/G/T) and
 // decimal (KB/MB/GB/TB) units. Fails on anything else, negative or overflowing values.
