@@ -26,9 +26,13 @@
 
 #include "../chunk/chunk_store.h"
 #include "access_trace.h"
+#include "iteration_stats.h"
 #include "memory_probe.h"
+#include "moment_budget.h"
 #include "opt_policy.h"
+#include "release_plan.h"
 #include "remote_chunks.h"
+#include "trace_state.h"
 
 namespace ferry {
 
@@ -37,10 +41,12 @@ struct SchedulerOptions {
   int prefetch_depth = 2;         // distinct chunks ahead to start moving in (0: no prefetch)
   int64_t prefetch_window = 256;  // trace positions searched for them
   int64_t non_model_window = 4;   // positions ahead whose non-model peak the budget reserves
-  int64_t device_budget_bytes = 0;    // device bytes for chunks of every store: parameters + state (0: no limit)
+  // The DeviceBudget (chunk/device.h; ChunkedModel sets both from the one it makes of its Config):
+  // device bytes for chunks of every store: parameters + state (0: no limit).
+  int64_t device_budget_bytes = 0;
   // The device's memory for chunks and non-model memory (activations, temporaries) together; while the
   // trace is followed, the chunk budget at each moment is also capped at capacity - other stores' device bytes -
-  // the non-model peak recorded a few positions ahead. 0: unknown, the chunk budget alone limits.
+  // the non-model peak recorded a few positions ahead (MomentBudget). 0: unknown, the chunk budget alone limits.
   int64_t device_capacity_bytes = 0;
   // Sharded parameters (set_remote): give a group of remote chunks up after its last forward use when its
   // next use (in backward) is at least `reshard_min_gap` trace positions later, and fetch it again
@@ -48,28 +54,8 @@ struct SchedulerOptions {
   // all-gather of those groups per step. Off (or a nearer next use): kept until the step releases it.
   bool reshard_after_forward = true;
   int64_t reshard_min_gap = 16;
+  // Checked by the Scheduler's constructor (and by ChunkedModel before it touches the module).
   void validate() const;
-};
-
-// Counters of one iteration (sums of bytes unless a count).
-struct IterationStats {
-  int64_t index = 0;
-  bool traced = false;      // this iteration recorded the trace (warm-up or re-trace)
-  bool diverged = false;    // it stopped matching the trace
-  bool aborted = false;     // an exception ended it
-  int64_t accesses = 0;     // pre-use events (count)
-  int64_t h2d_bytes = 0;
-  int64_t d2h_bytes = 0;
-  int64_t evictions = 0;    // count
-  int64_t prefetches = 0;   // prefetch moves started (count)
-  int64_t wait_ns = 0;      // host time blocked on copies
-  int64_t device_peak_bytes = 0;  // chunk bytes on the device, peak
-  // The largest set of chunk bytes one op needed on the device at once: the smallest device budget
-  // this iteration could have run with at this chunk size (ChunkStoreStats::compute_peak_bytes).
-  int64_t working_set_peak_bytes = 0;
-  bool forward_only = false;      // no backward in this iteration (evaluation)
-  int64_t optimal_bytes = -1;     // Belady moves of the trace at this budget (-1: no trace yet)
-  double moved_over_optimal() const;
 };
 
 class Scheduler {
@@ -126,53 +112,28 @@ class Scheduler {
 
  private:
   void finalize_trace_locked();
-  // Sharded parameters: release_at_[q]: a chunk of each group given up at position q (the first use after
-  // the group's forward uses), from the trace; built when first needed.
-  void plan_releases_locked();
-  void release_until_locked(int64_t position);
   void prefetch_locked(int64_t position);
+  // Gives the store the chunk budget of the use at `position` (MomentBudget::at_moment).
   void apply_budget_locked(int64_t position);
   int64_t non_model_now_locked();
-  int64_t chunk_budget_locked() const;  // device budget minus other stores' device bytes (0: no limit)
-  // The chunk budget at a moment with `non_model` bytes of non-model memory (-1: unknown): the chunk
-  // budget, capped by the capacity's room; never below the largest chunk. 0: no limit.
-  int64_t moment_budget_locked(int64_t non_model);
-  // Gives the store `bytes` as its device budget unless it has it already (tracked in store_budget_:
-  // the scheduler is the only one that changes the budget of its store).
-  void set_store_budget_locked(int64_t bytes);
   int64_t trace_non_model_peak_locked() const;  // max non-model bytes over the trace (0: no trace)
+  // Sharded parameters: gives up the groups planned up to `position` (ReleasePlan), when the trace
+  // followed is one every rank confirmed.
+  void release_until_locked(int64_t position);
 
   mutable std::mutex mutex_;
   ChunkStore* store_;
   std::shared_ptr<OptEvictionPolicy> policy_;
   std::unique_ptr<MemoryProbe> probe_;
   std::shared_ptr<RemoteChunks> remote_;
-  std::vector<std::vector<ChunkId>> release_at_;
-  bool releases_planned_ = false;
-  int64_t trace_version_ = 0;
-  int64_t releases_allowed_for_ = -1;  // the trace version confirmed the same on every rank
-  int64_t released_upto_ = 0;  // positions whose releases were made this iteration
   SchedulerOptions options_;
   std::vector<TensorId> tensor_of_param_;
   std::vector<ChunkId> chunk_of_param_;
-
-  std::shared_ptr<AccessTrace> trace_;      // finalized trace in use (null before warm-up ends)
-  std::shared_ptr<AccessTrace> recording_;  // trace being recorded this iteration (null if following)
-  int64_t position_ = 0;
-  int64_t iteration_ = 0;
-  int warmups_done_ = 0;
-  bool retrace_next_ = false;
-  bool repack_wanted_ = false;
   bool in_iteration_ = false;
-  bool diverged_ = false;
-  int64_t optimal_bytes_ = -1;
-  int64_t optimal_for_others_ = -1;  // other stores' device bytes optimal_bytes_ was computed with
-  bool trace_forward_only_ = false;
-  int64_t largest_chunk_bytes_ = 0;
-  int64_t store_budget_ = 0;  // the device budget the store has now  // of the store's chunks: the floor of every moment's budget
-  IterationStats current_;
-  IterationStats last_;
-  ChunkStoreStats at_begin_;
+  TraceState trace_;       // the trace through warm-up, following, divergence and re-trace
+  MomentBudget budget_;    // the parameter chunks' device budget at each moment
+  ReleasePlan releases_;   // sharded parameters: groups given up after their forward uses
+  IterationMeter meter_;   // this iteration's counters, and the last one's
 };
 
 }  // namespace ferry

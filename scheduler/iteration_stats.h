@@ -1,0 +1,55 @@
+#pragma once
+// IterationStats: the counters of one scheduler iteration, and IterationMeter, which takes them: the
+// uses and prefetches counted as they happen, the moves, evictions, waits and peaks as the difference of
+// the parameter store's statistics between the iteration's begin and end.
+//
+// Contract: IterationMeter is not thread-safe (the Scheduler calls it with its mutex held). Call order:
+// begin, baseline (after anything at the iteration's start that moves chunks), counts, end.
+#include <cstdint>
+
+#include "../chunk/chunk_store.h"
+
+namespace ferry {
+
+// Counters of one iteration (sums of bytes unless a count).
+struct IterationStats {
+  int64_t index = 0;
+  bool traced = false;      // this iteration recorded the trace (warm-up or re-trace)
+  bool diverged = false;    // it stopped matching the trace
+  bool aborted = false;     // an exception ended it
+  int64_t accesses = 0;     // pre-use events (count)
+  int64_t h2d_bytes = 0;
+  int64_t d2h_bytes = 0;
+  int64_t evictions = 0;    // count
+  int64_t prefetches = 0;   // prefetch moves started (count)
+  int64_t wait_ns = 0;      // host time blocked on copies
+  int64_t device_peak_bytes = 0;  // chunk bytes on the device, peak
+  // The largest set of chunk bytes one op needed on the device at once: the smallest device budget
+  // this iteration could have run with at this chunk size (ChunkStoreStats::compute_peak_bytes).
+  int64_t working_set_peak_bytes = 0;
+  bool forward_only = false;      // no backward in this iteration (evaluation)
+  int64_t optimal_bytes = -1;     // Belady moves of the trace at this budget (-1: no trace yet)
+  double moved_over_optimal() const;
+};
+
+class IterationMeter {
+ public:
+  // Iteration `index` begins (`traced`: it records the trace; `optimal_bytes`: IterationStats's).
+  void begin(int64_t index, bool traced, int64_t optimal_bytes);
+  // The store's statistics now are the iteration's start; its peaks are reset.
+  void baseline(ChunkStore& store);
+  void count_access() { ++current_.accesses; }
+  void count_prefetch() { ++current_.prefetches; }
+  void diverged() { current_.diverged = true; }
+  // Closes the iteration with the store's statistics now; the result is also last().
+  const IterationStats& end(const ChunkStoreStats& now, bool aborted, bool forward_only);
+  // The last iteration ended (zeros before the first).
+  const IterationStats& last() const { return last_; }
+
+ private:
+  IterationStats current_;
+  IterationStats last_;
+  ChunkStoreStats at_begin_;
+};
+
+}  // namespace ferry
