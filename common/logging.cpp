@@ -39,6 +39,7 @@ struct State {
   std::mutex mutex;
   std::shared_ptr<spdlog::logger> logger = make_logger(0);
   std::set<std::string, std::less<>> warned;
+  bool configured = false;  // configure() was called (configure_default then applies nothing)
 };
 
 State& state() {
@@ -55,10 +56,26 @@ std::shared_ptr<spdlog::logger> logger() {
 }  // namespace
 
 void configure(Level level, int rank) {
-  g_level = level;
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
+  s.configured = true;
+  g_level = level;
   s.logger = make_logger(rank);
+}
+
+bool configure_default(Level level, int rank) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.configured) return false;
+  g_level = level;
+  s.logger = make_logger(rank);
+  return true;
+}
+
+bool configured() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return s.configured;
 }
 
 Level level() { return g_level.load(); }

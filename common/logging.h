@@ -7,7 +7,9 @@
 //    fmt spdlog was built against (Debian: 9.x) in one translation unit. logging.cpp is the only file
 //    that sees spdlog, and it is compiled without torch's include paths (docs/ARCHITECTURE.md, D3).
 //  - Thread-safe: spdlog's _mt logger; configure() may be called again at any time (last one wins).
-//  - Before configure() the level is Info and the rank prefix is 0.
+//  - Before configure() the level is Info and the rank prefix is 0, unless ferry configured itself
+//    (configure_default: a ChunkedModel applies its Config's log level and rank), which an explicit
+//    configure() call, earlier or later, always overrides.
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -16,8 +18,15 @@ namespace ferry::log {
 
 enum class Level { kTrace, kDebug, kInfo, kWarn, kError, kOff };
 
-// Sets the level and the rank shown in every line's prefix.
+// Sets the level and the rank shown in every line's prefix. The program's call: from then on
+// configure_default() changes nothing.
 void configure(Level level, int rank);
+// The library's own default (ChunkedModel's constructor passes Config::log_level and Config::rank, so
+// that --log-level and FERRY_LOG_LEVEL work in a program that never calls configure()): applies them as
+// configure() does, unless configure() was ever called in this process. Returns whether it applied.
+bool configure_default(Level level, int rank);
+// Whether configure() was called in this process.
+bool configured();
 Level level();
 bool enabled(Level level);
 // Writes one line at `level` (no-op below the configured level).

@@ -356,6 +356,8 @@ bool have_nccl() { return detail::have_nccl(); }
 
 std::shared_ptr<Communicator> connect(const Config& config, bool even_alone) {
   config.validate();
+  // Its lines carry this rank, at the Config's level, unless the program configured the log itself.
+  log::configure_default(config.log_level, config.rank);
   if (config.world_size == 1 && !even_alone) return nullptr;
   const std::shared_ptr<const Device> chunks_device = make_device(config.device);
   const std::string backend = choose_backend(config, *chunks_device);

@@ -1,6 +1,8 @@
 // ferry's log: configure() sets the level and the rank prefix (last call wins), enabled() and write()
 // follow the level (kOff silences everything), the operator<< helpers format their arguments,
-// warn_once writes once per key (other keys still write), and the names of the levels.
+// warn_once writes once per key (other keys still write), the names of the levels, and that the
+// library's own default (configure_default) never overrides the program's configure() (a program
+// that never calls configure() is tested in hooks/test_log_defaults).
 // The lines are read back from stderr (gtest's CaptureStderr).
 #include <gtest/gtest.h>
 
@@ -137,6 +139,16 @@ TEST(Logging, NamesOfTheLevels) {
   const std::string v = log::spdlog_version();
   EXPECT_EQ(occurrences(v, "."), 2u) << v;
   EXPECT_NE(v.front(), '.');
+}
+
+TEST(Logging, AnExplicitConfigureWinsOverTheLibrarysDefault) {
+  ASSERT_TRUE(log::configured()) << "test_main configures the log";
+  test::LogLevelFor level(log::Level::kWarn);
+  EXPECT_FALSE(log::configure_default(log::Level::kTrace, 3));
+  EXPECT_EQ(log::level(), log::Level::kWarn);
+  EXPECT_FALSE(log::enabled(log::Level::kInfo));
+  log::configure(log::Level::kError, 0);  // the program may change it again at any time
+  EXPECT_EQ(log::level(), log::Level::kError);
 }
 
 }  // namespace
