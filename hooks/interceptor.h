@@ -77,7 +77,7 @@ class InterceptionScope {
 //  - a chunk with no memory here: with sharded parameters (world size N > 1) a chunk another rank owns
 //    is given up between its uses; torch's kernels do not check, so an op would crash the process.
 // A third hazard is inside an iteration: a model between forward() and backward(), whose chunks may be
-// off the device or on their way (Note [Between forward and backward], hooks/chunked_model.cpp); there
+// off the device or on their way (Note [Between forward and backward], hooks/model_iteration.cpp); there
 // the listener calls an op a use.
 // Whoever creates a hazard counts it (outside_hazard_begin() before the write is queued or the chunks
 // are sharded; outside_hazard_end() when the write is over, failed or not, or the sharding is gone) and
