@@ -23,10 +23,12 @@ at::ScalarType dtype_of(Precision p) {
   return at::kFloat;
 }
 
-// The caller's Config, checked before anything is touched.
+// The caller's Config, checked before anything is touched; the log takes its level and rank unless the
+// program configured it itself (log::configure_default).
 const Config& checked(const std::shared_ptr<torch::nn::Module>& module, const Config& config) {
   TORCH_CHECK(module, "ferry: ChunkedModel needs a module, got null");
   config.validate();
+  log::configure_default(config.log_level, config.rank);
   return config;
 }
 

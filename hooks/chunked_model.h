@@ -1,10 +1,14 @@
 #pragma once
 // ChunkedModel: runs an existing, unmodified torch::nn::Module on chunks.
 //
-//   auto net = std::make_shared<MyNet>(...);                 // any module, unchanged
+//   ferry::Config config = ferry::Config::from_args(argc, argv);  // --device, --device-budget, --log-level ...
+//   auto net = std::make_shared<MyNet>(...);                 // any module, unchanged (or a TORCH_MODULE holder)
 //   ferry::ChunkedModel model(net, config);                  // parameters move into chunks
-//   auto loss = model.forward([&] { return criterion(net->forward(x), y); });
+//   auto loss = model.forward([&] { return criterion(net->forward(x.to(model.device())), y); });
 //   model.backward(loss);
+//
+// The constructor applies config.log_level and config.rank to ferry's log unless the program called
+// ferry::log::configure() itself (log::configure_default, common/logging.h).
 //
 // On construction every parameter (tied ones once) is packed into parameter chunks in registration
 // order and bound to its slot (same TensorImpl for life, dtype = config.precision, on the device:
@@ -63,6 +67,7 @@
 // [A repack waits for held views] param_chunks.cpp; [Between forward and backward] and [A backward not
 // through model.backward()] model_iteration.cpp.
 #include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
 
 #include <atomic>
 #include <functional>
@@ -112,6 +117,11 @@ const char* to_string(ModelPhase phase);
 class ChunkedModel final : private UseListener {
  public:
   ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Config& config, ChunkedModelOptions options = {});
+  // A TORCH_MODULE holder (`Classifier net(64, 10); ferry::ChunkedModel model(net, config);`): wraps the
+  // module it holds.
+  template <class M>
+  ChunkedModel(const torch::nn::ModuleHolder<M>& holder, const Config& config, ChunkedModelOptions options = {})
+      : ChunkedModel(std::shared_ptr<torch::nn::Module>(holder.ptr()), config, std::move(options)) {}
   // Materializes the parameters as plain device tensors (so the module stays usable) and unregisters.
   ~ChunkedModel() override;
   ChunkedModel(const ChunkedModel&) = delete;
@@ -182,6 +192,9 @@ class ChunkedModel final : private UseListener {
 
   torch::nn::Module& module() { return *module_; }
   ChunkStore& store() { return chunks_.store(); }
+  // The device the chunks' device tier lives on (cuda:N, or cpu for the simulated device): where the
+  // module's buffers are and where inputs go, `x.to(model.device())`.
+  c10::Device device() const { return chunks_.store().device(); }
   // The optimizer state that mirrors the parameter chunks, group by group (chunk/state_chunks.h): made
   // here, so that it shares the device accountant and is migrated by the same repack as the parameters
   // (before the LayoutListener hears of it) for as long as the caller holds it. Its store never pins host

@@ -29,9 +29,14 @@ void ParamChunks::build(const std::vector<int64_t>& order, int64_t device_room_b
     const AutoChunkSize choice =
         auto_chunk_size(params_.numels(), order, static_cast<int64_t>(c10::elementSize(dtype_)));
     chunk_bytes = choice.chunk_bytes;
-    log::info("ferry: chunk size ", format_bytes(chunk_bytes), " (auto: least packing waste between ",
-              format_bytes(choice.lo_bytes), " and ", format_bytes(choice.hi_bytes), ", waste ",
-              static_cast<int>(choice.waste * 1000) / 10.0, "%)");
+    // Said once at info, at construction; the repack's choice (for the order of first use) at debug.
+    const log::Level level = first ? log::Level::kInfo : log::Level::kDebug;
+    if (log::enabled(level)) {
+      log::write(level, log::detail::concat("ferry: chunk size ", format_bytes(chunk_bytes), first ? "" : " for the "
+                                            "repack", " (auto: least packing waste between ", format_bytes(choice.lo_bytes),
+                                            " and ", format_bytes(choice.hi_bytes), ", waste ",
+                                            static_cast<int>(choice.waste * 1000) / 10.0, "%)"));
+    }
   }
   const PackOptions pack = PackOptions::from_bytes(chunk_bytes, dtype_);
   ChunkLayout layout = ChunkLayout::pack(params_.numels(), order, pack);
@@ -151,7 +156,8 @@ void ParamChunks::repack(const std::vector<int64_t>& order, int64_t device_room_
   build(order, device_room_bytes);
   repack_stats_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   log::info("ferry: repacked ", params_.size(), " parameters in call order into ", layout_.num_chunks(),
-            " chunks (waste ", static_cast<int>(layout_.waste() * 1000) / 10.0, "%) in ",
+            " chunks of ", format_bytes(layout_.options().chunk_numel * static_cast<int64_t>(c10::elementSize(dtype_))),
+            " (waste ", static_cast<int>(layout_.waste() * 1000) / 10.0, "%) in ",
             static_cast<int64_t>(repack_stats_.seconds * 1000), " ms");
 }
 
