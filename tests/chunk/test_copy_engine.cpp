@@ -2,8 +2,8 @@
 // there, the ticket is done, waits are no-ops); an untimed copy has no marks, a timed one has a start
 // and a finish on the host's clock that bracket the copy inside the call; marks refuse to compare when
 // unrecorded or of another kind; ClockAnchor places marks on the host's clock, both where the device's
-// clock is the host's and, through its wait, where it is not (a fake device clock with an offset);
-// make_copy_engine / resolve_device_kind choose the engine by DeviceKind.
+// clock is the host's and, through its wait, where it is not (a fake device clock with an offset).
+// Which engine a device makes: test_device.cpp.
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -14,7 +14,6 @@
 
 #include "../../chunk/copy_engine.h"
 #include "../../common/event_trace.h"
-#include "../../common/gpu_info.h"
 #include "../test_util.h"
 
 namespace ferry {
@@ -29,7 +28,7 @@ using test::error_of;
   } while (0)
 
 TEST(SimulatedCopyEngine, DescribesItsDevice) {
-  const auto engine = make_copy_engine(DeviceKind::kSimulated);
+  const auto engine = make_simulated_copy_engine();
   ASSERT_NE(engine, nullptr);
   EXPECT_STREQ(engine->name(), "simulated");
   EXPECT_EQ(engine->device(), c10::Device(c10::kCPU));
@@ -39,7 +38,7 @@ TEST(SimulatedCopyEngine, DescribesItsDevice) {
 }
 
 TEST(SimulatedCopyEngine, ACopyIsDoneWhenCopyReturns) {
-  const auto engine = make_copy_engine(DeviceKind::kSimulated);
+  const auto engine = make_simulated_copy_engine();
   torch::manual_seed(0);
   for (const auto dtype : {torch::kFloat, torch::kBFloat16, torch::kByte}) {
     const torch::Tensor src = torch::randint(0, 100, {1000}).to(dtype);
@@ -64,7 +63,7 @@ TEST(SimulatedCopyEngine, ACopyIsDoneWhenCopyReturns) {
 }
 
 TEST(SimulatedCopyEngine, ATimedCopyIsBracketedByItsMarksOnTheHostClock) {
-  const auto engine = make_copy_engine(DeviceKind::kSimulated);
+  const auto engine = make_simulated_copy_engine();
   const torch::Tensor src = torch::randn({1 << 20});
   torch::Tensor dst = torch::empty({1 << 20});
   const int64_t before = trace::now_ns();
@@ -102,7 +101,7 @@ class OffsetClockMark final : public StreamMark {
 };
 
 TEST(StreamMark, HostClockMarksRefuseUnrecordedOrForeignMarks) {
-  const auto engine = make_copy_engine(DeviceKind::kSimulated);
+  const auto engine = make_simulated_copy_engine();
   auto a = engine->make_mark(), b = engine->make_mark();
   EXPECT_FALSE(a->recorded());
   EXPECT_EQ(a->host_clock_ns(), -1) << "unrecorded";
@@ -157,20 +156,6 @@ TEST(ClockAnchor, PlacesAnotherClocksMarksOnTheHostClockThroughItsWait) {
 }
 
 TEST(ClockAnchor, NeedsAMark) { EXPECT_ERROR_HAS(ClockAnchor(nullptr), "ClockAnchor needs a mark, got none"); }
-
-TEST(MakeCopyEngine, ChoosesByDeviceKind) {
-  EXPECT_EQ(resolve_device_kind(DeviceKind::kSimulated), DeviceKind::kSimulated);
-  EXPECT_EQ(resolve_device_kind(DeviceKind::kCuda), DeviceKind::kCuda);
-  EXPECT_EQ(resolve_device_kind(DeviceKind::kAuto), cuda_available() ? DeviceKind::kCuda : DeviceKind::kSimulated);
-  if (!cuda_available()) {
-    EXPECT_STREQ(make_copy_engine(DeviceKind::kAuto)->name(), "simulated");
-#ifdef FERRY_WITH_CUDA
-    EXPECT_ERROR_HAS(make_copy_engine(DeviceKind::kCuda), "device=cuda was asked for, but no CUDA GPU is available");
-#else
-    EXPECT_ERROR_HAS(make_copy_engine(DeviceKind::kCuda), "this ferry was built without CUDA");
-#endif
-  }
-}
 
 }  // namespace
 }  // namespace ferry

@@ -18,6 +18,7 @@
 #include <ATen/autocast_mode.h>
 
 #include "../../chunk/copy_engine.h"
+#include "../../chunk/device.h"
 #include "../../common/event_trace.h"
 #include "../../hooks/checkpoint.h"
 #include "../../hooks/chunked_model.h"
@@ -195,7 +196,7 @@ TracedIteration traced_iteration(int prefetch_depth) {
     for (auto& p : net->parameters()) p.mutable_grad().reset();
   };
   for (int it = 0; it < 3; ++it) step();  // warm-up and the repack, then one iteration following the trace
-  const auto engine = make_copy_engine(DeviceKind::kCuda);
+  const auto engine = make_device(DeviceKind::kCuda)->make_copy_engine();
   std::vector<std::pair<std::unique_ptr<StreamMark>, std::unique_ptr<StreamMark>>> marks;
   net->marker = engine.get();
   net->marks = &marks;
