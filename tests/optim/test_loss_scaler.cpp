@@ -145,6 +145,7 @@ TEST(LossScalerOptions, ValidateRefusesEachBadValueNamingIt) {
       {[](LossScalerOptions& o) { o.growth_factor = kNaN; }, "growth factor must be > 1, got nan"},
       {[](LossScalerOptions& o) { o.backoff_factor = 0; }, "backoff factor must be in (0, 1), got 0"},
       {[](LossScalerOptions& o) { o.backoff_factor = 1; }, "backoff factor must be in (0, 1), got 1"},
+      {[](LossScalerOptions& o) { o.backoff_factor = 1.5; }, "backoff factor must be in (0, 1), got 1.5"},
       {[](LossScalerOptions& o) { o.backoff_factor = kNaN; }, "backoff factor must be in (0, 1), got nan"},
       {[](LossScalerOptions& o) { o.growth_interval = 0; }, "growth interval must be >= 1, got 0"},
       {[](LossScalerOptions& o) { o.hysteresis = 0; }, "hysteresis must be >= 1, got 0"},

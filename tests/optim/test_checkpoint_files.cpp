@@ -1,17 +1,17 @@
-// HybridAdam::save / load (optim/hybrid_adam_io.cpp, docs/CHECKPOINT.md) under what kills or
-// corrupts checkpoints: a save killed at random points always leaves a loadable checkpoint (the old or
+// The checkpoint files (optim/checkpoint_files.h, docs/CHECKPOINT.md) through HybridAdam::save / load: a
+// resume continues bit-identically; under what kills or corrupts checkpoints, a save killed at random points always leaves a loadable checkpoint (the old or
 // the new one); a full disk and an unwritable directory keep the previous checkpoint; every kind of
 // manifest or data corruption is refused before anything is written; non-finite state is not saved.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <dirent.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cmath>
@@ -22,9 +22,11 @@
 #include <thread>
 
 #include "../../common/crc32c.h"
+#include "../../common/durable_file.h"
 #include "../../hooks/chunked_model.h"
 #include "../../optim/hybrid_adam.h"
 #include "../test_util.h"
+#include "hybrid_adam_fixtures.h"
 
 namespace ferry {
 namespace {
@@ -81,15 +83,11 @@ struct Trainer {
   std::unique_ptr<HybridAdam> adam;
 };
 
+// The names in `dir`, without "." and "..".
 std::vector<std::string> list(const std::string& dir) {
-  std::vector<std::string> names;
-  if (DIR* d = ::opendir(dir.c_str())) {
-    while (const dirent* e = ::readdir(d)) {
-      const std::string n = e->d_name;
-      if (n != "." && n != "..") names.push_back(n);
-    }
-    ::closedir(d);
-  }
+  std::vector<std::string> names = list_dir(dir);
+  names.erase(std::remove_if(names.begin(), names.end(), [](const std::string& n) { return n == "." || n == ".."; }),
+              names.end());
   return names;
 }
 
@@ -154,9 +152,34 @@ struct SavedCheckpoint {
   torch::Tensor saved;
 };
 
+TEST(CheckpointFiles, SaveResumeIsBitIdentical) {
+  const std::string dir = test::temp_dir("resume");
+  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(test::adamw());
+  options.device_state_chunks = 2;
+  torch::manual_seed(11);
+  test::TinyLm straight_net(test::kVocab, test::kDim);
+  ChunkedModel straight(straight_net.ptr(), test::sim_config(test::budget_for(3, 2)));
+  HybridAdam straight_adam(straight, options);
+  test::train_steps(straight, straight_net, straight_adam, 0, 5);
+  straight_adam.save(dir);
+  test::train_steps(straight, straight_net, straight_adam, 5, 5);
+
+  torch::manual_seed(12);  // different initial values: everything must come from the checkpoint
+  test::TinyLm resumed_net(test::kVocab, test::kDim);
+  ChunkedModel resumed(resumed_net.ptr(), test::sim_config(test::budget_for(3, 2)));
+  HybridAdam resumed_adam(resumed, options);
+  resumed_adam.load(dir);
+  EXPECT_EQ(resumed_adam.step_count(0), 5);
+  test::train_steps(resumed, resumed_net, resumed_adam, 5, 5);
+  EXPECT_EQ(resumed_adam.step_count(1), 10);
+  // Masters, moments and parameter values, bit for bit.
+  test::expect_same_state(straight_adam, resumed_adam, straight, resumed, "resumed after 5 steps");
+  test::remove_checkpoint(dir);
+}
+
 // The child side of SaveKilledAtRandomPointsLeavesALoadableCheckpoint: trains to the "new" state and
 // saves it over and over into $FERRY_IO_CHILD_DIR until killed.
-TEST(HybridAdamIo, DISABLED_SaveLoopChild) {
+TEST(CheckpointFiles, DISABLED_SaveLoopChild) {
   const char* dir = std::getenv("FERRY_IO_CHILD_DIR");
   if (!dir) GTEST_SKIP() << "run by SaveKilledAtRandomPointsLeavesALoadableCheckpoint only";
   Trainer t(1);
@@ -165,7 +188,7 @@ TEST(HybridAdamIo, DISABLED_SaveLoopChild) {
   for (;;) t.adam->save(dir);
 }
 
-TEST(HybridAdamIo, SaveKilledAtRandomPointsLeavesALoadableCheckpoint) {
+TEST(CheckpointFiles, SaveKilledAtRandomPointsLeavesALoadableCheckpoint) {
   const std::string root = make_temp_dir("kill");
   const std::string dir = root + "/ckpt";
   Trainer old_state(1);
@@ -185,7 +208,7 @@ TEST(HybridAdamIo, SaveKilledAtRandomPointsLeavesALoadableCheckpoint) {
     ASSERT_GE(child, 0);
     if (child == 0) {
       ::setenv("FERRY_IO_CHILD_DIR", dir.c_str(), 1);
-      const char* argv[] = {"test_hybrid_adam_io", "--gtest_filter=HybridAdamIo.DISABLED_SaveLoopChild",
+      const char* argv[] = {"test_checkpoint_files", "--gtest_filter=CheckpointFiles.DISABLED_SaveLoopChild",
                             "--gtest_also_run_disabled_tests", nullptr};
       ::execv("/proc/self/exe", const_cast<char* const*>(argv));
       ::_exit(127);
@@ -216,7 +239,7 @@ TEST(HybridAdamIo, SaveKilledAtRandomPointsLeavesALoadableCheckpoint) {
   remove_tree(root);
 }
 
-TEST(HybridAdamIo, DiskFullKeepsThePreviousCheckpoint) {
+TEST(CheckpointFiles, DiskFullKeepsThePreviousCheckpoint) {
   SavedCheckpoint c("full", 3);
   const auto files_before = list(c.dir);
   // A file-size limit makes the write fail as a full disk does (EFBIG instead of ENOSPC).
@@ -238,7 +261,7 @@ TEST(HybridAdamIo, DiskFullKeepsThePreviousCheckpoint) {
   c.expect_it_still_loads();
 }
 
-TEST(HybridAdamIo, UnwritableDirectoryKeepsThePreviousCheckpoint) {
+TEST(CheckpointFiles, UnwritableDirectoryKeepsThePreviousCheckpoint) {
   SavedCheckpoint c("readonly", 4);
   ASSERT_EQ(::chmod(c.root.c_str(), 0755), 0);
   ASSERT_EQ(::chmod(c.dir.c_str(), 0555), 0);
@@ -285,7 +308,7 @@ void poke_float(const std::string& path, int64_t index, float value) {
   f.write(reinterpret_cast<const char*>(&value), 4);
 }
 
-TEST(HybridAdamIo, EveryCorruptionIsRefusedAndChangesNothing) {
+TEST(CheckpointFiles, EveryCorruptionIsRefusedAndChangesNothing) {
   const std::string root = make_temp_dir("corrupt");
   const std::string dir = root + "/ckpt";
   Trainer source(5);
@@ -382,7 +405,7 @@ TEST(HybridAdamIo, EveryCorruptionIsRefusedAndChangesNothing) {
 // resume continues with it: a layer frozen for the first steps and unfrozen later, saved and loaded into
 // a fresh model, trains on bit-identically to the run that was never interrupted. A version-2 manifest
 // (no counts) loads with every parameter at its group's count.
-TEST(HybridAdamIo, PerParameterStepCountsSurviveSaveAndLoad) {
+TEST(CheckpointFiles, PerParameterStepCountsSurviveSaveAndLoad) {
   const std::string root = make_temp_dir("param_steps");
   const std::string dir = root + "/ckpt";
   Trainer straight(11);
@@ -414,7 +437,7 @@ TEST(HybridAdamIo, PerParameterStepCountsSurviveSaveAndLoad) {
   remove_tree(root);
 }
 
-TEST(HybridAdamIo, NonFiniteStateIsNotSaved) {
+TEST(CheckpointFiles, NonFiniteStateIsNotSaved) {
   SavedCheckpoint c("nonfinite", 8);
   // Chunk 0 of the state store is layout chunk 0's fp32 masters.
   c.trainer.adam->state_store().payload(0).fill_(std::numeric_limits<float>::infinity());
@@ -426,7 +449,7 @@ TEST(HybridAdamIo, NonFiniteStateIsNotSaved) {
 // A save between backward() and step() (a save-on-signal handler that checks its flag there) or
 // between micro-batches holds the state before the pending gradients, which are not saved: it says
 // so in the log, and grads_pending() tells beforehand. At a step boundary it says nothing.
-TEST(HybridAdamIo, ASaveWithGradientsPendingSaysSo) {
+TEST(CheckpointFiles, ASaveWithGradientsPendingSaysSo) {
   Trainer t(21);
   t.train(0, 2);
   const std::string dir = make_temp_dir("pending");
@@ -448,7 +471,7 @@ TEST(HybridAdamIo, ASaveWithGradientsPendingSaysSo) {
   remove_tree(dir);
 }
 
-TEST(HybridAdamIo, SaveTargetIsCheckedUpFront) {
+TEST(CheckpointFiles, SaveTargetIsCheckedUpFront) {
   const std::string root = make_temp_dir("target");
   EXPECT_NO_THROW(HybridAdam::check_save_target(root + "/a/b"));
   struct stat st {};
