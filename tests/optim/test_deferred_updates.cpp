@@ -1,23 +1,134 @@
-// DeferredUpdates (optim/deferred_updates.h, Note [Update behind the next forward]) through HybridAdam:
-// updates left running behind the step are bit-identical to updates on the calling thread, in every kind
-// of step, with pending copies, and ops between steps wait for them (Note [Ops outside the scopes]).
+// DeferredUpdates (optim/deferred_updates.h, Note [Update behind the next forward]): the object alone
+// (await_chunk waits for its chunk only, settle() rethrows the first error and clears, put() on a chunk
+// with an update pending is an internal assert), then through HybridAdam: updates left running behind the
+// step are bit-identical to updates on the calling thread, in every kind of step, with pending copies,
+// and ops between steps wait for them (Note [Ops outside the scopes]).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <chrono>
+#include <exception>
+#include <functional>
+#include <future>
 #include <memory>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 
 #include "../../chunk/stream_model_engine.h"
 #include "../../hooks/interceptor.h"
+#include "../../optim/deferred_updates.h"
 #include "hybrid_adam_fixtures.h"
 
 namespace ferry {
 namespace {
 
 using namespace test;  // NOLINT: the fixtures
+
+using optim::DeferredUpdates;
+
+// A future its test completes when it chooses: set_value() or set_exception().
+struct Pending {
+  std::promise<void> promise;
+  std::future<void> future = promise.get_future();
+  void fail(const std::string& what) { promise.set_exception(std::make_exception_ptr(std::runtime_error(what))); }
+};
+
+// The message of what `fn` throws ("(no error)" if nothing).
+std::string thrown_by(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(DeferredUpdates, AwaitChunkWaitsForItsChunkOnly) {
+  DeferredUpdates d;
+  EXPECT_FALSE(d.pending());
+  Pending c0, c2;
+  d.put(0, std::move(c0.future));
+  d.put(2, std::move(c2.future));
+  EXPECT_TRUE(d.pending());
+  EXPECT_TRUE(d.has(0));
+  EXPECT_FALSE(d.has(1));
+  EXPECT_TRUE(d.has(2));
+  EXPECT_FALSE(d.has(7)) << "past the chunks seen";
+  d.await_chunk(1);  // none pending for chunk 1: returns at once
+  d.await_chunk(9);
+  c0.promise.set_value();
+  // Chunk 2's update never completes before this returns: waiting for it would never end, so run the wait
+  // on another thread and release chunk 2 if it is still waiting after a minute (a hang guard, not a timing).
+  auto waited = std::async(std::launch::async, [&] { d.await_chunk(0); });
+  if (waited.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    c2.promise.set_value();
+    waited.get();
+    FAIL() << "await_chunk(0) waited for chunk 2's update";
+  }
+  waited.get();
+  EXPECT_FALSE(d.has(0)) << "waited for: no longer left running";
+  EXPECT_TRUE(d.has(2));
+  EXPECT_TRUE(d.pending()) << "chunk 2's update is still left running";
+  c2.promise.set_value();
+  d.settle();
+  EXPECT_FALSE(d.pending());
+}
+
+TEST(DeferredUpdates, AwaitChunkRethrowsItsUpdatesError) {
+  DeferredUpdates d;
+  Pending c1, c3;
+  d.put(1, std::move(c1.future));
+  d.put(3, std::move(c3.future));
+  c1.fail("update of chunk 1 failed");
+  c3.promise.set_value();
+  EXPECT_EQ(thrown_by([&] { d.await_chunk(1); }), "update of chunk 1 failed");
+  EXPECT_FALSE(d.has(1));
+  EXPECT_EQ(thrown_by([&] { d.await_chunk(1); }), "(no error)") << "the error surfaced once";
+  EXPECT_EQ(thrown_by([&] { d.await_chunk(3); }), "(no error)");
+}
+
+// settle() waits for everything, rethrows the first error in chunk order (the zeroings after the
+// updates), and forgets every job, failed or not.
+TEST(DeferredUpdates, SettleRethrowsTheFirstErrorAndClears) {
+  DeferredUpdates d;
+  Pending c0, c1, c2, zeroing;
+  d.put(0, std::move(c0.future));
+  d.put(1, std::move(c1.future));
+  d.put(2, std::move(c2.future));
+  d.put_zeroing(std::move(zeroing.future));
+  c2.fail("chunk 2");  // failed first in time
+  zeroing.fail("zeroing");
+  c1.fail("chunk 1");
+  c0.promise.set_value();
+  EXPECT_EQ(thrown_by([&] { d.settle(); }), "chunk 1");
+  EXPECT_FALSE(d.pending());
+  for (int64_t c = 0; c < 3; ++c) EXPECT_FALSE(d.has(c)) << c;
+  EXPECT_EQ(thrown_by([&] { d.settle(); }), "(no error)") << "cleared: nothing left to throw";
+  // A zeroing's error alone surfaces too; put_zeroing alone makes it pending.
+  Pending z;
+  d.put_zeroing(std::move(z.future));
+  EXPECT_TRUE(d.pending());
+  z.fail("zeroing alone");
+  EXPECT_EQ(thrown_by([&] { d.settle(); }), "zeroing alone");
+  EXPECT_FALSE(d.pending());
+  // A chunk settled may be put again.
+  Pending again;
+  d.put(1, std::move(again.future));
+  again.promise.set_value();
+  EXPECT_EQ(thrown_by([&] { d.settle(); }), "(no error)");
+}
+
+TEST(DeferredUpdates, PutOnAChunkWithAnUpdatePendingIsAnInternalAssert) {
+  DeferredUpdates d;
+  Pending first, second;
+  d.put(4, std::move(first.future));
+  const std::string err = test::error_of([&] { d.put(4, std::move(second.future)); });
+  EXPECT_NE(err.find("chunk 4 has an update left running already"), std::string::npos) << err;
+  first.promise.set_value();
+  d.settle();
+}
 
 // Note [Update behind the next forward]: with update_behind_forward (b) the host updates after
 // backward are left running and the next forward waits for each chunk's own; against the same training

@@ -1,0 +1,188 @@
+// HostJobs (optim/host_jobs.h) alone, on CpuAdam's worker: join() returns the first error, a superseded
+// job's included; take(), wait(), wait_all() and drop(); only jobs that uses wait for put in_backward();
+// and launch() on a ChunkStore of the simulated device whose copies stay pending until waited for: the
+// chunk moves to the host in one transfer, the job runs on its bytes once the copy has landed (waited for
+// on the worker, not the caller), the chunk is locked on the host while the job runs and unlocked after,
+// also when the job throws; started() counts the jobs that ran.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <exception>
+#include <future>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "../../chunk/chunk_store.h"
+#include "../../chunk/stream_model_engine.h"
+#include "../../cpu_adam/cpu_adam.h"
+#include "../../hooks/interceptor.h"
+#include "../../optim/host_jobs.h"
+#include "../test_util.h"
+
+namespace ferry::optim {
+namespace {
+
+std::future<void> done() {
+  std::promise<void> p;
+  p.set_value();
+  return p.get_future();
+}
+std::future<void> failed(const std::string& what) {
+  std::promise<void> p;
+  p.set_exception(std::make_exception_ptr(std::runtime_error(what)));
+  return p.get_future();
+}
+// The message of `error`, or "(none)".
+std::string message(const std::exception_ptr& error) {
+  if (!error) return "(none)";
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+TEST(HostJobs, JoinReturnsTheFirstErrorASupersededJobsIncluded) {
+  CpuAdam worker;
+  HostJobs jobs(worker);
+  jobs.reset(3);
+  jobs.put(0, failed("superseded"));
+  jobs.supersede(0);  // chunk 0 is worked on again: its first job ends, its error kept
+  EXPECT_FALSE(jobs.has(0));
+  jobs.put(0, done());
+  jobs.put(1, failed("chunk 1"));
+  jobs.put(2, failed("chunk 2"));
+  EXPECT_EQ(message(jobs.join()), "superseded");
+  for (int64_t c = 0; c < 3; ++c) EXPECT_FALSE(jobs.has(c)) << c;
+  EXPECT_EQ(message(jobs.join()), "(none)") << "join() forgot every job and error";
+  // Without a superseded error: the first in chunk order.
+  jobs.reset(3);
+  jobs.put(2, failed("chunk 2"));
+  jobs.put(1, failed("chunk 1"));
+  jobs.put(0, done());
+  EXPECT_EQ(message(jobs.join()), "chunk 1");
+  // Of two superseded jobs that failed, the first one's.
+  jobs.reset(2);
+  jobs.put(1, failed("first"));
+  jobs.supersede(1);
+  jobs.put(1, failed("second"));
+  jobs.supersede(1);
+  EXPECT_EQ(message(jobs.join()), "first");
+}
+
+TEST(HostJobs, TakeWaitAndDrop) {
+  CpuAdam worker;
+  HostJobs jobs(worker);
+  jobs.reset(2);
+  EXPECT_EQ(message(jobs.take(1)), "(none)") << "no job for chunk 1";
+  EXPECT_EQ(message(jobs.take(7)), "(none)") << "past the chunks";
+  jobs.put(1, failed("chunk 1"));
+  jobs.wait(1);
+  EXPECT_TRUE(jobs.has(1)) << "wait() leaves the job for take() or join()";
+  EXPECT_EQ(message(jobs.take(1)), "chunk 1");
+  EXPECT_FALSE(jobs.has(1));
+  EXPECT_EQ(message(jobs.take(1)), "(none)");
+  jobs.put(4, failed("chunk 4"));  // past reset()'s room: it grows
+  EXPECT_TRUE(jobs.has(4));
+  jobs.wait_all();
+  EXPECT_TRUE(jobs.has(4)) << "wait_all() takes nothing";
+  jobs.put(0, failed("superseded"));
+  jobs.supersede(0);
+  jobs.drop();  // a failed backward dealt with them
+  EXPECT_FALSE(jobs.has(4));
+  EXPECT_FALSE(jobs.in_backward());
+  EXPECT_EQ(message(jobs.join()), "(none)") << "drop() forgot the jobs and the superseded error";
+}
+
+TEST(HostJobs, OnlyJobsThatUsesWaitForAreInBackward) {
+  CpuAdam worker;
+  HostJobs jobs(worker);
+  jobs.reset(2);
+  EXPECT_FALSE(jobs.in_backward());
+  jobs.put(0, done(), /*uses_wait=*/false);  // an owner's job across ranks
+  EXPECT_FALSE(jobs.in_backward());
+  jobs.put(1, done());
+  EXPECT_TRUE(jobs.in_backward());
+  EXPECT_EQ(message(jobs.join()), "(none)");
+  EXPECT_FALSE(jobs.in_backward()) << "join() ends the backward's jobs";
+  EXPECT_EQ(jobs.started(), 0) << "started() counts launched jobs that ran, not put()";
+}
+
+ChunkStoreOptions simulated() {
+  ChunkStoreOptions o;
+  o.device = DeviceKind::kSimulated;
+  return o;
+}
+
+// A job that stops at its start until the test lets it go: what the chunk's store says while it runs.
+TEST(HostJobs, LaunchLocksTheChunkOnTheHostWhileTheJobRuns) {
+  CpuAdam worker;
+  HostJobs jobs(worker);
+  ChunkStore store(simulated(), std::make_unique<StreamModelCopyEngine>());
+  const ChunkId c = store.add_chunk(ChunkRole::kParam, at::kFloat, 64, Location::kDevice);
+  const torch::Tensor values = torch::arange(64, torch::kFloat);
+  store.payload(c).copy_(values);
+  const MoveStats before = store.stats().moves;
+  std::promise<void> running, go;
+  std::shared_future<void> let_go = go.get_future().share();
+  bool locked_in_job = false;
+  Location where = Location::kNone;
+  torch::Tensor seen;
+  std::future<void> job = jobs.launch(store, c, /*chunk=*/0, "test job ", [&](const at::Tensor& bytes) {
+    locked_in_job = store.locked_on_host(c);
+    where = store.location(c);
+    seen = bytes.clone();
+    running.set_value();
+    let_go.wait();
+    bytes.add_(1);
+  });
+  running.get_future().wait();
+  EXPECT_TRUE(store.locked_on_host(c));
+  const std::string err = test::error_of([&] { store.move(c, Location::kDevice); });
+  EXPECT_NE(err.find("locked on the host"), std::string::npos) << err;
+  EXPECT_EQ(jobs.started(), 1);
+  go.set_value();
+  job.get();
+  EXPECT_FALSE(store.locked_on_host(c)) << "unlocked when the job ended";
+  EXPECT_TRUE(locked_in_job);
+  EXPECT_EQ(where, Location::kHost);
+  EXPECT_TRUE(torch::equal(seen, values)) << "the job ran on the chunk's bytes once the copy had landed";
+  EXPECT_TRUE(torch::equal(store.payload(c), values + 1)) << "and wrote them in place";
+  const MoveStats after = store.stats().moves;
+  EXPECT_EQ(after.d2h_count - before.d2h_count, 1) << "one transfer";
+  EXPECT_EQ(after.background_sync_count - before.background_sync_count, 1) << "the worker waited for the copy";
+  EXPECT_EQ(after.sync_count, before.sync_count) << "the caller never blocked on it";
+  EXPECT_EQ(store.location(c), Location::kHost);
+}
+
+TEST(HostJobs, LaunchUnlocksTheChunkWhenTheJobThrows) {
+  CpuAdam worker;
+  HostJobs jobs(worker);
+  ChunkStore store(simulated(), std::make_unique<StreamModelCopyEngine>());
+  const ChunkId c = store.add_chunk(ChunkRole::kParam, at::kFloat, 64, Location::kHost);  // no move needed
+  const MoveStats before = store.stats().moves;
+  int64_t hazards_in_job = -1;
+  std::future<void> job = jobs.launch(
+      store, c, /*chunk=*/3, "failing job ",
+      [&](const at::Tensor&) {
+        hazards_in_job = outside_hazards();
+        throw std::runtime_error("the job failed on purpose");
+      },
+      /*background_write=*/true);
+  EXPECT_THROW(job.get(), std::runtime_error);
+  EXPECT_FALSE(store.locked_on_host(c));
+  EXPECT_EQ(jobs.started(), 1);
+  EXPECT_GT(hazards_in_job, 0) << "a background write is announced while it runs";
+  EXPECT_EQ(outside_hazards(), 0) << "and over when it ended, failed or not";
+  EXPECT_EQ(store.stats().moves.d2h_count, before.d2h_count) << "already on the host: nothing moved";
+  // The chunk can be worked on again.
+  jobs.reset(4);
+  jobs.put(3, jobs.launch(store, c, 3, "second job ", [](const at::Tensor& bytes) { bytes.fill_(7); }));
+  EXPECT_EQ(message(jobs.join()), "(none)");
+  EXPECT_EQ(jobs.started(), 2);
+  EXPECT_TRUE(torch::equal(store.payload(c), torch::full({64}, 7.0f)));
+}
+
+}  // namespace
+}  // namespace ferry::optim
