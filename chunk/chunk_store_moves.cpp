@@ -220,7 +220,7 @@ bool ChunkStore::start_move(Chunk& chunk, Location to, bool must) {
               " is in COMPUTE and cannot move");
   if (to == Location::kDevice && chunk.host_locks > 0) {
     TORCH_CHECK(!must, "ferry: ", describe(chunk), " is locked on the host (the optimizer is updating it there, "
-                "Note [Pipelined step] in optim/hybrid_adam.h) and cannot move to the device now: a parameter "
+                "Note [Pipelined step] in optim/pipelined_step.h) and cannot move to the device now: a parameter "
                 "of it is used after its gradient was final, or before the update a step left running behind it "
                 "has finished (Note [Update behind the next forward])");
     return false;

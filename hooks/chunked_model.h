@@ -22,7 +22,7 @@
 //    (off the device their storage aliases the host payload, chunk/chunk.h); a write, in place or by
 //    new storage (torch::load), is taken in before the next use, into the optimizer's masters too
 //    (Note [Writes to parameters]). An update the optimizer
-//    left running behind its step (Note [Update behind the next forward], optim/hybrid_adam.h) may
+//    left running behind its step (Note [Update behind the next forward], optim/deferred_updates.h) may
 //    still write a chunk then: ops on the thread that ran the step wait for it (Note [Ops outside the
 //    scopes], hooks/interceptor.h); other threads, and reads that are no op (data_ptr()), call the
 //    optimizer's synchronize() first. With sharded parameters (N > 1) a chunk another rank owns has no

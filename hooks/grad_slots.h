@@ -20,7 +20,7 @@
 // clear_grad_slots(). Gradient accumulation over micro-batches needs the values between backward
 // passes, so it keeps separate fp32 gradient memory (HybridAdamOptions::accumulate_grads), into which
 // the optimizer empties the slots chunk by chunk during backward and gives the values back
-// (Note [Accumulation per chunk], optim/hybrid_adam.h).
+// (Note [Accumulation per chunk], optim/slot_accumulation.h).
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>

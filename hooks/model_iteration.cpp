@@ -311,7 +311,7 @@ void ChunkedModel::post_use(int64_t param) {
   if (phase == ModelPhase::kIdle) return;  // pre_use checked it only
   const bool backward = phase == ModelPhase::kBackward;
   scheduler_->post_use(param, backward ? TensorState::kHoldAfterBwd : TensorState::kHoldAfterFwd);
-  // Note [A chunk final before its last use] (optim/hybrid_adam.cpp).
+  // Note [A chunk final before its last use] (optim/chunk_finality.h).
   if (backward && grad_sink_) grad_sink_->used_in_backward(param);
 }
 

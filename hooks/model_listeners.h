@@ -43,7 +43,7 @@ class GradSink {
   // may repack the chunks): work the sink started on the chunks during backward must be done on return.
   virtual void backward_finished(bool /*aborted*/) {}
   // Updates the sink left running on parameter chunks when its step returned (Note [Update behind the
-  // next forward], optim/hybrid_adam.h). await_param(p) returns once p's chunk holds its new values,
+  // next forward], optim/deferred_updates.h). await_param(p) returns once p's chunk holds its new values,
   // await_params() once every chunk does; either rethrows an error such an update threw. The model
   // calls await_param before every use of a parameter, and await_params before anything else reads,
   // writes or moves the parameters (param_values, state_dict, load_state_dict, materialize, the end of

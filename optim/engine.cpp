@@ -314,7 +314,7 @@ void Engine::trainable_changed() {
   pipeline_.forget();
 }
 
-// Note [Writes to parameters] (hooks/chunked_model.h). Every slot holds its value here. A replacement
+// Note [Writes to parameters] (hooks/write_watch.h). Every slot holds its value here. A replacement
 // is taken whole, at its own precision; an in-place write where the slot differs from the master
 // rounded to the compute dtype (in fp32, everywhere: the slot is the master's copy). Another rank's
 // chunk (sharded state): its owner takes the write, and the values come from it after the step.

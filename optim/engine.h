@@ -102,7 +102,7 @@ class Engine final : private GradSink, private LayoutListener {
   void backward_finished(bool aborted) override;
   void await_param(int64_t param) override;
   void await_params() override { deferred_.settle(); }
-  // Note [Writes to parameters] (hooks/chunked_model.h): the masters take what the user wrote.
+  // Note [Writes to parameters] (hooks/write_watch.h): the masters take what the user wrote.
   void values_written(const std::vector<WrittenParam>& written) override;
   // A parameter was frozen or unfrozen: the next backward_step() counts the landings anew (unpipelined
   // once, as the first one is) instead of expecting the old ones.

@@ -20,7 +20,7 @@
 // State: per layout chunk of the model, a group of three fp32 chunks mirroring it (master params,
 // exp_avg and exp_avg_sq), living together on the device or the host (optim/state_placement.h). Gradients
 // cost no memory of their own: each lands in its parameter's slot of the parameter chunk once autograd
-// has accumulated it (Note [Gradient in the parameter slot], hooks/chunked_model.h), travels with that
+// has accumulated it (Note [Gradient in the parameter slot], hooks/grad_slots.h), travels with that
 // chunk, is read there by the update, which writes the new compute-dtype value into the same place.
 // Bytes per parameter, host and device together: compute copy 2 (bf16/fp16) or 4 (fp32) + 12 of state,
 // plus packing waste. With accumulate_grads (micro-batches), a fourth fp32 chunk per layout chunk
