@@ -24,12 +24,12 @@ namespace ferry {
 
 class Device {
  public:
-  virtual ~Device() = default;
-  // "cuda" or "simulated" (Config's names of the kinds), for messages.
-  virtual const char* name() const = 0;
   // The torch device of device-tier payloads as a copy engine made now would use it: cuda:N (the
   // current CUDA device; a rank binds its own first, bind_local_rank) or cpu (the simulated device).
   virtual c10::Device torch_device() const = 0;
+  // "cuda" or "simulated" (Config's names of the kinds), for messages.
+  virtual const char* name() const = 0;
+  virtual ~Device() = default;
   // A copy engine on this device; each ChunkStore makes its own (CopyEngine is not thread-safe). The
   // engine says whether host payloads should be page-locked (CopyEngine::pinned_host: CUDA's do, the
   // simulated device's do not), so that an engine a test injects answers for itself.

@@ -101,3 +101,11 @@ function(ferry_add_test name)
       "ASAN_OPTIONS=detect_leaks=0:protect_shadow_gap=0;UBSAN_OPTIONS=print_stacktrace=1")
   endif()
 endfunction()
+
+# ferry_add_tests(name...): ferry_add_test(name SOURCES name.cpp) for each: the one-file tests of a
+# folder, labelled cpu.
+function(ferry_add_tests)
+  foreach(name IN LISTS ARGN)
+    ferry_add_test(${name} SOURCES ${name}.cpp)
+  endforeach()
+endfunction()

@@ -10,6 +10,9 @@
 
 namespace ferry {
 
+MomentBudget::MomentBudget(DeviceBudget budget, int64_t store_budget_bytes)
+    : budget_(budget), store_budget_(store_budget_bytes) {}
+
 int64_t MomentBudget::chunk_budget(const ChunkStore& store) const {
   if (budget_.budget_bytes == 0) return 0;
   // The budget covers every store charging the device accountant: the parameter chunks get what the

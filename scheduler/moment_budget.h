@@ -28,8 +28,7 @@ namespace ferry {
 class MomentBudget {
  public:
   // `store_budget_bytes`: the budget the parameter store has now.
-  MomentBudget(DeviceBudget budget, int64_t store_budget_bytes)
-      : budget_(budget), store_budget_(store_budget_bytes) {}
+  MomentBudget(DeviceBudget budget, int64_t store_budget_bytes);
 
   const DeviceBudget& device_budget() const { return budget_; }
   // The device budget minus the other stores' device bytes, at least 1 (0: no limit).

@@ -54,6 +54,13 @@ inline size_t occurrences(const std::string& text, const std::string& what) {
 }  // namespace ferry::test
 
 // First statement of every `gpu`-labelled test: skips (reported as skipped, not passed) without a GPU.
+// The error `stmt` throws (a c10::Error) names `text`; the message is shown when it does not.
+#define EXPECT_ERROR_HAS(stmt, text)                                                           \
+  do {                                                                                         \
+    const std::string msg_ = ::ferry::test::error_of([&] { stmt; });                           \
+    EXPECT_NE(msg_.find(text), std::string::npos) << "message: " << msg_;                      \
+  } while (0)
+
 #define FERRY_REQUIRE_GPU()                                                   \
   do {                                                                        \
     if (!::ferry::cuda_available()) GTEST_SKIP() << "no CUDA device present"; \

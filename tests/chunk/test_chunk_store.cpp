@@ -27,12 +27,6 @@ ChunkStoreOptions simulated(int64_t device_budget = 0, int64_t host_budget = 0) 
 
 using test::error_of;
 
-#define EXPECT_ERROR_HAS(stmt, text)                                      \
-  do {                                                                    \
-    const std::string msg_ = error_of([&] { stmt; });                     \
-    EXPECT_NE(msg_.find(text), std::string::npos) << "message: " << msg_; \
-  } while (0)
-
 TEST(ChunkStore, BindKeepsIdentityAndAliasesChunkMemory) {
   ChunkStore store(simulated());
   torch::manual_seed(0);

@@ -21,12 +21,6 @@ namespace {
 
 using test::error_of;
 
-#define EXPECT_ERROR_HAS(stmt, text)                                      \
-  do {                                                                    \
-    const std::string msg_ = error_of([&] { stmt; });                     \
-    EXPECT_NE(msg_.find(text), std::string::npos) << "message: " << msg_; \
-  } while (0)
-
 TEST(SimulatedCopyEngine, DescribesItsDevice) {
   const auto engine = make_simulated_copy_engine();
   ASSERT_NE(engine, nullptr);

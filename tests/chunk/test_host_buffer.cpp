@@ -16,12 +16,6 @@ namespace {
 
 using test::error_of;
 
-#define EXPECT_ERROR_HAS(stmt, text)                                      \
-  do {                                                                    \
-    const std::string msg_ = error_of([&] { stmt; });                     \
-    EXPECT_NE(msg_.find(text), std::string::npos) << "message: " << msg_; \
-  } while (0)
-
 void expect_stats(const HostBufferPool& pool, int64_t in_use, int64_t cached, int64_t peak, int64_t allocations,
                   int64_t reuses) {
   const HostBufferStats s = pool.stats();

@@ -30,12 +30,6 @@ namespace {
 
 using test::error_of;
 
-#define EXPECT_ERROR_HAS(stmt, text)                                      \
-  do {                                                                    \
-    const std::string msg_ = error_of([&] { stmt; });                     \
-    EXPECT_NE(msg_.find(text), std::string::npos) << "message: " << msg_; \
-  } while (0)
-
 // ---- a small strict JSON parser (objects keep their members' order)
 struct Json {
   enum class Kind { kNull, kBool, kNumber, kString, kArray, kObject };
@@ -91,45 +85,34 @@ class JsonParser {
     if (peek() != c) fail(std::string("expected '") + c + "'");
     ++i_;
   }
+  // After an opening bracket: item() for each comma-separated item until `close` (none: empty).
+  template <class Item>
+  void items_until(char close, Item item) {
+    ++i_;
+    if (peek() == close) {
+      ++i_;
+      return;
+    }
+    for (item(); peek() == ','; item()) ++i_;
+    expect(close);
+  }
   Json value() {
     const char c = peek();
     Json v;
     if (c == '{') {
       v.kind = Json::Kind::kObject;
-      ++i_;
-      if (peek() == '}') {
-        ++i_;
-        return v;
-      }
-      while (true) {
+      items_until('}', [&] {
         if (peek() != '"') fail("expected a key");
         std::string key = string();
         expect(':');
         v.members.emplace_back(std::move(key), value());
-        if (peek() == ',') {
-          ++i_;
-          continue;
-        }
-        expect('}');
-        return v;
-      }
+      });
+      return v;
     }
     if (c == '[') {
       v.kind = Json::Kind::kArray;
-      ++i_;
-      if (peek() == ']') {
-        ++i_;
-        return v;
-      }
-      while (true) {
-        v.items.push_back(value());
-        if (peek() == ',') {
-          ++i_;
-          continue;
-        }
-        expect(']');
-        return v;
-      }
+      items_until(']', [&] { v.items.push_back(value()); });
+      return v;
     }
     if (c == '"') {
       v.kind = Json::Kind::kString;
@@ -276,21 +259,12 @@ const std::map<std::string, std::string>& metadata() {
   return m;
 }
 
-const char* dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "F32";
-    case at::kDouble: return "F64";
-    case at::kBFloat16: return "BF16";
-    case at::kHalf: return "F16";
-    case at::kChar: return "I8";
-    case at::kShort: return "I16";
-    case at::kInt: return "I32";
-    case at::kLong: return "I64";
-    case at::kByte: return "U8";
-    case at::kBool: return "BOOL";
-    default: return "?";
-  }
-}
+// The format's dtype names (https://huggingface.co/docs/safetensors), as the spec lists them.
+const std::map<at::ScalarType, std::string> kSpecDtype = {
+    {at::kFloat, "F32"}, {at::kDouble, "F64"}, {at::kBFloat16, "BF16"}, {at::kHalf, "F16"},
+    {at::kChar, "I8"},   {at::kShort, "I16"},  {at::kInt, "I32"},       {at::kLong, "I64"},
+    {at::kByte, "U8"},   {at::kBool, "BOOL"},
+};
 
 TEST(Safetensors, TheFileIsTheFormatByteForByte) {
   const std::string dir = temp_dir();
@@ -319,7 +293,7 @@ TEST(Safetensors, TheFileIsTheFormatByteForByte) {
     ASSERT_LT(i, tensors.size());
     const auto& [want_name, t] = tensors[i++];
     EXPECT_EQ(name, want_name) << "written in the given order";
-    EXPECT_EQ(entry.at("dtype").text, dtype_name(t.scalar_type())) << name;
+    EXPECT_EQ(entry.at("dtype").text, kSpecDtype.at(t.scalar_type())) << name;
     EXPECT_EQ(entry.at("shape").integers(), t.sizes().vec()) << name;
     const std::vector<int64_t> range = entry.at("data_offsets").integers();
     ASSERT_EQ(range.size(), 2u) << name;

@@ -102,15 +102,10 @@ void expect_first_step_matches_torch(HybridAdam& adam, ChunkedModel& model, Tiny
 TEST(HybridAdam, TwentyStepsEqualTorchAdamWWithEvictionsAndSplitState) {
   // The first step against torch::optim::AdamW from the same initial values; every step against the
   // fp64 Adam step from ferry's own state (adam_reference.h: why not 20 steps beside torch).
-  torch::manual_seed(3);
-  TinyLm ref(kVocab, kDim);
-  torch::manual_seed(3);
-  TinyLm net(kVocab, kDim);
+  auto [ref, net] = twins(3);
   auto ref_opt = reference_adamw(ref);
   ChunkedModel model(net.ptr(), sim_config(budget_for(3, 2)));
-  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
-  options.device_state_chunks = 2;
-  HybridAdam adam(model, options);
+  HybridAdam adam(model, split_state(/*accumulate=*/false));
   ASSERT_EQ(adam.num_param_groups(), 2);
   int64_t evictions = 0;
   for (int step = 0; step < 20; ++step) {
@@ -170,10 +165,7 @@ TEST(HybridAdam, TwentyStepsEqualTorchAdamWWithEvictionsAndSplitState) {
 // Adam step with step count 1 (the others' 11). With the group's count for fc0 (the bias corrections of
 // step 11) the update is 0.48 of that: both checks fail.
 TEST(HybridAdam, AParameterFirstUpdatedLateTakesTorchAdamWsFirstStep) {
-  torch::manual_seed(3);
-  TinyLm ref(kVocab, kDim);
-  torch::manual_seed(3);
-  TinyLm net(kVocab, kDim);
+  auto [ref, net] = twins(3);
   auto set_trainable = [](torch::nn::Module& m, bool on) {
     for (auto& p : m.parameters()) p.set_requires_grad(on);
   };
@@ -181,9 +173,7 @@ TEST(HybridAdam, AParameterFirstUpdatedLateTakesTorchAdamWsFirstStep) {
   set_trainable(*net->fc[0], false);
   auto ref_opt = reference_adamw(ref);
   ChunkedModel model(net.ptr(), sim_config(budget_for(3, 2)));
-  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
-  options.device_state_chunks = 2;
-  HybridAdam adam(model, options);
+  HybridAdam adam(model, split_state(/*accumulate=*/false));
   std::vector<int64_t> late;  // fc0's parameters
   for (int64_t p = 0; p < model.num_params(); ++p) {
     if (model.param_name(p).rfind("fc0.", 0) == 0) late.push_back(p);
@@ -354,16 +344,12 @@ TEST(HybridAdam, ClippingMatchesClipGradNorm) {
   // Every step: the norm is the fp64 norm of the landed grads, the coefficient is clip_grad_norm_'s,
   // and the update is the fp64 Adam step with the grads scaled by it. The first step also against
   // torch's clip_grad_norm_ + AdamW from the same initial values.
-  torch::manual_seed(7);
-  TinyLm ref(kVocab, kDim);
-  torch::manual_seed(7);
-  TinyLm net(kVocab, kDim);
+  auto [ref, net] = twins(7);
   auto ref_opt = reference_adamw(ref);
   ChunkedModel model(net.ptr(), sim_config(budget_for(3, 1)));
-  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
-  options.max_grad_norm = 0.05;
-  options.device_state_chunks = 1;
-  HybridAdam adam(model, options);
+  HybridAdam adam(model, HybridAdamOptions::no_decay_for_bias_and_norm(adamw())
+                             .with_max_grad_norm(0.05)
+                             .with_device_state_chunks(1));
   for (int step = 0; step < 5; ++step) {
     const Batch b = batch(step);
     model.backward(forward_loss(model, net, b));

@@ -44,16 +44,13 @@ void run_and_check(DynamicLossScaler& s, const std::vector<Step>& steps) {
   }
 }
 
-LossScalerOptions small_options() {
-  LossScalerOptions o;
-  o.initial_scale = 1024;
-  o.growth_factor = 2;
-  o.backoff_factor = 0.5;
-  o.growth_interval = 3;
-  o.hysteresis = 2;
-  o.min_scale = 256;
-  return o;
+// Options with every field given: initial scale, growth, backoff, growth interval, hysteresis, floor.
+LossScalerOptions options_of(double initial, double growth, double backoff, int64_t interval, int hysteresis,
+                             double min_scale) {
+  return LossScalerOptions{initial, growth, backoff, interval, hysteresis, min_scale};  // the fields in order
 }
+
+LossScalerOptions small_options() { return options_of(1024, 2, 0.5, 3, 2, 256); }
 
 TEST(DynamicLossScaler, StartsAtTheInitialScaleWithFullHysteresis) {
   const DynamicLossScaler d;  // the defaults
@@ -96,14 +93,8 @@ TEST(DynamicLossScaler, FollowsTheHeadersStateMachine) {
 
 // hysteresis 1 backs off at every overflow; growth_interval 1 grows at every clean step.
 TEST(DynamicLossScaler, HysteresisOneAndGrowthIntervalOne) {
-  LossScalerOptions o;
-  o.initial_scale = 8;
-  o.growth_factor = 4;
-  o.backoff_factor = 0.25;
-  o.growth_interval = 1;
-  o.hysteresis = 1;
-  o.min_scale = 1;
-  DynamicLossScaler s(o);
+  DynamicLossScaler s(options_of(/*initial=*/8, /*growth=*/4, /*backoff=*/0.25, /*interval=*/1, /*hysteresis=*/1,
+                                 /*min_scale=*/1));
   run_and_check(s, {
                        {false, 32, 0, 1, 0},
                        {false, 128, 0, 1, 0},

@@ -62,13 +62,11 @@ std::vector<ChunkId> reference_choice(const std::vector<ChunkId>& seq, int64_t p
     if (a.last_use != b.last_use) return a.last_use < b.last_use;
     return a.chunk < b.chunk;
   });
-  std::vector<ChunkId> victims;
-  int64_t freed = 0;
-  for (const auto& c : eligible) {
-    if (freed >= r.bytes_needed) break;
-    victims.push_back(c.chunk);
-    freed += c.bytes;
-  }
+  // The shortest prefix of that order whose bytes reach the need (all of it when none does).
+  size_t take = 0;
+  for (int64_t bytes = 0; take < eligible.size() && bytes < r.bytes_needed; ++take) bytes += eligible[take].bytes;
+  std::vector<ChunkId> victims(take);
+  std::transform(eligible.begin(), eligible.begin() + take, victims.begin(), [](const auto& c) { return c.chunk; });
   return victims;
 }
 
