@@ -1,5 +1,7 @@
 #include "chunk_finality.h"
 
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 
 namespace ferry::optim {
@@ -68,6 +70,9 @@ void ChunkFinality::learn_landings(bool complete) {
 }
 
 int64_t ChunkFinality::expect(int64_t param, int64_t landings) {
+  // A late landing is one a counting backward did not expect: counting needs expectations.
+  TORCH_INTERNAL_ASSERT(param < static_cast<int64_t>(expected_.size()), "an expectation for parameter ", param,
+                        " before any backward set them");
   const int64_t saw = expected_[param];
   expected_[param] = std::max(saw, landings);
   return saw;
