@@ -19,6 +19,7 @@ class SimulatedDevice final : public Device {
     return counts_host_memory ? budget_bytes : 0;
   }
   int64_t allocated_bytes() const override { return -1; }
+  void synchronize() const override {}
   const char* collective_backend() const override { return "gloo"; }
   c10::Device bind_local_rank(int /*local_rank*/, bool /*may_share*/) const override {
     return c10::Device(c10::kCPU);

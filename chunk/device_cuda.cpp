@@ -26,6 +26,7 @@ class CudaDevice final : public Device {
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(c10::cuda::current_device());
     return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
   }
+  void synchronize() const override { c10::cuda::device_synchronize(); }
   const char* collective_backend() const override { return "nccl"; }
   c10::Device bind_local_rank(int local_rank, bool may_share) const override {
     const int count = static_cast<int>(c10::cuda::device_count());

@@ -37,6 +37,14 @@ DeviceKind parse_device(std::string_view text) {
   TORCH_CHECK(false, "ferry config: expected device auto|cuda|simulated, got '", text, "'");
 }
 
+ActivationPolicy parse_activations(std::string_view text) {
+  const std::string s = lower(text);
+  if (s == "recompute") return ActivationPolicy::kRecompute;
+  if (s == "keep") return ActivationPolicy::kKeep;
+  if (s == "auto") return ActivationPolicy::kAuto;
+  TORCH_CHECK(false, "ferry config: expected activations recompute|keep|auto, got '", text, "'");
+}
+
 Precision parse_precision(std::string_view text) {
   const std::string s = lower(text);
   if (s == "fp32" || s == "float32") return Precision::kFp32;
@@ -130,6 +138,15 @@ const char* to_string(DeviceKind kind) {
   return "?";
 }
 
+const char* to_string(ActivationPolicy policy) {
+  switch (policy) {
+    case ActivationPolicy::kRecompute: return "recompute";
+    case ActivationPolicy::kKeep: return "keep";
+    case ActivationPolicy::kAuto: return "auto";
+  }
+  return "?";
+}
+
 const char* to_string(Precision precision) {
   switch (precision) {
     case Precision::kFp32: return "fp32";
@@ -155,6 +172,7 @@ void Config::set(std::string_view key, std::string_view value) {
   const std::string k = lower(key);
   if (k == "device") device = parse_device(value);
   else if (k == "precision") precision = parse_precision(value);
+  else if (k == "activations") activations = parse_activations(value);
   else if (k == "chunk-size" || k == "chunk_size") chunk_size_bytes = value == "auto" ? 0 : parse_bytes(value);
   else if (k == "device-budget" || k == "device_budget") device_budget_bytes = parse_bytes(value);
   else if (k == "device-capacity" || k == "device_capacity") device_capacity_bytes = parse_bytes(value);
@@ -258,7 +276,7 @@ void Config::validate() const {
 
 std::string Config::to_string() const {
   std::ostringstream os;
-  os << "device=" << ferry::to_string(device) << " precision=" << ferry::to_string(precision)
+  os << "device=" << ferry::to_string(device) << " precision=" << ferry::to_string(precision) << " activations=" << ferry::to_string(activations)
      << " chunk-size=" << (chunk_size_bytes ? format_bytes(chunk_size_bytes) : "auto")
      << " device-budget=" << (device_budget_bytes ? format_bytes(device_budget_bytes) : "unlimited")
      << " device-capacity=" << (device_capacity_bytes ? format_bytes(device_capacity_bytes) : "auto")
@@ -275,6 +293,8 @@ std::string Config::to_string() const {
 std::string Config::help() {
   return "  --device=auto|cuda|simulated   where device chunks live (default auto)\n"
          "  --precision=fp32|bf16|fp16     compute dtype of parameters (default fp32)\n"
+         "  --activations=recompute|keep|auto   ferry::checkpoint segments: recompute in backward (default),\n"
+         "                                 keep, or auto: planned after the warm-up within the device's room\n"
          "  --chunk-size=SIZE|auto         bytes per chunk, e.g. 64MiB (default auto: least packing waste)\n"
          "  --device-budget=SIZE           device bytes for chunks (parameters + optimizer state), 0 = no limit\n"
          "  --device-capacity=SIZE         device memory for chunks + activations, 0 = 90% of the GPU's\n"

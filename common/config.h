@@ -26,9 +26,16 @@ enum class DeviceKind {
 // dtype of the compute copy of parameters.
 enum class Precision { kFp32, kBf16, kFp16 };
 
+// What ferry::checkpoint segments do with their activations (hooks/activation_segments.h): recompute
+// them in backward (every segment, as torch.utils.checkpoint), keep them (as if not checkpointed), or
+// auto: measured in the warm-up and planned against the device's room together with the optimizer
+// state's placement (scheduler/memory_plan.h).
+enum class ActivationPolicy { kRecompute, kKeep, kAuto };
+
 struct Config {
   DeviceKind device = DeviceKind::kAuto;
   Precision precision = Precision::kFp32;
+  ActivationPolicy activations = ActivationPolicy::kRecompute;
   // Bytes per chunk of the compute copy; 0 (the default, "auto" on the command line): the size with
   // the least packing waste for the model (auto_chunk_size in chunk/layout.h).
   int64_t chunk_size_bytes = 0;
@@ -90,5 +97,6 @@ std::string format_bytes(int64_t bytes);
 log::Level parse_log_level(std::string_view text);
 const char* to_string(DeviceKind kind);
 const char* to_string(Precision precision);
+const char* to_string(ActivationPolicy policy);
 
 }  // namespace ferry

@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "../common/logging.h"
+#include "activation_segments.h"
 #include "param_use_recorder.h"
 
 namespace ferry {
@@ -139,6 +140,9 @@ struct FnHolder : torch::CustomClassHolder {
   // inputs: autograd takes no undefined tensor there) sit at `positions`.
   size_t arity = 0;
   std::vector<size_t> positions;
+  // The segment as the model's memory plan numbers it (hooks/activation_segments.h): its recompute is
+  // measured when the ticket says so.
+  ActivationSegments::Ticket ticket;
 };
 
 // Note [Checkpoint parameters as inputs]
@@ -246,7 +250,11 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       at::AutoGradMode grad_on(true);
       std::vector<at::Tensor> call(holder->arity);  // undefined where the caller gave undefined
       for (size_t k = 0; k < inputs.size(); ++k) call[holder->positions[k]] = inputs[k];
-      recomputed = holder->fn(call);
+      const ActivationSegments::Inside inside;
+      const ActivationSegments::Ticket& ticket = holder->ticket;
+      recomputed = ticket.segments != nullptr
+                       ? ticket.segments->run_measured(ticket.measure, ticket.index, [&] { return holder->fn(call); })
+                       : holder->fn(call);
     }
     const uint64_t end = at::sequence_number::peek();
     const auto num_outputs = static_cast<size_t>(ctx->saved_data["num_outputs"].toInt());
@@ -346,7 +354,15 @@ void ParamUseRecorder::add(const at::Tensor& param) {
 std::vector<at::Tensor> checkpoint(CheckpointFns fn, const std::vector<at::Tensor>& inputs) {
   TORCH_CHECK(fn, "ferry: checkpoint needs a function");
   if (!at::GradMode::is_enabled()) return fn(inputs);
+  int64_t input_numel = 0;
+  for (const at::Tensor& t : inputs) input_numel += t.defined() ? t.numel() : 0;
+  const ActivationSegments::Ticket ticket = ActivationSegments::ticket(input_numel);
+  if (ticket.keep) {  // the memory plan keeps this segment's activations: it runs as if not checkpointed
+    const ActivationSegments::Inside inside;
+    return fn(inputs);
+  }
   auto holder = c10::make_intrusive<FnHolder>(std::move(fn));
+  holder->ticket = ticket;
   holder->context = ForwardContext::capture(inputs);
   holder->arity = inputs.size();
   std::vector<at::Tensor> present;  // the defined inputs: the Function's own
@@ -359,6 +375,7 @@ std::vector<at::Tensor> checkpoint(CheckpointFns fn, const std::vector<at::Tenso
   {
     const ParamUseRecorder recorder;
     at::NoGradGuard no_grad;
+    const ActivationSegments::Inside inside;
     holder->outs = holder->fn(inputs);
     for (const auto& p : recorder.params()) {
       if (p.requires_grad()) params.push_back(p);

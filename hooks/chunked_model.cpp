@@ -58,6 +58,19 @@ ParamChunksOptions chunk_options(const Config& config, const ChunkedModelOptions
   return o;
 }
 
+// How a segment's recompute is measured (ActivationSegments::Probe): the device's allocated bytes, or
+// on the simulated device (which cannot tell) the process heap in use, where its CPU tensors live;
+// the device synchronised around it, so that its time is the device's.
+ActivationSegments::Probe segment_probe(const std::shared_ptr<const Device>& device) {
+  ActivationSegments::Probe p;
+  p.allocated_bytes = [device] {
+    const int64_t bytes = device->allocated_bytes();
+    return bytes >= 0 ? bytes : host_heap_in_use_bytes();
+  };
+  p.synchronize = [device] { device->synchronize(); };
+  return p;
+}
+
 }  // namespace
 
 ChunkedModel::ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Config& config,
@@ -69,7 +82,8 @@ ChunkedModel::ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Conf
       table_(*module_, dtype_of(config_.precision)),
       chunks_(table_, this, device_, dtype_of(config_.precision), chunk_options(config_, options_)),
       slots_(table_.size()),
-      timer_([this] { return chunks_.store().make_mark(); }) {  // the device never changes (a repack keeps it)
+      timer_([this] { return chunks_.store().make_mark(); }),  // the device never changes (a repack keeps it)
+      activations_(config_.activations, segment_probe(device_)) {
   watch_.remember(table_.params());  // Note [Writes to parameters]: as bound
   const c10::Device device = chunks_.store().device();
   for (auto& b : module_->buffers(/*recurse=*/true)) {

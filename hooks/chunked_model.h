@@ -83,6 +83,7 @@
 #include "../common/event_trace.h"
 #include "../common/safetensors.h"
 #include "../scheduler/scheduler.h"
+#include "activation_segments.h"
 #include "forward_outputs.h"
 #include "grad_slots.h"
 #include "interceptor.h"
@@ -134,6 +135,7 @@ class ChunkedModel final : private UseListener {
     begin_forward();
     try {
       InterceptionScope scope;
+      ActivationSegments::Scope segments(&activations_);  // ferry::checkpoint asks it what to do
       auto out = fn();
       outputs_.note(out);  // Note [Several forwards]
       end_forward();
@@ -266,6 +268,9 @@ class ChunkedModel final : private UseListener {
   // stream"). Between iterations; blocks until the work has run. A no-op when not recording.
   void trace_last_phases() const;
   ModelPhase phase() const { return phase_.load(); }
+  // The ferry::checkpoint segments of the last forward, their measured costs and the plan that applies
+  // (Config::activations; hooks/activation_segments.h).
+  const ActivationSegments& activations() const { return activations_; }
   // Note [Writes to parameters]: takes in what was written into the parameters since ferry last looked
   // (`where` names the caller in messages). ChunkedModel calls it before forward(), at its end, before
   // backward(), state_dict(), load_state_dict(), materialize() and attach_state(); HybridAdam before
@@ -302,6 +307,10 @@ class ChunkedModel final : private UseListener {
   // The warm-up's repack, when the scheduler wants it and no view outside ferry holds chunk memory
   // (Note [A repack waits for held views]), then the scheduler's and the listener's relayout.
   void repack_if_wanted();
+  // activations=auto: after an iteration that measured every segment, once the optimizer state is
+  // placed (an iteration after the warm-up), plans which segments keep their activations within the
+  // room the device has left, and re-traces when that changes what backward does (chunked_model.cpp).
+  void plan_activations_if_wanted();
   // Autograd accumulated `param`'s gradient into `variable`'s .grad: hands it to the sink (GradLandingHook).
   friend struct GradLandingHook;
   void land_grad(int64_t param, const at::Tensor& variable);
@@ -323,6 +332,7 @@ class ChunkedModel final : private UseListener {
   GradSlots slots_;        // Note [Gradient in the parameter slot]
   PhaseTimer timer_;       // last_phase_seconds()
   ForwardOutputs outputs_; // Note [Several forwards]
+  ActivationSegments activations_;  // Config::activations: the checkpoint segments and their plan
   std::unique_ptr<Scheduler> scheduler_;
   double loss_scale_ = 1.0;
   GradSink* grad_sink_ = nullptr;

@@ -102,6 +102,7 @@ void ChunkedModel::begin_forward() {
   if (continued) return;  // Note [Several forwards]: the same iteration, its forward marked from its start
   outputs_.clear();
   scheduler_->begin_iteration();
+  activations_.begin_forward();
   in_iteration_ = true;
   training_forward_ = false;
   timer_.forward_begins();
@@ -209,6 +210,7 @@ void ChunkedModel::finish_iteration(bool aborted, bool forward_only) {
     release_initial_values();
   }
   if (!aborted) repack_if_wanted();
+  if (!aborted && !forward_only) plan_activations_if_wanted();
   if (update_error && !thrown) std::rethrow_exception(update_error);
 }
 

@@ -245,6 +245,11 @@ int64_t Scheduler::non_model_peak() const {
   return trace_.trace() ? trace_non_model_peak_locked() : -1;
 }
 
+void Scheduler::retrace() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  trace_.retrace();
+}
+
 bool Scheduler::following_trace() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return trace_.following();

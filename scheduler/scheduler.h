@@ -106,6 +106,9 @@ class Scheduler {
   int64_t device_room_bytes() const;
 
   bool following_trace() const;
+  // The caller changed what iterations do (which segments recompute, hence which uses backward makes
+  // and the non-model memory at each moment): the next iteration records a new trace. Between iterations.
+  void retrace();
   std::shared_ptr<const AccessTrace> trace() const;
   IterationStats last_iteration() const;
   int64_t iterations() const;

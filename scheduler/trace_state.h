@@ -48,6 +48,10 @@ class TraceState {
   // The warm-up just ended: the layout should be repacked (once); repacked() clears it.
   bool repack_wanted() const { return repack_wanted_; }
   void repacked() { repack_wanted_ = false; }
+  // The caller changed what an iteration does (an activation plan): the next one records a new trace.
+  void retrace() {
+    if (trace_) retrace_next_ = true;
+  }
   // Iterations ended so far.
   int64_t iterations() const { return iteration_; }
 

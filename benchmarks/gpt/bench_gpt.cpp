@@ -179,6 +179,7 @@ struct FerryResult {
   double written_back_chunks = 0;  // accumulation: chunks whose new values a copy wrote after the update
   double deferred_chunks = 0;      // host updates left running behind the step (Note [Update behind the next forward])
   double host_state_params = 0;  // parameters whose optimizer state is on the host (host Adam)
+  std::string plan_json;         // Config::activations and the activation plan that applied at the end
   // Data parallelism (world size > 1), per measured step: bytes this rank sent as the ring algorithm
   // sends them (dist::CommStats), collectives, time in them; the parameter chunks' bytes.
   double ring_bytes = 0, collectives = 0, comm_s = 0, param_chunk_bytes = 0;
@@ -186,6 +187,31 @@ struct FerryResult {
   // step, and the largest seen at the end of a measured forward or backward. Group gathers per step.
   double param_bytes_between_steps = 0, param_bytes_peak = 0, gathers = 0;
 };
+
+// The activation plan as bench_gpt's JSON reports it beside the measured step ("plan").
+std::string plan_json(const ferry::ActivationSegments& a) {
+  std::ostringstream os;
+  os.precision(6);
+  const ferry::MemoryPlan& p = a.plan();
+  const ferry::MemoryPlanInput& in = a.plan_input();
+  os << "{\"policy\": \"" << ferry::to_string(a.policy()) << "\", \"segments\": " << a.count()
+     << ", \"plans\": " << a.plans() << ", \"replans\": " << a.replans();
+  if (a.plans() > 0) {
+    int64_t measured_bytes = 0;
+    double recompute = 0;
+    for (const auto& s : in.segments) {
+      measured_bytes += std::max<int64_t>(s.saved_bytes, 0);
+      recompute += s.recompute_s;
+    }
+    os << ", \"solver\": \"" << p.solver() << "\", \"kept\": " << p.kept() << ", \"kept_bytes\": " << p.kept_bytes
+       << ", \"all_segments_bytes\": " << measured_bytes << ", \"room_bytes\": " << in.room_bytes
+       << ", \"recompute_measured_s\": " << recompute << ", \"recompute_left_s\": " << p.recompute_s
+       << ", \"groups_on_device\": " << p.groups_on_device << ", \"forward_measured_s\": " << in.forward_s
+       << ", \"backward_measured_s\": " << in.backward_s << ", \"predicted_step_s\": " << p.predicted_step_s;
+  }
+  os << "}";
+  return os.str();
+}
 
 ferry::MoveStats sum_moves(const ferry::MoveStats& x, const ferry::MoveStats& y) {
   ferry::MoveStats m;
@@ -445,6 +471,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   r.state_host = static_cast<double>(ss.host.current_bytes);
   r.host_state_params = static_cast<double>(ss.host.current_bytes) / (4.0 * adam.num_state_roles());
   r.device_state_chunks = adam.device_state_chunks();
+  r.plan_json = plan_json(model.activations());
   return r;
 }
 
@@ -708,6 +735,7 @@ int run(int argc, char** argv) {
       << config.chunk_size_bytes << ", \"device_budget_bytes\": " << config.device_budget_bytes
       << ", \"host_budget_bytes\": " << config.host_budget_bytes << ", \"batch\": " << a.batch << ", \"seq\": " << a.seq
       << ", \"steps\": " << a.steps << ", \"checkpoint_activations\": " << (a.checkpoint ? "true" : "false")
+      << ", \"activations\": \"" << ferry::to_string(config.activations) << "\""
       << ", \"trace\": \"" << a.trace << "\", \"step\": \"" << (a.unpipelined ? "unpipelined" : "pipelined")
       << "\", \"max_grad_norm\": " << a.max_grad_norm << ", \"micro_batches\": " << a.micro_batches
       << ", \"update_behind_forward\": " << (behind_forward_option(a, world) ? "true" : "false")
@@ -798,7 +826,7 @@ int run(int argc, char** argv) {
       << ", \"d2h_bytes_per_step\": " << f.d2h_bytes << ", \"overlapped_chunks_per_step\": " << f.overlapped_chunks
       << ", \"written_back_chunks_per_step\": " << f.written_back_chunks
       << ", \"deferred_chunks_per_step\": " << f.deferred_chunks
-      << ", \"host_state_params\": " << f.host_state_params << "}";
+      << ", \"host_state_params\": " << f.host_state_params << ",\n    \"plan\": " << f.plan_json << "}";
   if (comm) {
     // The floor of data parallelism: each parameter byte all-gathered and reduce-scattered once per step.
     const double elem = config.precision == ferry::Precision::kFp32 ? 4 : 2;

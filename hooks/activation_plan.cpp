@@ -1,0 +1,44 @@
+// ChunkedModel's activation plan (Config::activations = auto): when and from what it is made.
+#include <algorithm>
+
+#include "../common/logging.h"
+#include "chunked_model.h"
+
+namespace ferry {
+
+// Note [When the activation plan is made]
+// The plan needs every segment measured (a forward and backward under auto recomputes and measures
+// each one) and the device's room as the rest of the step will leave it: the parameter chunks, the
+// optimizer state the optimizer placed on the device, and the non-model memory the trace saw with every
+// segment recomputed. HybridAdam places its state at the first step after the warm-up (optim/
+// state_placement.h), so the plan waits for one iteration past the warm-up; a model without an
+// optimizer attached plans at the end of its warm-up. The kept segments then take the room the state
+// left: the state is placed first (its placement also weighs the host Adam it saves), the activations
+// fill what remains. A changed plan changes the uses backward makes (a kept segment is not recomputed)
+// and the non-model memory at each moment, so the scheduler records the next iteration as a new trace.
+void ChunkedModel::plan_activations_if_wanted() {
+  if (!activations_.plan_wanted() || !layout_final()) return;
+  const int64_t after_warmup = options_.scheduler.warmup_iterations + (grad_sink_ != nullptr ? 1 : 0);
+  if (scheduler_->iterations() < after_warmup) return;
+
+  MemoryPlanInput input;
+  input.segments = activations_.costs();
+  const PhaseSeconds phases = last_phase_seconds();
+  input.forward_s = std::max(phases.forward, 0.0);
+  double recompute = 0;
+  for (const SegmentCost& s : input.segments) recompute += s.saved_bytes >= 0 ? s.recompute_s : 0.0;
+  input.backward_s = std::max(phases.backward, recompute);
+  const int64_t capacity = options_.scheduler.device_capacity_bytes;
+  if (capacity > 0) {
+    const int64_t budget = options_.scheduler.device_budget_bytes;
+    const int64_t params = layout().num_chunks() * chunk_size_bytes();
+    int64_t chunks = params + scheduler_->other_device_bytes();
+    if (budget > 0) chunks = std::min(chunks, budget);
+    input.room_bytes = std::max<int64_t>(0, capacity - std::max<int64_t>(scheduler_->non_model_peak(), 0) - chunks);
+  }
+  const MemoryPlan plan = plan_memory(input);
+  if (activations_.apply(plan, input)) scheduler_->retrace();
+  log::info("ferry: ", activations_.table());
+}
+
+}  // namespace ferry
