@@ -1,5 +1,6 @@
 // ChunkedModel's activation plan (Config::activations = auto): when and from what it is made.
 #include <algorithm>
+#include <string>
 
 #include "../common/logging.h"
 #include "chunked_model.h"
@@ -18,6 +19,15 @@ namespace ferry {
 // and the non-model memory at each moment, so the scheduler records the next iteration as a new trace.
 void ChunkedModel::plan_activations_if_wanted() {
   if (!activations_.plan_wanted() || !layout_final()) return;
+  if (config_.world_size > 1) {
+    // Each rank would plan from its own measurements, and ranks whose backwards differ (one recomputes
+    // a segment another keeps) issue their groups' collectives in different orders. Until the plan is
+    // agreed across ranks, auto recomputes every segment there.
+    log::warn_once("activations-auto-dist", "ferry: activations=auto plans on one process only for now; with " +
+                                                std::to_string(config_.world_size) +
+                                                " ranks every segment is recomputed (as activations=recompute)");
+    return;
+  }
   const int64_t after_warmup = options_.scheduler.warmup_iterations + (grad_sink_ != nullptr ? 1 : 0);
   if (scheduler_->iterations() < after_warmup) return;
 
