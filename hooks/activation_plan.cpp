@@ -2,6 +2,8 @@
 #include <algorithm>
 #include <string>
 
+#include <c10/util/Exception.h>
+
 #include "../common/logging.h"
 #include "chunked_model.h"
 
@@ -12,10 +14,11 @@ namespace ferry {
 // each one) and the device's room as the rest of the step will leave it: the parameter chunks, the
 // optimizer state the optimizer placed on the device, and the non-model memory the trace saw with every
 // segment recomputed. HybridAdam places its state at the first step after the warm-up (optim/
-// state_placement.h), so the plan waits for one iteration past the warm-up; a model without an
-// optimizer attached plans at the end of its warm-up. The kept segments then take the room the state
-// left: the state is placed first (its placement also weighs the host Adam it saves), the activations
-// fill what remains. A changed plan changes the uses backward makes (a kept segment is not recomputed)
+// state_placement.h): under its default policy it makes the plan there, jointly with the state's
+// placement (Note [The joint placement], optim/engine.cpp), and nothing is left to do here. Otherwise
+// (a fixed count of device groups, sharded parameters) the plan waits for one iteration past the
+// warm-up and the kept segments take the room the state left; a model without an optimizer attached
+// plans at the end of its warm-up. A changed plan changes the uses backward makes (a kept segment is not recomputed)
 // and the non-model memory at each moment, so the scheduler records the next iteration as a new trace.
 void ChunkedModel::plan_activations_if_wanted() {
   if (!activations_.plan_wanted() || !layout_final()) return;
@@ -46,7 +49,12 @@ void ChunkedModel::plan_activations_if_wanted() {
     if (budget > 0) chunks = std::min(chunks, budget);
     input.room_bytes = std::max<int64_t>(0, capacity - std::max<int64_t>(scheduler_->non_model_peak(), 0) - chunks);
   }
-  const MemoryPlan plan = plan_memory(input);
+  apply_activation_plan(plan_memory(input), input);
+}
+
+void ChunkedModel::apply_activation_plan(const MemoryPlan& plan, const MemoryPlanInput& input) {
+  TORCH_CHECK(phase_.load() == ModelPhase::kIdle, "ferry: an activation plan applies between iterations; the model is in ",
+              to_string(phase_.load()));
   if (activations_.apply(plan, input)) scheduler_->retrace();
   log::info("ferry: ", activations_.table());
 }

@@ -271,6 +271,12 @@ class ChunkedModel final : private UseListener {
   // The ferry::checkpoint segments of the last forward, their measured costs and the plan that applies
   // (Config::activations; hooks/activation_segments.h).
   const ActivationSegments& activations() const { return activations_; }
+  // Applies an activation plan made from activations().costs() (activations=auto; HybridAdam's joint
+  // placement makes one, scheduler/joint_placement.h): the next iteration runs it and records a new
+  // trace if it changes what backward does. Logs the plan's table. Between iterations.
+  void apply_activation_plan(const MemoryPlan& plan, const MemoryPlanInput& input);
+  // The device object the chunks live on (chunk/device.h).
+  const Device& device_object() const { return *device_; }
   // Note [Writes to parameters]: takes in what was written into the parameters since ferry last looked
   // (`where` names the caller in messages). ChunkedModel calls it before forward(), at its end, before
   // backward(), state_dict(), load_state_dict(), materialize() and attach_state(); HybridAdam before

@@ -4,6 +4,7 @@
 #include <ATen/ops/where.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <utility>
@@ -11,6 +12,8 @@
 #include "../common/event_trace.h"
 #include "../common/logging.h"
 #include "../hooks/interceptor.h"
+#include "../scheduler/joint_placement.h"
+#include "rate_probe.h"
 
 namespace ferry::optim {
 namespace {
@@ -197,9 +200,44 @@ void Engine::sync_layout_locked() const {
                         "the model");
 }
 
+// Note [The joint placement]
+// Under activations=auto (D75) the state is placed at the first step after the warm-up, whose backward
+// recomputed and measured every checkpoint segment: the memory plan (scheduler/memory_plan.h) then
+// decides, in one solve, how many state groups go to the device and which segments keep their
+// activations in the room left after every parameter chunk, weighing the host updates the device state
+// saves (at rates measured here, optim/rate_probe.h) against the recompute the kept activations save;
+// the model applies the segments' half and re-traces. With a fixed count of device groups
+// (device_state_chunks), sharded parameters, or before the segments were measured, the state is placed
+// by the policy as before, and the model plans its activations in the room the state left
+// (Note [When the activation plan is made]).
 void Engine::place_locked() {
-  placement_.place(model(), *policy_, ownership_, /*params_travel=*/!options_.accumulate_grads,
-                   /*remote_params=*/sharded_.param_shards() != nullptr);
+  ChunkedModel& m = model();
+  const bool params_travel = !options_.accumulate_grads, remote_params = sharded_.param_shards() != nullptr;
+  // Note [The joint placement]: under activations=auto, with the default policy, the state's place and
+  // the segments' activations are decided together once the warm-up measured every segment.
+  const bool joint = m.activations().policy() == ActivationPolicy::kAuto && options_.device_state_chunks < 0 &&
+                     !remote_params && m.activations().plan_wanted() && !placement_.placed();
+  if (!joint) {
+    placement_.place(m, *policy_, ownership_, params_travel, remote_params);
+    return;
+  }
+  ActivationCosts costs;
+  costs.segments = m.activations().costs();
+  const PhaseSeconds phases = m.last_phase_seconds();
+  costs.forward_s = std::max(phases.forward, 0.0);
+  double recompute = 0;
+  for (const SegmentCost& s : costs.segments) recompute += s.saved_bytes >= 0 ? s.recompute_s : 0.0;
+  costs.backward_s = std::max(phases.backward, recompute);
+  costs.host_behind_forward = options_.update_behind_forward;
+  const Device& device = m.device_object();
+  const UpdateRates rates =
+      measure_update_rates(cpu_adam_, device, device.torch_device().is_cuda(), m.chunk_size_bytes());
+  log::info("ferry: measured for the joint placement: host Adam ", rates.host_adam_bytes_per_s / 1e9,
+            " GB/s, host<->device copies ", rates.copy_bytes_per_s / 1e9, " GB/s, device ",
+            rates.device_bytes_per_s / 1e9, " GB/s");
+  const JointPlacementPolicy policy(std::move(costs), rates);
+  placement_.place(m, policy, ownership_, params_travel, remote_params);
+  if (policy.planned()) m.apply_activation_plan(policy.plan(), policy.plan_input());
 }
 
 bool Engine::placed() const {

@@ -1,0 +1,61 @@
+#pragma once
+// The PlacementPolicy of activations=auto (Config::activations): where optimizer state lives and which
+// checkpointed segments keep their activations, decided together by the memory plan
+// (scheduler/memory_plan.h) from the warm-up's measured segments and phases and measured rates. The
+// state's half is the Placement it returns (the first m held groups, as Note [Which state goes to the
+// device] wants them); the segments' half is plan(), which the caller applies to the model.
+//
+// Note [The update costs of a state group]
+// A group's update on the host reads and writes its state (2 x state bytes: master and moments), reads
+// its gradient and writes the new compute copy (2 x parameter bytes), at the measured host-Adam rate;
+// when its parameter chunk travels (the default mode) the gradient goes to the host and the new values
+// come back: 2 x parameter bytes at the measured copy rate. On the device it moves the same bytes at the
+// device's measured copy rate, and nothing crosses the bus. These are floors of the moved bytes, not
+// timings of ferry's kernels: the plan compares placements by what they make move.
+#include <string>
+#include <vector>
+
+#include "memory_plan.h"
+#include "placement_policy.h"
+
+namespace ferry {
+
+// What the joint plan adds to a placement's input.
+struct ActivationCosts {
+  std::vector<SegmentCost> segments;  // the model's checkpoint segments, measured in the warm-up
+  double forward_s = 0;
+  double backward_s = 0;              // with every segment recomputed
+  bool host_behind_forward = false;   // host updates may run behind the next forward
+};
+
+// Bytes per second, measured in this process (optim/rate_probe.h); each > 0.
+struct UpdateRates {
+  double host_adam_bytes_per_s = 0;
+  double copy_bytes_per_s = 0;        // host <-> device, one way
+  double device_bytes_per_s = 0;      // device memory, read + write counted
+};
+
+class JointPlacementPolicy final : public PlacementPolicy {
+ public:
+  JointPlacementPolicy(ActivationCosts costs, UpdateRates rates);
+  std::string name() const override { return "joint with the activation plan"; }
+  // The first `plan().groups_on_device` held groups; margin_bytes as first-chunks-first's. Remembers the
+  // plan and its input. Not for sharded parameters (remote_params): refused.
+  Placement place(const PlacementInput& input) const override;
+  bool planned() const { return planned_; }
+  const MemoryPlan& plan() const { return plan_; }
+  const MemoryPlanInput& plan_input() const { return plan_input_; }
+
+ private:
+  ActivationCosts costs_;
+  UpdateRates rates_;
+  mutable bool planned_ = false;
+  mutable MemoryPlan plan_;
+  mutable MemoryPlanInput plan_input_;
+};
+
+// The memory plan's input for `input` (Note [The update costs of a state group]): the groups' costs, the
+// room after every parameter chunk (-1: no limit), the segments and phases of `costs`.
+MemoryPlanInput joint_plan_input(const PlacementInput& input, const ActivationCosts& costs, const UpdateRates& rates);
+
+}  // namespace ferry

@@ -1,0 +1,108 @@
+// HybridAdam under activations=auto (Note [The joint placement], optim/engine.cpp): the first step after
+// the warm-up places the state and plans the activations in one solve (the plan sees every state group
+// and the rates measured in-process, optim/rate_probe.h); training is bit-identical to recompute and to
+// keep over several steps, with evictions and dropout, whatever the plan decided; a fixed count of
+// device groups leaves the plan to the model, which makes it one iteration later in the room the state
+// left.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "../../hooks/chunked_model.h"
+#include "../../optim/hybrid_adam.h"
+#include "../../optim/rate_probe.h"
+#include "../hooks/checkpointed_blocks.h"
+#include "../test_util.h"
+
+namespace ferry {
+namespace {
+
+using test::Blocks;
+
+Config config_for(ActivationPolicy policy, int64_t capacity) {
+  Config c;
+  c.device = DeviceKind::kSimulated;
+  c.chunk_size_bytes = 8 << 10;
+  c.device_budget_bytes = 256 << 10;  // the 16 parameter chunks (128 KiB) and room for some state
+  c.device_capacity_bytes = capacity;
+  c.activations = policy;
+  return c;
+}
+
+struct Trained {
+  std::vector<double> losses;
+  NamedTensors weights;
+  int64_t plans_after_first_step = 0;
+  size_t planned_groups = 0;
+  int64_t kept = 0;
+  int64_t device_state_chunks = 0;
+};
+
+Trained train(ActivationPolicy policy, int64_t capacity, int64_t fixed_device_groups = -1) {
+  torch::manual_seed(11);
+  Blocks net(32);
+  ChunkedModel model(net, config_for(policy, capacity));
+  HybridAdamOptions options;
+  options.device_state_chunks = fixed_device_groups;
+  HybridAdam adam(model, options);
+  Trained t;
+  torch::manual_seed(12);
+  for (int step = 0; step < 5; ++step) {
+    const torch::Tensor x = torch::randn({8, 32});
+    const torch::Tensor loss = model.forward([&] { return net->forward(x); });
+    model.backward(loss);
+    adam.step();
+    adam.zero_grad();
+    t.losses.push_back(loss.item<double>());
+    if (step == 0) t.plans_after_first_step = model.activations().plans();
+  }
+  t.weights = adam.state_dict();
+  t.planned_groups = model.activations().plan_input().groups.size();
+  t.kept = model.activations().plan().kept();
+  t.device_state_chunks = adam.device_state_chunks();
+  return t;
+}
+
+void expect_identical(const Trained& a, const Trained& b, const std::string& what) {
+  EXPECT_EQ(a.losses, b.losses) << what;
+  ASSERT_EQ(a.weights.size(), b.weights.size());
+  for (size_t k = 0; k < a.weights.size(); ++k) {
+    EXPECT_TRUE(torch::equal(a.weights[k].second, b.weights[k].second)) << what << ": " << a.weights[k].first;
+  }
+}
+
+TEST(JointStep, TheFirstStepPlacesStateAndPlansActivationsTogether) {
+  const Trained t = train(ActivationPolicy::kAuto, 1 << 20);
+  EXPECT_EQ(t.plans_after_first_step, 1);
+  EXPECT_GT(t.planned_groups, 0u);  // the plan weighed the state groups: the joint solve
+  EXPECT_GE(t.kept, 1);             // 128 KiB of room: a segment's activations fit
+}
+
+TEST(JointStep, TrainingIsBitIdenticalToRecomputeAndKeep) {
+  const Trained recompute = train(ActivationPolicy::kRecompute, 1 << 20);
+  expect_identical(recompute, train(ActivationPolicy::kKeep, 1 << 20), "keep");
+  expect_identical(recompute, train(ActivationPolicy::kAuto, 1 << 20), "auto, 1 MiB");
+  expect_identical(recompute, train(ActivationPolicy::kAuto, 160 << 10), "auto, 160 KiB");
+  expect_identical(recompute, train(ActivationPolicy::kAuto, 0), "auto, no capacity");
+}
+
+TEST(JointStep, AFixedCountLeavesThePlanToTheModel) {
+  const Trained t = train(ActivationPolicy::kAuto, 1 << 20, /*fixed_device_groups=*/2);
+  EXPECT_EQ(t.plans_after_first_step, 0);  // the state placed alone; the model plans after the next iteration
+  EXPECT_EQ(t.planned_groups, 0u);
+  EXPECT_EQ(t.device_state_chunks, 2);
+}
+
+TEST(RateProbe, MeasuresPositiveFiniteRates) {
+  const CpuAdam adam;
+  const UpdateRates r = optim::measure_update_rates(adam, *make_simulated_device(), false, 1 << 20);
+  for (double rate : {r.host_adam_bytes_per_s, r.copy_bytes_per_s, r.device_bytes_per_s}) {
+    EXPECT_TRUE(std::isfinite(rate) && rate > 1e6) << rate;  // more than 1 MB/s on any machine
+  }
+}
+
+}  // namespace
+}  // namespace ferry
