@@ -201,7 +201,7 @@ void Engine::sync_layout_locked() const {
 }
 
 // Note [The joint placement]
-// Under activations=auto (D75) the state is placed at the first step after the warm-up, whose backward
+// Opt-in (HybridAdamOptions::plan_state_with_activations). Under activations=auto (D75) the state is placed at the first step after the warm-up, whose backward
 // recomputed and measured every checkpoint segment: the memory plan (scheduler/memory_plan.h) then
 // decides, in one solve, how many state groups go to the device and which segments keep their
 // activations in the room left after every parameter chunk, weighing the host updates the device state
@@ -209,13 +209,17 @@ void Engine::sync_layout_locked() const {
 // the model applies the segments' half and re-traces. With a fixed count of device groups
 // (device_state_chunks), sharded parameters, or before the segments were measured, the state is placed
 // by the policy as before, and the model plans its activations in the room the state left
-// (Note [When the activation plan is made]).
+// (Note [When the activation plan is made]). Its weakness, measured on one H100 (2026-11-27): the only
+// phase times at hand are the warm-up's (first touches, LRU, every segment synchronised), 25x the
+// steady forward at 4b, so every host update looked hidden behind them and all state went to the host
+// (4b 1.6 s against 0.56 s). Hence opt-in until the plan can re-place state after a steady iteration.
 void Engine::place_locked() {
   ChunkedModel& m = model();
   const bool params_travel = !options_.accumulate_grads, remote_params = sharded_.param_shards() != nullptr;
   // Note [The joint placement]: under activations=auto, with the default policy, the state's place and
   // the segments' activations are decided together once the warm-up measured every segment.
-  const bool joint = m.activations().policy() == ActivationPolicy::kAuto && options_.device_state_chunks < 0 &&
+  const bool joint = options_.plan_state_with_activations && m.activations().policy() == ActivationPolicy::kAuto &&
+                     options_.device_state_chunks < 0 &&
                      !remote_params && m.activations().plan_wanted() && !placement_.placed();
   if (!joint) {
     placement_.place(m, *policy_, ownership_, params_travel, remote_params);

@@ -46,6 +46,12 @@ struct HybridAdamOptions {
   // (Note [Update behind the next forward]); at N > 1 only with shard_params. Off: step() and
   // backward_step() return with every update written.
   bool update_behind_forward = true;
+  // Under Config::activations = auto: place the state and plan the activations in one solve at the first
+  // step after the warm-up (Note [The joint placement], optim/engine.cpp). Off (the default): the state
+  // is placed by the policy and the model plans its activations in the room left, one iteration later.
+  // Opt-in because that solve has only the warm-up's times, which on one H100 were 10-25x the steady
+  // step's and moved all state to the host (4b: 1.6 s against 0.56 s; D75).
+  bool plan_state_with_activations = false;
 
   // `defaults` for matrices; biases and norm weights (tensors of dim <= 1) in group 1 without decay.
   static HybridAdamOptions no_decay_for_bias_and_norm(const AdamOptions& defaults);
@@ -61,6 +67,7 @@ struct HybridAdamOptions {
   HybridAdamOptions& with_accumulate_grads(bool v = true) { accumulate_grads = v; return *this; }
   HybridAdamOptions& with_shard_params(bool v = true) { shard_params = v; return *this; }
   HybridAdamOptions& with_update_behind_forward(bool v = true) { update_behind_forward = v; return *this; }
+  HybridAdamOptions& with_plan_state_with_activations(bool v = true) { plan_state_with_activations = v; return *this; }
   void validate() const;
 };
 

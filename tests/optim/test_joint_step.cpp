@@ -1,4 +1,5 @@
-// HybridAdam under activations=auto (Note [The joint placement], optim/engine.cpp): the first step after
+// HybridAdam under activations=auto with plan_state_with_activations (Note [The joint placement],
+// optim/engine.cpp; off by default, tested off too): the first step after
 // the warm-up places the state and plans the activations in one solve (the plan sees every state group
 // and the rates measured in-process, optim/rate_probe.h); training is bit-identical to recompute and to
 // keep over several steps, with evictions and dropout, whatever the plan decided; a fixed count of
@@ -41,12 +42,13 @@ struct Trained {
   int64_t device_state_chunks = 0;
 };
 
-Trained train(ActivationPolicy policy, int64_t capacity, int64_t fixed_device_groups = -1) {
+Trained train(ActivationPolicy policy, int64_t capacity, int64_t fixed_device_groups = -1, bool joint = true) {
   torch::manual_seed(11);
   Blocks net(32);
   ChunkedModel model(net, config_for(policy, capacity));
   HybridAdamOptions options;
   options.device_state_chunks = fixed_device_groups;
+  options.plan_state_with_activations = joint;
   HybridAdam adam(model, options);
   Trained t;
   torch::manual_seed(12);
@@ -94,6 +96,15 @@ TEST(JointStep, AFixedCountLeavesThePlanToTheModel) {
   EXPECT_EQ(t.plans_after_first_step, 0);  // the state placed alone; the model plans after the next iteration
   EXPECT_EQ(t.planned_groups, 0u);
   EXPECT_EQ(t.device_state_chunks, 2);
+}
+
+TEST(JointStep, OffByDefault) {
+  EXPECT_FALSE(HybridAdamOptions{}.plan_state_with_activations);
+  const Trained t = train(ActivationPolicy::kAuto, 1 << 20, -1, /*joint=*/false);
+  EXPECT_EQ(t.plans_after_first_step, 0);  // placed by the policy; the model plans one iteration later
+  EXPECT_EQ(t.planned_groups, 0u);
+  EXPECT_GE(t.kept, 1);
+  expect_identical(train(ActivationPolicy::kRecompute, 1 << 20), t, "auto, state placed first");
 }
 
 TEST(RateProbe, MeasuresPositiveFiniteRates) {
