@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "../../common/config.h"
 #include "../../hooks/checkpoint.h"
 
 namespace ferry::test {
@@ -31,5 +32,16 @@ struct BlocksImpl : torch::nn::Module {
   std::vector<torch::nn::Linear> fc, out;
 };
 TORCH_MODULE(Blocks);
+
+// The simulated device with 8 KiB chunks, `budget` bytes for chunks, `capacity` (0: unknown) and `policy`.
+inline Config blocks_config(ActivationPolicy policy, int64_t capacity, int64_t budget) {
+  Config c;
+  c.device = DeviceKind::kSimulated;
+  c.chunk_size_bytes = 8 << 10;
+  c.device_budget_bytes = budget;
+  c.device_capacity_bytes = capacity;
+  c.activations = policy;
+  return c;
+}
 
 }  // namespace ferry::test

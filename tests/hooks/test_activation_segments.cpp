@@ -21,15 +21,8 @@ namespace {
 using test::Blocks;
 
 
-Config simulated(ActivationPolicy policy, int64_t capacity) {
-  Config c;
-  c.device = DeviceKind::kSimulated;
-  c.chunk_size_bytes = 8 << 10;
-  c.device_budget_bytes = 24 << 10;  // 3 of the chunks: evictions in every iteration
-  c.device_capacity_bytes = capacity;
-  c.activations = policy;
-  return c;
-}
+// 3 of the chunks: evictions in every iteration.
+Config simulated(ActivationPolicy policy, int64_t capacity) { return test::blocks_config(policy, capacity, 24 << 10); }
 
 struct Trained {
   std::vector<double> losses;

@@ -23,15 +23,8 @@ namespace {
 
 using test::Blocks;
 
-Config config_for(ActivationPolicy policy, int64_t capacity) {
-  Config c;
-  c.device = DeviceKind::kSimulated;
-  c.chunk_size_bytes = 8 << 10;
-  c.device_budget_bytes = 256 << 10;  // the 16 parameter chunks (128 KiB) and room for some state
-  c.device_capacity_bytes = capacity;
-  c.activations = policy;
-  return c;
-}
+// 256 KiB for chunks: the 16 parameter chunks (128 KiB) and room for some state.
+Config config_for(ActivationPolicy policy, int64_t capacity) { return test::blocks_config(policy, capacity, 256 << 10); }
 
 struct Trained {
   std::vector<double> losses;
