@@ -1,5 +1,6 @@
 #include "cli.h"
 
+#include <algorithm>
 #include <c10/util/Exception.h>
 
 #include <cctype>
@@ -184,6 +185,20 @@ int run_main(const char* program, const std::function<int()>& body) {
     std::cerr << program << ": " << e.what() << "\n";
     return 1;
   }
+}
+
+bool option_given(int argc, const char* const* argv, const std::string& key) {
+  auto spelt = [](std::string s, char from, char to) {
+    std::replace(s.begin(), s.end(), from, to);
+    return "--" + s + "=";
+  };
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg(argv[i]);
+    for (const std::string& prefix : {spelt(key, '_', '-'), spelt(key, '-', '_')}) {
+      if (arg.rfind(prefix, 0) == 0) return true;
+    }
+  }
+  return false;
 }
 
 }  // namespace ferry::cli

@@ -32,6 +32,9 @@ int64_t parse_int(const std::string& what, const std::string& text, int64_t min 
 double parse_double(const std::string& what, const std::string& text,
                     double min = -std::numeric_limits<double>::max(), double max = std::numeric_limits<double>::max());
 bool parse_bool(const std::string& what, const std::string& text);  // true|false|1|0|yes|no|on|off
+// Whether argv gives `--key=...` (dashes or underscores alike): for a program whose default for a ferry
+// option differs from the library's (train_gpt and bench_gpt plan activations, activations=auto).
+bool option_given(int argc, const char* const* argv, const std::string& key);
 
 class Options {
  public:

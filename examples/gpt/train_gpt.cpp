@@ -104,6 +104,8 @@ int train(int argc, char** argv) {
   }
   std::vector<std::string> rest;
   ferry::Config config = ferry::Config::from_args(argc, argv, &rest);
+  // Checkpointed blocks are planned (kept where the device has room) unless told otherwise (D75).
+  if (!ferry::cli::option_given(argc, argv, "activations")) config.activations = ferry::ActivationPolicy::kAuto;
   ferry::log::configure(config.log_level, config.rank);
   const Args args = parse(rest);
   const bool cuda = ferry::resolve_device_kind(config.device) == ferry::DeviceKind::kCuda;

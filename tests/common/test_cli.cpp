@@ -150,3 +150,19 @@ TEST(Crc32c, KnownVectorsAndBothImplementationsAgree) {
 
 }  // namespace
 }  // namespace ferry
+
+namespace ferry::cli {
+namespace {
+
+TEST(Cli, OptionGivenMatchesEitherSpellingOnly) {
+  const char* argv[] = {"prog", "--device_budget=1MiB", "--activations=keep", "--activationsx=1", "--steps"};
+  EXPECT_TRUE(option_given(5, argv, "activations"));
+  EXPECT_TRUE(option_given(5, argv, "device-budget"));
+  EXPECT_TRUE(option_given(5, argv, "device_budget"));
+  EXPECT_FALSE(option_given(5, argv, "steps"));  // no value: not an option of this form
+  EXPECT_FALSE(option_given(5, argv, "activation"));
+  EXPECT_FALSE(option_given(1, argv, "activations"));
+}
+
+}  // namespace
+}  // namespace ferry::cli
