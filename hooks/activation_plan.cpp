@@ -1,9 +1,11 @@
 // ChunkedModel's activation plan (Config::activations = auto): when and from what it is made.
 #include <algorithm>
+#include <sstream>
 #include <string>
 
 #include <c10/util/Exception.h>
 
+#include "../common/event_trace.h"
 #include "../common/logging.h"
 #include "chunked_model.h"
 
@@ -57,6 +59,15 @@ void ChunkedModel::apply_activation_plan(const MemoryPlan& plan, const MemoryPla
               to_string(phase_.load()));
   if (activations_.apply(plan, input)) scheduler_->retrace();
   log::info("ferry: ", activations_.table());
+  if (trace::enabled()) {  // the plan in the event trace, beside the step it shapes
+    std::ostringstream args;
+    args << "\"kept\": " << plan.kept() << ", \"segments\": " << plan.keep.size() << ", \"kept_bytes\": "
+         << plan.kept_bytes << ", \"room_bytes\": " << input.room_bytes << ", \"groups_on_device\": "
+         << plan.groups_on_device << ", \"predicted_step_s\": " << plan.predicted_step_s << ", \"keep\": \"";
+    for (char k : plan.keep) args << (k != 0 ? 'K' : 'r');
+    args << "\"";
+    trace::instant("plan", "activation plan", args.str());
+  }
 }
 
 }  // namespace ferry

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../../hooks/checkpoint.h"
+#include "../../common/event_trace.h"
 #include "../../hooks/chunked_model.h"
 #include "checkpointed_blocks.h"
 #include "../test_util.h"
@@ -119,6 +120,18 @@ TEST(ActivationSegments, GrowingInputsRecomputeAndPlanAgain) {
   EXPECT_EQ(a.keep(), (std::vector<char>{1, 1, 1, 1}));
   train(model, net, 1, /*batch=*/12);  // smaller, not below half: the plan stays
   EXPECT_EQ(a.plans(), 2);
+}
+
+TEST(ActivationSegments, ThePlanIsInTheEventTrace) {
+  torch::manual_seed(5);
+  Blocks net(32);
+  ChunkedModel model(net, simulated(ActivationPolicy::kAuto, 0));
+  trace::start();
+  train(model, net, 1);
+  trace::stop();
+  const std::string json = trace::chrome_json();
+  EXPECT_NE(json.find("\"activation plan\""), std::string::npos);
+  EXPECT_NE(json.find("\"keep\": \"KKKK\""), std::string::npos) << json.substr(0, 2000);
 }
 
 TEST(ActivationSegments, ThePolicyIsParsedAndCheckedOnce) {
