@@ -1,8 +1,8 @@
 #include "cli.h"
 
-#include <algorithm>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cmath>

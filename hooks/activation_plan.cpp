@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include <c10/util/Exception.h>
 
@@ -36,13 +37,11 @@ void ChunkedModel::plan_activations_if_wanted() {
   const int64_t after_warmup = options_.scheduler.warmup_iterations + (grad_sink_ != nullptr ? 1 : 0);
   if (scheduler_->iterations() < after_warmup) return;
 
+  ActivationCosts costs = activation_costs();
   MemoryPlanInput input;
-  input.segments = activations_.costs();
-  const PhaseSeconds phases = last_phase_seconds();
-  input.forward_s = std::max(phases.forward, 0.0);
-  double recompute = 0;
-  for (const SegmentCost& s : input.segments) recompute += s.saved_bytes >= 0 ? s.recompute_s : 0.0;
-  input.backward_s = std::max(phases.backward, recompute);
+  input.segments = std::move(costs.segments);
+  input.forward_s = costs.forward_s;
+  input.backward_s = costs.backward_s;
   const int64_t capacity = options_.scheduler.device_capacity_bytes;
   if (capacity > 0) {
     const int64_t budget = options_.scheduler.device_budget_bytes;
@@ -52,6 +51,17 @@ void ChunkedModel::plan_activations_if_wanted() {
     input.room_bytes = std::max<int64_t>(0, capacity - std::max<int64_t>(scheduler_->non_model_peak(), 0) - chunks);
   }
   apply_activation_plan(plan_memory(input), input);
+}
+
+ActivationCosts ChunkedModel::activation_costs() const {
+  ActivationCosts c;
+  c.segments = activations_.costs();
+  const PhaseSeconds phases = last_phase_seconds();
+  c.forward_s = std::max(phases.forward, 0.0);
+  double recompute = 0;
+  for (const SegmentCost& s : c.segments) recompute += s.saved_bytes >= 0 ? s.recompute_s : 0.0;
+  c.backward_s = std::max(phases.backward, recompute);
+  return c;
 }
 
 void ChunkedModel::apply_activation_plan(const MemoryPlan& plan, const MemoryPlanInput& input) {

@@ -3,7 +3,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <chrono>
 #include <iomanip>
 #include <sstream>
 
@@ -16,10 +15,6 @@ thread_local ActivationSegments* current_segments = nullptr;
 thread_local int inside_segment = 0;
 
 }  // namespace
-
-double segment_clock_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 ActivationSegments::ActivationSegments(ActivationPolicy policy, Probe probe)
     : policy_(policy), probe_(std::move(probe)) {}
@@ -58,8 +53,8 @@ ActivationSegments::Ticket ActivationSegments::next(int64_t input_numel) {
     const int64_t was = planned_numel_[static_cast<size_t>(index)];
     if (input_numel > was) {  // grew: what was kept may no longer fit; recompute until the next plan
       if (!replan_) {
-        log::info("ferry: activation plan: segment {}'s inputs grew from {} to {} elements; recomputing every "
-                  "segment and planning again", index, was, input_numel);
+        log::info("ferry: activation plan: segment ", index, "'s inputs grew from ", was, " to ", input_numel,
+                  " elements; recomputing every segment and planning again");
       }
       replan_ = true;
       keep_.clear();

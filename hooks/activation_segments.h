@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "../common/config.h"
+#include "../common/event_trace.h"
 #include "../scheduler/memory_plan.h"
 
 namespace ferry {
@@ -121,18 +122,15 @@ class ActivationSegments {
   int64_t replans_ = 0;
 };
 
-// Seconds of a steady clock (ActivationSegments::run_measured).
-double segment_clock_s();
-
 template <class F>
 auto ActivationSegments::run_measured(bool measure, int64_t index, F&& fn) -> decltype(fn()) {
   if (!measure) return fn();
   synchronize();
   const int64_t before = allocated();
-  const double start = segment_clock_s();
+  const int64_t start = trace::now_ns();
   auto out = fn();
   synchronize();
-  const double seconds = segment_clock_s() - start;
+  const double seconds = static_cast<double>(trace::now_ns() - start) * 1e-9;
   const int64_t after = allocated();
   int64_t output_bytes = 0;
   for (const auto& t : out) {

@@ -82,6 +82,7 @@
 #include "../common/config.h"
 #include "../common/event_trace.h"
 #include "../common/safetensors.h"
+#include "../scheduler/joint_placement.h"
 #include "../scheduler/scheduler.h"
 #include "activation_segments.h"
 #include "forward_outputs.h"
@@ -275,6 +276,9 @@ class ChunkedModel final : private UseListener {
   // placement makes one, scheduler/joint_placement.h): the next iteration runs it and records a new
   // trace if it changes what backward does. Logs the plan's table. Between iterations.
   void apply_activation_plan(const MemoryPlan& plan, const MemoryPlanInput& input);
+  // What a plan is made from: the segments' measured costs and the last iteration's forward and backward
+  // (backward at least the recomputes it included). Between iterations.
+  ActivationCosts activation_costs() const;
   // The device object the chunks live on (chunk/device.h).
   const Device& device_object() const { return *device_; }
   // Note [Writes to parameters]: takes in what was written into the parameters since ferry last looked

@@ -4,7 +4,6 @@
 #include <ATen/ops/where.h>
 #include <c10/util/Exception.h>
 
-#include <algorithm>
 #include <cmath>
 #include <string>
 #include <utility>
@@ -225,13 +224,7 @@ void Engine::place_locked() {
     placement_.place(m, *policy_, ownership_, params_travel, remote_params);
     return;
   }
-  ActivationCosts costs;
-  costs.segments = m.activations().costs();
-  const PhaseSeconds phases = m.last_phase_seconds();
-  costs.forward_s = std::max(phases.forward, 0.0);
-  double recompute = 0;
-  for (const SegmentCost& s : costs.segments) recompute += s.saved_bytes >= 0 ? s.recompute_s : 0.0;
-  costs.backward_s = std::max(phases.backward, recompute);
+  ActivationCosts costs = m.activation_costs();
   costs.host_behind_forward = options_.update_behind_forward;
   const Device& device = m.device_object();
   const UpdateRates rates =

@@ -58,16 +58,9 @@ int run(int argc, char** argv) {
   cli_options.parse(rest);
   const int64_t classes = 10;
   // Equivalence is checked in fp32 on the simulated device unless told otherwise.
-  bool device_given = false, budget_given = false, chunk_given = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    device_given |= a.rfind("--device=", 0) == 0;
-    budget_given |= a.rfind("--device-budget=", 0) == 0 || a.rfind("--device_budget=", 0) == 0;
-    chunk_given |= a.rfind("--chunk-size=", 0) == 0 || a.rfind("--chunk_size=", 0) == 0;
-  }
-  if (!device_given) config.device = ferry::DeviceKind::kSimulated;
-  if (!chunk_given) config.chunk_size_bytes = 64 << 10;
-  if (!budget_given) config.device_budget_bytes = 4 * config.chunk_size_bytes;
+  if (!ferry::cli::option_given(argc, argv, "device")) config.device = ferry::DeviceKind::kSimulated;
+  if (!ferry::cli::option_given(argc, argv, "chunk-size")) config.chunk_size_bytes = 64 << 10;
+  if (!ferry::cli::option_given(argc, argv, "device-budget")) config.device_budget_bytes = 4 * config.chunk_size_bytes;
   config.precision = ferry::Precision::kFp32;
   config.validate();
 
