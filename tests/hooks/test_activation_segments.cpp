@@ -144,6 +144,20 @@ TEST(ActivationSegments, ThePolicyIsParsedAndCheckedOnce) {
   EXPECT_NE(c.to_string().find("activations=keep"), std::string::npos);
 }
 
+TEST(ActivationSegments, APlanAppliesBetweenIterationsOnly) {
+  torch::manual_seed(5);
+  Blocks net(32);
+  ChunkedModel model(net, simulated(ActivationPolicy::kAuto, 0));
+  train(model, net, 1);
+  const MemoryPlan plan = model.activations().plan();
+  const MemoryPlanInput input = model.activations().plan_input();
+  EXPECT_ERROR_HAS(model.forward([&] {
+    model.apply_activation_plan(plan, input);
+    return torch::zeros({1});
+  }),
+                   "applies between iterations; the model is in");
+}
+
 TEST(ActivationSegments, APlanAppliesUnderAutoOnly) {
   ActivationSegments s(ActivationPolicy::kRecompute, {});
   EXPECT_ERROR_HAS(s.apply(MemoryPlan{}, MemoryPlanInput{}), "under activations=auto only");
