@@ -17,25 +17,31 @@ namespace ferry {
 // each one) and the device's room as the rest of the step will leave it: the parameter chunks, the
 // optimizer state the optimizer placed on the device, and the non-model memory the trace saw with every
 // segment recomputed. HybridAdam places its state at the first step after the warm-up (optim/
-// state_placement.h): under its default policy it makes the plan there, jointly with the state's
-// placement (Note [The joint placement], optim/engine.cpp), and nothing is left to do here. Otherwise
-// (a fixed count of device groups, sharded parameters) the plan waits for one iteration past the
-// warm-up and the kept segments take the room the state left; a model without an optimizer attached
-// plans at the end of its warm-up. A changed plan changes the uses backward makes (a kept segment is not recomputed)
+// state_placement.h); asked to (plan_state_with_activations, opt-in) it makes the plan there, jointly
+// with the state's placement (Note [The joint placement], optim/engine.cpp), and nothing is left to do
+// here. Otherwise the plan waits for one iteration past the warm-up and the kept segments take the
+// room the state left; a model without an optimizer attached plans at the end of its warm-up. A changed plan changes the uses backward makes (a kept segment is not recomputed)
 // and the non-model memory at each moment, so the scheduler records the next iteration as a new trace.
+// At world size > 1 the ranks decide together when to plan and from what (Note [An activation plan
+// agreed across ranks], dist/plan_agreement.h): the PlanAgreement HybridAdam sets votes at the end of
+// every training iteration, on every rank, whatever this rank wants.
 void ChunkedModel::plan_activations_if_wanted() {
-  if (!activations_.plan_wanted() || !layout_final()) return;
-  if (config_.world_size > 1) {
-    // Each rank would plan from its own measurements, and ranks whose backwards differ (one recomputes
-    // a segment another keeps) issue their groups' collectives in different orders. Until the plan is
-    // agreed across ranks, auto recomputes every segment there.
-    log::warn_once("activations-auto-dist", "ferry: activations=auto plans on one process only for now; with " +
-                                                std::to_string(config_.world_size) +
-                                                " ranks every segment is recomputed (as activations=recompute)");
+  if (activations_.policy() != ActivationPolicy::kAuto) return;
+  const bool ranks = config_.world_size > 1;
+  if (ranks && plan_agreement_ == nullptr) {
+    log::warn_once("activations-auto-dist", "ferry: activations=auto with " + std::to_string(config_.world_size) +
+                                                " ranks needs an optimizer that agrees the plan across them "
+                                                "(HybridAdam does); until one is attached every segment is "
+                                                "recomputed (as activations=recompute)");
     return;
   }
   const int64_t after_warmup = options_.scheduler.warmup_iterations + (grad_sink_ != nullptr ? 1 : 0);
-  if (scheduler_->iterations() < after_warmup) return;
+  const bool ready = layout_final() && scheduler_->iterations() >= after_warmup;
+  bool wanted = ready && activations_.plan_wanted();
+  if (ranks) {
+    wanted = plan_agreement_->plan_now(ready, activations_.plan_wanted(), activations_.count());
+  }
+  if (!wanted) return;
 
   ActivationCosts costs = activation_costs();
   MemoryPlanInput input;
@@ -50,6 +56,7 @@ void ChunkedModel::plan_activations_if_wanted() {
     if (budget > 0) chunks = std::min(chunks, budget);
     input.room_bytes = std::max<int64_t>(0, capacity - std::max<int64_t>(scheduler_->non_model_peak(), 0) - chunks);
   }
+  if (ranks) input = plan_agreement_->agree(input);
   apply_activation_plan(plan_memory(input), input);
 }
 

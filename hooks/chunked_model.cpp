@@ -218,6 +218,13 @@ void ChunkedModel::set_layout_listener(LayoutListener* listener) {
   layout_listener_ = listener;
 }
 
+void ChunkedModel::set_plan_agreement(PlanAgreement* agreement) {
+  const ModelPhase phase = phase_.load();
+  TORCH_CHECK(phase == ModelPhase::kIdle || (!agreement && phase == ModelPhase::kForwardDone),
+              "ferry: set_plan_agreement() inside an iteration (phase ", to_string(phase), ")");
+  plan_agreement_ = agreement;
+}
+
 void ChunkedModel::set_grad_sink(GradSink* sink) {
   const ModelPhase phase = phase_.load();
   TORCH_CHECK(phase == ModelPhase::kIdle || (!sink && phase == ModelPhase::kForwardDone),

@@ -172,6 +172,10 @@ class ChunkedModel final : private UseListener {
   // The one listener told of repacks (null: none). Not inside an iteration.
   void set_layout_listener(LayoutListener* listener);
   LayoutListener* layout_listener() const { return layout_listener_; }
+  // What makes the ranks plan their activations alike at world size > 1 (null: none, and auto then
+  // recomputes every segment there). HybridAdam sets itself. Not inside an iteration.
+  void set_plan_agreement(PlanAgreement* agreement);
+  PlanAgreement* plan_agreement() const { return plan_agreement_; }
   // Ends an iteration that had no backward (evaluation); forward() also does it implicitly when no graph
   // of that iteration's forwards is left (Note [Several forwards]). A forward
   // under NoGradGuard already settled the chunks (every parameter readable, D59); this ends its
@@ -347,6 +351,7 @@ class ChunkedModel final : private UseListener {
   double loss_scale_ = 1.0;
   GradSink* grad_sink_ = nullptr;
   LayoutListener* layout_listener_ = nullptr;
+  PlanAgreement* plan_agreement_ = nullptr;
   std::atomic<ModelPhase> phase_{ModelPhase::kIdle};
   bool in_iteration_ = false;         // the scheduler's iteration is open (begin_forward .. finish_iteration)
   bool training_forward_ = false;     // a forward of this iteration ran under grad mode (end_forward)

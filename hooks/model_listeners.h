@@ -1,12 +1,15 @@
 #pragma once
 // What a ChunkedModel tells the objects attached to it: its GradSink (the optimizer: HybridAdam is one)
 // hears of every gradient, of the user's writes and of the model's phases; its LayoutListener hears of
-// repacks. Both are set on the model (set_grad_sink, set_layout_listener), not owned by it, and must
-// stay attached no longer than they live.
+// repacks; its PlanAgreement makes the ranks of a data-parallel run plan their activations alike. Each
+// is set on the model (set_grad_sink, set_layout_listener, set_plan_agreement), not owned by it, and
+// must stay attached no longer than it lives.
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>
+
+#include "../scheduler/memory_plan.h"
 
 namespace ferry {
 
@@ -70,6 +73,19 @@ class LayoutListener {
  public:
   virtual ~LayoutListener() = default;
   virtual void layout_changed() = 0;
+};
+
+// Makes the ranks of a data-parallel run make the same activation plan at the same moment (Note [An
+// activation plan agreed across ranks], dist/plan_agreement.h). Both calls are collectives: the model
+// makes them on every rank, from the thread that ends the training iteration, in the same order.
+class PlanAgreement {
+ public:
+  virtual ~PlanAgreement() = default;
+  // At the end of every training iteration under activations=auto: whether every rank plans now, from
+  // this rank's readiness, wish and count of segments (false on every rank when the counts differ).
+  virtual bool plan_now(bool ready, bool wanted, int64_t segments) = 0;
+  // The input every rank solves, from this rank's.
+  virtual MemoryPlanInput agree(const MemoryPlanInput& mine) = 0;
 };
 
 }  // namespace ferry

@@ -11,6 +11,7 @@
 #include "../common/event_trace.h"
 #include "../common/logging.h"
 #include "../hooks/interceptor.h"
+#include "../dist/plan_agreement.h"
 #include "../scheduler/joint_placement.h"
 #include "rate_probe.h"
 
@@ -108,6 +109,7 @@ Engine::Engine(ChunkedModel& wrapped, HybridAdamOptions options)
   model().release_initial_values();  // the masters hold them now
   model().set_grad_sink(this);
   model().set_layout_listener(this);
+  if (sharded_.active()) model().set_plan_agreement(this);
   log::info("ferry: HybridAdam over ", model().num_params(), " parameters in ", num_param_groups(), " groups, ",
             placement_.num_chunks(), " state chunk groups (fp32 master, exp_avg, exp_avg_sq",
             options_.accumulate_grads ? ", grad accumulation" : "; grads in the parameter chunks", "), CPU kernel ",
@@ -142,6 +144,7 @@ Engine::~Engine() {
         model().set_loss_scale(1.0);
       }
       if (model().layout_listener() == this) model().set_layout_listener(nullptr);
+      if (model().plan_agreement() == this) model().set_plan_agreement(nullptr);
     }
   } catch (const std::exception& e) {
     log::error("ferry: HybridAdam could not detach from the model: ", e.what());
@@ -206,9 +209,9 @@ void Engine::sync_layout_locked() const {
 // activations in the room left after every parameter chunk, weighing the host updates the device state
 // saves (at rates measured here, optim/rate_probe.h) against the recompute the kept activations save;
 // the model applies the segments' half and re-traces. With a fixed count of device groups
-// (device_state_chunks), sharded parameters, or before the segments were measured, the state is placed
-// by the policy as before, and the model plans its activations in the room the state left
-// (Note [When the activation plan is made]). Its weakness, measured on one H100 (2026-11-27): the only
+// (device_state_chunks), at world size > 1 (where the ranks agree on the plan: dist/plan_agreement.h),
+// or before the segments were measured, the state is placed by the policy as before, and the model
+// plans its activations in the room the state left (Note [When the activation plan is made]). Its weakness, measured on one H100 (2026-11-27): the only
 // phase times at hand are the warm-up's (first touches, LRU, every segment synchronised), 25x the
 // steady forward at 4b, so every host update looked hidden behind them and all state went to the host
 // (4b 1.6 s against 0.56 s). Hence opt-in until the plan can re-place state after a steady iteration.
@@ -219,7 +222,7 @@ void Engine::place_locked() {
   // the segments' activations are decided together once the warm-up measured every segment.
   const bool joint = options_.plan_state_with_activations && m.activations().policy() == ActivationPolicy::kAuto &&
                      options_.device_state_chunks < 0 &&
-                     !remote_params && m.activations().plan_wanted() && !placement_.placed();
+                     !sharded_.active() && m.activations().plan_wanted() && !placement_.placed();
   if (!joint) {
     placement_.place(m, *policy_, ownership_, params_travel, remote_params);
     return;
@@ -236,6 +239,20 @@ void Engine::place_locked() {
   placement_.place(m, policy, ownership_, params_travel, remote_params);
   if (policy.planned()) m.apply_activation_plan(policy.plan(), policy.plan_input());
 }
+
+bool Engine::plan_now(bool ready, bool wanted, int64_t segments) {
+  const dist::PlanVotes votes = dist::vote_on_plan(sharded_.comm(), {ready, wanted, segments});
+  if (!votes.same_segments()) {
+    log::warn_once("activations-auto-segments",
+                   "ferry: activations=auto: the ranks' forwards ran from " + std::to_string(votes.min_segments) +
+                       " to " + std::to_string(votes.max_segments) +
+                       " checkpoint segments, so they cannot agree on a new plan; each keeps the one it has "
+                       "(none yet: every segment recomputed) until they run the same count");
+  }
+  return votes.plan();
+}
+
+MemoryPlanInput Engine::agree(const MemoryPlanInput& mine) { return dist::agree_plan_input(sharded_.comm(), mine); }
 
 bool Engine::placed() const {
   return locked([&] { return placement_.placed(); });

@@ -1,6 +1,6 @@
 #pragma once
 // The machinery behind HybridAdam (optim/hybrid_adam.h): what the model calls during an iteration (its
-// GradSink and LayoutListener) and the steps, orchestrated over the objects that own the state:
+// GradSink, LayoutListener and, at N > 1, PlanAgreement) and the steps, orchestrated over the objects that own the state:
 //
 //   GradLedger       which parameters hold a gradient for the next step; their lags (D62)
 //   ChunkFinality    when a chunk is final in a backward (landings, uses, expectations)
@@ -47,7 +47,7 @@
 
 namespace ferry::optim {
 
-class Engine final : private GradSink, private LayoutListener {
+class Engine final : private GradSink, private LayoutListener, private PlanAgreement {
  public:
   Engine(ChunkedModel& model, HybridAdamOptions options);
   ~Engine() override;
@@ -110,6 +110,10 @@ class Engine final : private GradSink, private LayoutListener {
   void model_gone() override;  // the model was destroyed first: every call is refused from now on
   // LayoutListener: the model was repacked and migrated the state with it; placement starts over.
   void layout_changed() override;
+  // PlanAgreement at N > 1 (dist/plan_agreement.h, over the step's communicator; no lock: it reads
+  // nothing of this object's state).
+  bool plan_now(bool ready, bool wanted, int64_t segments) override;
+  MemoryPlanInput agree(const MemoryPlanInput& mine) override;
 
   ChunkedModel& model() const;  // refuses once the model is gone
   // f() under the mutex (the small readers between iterations).

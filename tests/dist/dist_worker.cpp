@@ -46,6 +46,8 @@
 // copies pending until waited for, as on CUDA) instead of the synchronous one.
 // --nan-step=S --nan-rank=R: at step S, rank R's gradient of emb.weight (layout chunk 0, whose state is on
 // the device) is NaN: the step skips that chunk (backward_step) or everything (step), as in one process.
+// --checkpoint=1: the MLP as two ferry::checkpoint segments (with --activations=auto: the plan agreed
+// across ranks; --device-capacity may differ per rank). Reports plans= and plan= (K kept, r recomputed).
 // --precision=... and every other ferry option. Prints one line "FERRY_DIST_RESULT key=value ...".
 #include <torch/torch.h>
 
@@ -82,6 +84,13 @@ std::string option(const std::vector<std::string>& rest, const std::string& key,
     if (a.rfind(prefix, 0) == 0) return a.substr(prefix.size());
   }
   return fallback;
+}
+
+// The activation plan as K (kept) and r (recomputed) per segment; "-" when none applies.
+std::string plan_string(const std::vector<char>& keep) {
+  std::string s;
+  for (char k : keep) s += k != 0 ? 'K' : 'r';
+  return s.empty() ? "-" : s;
 }
 
 int run(int argc, char** argv) {
@@ -123,6 +132,7 @@ int run(int argc, char** argv) {
   torch::manual_seed(ferry::test::kRank0Seed + config.rank);  // different per rank on purpose: rank 0's values must win
   SmallLm net;
   if (option(rest, "freeze-spare", "0") == "1") net->spare.set_requires_grad(false);
+  net->checkpointed = option(rest, "checkpoint", "0") == "1";
   ferry::ChunkedModelOptions model_options;
   model_options.scheduler.reshard_min_gap = std::stoll(option(rest, "reshard-gap", "0"));
   model_options.scheduler.reshard_after_forward = option(rest, "reshard", "1") == "1";
@@ -354,7 +364,8 @@ int run(int argc, char** argv) {
             << " values_from_owners=" << adam.values_from_owners() << " steps=" << steps << " grad_norm=" << grad_norm
             << " loss=" << loss_sum << " eval_loss=" << eval_loss << " touched_ok=" << touched_ok
             << " touched_refused=" << touched_refused << " own_step_counts=" << own_step_counts
-            << " param_tensors=" << model.num_params() << " overflows=" << overflows << std::endl;
+            << " param_tensors=" << model.num_params() << " overflows=" << overflows
+            << " plans=" << model.activations().plans() << " plan=" << plan_string(model.activations().keep()) << std::endl;
   if (option(rest, "eval-without-optimizer", "0") == "1") {
     // Training done, the optimizer dropped, the model evaluated: its sharded groups are still gathered
     // at their use (a collective), with nothing of the optimizer left to wait for.

@@ -5,6 +5,9 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <vector>
+
+#include "../../hooks/checkpoint.h"
 
 namespace ferry::test {
 
@@ -19,15 +22,23 @@ struct SmallLmImpl : torch::nn::Module {
     head = register_module("head", torch::nn::Linear(kDim, kVocab));
     spare = register_parameter("spare", torch::randn({kDim}));  // never used: no rank lands a gradient
   }
-  // frozen: the MLP gets no gradient from these rows (its output is detached).
+  // frozen: the MLP gets no gradient from these rows (its output is detached). checkpointed: the MLP
+  // runs as two ferry::checkpoint segments (up + gelu, down), the activation plan's candidates.
   torch::Tensor forward(const torch::Tensor& idx, bool frozen = false) {
     auto x = emb(idx);
     if (use_spare) x = x + spare;
-    auto mlp = down(torch::gelu(up(x)));
+    torch::Tensor mlp;
+    if (checkpointed) {
+      auto h = ferry::checkpoint([this](const std::vector<at::Tensor>& in) { return torch::gelu(up(in[0])); }, {x});
+      mlp = ferry::checkpoint([this](const std::vector<at::Tensor>& in) { return down(in[0]); }, {h});
+    } else {
+      mlp = down(torch::gelu(up(x)));
+    }
     x = x + (frozen ? mlp.detach() : mlp);
     return head(norm(x));
   }
   bool use_spare = false;
+  bool checkpointed = false;
   torch::nn::Embedding emb{nullptr};
   torch::nn::Linear up{nullptr}, down{nullptr}, head{nullptr};
   torch::nn::LayerNorm norm{nullptr};

@@ -144,11 +144,26 @@ std::map<std::string, double> result_of(const Proc& p) {
   std::istringstream line(p.out.substr(at, p.out.find('\n', at) - at));
   std::string word;
   line >> word;
-  while (line >> word) {
+  while (line >> word) {  // the numbers (plan=, a word, is read by text_of)
     const auto eq = word.find('=');
-    kv[word.substr(0, eq)] = std::stod(word.substr(eq + 1));
+    const std::string value = word.substr(eq + 1);
+    char* end = nullptr;
+    const double v = std::strtod(value.c_str(), &end);
+    if (!value.empty() && *end == '\0') kv[word.substr(0, eq)] = v;
   }
   return kv;
+}
+
+// The value of `key` on the worker's result line, as written ("" if absent).
+std::string text_of(const Proc& p, const std::string& key) {
+  const auto at = p.out.find("FERRY_DIST_RESULT");
+  if (at == std::string::npos) return "";
+  std::istringstream line(p.out.substr(at, p.out.find('\n', at) - at));
+  std::string word;
+  while (line >> word) {
+    if (word.rfind(key + "=", 0) == 0) return word.substr(key.size() + 1);
+  }
+  return "";
 }
 
 std::vector<float> read_params(const std::string& path) {
@@ -462,6 +477,43 @@ TEST(Dist, AParameterFirstUsedLateEqualsOneProcess) {
   expect_equals_one_process(2, {"--spare-from=2", "--api=backward_step", "--clip=0.5"});
   expect_equals_one_process(2, {"--spare-from=1", "--api=backward_step", "--frozen-until=3"});
   expect_equals_one_process(2, {"--spare-from=3", "--api=backward_step", "--frozen-rank=1"}, {"--emulate-world=2"});
+}
+
+// Note [An activation plan agreed across ranks] (dist/plan_agreement.h): under activations=auto the
+// ranks plan at the same iteration from the same numbers. With room everywhere both keep both segments
+// of the MLP, and train as one process; bit for bit as with every segment recomputed. With room on
+// rank 0 only (rank 1's capacity leaves none past its chunks), rank 0 alone would keep both (the first
+// run shows it) but plans with rank 1's room: the first segment (up + gelu: 64 KiB of activations at
+// 32 rows a rank) is recomputed on both. (The second, down, saves nothing beyond its input; measured
+// on the host heap of the simulated device it may show a few bytes or none, so its decision is left
+// open here; that it is the same on both ranks is not.)
+TEST(Dist, TheActivationPlanIsTheSameOnEveryRank) {
+  expect_equals_one_process(2, {"--checkpoint=1", "--activations=auto", "--device-capacity=1G"});
+  auto run = [](const std::vector<std::string>& args, const std::vector<std::vector<std::string>>& per_rank) {
+    const std::string dir = temp_dir();
+    std::vector<std::string> all{"--out=" + dir, "--steps=5", "--batch=64", "--checkpoint=1"};
+    all.insert(all.end(), args.begin(), args.end());
+    const int port = free_port();
+    std::vector<Proc> ranks = launch({rank_env(0, 2, port), rank_env(1, 2, port)}, all, 120, per_rank);
+    return std::make_pair(ranks, dir);
+  };
+  const auto [roomy, roomy_dir] = run({"--activations=auto", "--device-capacity=1G"}, {});
+  const auto [recomputed, recomputed_dir] = run({"--activations=recompute"}, {});
+  const auto [uneven, uneven_dir] = run({"--activations=auto"}, {{"--device-capacity=1G"}, {"--device-capacity=24576"}});
+  for (const auto* ranks : {&roomy, &recomputed, &uneven}) {
+    for (const Proc& p : *ranks) ASSERT_EQ(p.exit_code, 0) << describe(*ranks);
+  }
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(text_of(roomy[r], "plan"), "KK") << describe(roomy);
+    EXPECT_EQ(result_of(roomy[r])["plans"], 1) << describe(roomy);
+    EXPECT_EQ(text_of(uneven[r], "plan"), text_of(uneven[0], "plan")) << describe(uneven);
+    EXPECT_EQ(text_of(uneven[r], "plan").substr(0, 1), "r") << describe(uneven);
+    EXPECT_EQ(result_of(uneven[r])["plans"], 1) << describe(uneven);
+    EXPECT_EQ(text_of(recomputed[r], "plan"), "-");
+    const std::string file = "/rank" + std::to_string(r) + ".bin";
+    EXPECT_EQ(read_params(roomy_dir + file), read_params(recomputed_dir + file)) << "rank " << r;
+    EXPECT_EQ(read_params(uneven_dir + file), read_params(recomputed_dir + file)) << "rank " << r;
+  }
 }
 
 // Note [Several forwards] across ranks: each rank's rows in two forward() calls, one backward (groups
