@@ -73,10 +73,10 @@ void check_grad_scale(double grad_scale) {
               grad_scale);
 }
 
-// Calls f(begin, end) on disjoint, 16-element-aligned ranges covering [0, n), on up to `threads`
+// Calls f(begin, end) on disjoint, `align`-element-aligned ranges covering [0, n), on up to `threads`
 // OpenMP threads; f must not throw.
 template <class F>
-void parallel_ranges(int64_t n, int threads, F&& f) {
+void parallel_ranges(int64_t n, int threads, F&& f, int64_t align = kAlignElems) {
   const int64_t useful = (n + kMinPerThread - 1) / kMinPerThread;
   const int t = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, useful)));
   if (t <= 1) {
@@ -88,7 +88,7 @@ void parallel_ranges(int64_t n, int threads, F&& f) {
     const int64_t nt = omp_get_num_threads();
     const int64_t id = omp_get_thread_num();
     int64_t per = (n + nt - 1) / nt;
-    per = (per + kAlignElems - 1) / kAlignElems * kAlignElems;
+    per = (per + align - 1) / align * align;
     const int64_t b = std::min(n, id * per);
     const int64_t e = std::min(n, b + per);
     if (b < e) f(b, e, static_cast<int>(id));
@@ -310,6 +310,76 @@ UpdateResult CpuAdam::update(const FrozenGroup& group, const AdamSpan& span, con
   check_span(span);
   check_grad_scale(options.grad_scale);
   return run_update(group.options, group.step, span, options);
+}
+
+namespace {
+
+void check_compact_span(const CompactAdamSpan& s) {
+  TORCH_CHECK(s.numel >= 0, "CpuAdam: expected numel >= 0, got ", s.numel);
+  grad_type_of(s.grad_dtype);
+  lowp_type_of(s.lowp_dtype);
+  if (s.numel == 0) return;
+  TORCH_CHECK(s.master && s.grad && s.exp_avg && s.exp_avg_scale && s.exp_avg_sq && s.exp_avg_sq_scale,
+              "CpuAdam: expected non-null master, grad, exp_avg, exp_avg_sq and their scales for a compact span of ",
+              s.numel, " elements");
+  TORCH_CHECK((s.param_lowp != nullptr) == (s.lowp_dtype != at::ScalarType::Undefined),
+              "CpuAdam: param_lowp and lowp_dtype must be given together, got pointer ", s.param_lowp ? "set" : "null",
+              " and dtype ", s.lowp_dtype);
+}
+
+// The step's stream of rounding bits: murmur3's finaliser of the step count.
+uint32_t rounding_seed(int64_t step) {
+  auto k = static_cast<uint32_t>(static_cast<uint64_t>(step) * 0x9e3779b97f4a7c15ull >> 32);
+  k ^= k >> 16;
+  k *= 0x85ebca6bu;
+  k ^= k >> 13;
+  k *= 0xc2b2ae35u;
+  return k ^ (k >> 16);
+}
+
+}  // namespace
+
+cpu_adam::CompactAdamArgs CpuAdam::compact_kernel_args(const FrozenGroup& group, const CompactAdamSpan& span,
+                                                       double grad_scale) const {
+  TORCH_CHECK(group.step >= 1, "CpuAdam: compact_kernel_args() of a frozen group with step count ", group.step,
+              " (freeze it after advance_step())");
+  check_compact_span(span);
+  check_grad_scale(grad_scale);
+  AdamSpan fp32;  // the hyper-parameters' half of the fp32 arguments
+  fp32.grad_dtype = span.grad_dtype;
+  fp32.lowp_dtype = span.lowp_dtype;
+  cpu_adam::CompactAdamArgs a;
+  a.hyper = make_kernel_args(group.options, group.step, fp32, grad_scale);
+  a.master = span.master;
+  a.grad = span.grad;
+  a.exp_avg = span.exp_avg;
+  a.exp_avg_scale = span.exp_avg_scale;
+  a.exp_avg_sq = span.exp_avg_sq;
+  a.exp_avg_sq_scale = span.exp_avg_sq_scale;
+  a.param_lowp = span.param_lowp;
+  a.rounding_seed = rounding_seed(group.step);
+  a.element_offset = static_cast<uint32_t>(span.element_offset);
+  return a;
+}
+
+UpdateResult CpuAdam::run_compact(const FrozenGroup& group, const CompactAdamSpan& s, const UpdateOptions& u) const {
+  const cpu_adam::CompactAdamArgs a = compact_kernel_args(group, s, u.grad_scale);
+  if (!u.grads_checked && s.numel > 0) {
+    if (grad_norm_sq(s.grad, s.grad_dtype, s.numel, u.grad_scale).nonfinite) return {false, true};
+  }
+  const cpu_adam::CompactAdamFn fn = kernels_->compact_adam;
+  parallel_ranges(s.numel, threads_, [&](int64_t b, int64_t e, int) { fn(a, b, e); }, cpu_adam::kCompactBlock);
+  return {true, false};
+}
+
+UpdateResult CpuAdam::update(int group, const CompactAdamSpan& span, const UpdateOptions& options) {
+  const Group& g = group_at(group);
+  TORCH_CHECK(g.step >= 1, "CpuAdam: update() of group ", group, " before advance_step() (step count is 0)");
+  return run_compact(FrozenGroup{g.options, g.step}, span, options);
+}
+
+UpdateResult CpuAdam::update(const FrozenGroup& group, const CompactAdamSpan& span, const UpdateOptions& options) const {
+  return run_compact(group, span, options);
 }
 
 UpdateResult CpuAdam::update(int group, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,

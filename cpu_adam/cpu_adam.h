@@ -34,11 +34,13 @@
 #include "../common/config.h"
 #include "../common/cpu_features.h"
 #include "adam_options.h"
+#include "compact_state.h"
 
 namespace ferry {
 namespace cpu_adam {
 struct KernelTable;
 struct AdamKernelArgs;
+struct CompactAdamArgs;
 }
 
 // One contiguous range of a chunk's optimizer state. All arrays have `numel` elements.
@@ -112,6 +114,12 @@ class CpuAdam {
   UpdateResult update(int group, const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                       const at::Tensor& exp_avg_sq, const at::Tensor& param_lowp = {},
                       const UpdateOptions& options = {});
+  // The same over compact state (Note [The compact state format], compact_state.h): checked as the
+  // fp32 spans are, and the grads' finiteness likewise; the step count also picks the rounding bits.
+  UpdateResult update(int group, const CompactAdamSpan& span, const UpdateOptions& options = {});
+  UpdateResult update(const FrozenGroup& group, const CompactAdamSpan& span, const UpdateOptions& options = {}) const;
+  cpu_adam::CompactAdamArgs compact_kernel_args(const FrozenGroup& group, const CompactAdamSpan& span,
+                                                double grad_scale) const;
   // Queues update(group, span, options) with the group's current options and step count.
   std::future<UpdateResult> update_async(int group, const AdamSpan& span, const UpdateOptions& options = {});
   // Runs `job` on the same queue, after everything queued before it; its exception lands in the
@@ -148,6 +156,8 @@ class CpuAdam {
   const Group& group_at(int group) const;
   UpdateResult run_update(const AdamOptions& options, int64_t step, const AdamSpan& span,
                           const UpdateOptions& update_options) const;
+  UpdateResult run_compact(const FrozenGroup& group, const CompactAdamSpan& span,
+                           const UpdateOptions& update_options) const;
 
   std::vector<Group> groups_;
   CpuIsa isa_;

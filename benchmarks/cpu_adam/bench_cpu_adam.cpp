@@ -7,6 +7,10 @@
 //   torch_optim  torch::optim::AdamW::step() with the same casts.
 // Effective GB/s = 28 declared bytes per parameter / time (read master 4, grad 2, m 4, v 4; write
 // master 4, m 4, v 4, bf16 copy 2), the same for every row so ratios are ratios of time.
+// The compact state (cpu_adam/compact_state.h) in the same run: `compact` (its update, bf16 grads and
+// copy) against `compact_roof` (a streaming kernel over the same streams), at its own declared bytes:
+// read master 2, grad 2, m 1, v 1; write master 2, m 1, v 1, bf16 copy 2; the blocks' two fp32 scales
+// read and written (16 B per 256): 12.0625 B per parameter.
 //
 //   bench_cpu_adam [--sizes=16M,64M,256M] [--threads=1,2,...] [--min-time=0.5] [--commit=SHA] [--config...]
 #include <ATen/ATen.h>
@@ -26,6 +30,7 @@
 namespace {
 
 constexpr double kDeclaredBytesPerParam = 28.0;
+constexpr double kCompactBytesPerParam = 12.0 + 16.0 / 256;
 using Clock = std::chrono::steady_clock;
 
 struct Timing {
@@ -75,6 +80,37 @@ void roof_plain(float* p, const uint16_t* g, float* m, float* v, uint16_t* lowp,
   roof_body<0>(p, g, m, v, lowp, b, e);
 }
 
+// The compact state's streams: reads master, g (bf16), m, v (bytes); writes master, m, v, lowp.
+template <int>
+void compact_roof_body(uint16_t* __restrict p, const uint16_t* __restrict g, uint8_t* __restrict m,
+                       uint8_t* __restrict v, uint16_t* __restrict lowp, int64_t b, int64_t e) {
+#pragma omp simd
+  for (int64_t i = b; i < e; ++i) {
+    const uint16_t pi = static_cast<uint16_t>(p[i] + g[i]);
+    m[i] = static_cast<uint8_t>(m[i] + g[i]);
+    v[i] = static_cast<uint8_t>(v[i] ^ g[i]);
+    p[i] = pi;
+    lowp[i] = pi;
+  }
+}
+__attribute__((target("avx2,fma,f16c"))) void compact_roof_avx2(uint16_t* p, const uint16_t* g, uint8_t* m,
+                                                                 uint8_t* v, uint16_t* lowp, int64_t b, int64_t e) {
+  compact_roof_body<1>(p, g, m, v, lowp, b, e);
+}
+void compact_roof_plain(uint16_t* p, const uint16_t* g, uint8_t* m, uint8_t* v, uint16_t* lowp, int64_t b, int64_t e) {
+  compact_roof_body<0>(p, g, m, v, lowp, b, e);
+}
+void compact_roof(uint16_t* p, const uint16_t* g, uint8_t* m, uint8_t* v, uint16_t* lowp, int64_t n, int threads,
+                  bool avx2) {
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+    int64_t per = ((n + nt - 1) / nt + 255) / 256 * 256;
+    const int64_t b = std::min(n, id * per), e = std::min(n, b + per);
+    if (b < e) (avx2 ? compact_roof_avx2 : compact_roof_plain)(p, g, m, v, lowp, b, e);
+  }
+}
+
 void roof(float* p, const uint16_t* g, float* m, float* v, uint16_t* lowp, int64_t n, int threads, bool avx2) {
 #pragma omp parallel num_threads(threads)
   {
@@ -85,10 +121,10 @@ void roof(float* p, const uint16_t* g, float* m, float* v, uint16_t* lowp, int64
   }
 }
 
-std::string timing_json(const Timing& t, int64_t n) {
+std::string timing_json(const Timing& t, int64_t n, double bytes_per_param = kDeclaredBytesPerParam) {
   std::ostringstream os;
   os << "{\"median_s\":" << t.median_s << ",\"best_s\":" << t.best_s << ",\"reps\":" << t.reps
-     << ",\"params_per_s\":" << n / t.median_s << ",\"gb_per_s\":" << kDeclaredBytesPerParam * n / t.median_s / 1e9
+     << ",\"params_per_s\":" << n / t.median_s << ",\"gb_per_s\":" << bytes_per_param * n / t.median_s / 1e9
      << "}";
   return os.str();
 }
@@ -210,6 +246,30 @@ int main(int argc, char** argv) {
           lowp.copy_(param);
         }, min_time);
       }
+      // the compact state, from the same values
+      Timing compact_t, compact_roof_t;
+      {
+        const int64_t blocks = ferry::compact_blocks(n);
+        at::Tensor cm = at::empty({n}, at::kByte), cv = at::empty({n}, at::kByte), cmaster = at::empty({n}, at::kBFloat16);
+        at::Tensor scales = at::empty({2 * blocks});
+        ferry::CompactAdamSpan cs;
+        cs.master = reinterpret_cast<uint16_t*>(cmaster.data_ptr());
+        cs.grad = g16.data_ptr();
+        cs.grad_dtype = at::kBFloat16;
+        cs.exp_avg = cm.data_ptr<uint8_t>();
+        cs.exp_avg_scale = scales.data_ptr<float>();
+        cs.exp_avg_sq = cv.data_ptr<uint8_t>();
+        cs.exp_avg_sq_scale = scales.data_ptr<float>() + blocks;
+        cs.param_lowp = lowp.data_ptr();
+        cs.lowp_dtype = at::kBFloat16;
+        cs.numel = n;
+        ferry::compact_from_fp32(cs, p.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>());
+        compact_t = measure([&] { adam.advance_step(0); adam.update(0, cs, checked); }, min_time);
+        compact_roof_t = measure([&] {
+          compact_roof(cs.master, reinterpret_cast<const uint16_t*>(g16.data_ptr()), cs.exp_avg, cs.exp_avg_sq,
+                       reinterpret_cast<uint16_t*>(lowp.data_ptr()), n, nt, avx2);
+        }, min_time);
+      }
       if (!first) results << ",";
       first = false;
       results << "\n    {\"n\":" << n << ",\"threads\":" << nt << ",\"ferry\":" << timing_json(ferry_t, n)
@@ -218,16 +278,24 @@ int main(int argc, char** argv) {
               << ",\"torch_optim_adamw\":" << timing_json(optim_t, n)
               << ",\"ferry_vs_roof\":" << roof_t.median_s / ferry_t.median_s
               << ",\"ferry_vs_torch_fused\":" << fused_t.median_s / ferry_t.median_s
-              << ",\"ferry_vs_torch_optim\":" << optim_t.median_s / ferry_t.median_s << "}";
+              << ",\"ferry_vs_torch_optim\":" << optim_t.median_s / ferry_t.median_s
+              << ",\"compact\":" << timing_json(compact_t, n, kCompactBytesPerParam)
+              << ",\"compact_roof\":" << timing_json(compact_roof_t, n, kCompactBytesPerParam)
+              << ",\"compact_vs_roof\":" << compact_roof_t.median_s / compact_t.median_s
+              << ",\"compact_vs_fp32_state\":" << ferry_t.median_s / compact_t.median_s << "}";
       ferry::log::info("  ferry ", kDeclaredBytesPerParam * n / ferry_t.median_s / 1e9, " GB/s, roof ",
                        kDeclaredBytesPerParam * n / roof_t.median_s / 1e9, " GB/s, torch fused ",
                        kDeclaredBytesPerParam * n / fused_t.median_s / 1e9, " GB/s, torch optim ",
-                       kDeclaredBytesPerParam * n / optim_t.median_s / 1e9, " GB/s");
+                       kDeclaredBytesPerParam * n / optim_t.median_s / 1e9, " GB/s; compact ",
+                       kCompactBytesPerParam * n / compact_t.median_s / 1e9, " GB/s, its roof ",
+                       kCompactBytesPerParam * n / compact_roof_t.median_s / 1e9, " GB/s");
     }
   }
   const ferry::CpuAdam probe;
   std::cout << "{\n  \"benchmark\": \"cpu_adam\",\n  \"commit\": \"" << commit << "\",\n  \"kernel\": \""
             << ferry::to_string(probe.isa()) << "\",\n  \"declared_bytes_per_param\": " << kDeclaredBytesPerParam
+            << ",\n  \"bytes_per_param\": {\"fp32_state\": " << kDeclaredBytesPerParam << ", \"compact_state\": "
+            << kCompactBytesPerParam << "}"
             << ",\n  \"env\": " << ferry::env_report_json(ferry::collect_env_report()) << ",\n  \"results\": ["
             << results.str() << "\n  ]\n}\n";
   return 0;

@@ -7,6 +7,7 @@ namespace ferry::cpu_adam {
 namespace {
 
 #include "adam_body.h"
+#include "compact_body.h"
 
 struct Avx2Ops {
   using F = __m256;
@@ -42,10 +43,49 @@ struct Avx2Ops {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  // Integer lanes and masks (compact_body.h); a mask is all-ones lanes.
+  using I = __m256i;
+  using M = __m256i;
+  static I bits(F v) { return _mm256_castps_si256(v); }
+  static F from_bits(I x) { return _mm256_castsi256_ps(x); }
+  static I set1_i(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+  static I iota_i() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  static I add_i(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I sub_i(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I and_i(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_i(I a, I b) { return _mm256_or_si256(a, b); }
+  static I xor_i(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I srli(I a, int n) { return _mm256_srli_epi32(a, n); }
+  static I slli(I a, int n) { return _mm256_slli_epi32(a, n); }
+  static I max_i(I a, I b) { return _mm256_max_epi32(a, b); }
+  static F to_float(I a) { return _mm256_cvtepi32_ps(a); }
+  static M lt_i(I a, I b) { return _mm256_cmpgt_epi32(b, a); }
+  static M lt_f(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
+  static I select_i(M m, I if_true, I if_false) { return _mm256_blendv_epi8(if_false, if_true, m); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F abs(F a) { return _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7fffffff))); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static float hmax(F v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static I load_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static void store_u8(uint8_t* p, I v) {
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
+  }
+  static I load_u16(const uint16_t* p) { return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void store_u16(uint16_t* p, I v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+  }
 };
 
 }  // namespace
 
-const KernelTable kAvx2Kernels{8, &Dispatch<Avx2Ops>::adam, &Dispatch<Avx2Ops>::grad_stats};
+const KernelTable kAvx2Kernels{8, &Dispatch<Avx2Ops>::adam, &Dispatch<Avx2Ops>::grad_stats,
+                               &CompactDispatch<Avx2Ops>::adam};
 
 }  // namespace ferry::cpu_adam

@@ -3,5 +3,6 @@
 #include "adam_avx512.h"
 
 namespace ferry::cpu_adam {
-const KernelTable kAvx512Kernels{16, &Dispatch<Avx512Ops>::adam, &Dispatch<Avx512Ops>::grad_stats};
+const KernelTable kAvx512Kernels{16, &Dispatch<Avx512Ops>::adam, &Dispatch<Avx512Ops>::grad_stats,
+                                     &CompactDispatch<Avx512Ops>::adam};
 }  // namespace ferry::cpu_adam

@@ -10,6 +10,7 @@ namespace ferry::cpu_adam {
 namespace {
 
 #include "adam_body.h"
+#include "compact_body.h"
 
 struct Avx512Ops {
   using F = __m512;
@@ -46,6 +47,34 @@ struct Avx512Ops {
                         _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   static float hsum(F v) { return _mm512_reduce_add_ps(v); }
+  // Integer lanes and masks (compact_body.h).
+  using I = __m512i;
+  using M = __mmask16;
+  static I bits(F v) { return _mm512_castps_si512(v); }
+  static F from_bits(I x) { return _mm512_castsi512_ps(x); }
+  static I set1_i(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  static I iota_i() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  static I add_i(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub_i(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I and_i(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_i(I a, I b) { return _mm512_or_si512(a, b); }
+  static I xor_i(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I srli(I a, int n) { return _mm512_srli_epi32(a, static_cast<unsigned>(n)); }
+  static I slli(I a, int n) { return _mm512_slli_epi32(a, static_cast<unsigned>(n)); }
+  static I max_i(I a, I b) { return _mm512_max_epi32(a, b); }
+  static F to_float(I a) { return _mm512_cvtepi32_ps(a); }
+  static M lt_i(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
+  static M lt_f(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+  static I select_i(M m, I if_true, I if_false) { return _mm512_mask_blend_epi32(m, if_false, if_true); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F abs(F a) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7fffffff))); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static float hmax(F v) { return _mm512_reduce_max_ps(v); }
+  static I load_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void store_u8(uint8_t* p, I v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v)); }
+  static I load_u16(const uint16_t* p) { return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static void store_u16(uint16_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(v)); }
 };
 
 }  // namespace

@@ -4,5 +4,6 @@
 
 namespace ferry::cpu_adam {
 const KernelTable kAvx512Bf16Kernels{16, &Dispatch<Avx512Ops>::adam,
-                                     &Dispatch<Avx512Ops>::grad_stats};
+                                     &Dispatch<Avx512Ops>::grad_stats,
+                                     &CompactDispatch<Avx512Ops>::adam};
 }  // namespace ferry::cpu_adam

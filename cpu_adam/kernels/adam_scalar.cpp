@@ -8,6 +8,7 @@ namespace ferry::cpu_adam {
 namespace {
 
 #include "adam_body.h"
+#include "compact_body.h"
 
 struct ScalarOps {
   using F = float;
@@ -24,10 +25,74 @@ struct ScalarOps {
   static void store_bf16(uint16_t* p, F v) { *p = f32_to_bf16(v); }
   static void store_f16(uint16_t* p, F v) { *p = f32_to_f16(v); }
   static float hsum(F v) { return v; }
+  // Integer lanes and masks (compact_body.h).
+  using I = uint32_t;
+  using M = bool;
+  static I bits(F v) { return f32_bits(v); }
+  static F from_bits(I x) { return bits_f32(x); }
+  static I set1_i(uint32_t x) { return x; }
+  static I iota_i() { return 0; }
+  static I add_i(I a, I b) { return a + b; }
+  static I sub_i(I a, I b) { return a - b; }
+  static I and_i(I a, I b) { return a & b; }
+  static I or_i(I a, I b) { return a | b; }
+  static I xor_i(I a, I b) { return a ^ b; }
+  static I mullo(I a, I b) { return a * b; }
+  static I srli(I a, int n) { return a >> n; }
+  static I slli(I a, int n) { return a << n; }
+  static I max_i(I a, I b) { return static_cast<int32_t>(a) > static_cast<int32_t>(b) ? a : b; }
+  static F to_float(I a) { return static_cast<float>(static_cast<int32_t>(a)); }
+  static M lt_i(I a, I b) { return static_cast<int32_t>(a) < static_cast<int32_t>(b); }
+  static M lt_f(F a, F b) { return a < b; }
+  static I select_i(M m, I if_true, I if_false) { return m ? if_true : if_false; }
+  static F add(F a, F b) { return a + b; }
+  static F abs(F a) { return bits_f32(f32_bits(a) & 0x7fffffffu); }
+  static F max(F a, F b) { return a > b ? a : b; }  // as MAXPS: the second when either is NaN
+  static float hmax(F v) { return v; }
+  static I load_u8(const uint8_t* p) { return *p; }
+  static void store_u8(uint8_t* p, I v) { *p = static_cast<uint8_t>(v); }
+  static I load_u16(const uint16_t* p) { return *p; }
+  static void store_u16(uint16_t* p, I v) { *p = static_cast<uint16_t>(v); }
 };
 
 }  // namespace
 
-const KernelTable kScalarKernels{1, &Dispatch<ScalarOps>::adam, &Dispatch<ScalarOps>::grad_stats};
+void compact_decode(const CompactStateView& s, int64_t n, float* master, float* exp_avg, float* exp_avg_sq) {
+  using Codes = CompactCodes<ScalarOps>;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t block = i / kCompactBlock;
+    if (master) master[i] = bf16_to_f32(s.master[i]);
+    if (exp_avg) exp_avg[i] = Codes::decode_m(s.exp_avg[i]) * s.exp_avg_scale[block];
+    if (exp_avg_sq) {
+      const float u = Codes::decode_u(s.exp_avg_sq[i]) * s.exp_avg_sq_scale[block];
+      exp_avg_sq[i] = u * u;
+    }
+  }
+}
+
+void compact_encode(const CompactStateView& s, int64_t n, const float* master, const float* exp_avg,
+                    const float* exp_avg_sq) {
+  using Codes = CompactCodes<ScalarOps>;
+  for (int64_t b = 0; b < n; b += kCompactBlock) {
+    const int64_t e = n - b < kCompactBlock ? n : b + kCompactBlock;
+    float max_m = 0.0f, max_u = 0.0f;
+    for (int64_t i = b; i < e; ++i) {
+      s.master[i] = f32_to_bf16(master[i]);
+      max_m = ScalarOps::max(max_m, ScalarOps::abs(exp_avg[i]));
+      max_u = ScalarOps::max(max_u, std::sqrt(exp_avg_sq[i]));
+    }
+    const float inv_m = max_m > 0.0f ? 1.0f / max_m : 0.0f, inv_u = max_u > 0.0f ? 1.0f / max_u : 0.0f;
+    for (int64_t i = b; i < e; ++i) {
+      const float u = std::sqrt(exp_avg_sq[i]);
+      s.exp_avg[i] = static_cast<uint8_t>(Codes::encode_m(exp_avg[i] * inv_m));
+      s.exp_avg_sq[i] = static_cast<uint8_t>(Codes::encode_u(u * inv_u, u));
+    }
+    s.exp_avg_scale[b / kCompactBlock] = max_m;
+    s.exp_avg_sq_scale[b / kCompactBlock] = max_u;
+  }
+}
+
+const KernelTable kScalarKernels{1, &Dispatch<ScalarOps>::adam, &Dispatch<ScalarOps>::grad_stats,
+                                 &CompactDispatch<ScalarOps>::adam};
 
 }  // namespace ferry::cpu_adam

@@ -2,7 +2,7 @@
 // The interface between cpu_adam.cpp (validation, threads) and the per-ISA kernel files.
 //
 // Kernel files are compiled with ISA flags (-mavx2, -mavx512f, ...). They include only this header,
-// host_device.h, float16.h, adam_body.h and <immintrin.h>: no torch or other C++ headers with inline functions whose
+// host_device.h, float16.h, adam_body.h, compact_body.h and <immintrin.h>: no torch or other C++ headers with inline functions whose
 // ISA-flagged copies the linker could pick for the whole program (ODR), which would put AVX-512 code
 // on CPUs without it. Everything they define has internal linkage except their KernelTable.
 #include <cstdint>
@@ -43,14 +43,48 @@ struct GradStats {
   bool nonfinite = false;  // any inf or NaN
 };
 
+// The compact state's update (Note [The compact state format], cpu_adam/compact_state.h): bf16 master
+// (stochastic rounding), moments as 8-bit codes with one fp32 scale per block of kCompactBlock elements.
+// Blocks start at element 0 of the arrays; `begin` is a multiple of kCompactBlock, `end` one or the
+// arrays' end. The hyper-parameters are `hyper`'s (its pointers unused).
+constexpr int64_t kCompactBlock = 256;
+struct CompactAdamArgs {
+  uint16_t* master = nullptr;          // bf16 bits, updated in place
+  const void* grad = nullptr;          // hyper.grad_type elements
+  uint8_t* exp_avg = nullptr;          // signed codes of exp_avg / its block's scale
+  float* exp_avg_scale = nullptr;      // per block: max |exp_avg|
+  uint8_t* exp_avg_sq = nullptr;       // codes of sqrt(exp_avg_sq) / its block's scale
+  float* exp_avg_sq_scale = nullptr;   // per block: max sqrt(exp_avg_sq)
+  void* param_lowp = nullptr;          // the compute copy, written when hyper.lowp_type != kNone
+  uint32_t rounding_seed = 0;          // this step's stream of rounding bits
+  uint32_t element_offset = 0;         // (low 32 bits of) element 0's index in the stream
+  AdamKernelArgs hyper;
+};
+
 using AdamFn = void (*)(const AdamKernelArgs& args, int64_t begin, int64_t end);
+using CompactAdamFn = void (*)(const CompactAdamArgs& args, int64_t begin, int64_t end);
 using GradStatsFn = GradStats (*)(const void* grad, GradType type, float grad_scale, int64_t begin, int64_t end);
 
 struct KernelTable {
   int vector_width;  // fp32 lanes
   AdamFn adam;
   GradStatsFn grad_stats;
+  CompactAdamFn compact_adam;
 };
+
+// The compact state of `n` elements as fp32 and back, with the kernels' codes (adam_scalar.cpp; no ISA
+// flags): decode writes master, exp_avg, exp_avg_sq (any may be null); encode rounds the master to
+// nearest (a conversion, not an update) and sets each block's scales to its maxima.
+struct CompactStateView {
+  uint16_t* master = nullptr;
+  uint8_t* exp_avg = nullptr;
+  float* exp_avg_scale = nullptr;
+  uint8_t* exp_avg_sq = nullptr;
+  float* exp_avg_sq_scale = nullptr;
+};
+void compact_decode(const CompactStateView& state, int64_t n, float* master, float* exp_avg, float* exp_avg_sq);
+void compact_encode(const CompactStateView& state, int64_t n, const float* master, const float* exp_avg,
+                    const float* exp_avg_sq);
 
 // Defined in kernels/adam_<isa>.cpp; only call one whose ISA ferry::cpu_supports().
 extern const KernelTable kScalarKernels;
