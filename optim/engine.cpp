@@ -203,30 +203,35 @@ void Engine::sync_layout_locked() const {
 }
 
 // Note [The joint placement]
-// Opt-in (HybridAdamOptions::plan_state_with_activations). Under activations=auto (D75) the state is placed at the first step after the warm-up, whose backward
-// recomputed and measured every checkpoint segment: the memory plan (scheduler/memory_plan.h) then
-// decides, in one solve, how many state groups go to the device and which segments keep their
-// activations in the room left after every parameter chunk, weighing the host updates the device state
-// saves (at rates measured here, optim/rate_probe.h) against the recompute the kept activations save;
-// the model applies the segments' half and re-traces. With a fixed count of device groups
-// (device_state_chunks), at world size > 1 (where the ranks agree on the plan: dist/plan_agreement.h),
-// or before the segments were measured, the state is placed by the policy as before, and the model
-// plans its activations in the room the state left (Note [When the activation plan is made]). Its weakness, measured on one H100 (2026-11-27): the only
-// phase times at hand are the warm-up's (first touches, LRU, every segment synchronised), 25x the
-// steady forward at 4b, so every host update looked hidden behind them and all state went to the host
-// (4b 1.6 s against 0.56 s). Hence opt-in until the plan can re-place state after a steady iteration.
+// Opt-in (HybridAdamOptions::plan_state_with_activations). Under activations=auto (D75) the state is
+// first placed by the policy at the first step after the warm-up, and the model plans its activations
+// in the room the state left at the end of the next iteration, which recomputed and measured every
+// checkpoint segment (Note [When the activation plan is made]). At the step after that iteration, the
+// first with the state in place and nothing of the warm-up in its times, the memory plan (scheduler/
+// memory_plan.h) decides again, in one solve, how many state groups go to the device and which
+// segments keep their activations in the room left after every parameter chunk, weighing the host
+// updates the device state saves (at rates measured then, optim/rate_probe.h) against the recompute the
+// kept activations save; the state is placed again (StatePlacement::replace: groups may go back to the
+// host) and the model applies the segments' half, replacing its own plan, and re-traces. With a fixed
+// count of device groups (device_state_chunks) or at world size > 1 (where the ranks agree on the plan,
+// dist/plan_agreement.h, and each places its own state) the model's plan stands. It runs at the end of
+// that step (step() or backward_step()), after its updates, the model idle; the host updates it left
+// running are waited for first (once). Why not at the first
+// placement, as until 2026-11-27: the only phase times at hand there are the warm-up's (first touches,
+// LRU, every segment synchronised), 25x the steady forward at 4b on one H100, so every host update
+// looked hidden behind them and all state went to the host (4b 1.6 s against 0.56 s).
 void Engine::place_locked() {
+  placement_.place(model(), *policy_, ownership_, !options_.accumulate_grads, sharded_.param_shards() != nullptr);
+}
+
+void Engine::place_jointly_if_due_locked() {
   ChunkedModel& m = model();
+  const bool due = options_.plan_state_with_activations && m.activations().policy() == ActivationPolicy::kAuto &&
+                   options_.device_state_chunks < 0 && !sharded_.active() && placement_.placed() &&
+                   !placement_.replaced() && m.activations().plans() > 0 && m.phase() == ModelPhase::kIdle;
+  if (!due) return;
+  deferred_.settle();  // no host update may run on a group that moves
   const bool params_travel = !options_.accumulate_grads, remote_params = sharded_.param_shards() != nullptr;
-  // Note [The joint placement]: under activations=auto, with the default policy, the state's place and
-  // the segments' activations are decided together once the warm-up measured every segment.
-  const bool joint = options_.plan_state_with_activations && m.activations().policy() == ActivationPolicy::kAuto &&
-                     options_.device_state_chunks < 0 &&
-                     !sharded_.active() && m.activations().plan_wanted() && !placement_.placed();
-  if (!joint) {
-    placement_.place(m, *policy_, ownership_, params_travel, remote_params);
-    return;
-  }
   ActivationCosts costs = m.activation_costs();
   costs.host_behind_forward = options_.update_behind_forward;
   const Device& device = m.device_object();
@@ -236,7 +241,7 @@ void Engine::place_locked() {
             " GB/s, host<->device copies ", rates.copy_bytes_per_s / 1e9, " GB/s, device ",
             rates.device_bytes_per_s / 1e9, " GB/s");
   const JointPlacementPolicy policy(std::move(costs), rates);
-  placement_.place(m, policy, ownership_, params_travel, remote_params);
+  placement_.replace(m, policy, ownership_, params_travel, remote_params);
   if (policy.planned()) m.apply_activation_plan(policy.plan(), policy.plan_input());
 }
 

@@ -129,6 +129,8 @@ class Engine final : private GradSink, private LayoutListener, private PlanAgree
   void follow_layout_locked();
   void sync_layout_locked() const;  // asserts the state mirrors the model's layout
   void place_locked();
+  // Note [The joint placement], at the end of a step: once, when due.
+  void place_jointly_if_due_locked();
   // A chunk final in this backward, in the mode this backward runs.
   void chunk_final_locked(int64_t chunk);
 

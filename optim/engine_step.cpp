@@ -55,7 +55,9 @@ StepResult Engine::step() {
   const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   settle("step()");
   std::lock_guard<std::mutex> lock(mutex_);
-  return step_locked();
+  const StepResult result = step_locked();
+  place_jointly_if_due_locked();
+  return result;
 }
 
 StepResult Engine::step_locked() {
@@ -423,7 +425,9 @@ StepResult Engine::backward_step_at_one_rank(const at::Tensor& loss) {
   // The first calls: nothing to expect yet. Else what the pipeline did not do during backward runs now
   // (with accumulation the chunks final in backward had their accumulations and norms, eager their host
   // updates too, writing the new values into the slots), as step() runs it.
-  return pipelined ? finish_pipelined_locked() : step_locked();
+  const StepResult result = pipelined ? finish_pipelined_locked() : step_locked();
+  place_jointly_if_due_locked();
+  return result;
 }
 
 void Engine::abandon_backward_step_locked(bool pipelined) {

@@ -46,11 +46,12 @@ struct HybridAdamOptions {
   // (Note [Update behind the next forward]); at N > 1 only with shard_params. Off: step() and
   // backward_step() return with every update written.
   bool update_behind_forward = true;
-  // Under Config::activations = auto: place the state and plan the activations in one solve at the first
-  // step after the warm-up (Note [The joint placement], optim/engine.cpp). Off (the default): the state
-  // is placed by the policy and the model plans its activations in the room left, one iteration later.
-  // Opt-in because that solve has only the warm-up's times, which on one H100 were 10-25x the steady
-  // step's and moved all state to the host (4b: 1.6 s against 0.56 s; D75).
+  // Under Config::activations = auto: after the state was placed by the policy and the model planned its
+  // activations in the room left (one iteration later), place the state again and plan the activations
+  // in one solve, from that iteration's times, at the end of its step (Note [The joint placement],
+  // optim/engine.cpp; state may move back to the host). Off (the default): the model's plan stands.
+  // Opt-in until measured on a GPU: its first form, solved at the first placement from the warm-up's
+  // times, moved all state to the host there (4b: 1.6 s against 0.56 s; D75).
   bool plan_state_with_activations = false;
 
   // `defaults` for matrices; biases and norm weights (tensors of dim <= 1) in group 1 without decay.

@@ -30,11 +30,33 @@ HostState StatePlacement::host_state(int64_t chunk, bool held, bool moments) {
 
 void StatePlacement::follow_layout(int64_t layout_version, int64_t num_chunks) {
   placed_ = false;  // the old state store's device bytes left with it (discharged from the accountant)
+  replaced_ = false;
   layout_version_ = layout_version;
   on_device_.assign(num_chunks, 0);
 }
 
 int64_t StatePlacement::num_on_device() const { return std::count(on_device_.begin(), on_device_.end(), 1); }
+
+PlacementInput StatePlacement::input_of(ChunkedModel& model, const Ownership& ownership, bool params_travel,
+                                        bool remote_params, int64_t* held) const {
+  PlacementInput input;
+  input.params_travel = params_travel;
+  input.remote_params = remote_params;
+  *held = 0;
+  for (int64_t c = 0; c < num_chunks(); ++c) {
+    StateGroup g;
+    g.param_bytes = model.store().chunk_info(model.param_chunk(c)).nbytes;
+    g.held = ownership.owned(c);
+    g.state_bytes = g.held ? group_bytes(c) : 0;
+    *held += g.held;
+    input.groups.push_back(g);
+  }
+  return input;
+}
+
+void StatePlacement::grow_host_cache(ChunkedModel& model, int64_t bytes) const {
+  if (bytes > 0) model.store().set_host_cache_bytes(std::max(model.store().host_cache_bytes(), bytes));
+}
 
 void StatePlacement::place(ChunkedModel& model, const PlacementPolicy& policy, const Ownership& ownership,
                            bool params_travel, bool remote_params) {
@@ -42,33 +64,55 @@ void StatePlacement::place(ChunkedModel& model, const PlacementPolicy& policy, c
   // but before any step (micro-batches, or a discarded first step) is inside one: its step places.
   if (placed_ || !model.scheduler().trace() || model.scheduler().trace_is_forward_only()) return;
   if (model.phase() != ModelPhase::kIdle) return;
-  const int64_t n = num_chunks();
-  PlacementInput input;
-  input.params_travel = params_travel;
-  input.remote_params = remote_params;
   int64_t held = 0;
-  for (int64_t c = 0; c < n; ++c) {
-    StateGroup g;
-    g.param_bytes = model.store().chunk_info(model.param_chunk(c)).nbytes;
-    g.held = ownership.owned(c);
-    g.state_bytes = g.held ? group_bytes(c) : 0;
-    held += g.held;
-    input.groups.push_back(g);
-  }
-  const Placement placement = place_state(model.scheduler(), policy, std::move(input));
-  for (int64_t c = 0; c < n; ++c) {
+  const Placement placement =
+      place_state(model.scheduler(), policy, input_of(model, ownership, params_travel, remote_params, &held));
+  for (int64_t c = 0; c < num_chunks(); ++c) {
     if (!placement.on_device[c]) continue;
     state_->move_group(c, Location::kDevice);
     on_device_[c] = 1;
   }
   placed_ = true;
-  if (placement.host_cache_bytes > 0) {
-    model.store().set_host_cache_bytes(std::max(model.store().host_cache_bytes(), placement.host_cache_bytes));
-  }
+  grow_host_cache(model, placement.host_cache_bytes);
   const int64_t margin = placement.margin_bytes;
   log::info("ferry: HybridAdam placed optimizer state: ", placement.count(), " of ", held, " chunk groups on the device (",
             format_bytes(placement.device_bytes), ")", margin >= 0 ? ", margin after parameters and non-model peak " : "",
             margin >= 0 ? format_bytes(std::max<int64_t>(0, margin)) : std::string());
+}
+
+bool StatePlacement::replace(ChunkedModel& model, const PlacementPolicy& policy, const Ownership& ownership,
+                             bool params_travel, bool remote_params) {
+  TORCH_INTERNAL_ASSERT(placed_ && !replaced_, "StatePlacement::replace() ", placed_ ? "twice" : "before place()");
+  TORCH_CHECK(model.phase() == ModelPhase::kIdle, "ferry: optimizer state is placed again between iterations; the model is in ",
+              to_string(model.phase()));
+  replaced_ = true;
+  int64_t held = 0;
+  const Placement placement =
+      decide_state_placement(model.scheduler(), policy, input_of(model, ownership, params_travel, remote_params, &held));
+  int64_t left = 0, arriving = 0, arriving_bytes = 0;
+  for (int64_t c = 0; c < num_chunks(); ++c) {  // out first: their device bytes make the others' room
+    if (!on_device_[c] || placement.on_device[c]) continue;
+    state_->move_group(c, Location::kHost);
+    on_device_[c] = 0;
+    ++left;
+  }
+  for (int64_t c = 0; c < num_chunks(); ++c) {
+    if (placement.on_device[c] && !on_device_[c]) {
+      ++arriving;
+      arriving_bytes += group_bytes(c);
+    }
+  }
+  // The parameter store's share of the budget follows the state's (also when state only left).
+  model.scheduler().admit_device_bytes(arriving_bytes);
+  for (int64_t c = 0; c < num_chunks(); ++c) {
+    if (!placement.on_device[c] || on_device_[c]) continue;
+    state_->move_group(c, Location::kDevice);
+    on_device_[c] = 1;
+  }
+  grow_host_cache(model, placement.host_cache_bytes);
+  log::info("ferry: HybridAdam placed optimizer state again (", policy.name(), "): ", num_on_device(), " of ", held,
+            " chunk groups on the device (", left, " moved to the host, ", arriving, " to the device)");
+  return left + arriving > 0;
 }
 
 }  // namespace ferry::optim

@@ -4,8 +4,9 @@
 // and migrates with its repacks) and where each group lives. Until the model's warm-up has finished
 // all state is on the host; at the first step after it, place() asks a PlacementPolicy (scheduler/
 // placement_policy.h) from the room the trace leaves, moves the groups it puts on the device there, and
-// sizes the parameter store's pinned host cache for the round trips of the others. A repack starts it
-// over (follow_layout).
+// sizes the parameter store's pinned host cache for the round trips of the others. A planner may
+// decide once more (replace(): the joint placement after a steady iteration, Note [The joint
+// placement], optim/engine.cpp). A repack starts it over (follow_layout).
 //
 // Contract: not thread-safe (HybridAdam's engine calls it under its mutex); the views it hands out
 // (payload, view, host_state) are the optimizer's own work's, during backward too.
@@ -56,6 +57,14 @@ class StatePlacement {
   void place(ChunkedModel& model, const PlacementPolicy& policy, const Ownership& ownership, bool params_travel,
              bool remote_params);
   bool placed() const { return placed_; }
+  // Decides again with `policy` (once per layout, after place(); between iterations, with no host
+  // update running) and moves the groups whose place changed: those leaving the device first, then
+  // room for the arriving ones (Scheduler::admit_device_bytes; it throws if they cannot fit, with the
+  // leaving ones already on the host: consistent, and the placement is that far), then those. Grows
+  // the host cache for the round trips of the groups now on the host. Returns whether a group moved.
+  bool replace(ChunkedModel& model, const PlacementPolicy& policy, const Ownership& ownership, bool params_travel,
+               bool remote_params);
+  bool replaced() const { return replaced_; }
   bool on_device(int64_t chunk) const { return on_device_[chunk] != 0; }
   int64_t num_on_device() const;
   int64_t group_bytes(int64_t chunk) const { return state_->group_bytes(chunk); }
@@ -65,6 +74,10 @@ class StatePlacement {
   int64_t layout_version_ = -1;
   std::vector<char> on_device_;  // per layout chunk
   bool placed_ = false;
+  bool replaced_ = false;
+  PlacementInput input_of(ChunkedModel& model, const Ownership& ownership, bool params_travel, bool remote_params,
+                          int64_t* held) const;
+  void grow_host_cache(ChunkedModel& model, int64_t bytes) const;
 };
 
 }  // namespace ferry::optim

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "scheduler.h"
 
@@ -83,14 +84,19 @@ int64_t host_cache_bytes_for(const PlacementInput& input, const Placement& place
   return travelling > 0 ? travelling + largest : 0;
 }
 
-Placement place_state(Scheduler& scheduler, const PlacementPolicy& policy, PlacementInput input) {
+Placement decide_state_placement(const Scheduler& scheduler, const PlacementPolicy& policy, PlacementInput input) {
   input.room_bytes = scheduler.device_room_bytes();
   input.non_model_peak_bytes = scheduler.non_model_peak();
   Placement placement = policy.place(input);
   TORCH_INTERNAL_ASSERT(placement.on_device.size() == input.groups.size(), "placement policy ", policy.name(),
                         " answered for ", placement.on_device.size(), " groups, asked for ", input.groups.size());
-  scheduler.admit_device_bytes(placement.device_bytes);  // evicts parameter chunks; throws, changing nothing
   placement.host_cache_bytes = host_cache_bytes_for(input, placement);
+  return placement;
+}
+
+Placement place_state(Scheduler& scheduler, const PlacementPolicy& policy, PlacementInput input) {
+  Placement placement = decide_state_placement(scheduler, policy, std::move(input));
+  scheduler.admit_device_bytes(placement.device_bytes);  // evicts parameter chunks; throws, changing nothing
   return placement;
 }
 

@@ -88,5 +88,8 @@ int64_t host_cache_bytes_for(const PlacementInput& input, const Placement& place
 // parameter chunks; it throws, changing nothing, if the state would leave less than the largest chunk).
 // Between iterations, after the warm-up. The caller moves the groups where the answer says.
 Placement place_state(Scheduler& scheduler, const PlacementPolicy& policy, PlacementInput input);
+// The decision of place_state() without making room: for a placement made again (state already on the
+// device), whose caller moves the leaving groups out first and then admits only the arriving bytes.
+Placement decide_state_placement(const Scheduler& scheduler, const PlacementPolicy& policy, PlacementInput input);
 
 }  // namespace ferry

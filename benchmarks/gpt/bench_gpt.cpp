@@ -3,7 +3,7 @@
 // document (progress on stderr).
 //
 //   bench_gpt [--preset=small] [--batch=8] [--seq=256] [--steps=5] [--warmup-steps=2]
-//             [--checkpoint-activations] [--no-baseline] [--find-max] [--trace=FILE.json] [--commit=SHA]
+//             [--checkpoint-activations] [--joint-placement] [--no-baseline] [--find-max] [--trace=FILE.json] [--commit=SHA]
 //             [--unpipelined] [--replicate-params] [--keep-gathered] [--reshard-gap=16]
 //             [--profile=FILE.json] [--profile-ferry=FILE.json]
 //             + ferry options   (--trace: a Chrome trace of the last measured step)
@@ -60,6 +60,7 @@ struct Args {
   int64_t batch = 8, seq = 256, steps = 5, warmup_steps = 2;
   bool checkpoint = false, baseline = true, find_max = false, init_scope = false, unpipelined = false;
   bool sync_update = false;  // HybridAdamOptions::update_behind_forward off
+  bool joint_placement = false;  // HybridAdamOptions::plan_state_with_activations
   bool replicate_params = false, keep_gathered = false;  // world size > 1: Note [Sharded parameters] off / no reshard
   int64_t reshard_gap = 16;
   double max_grad_norm = 0;  // global-norm clipping (ferry and the baseline); 0: none
@@ -273,6 +274,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   adam_options.communicator = comm;  // null: one process
   adam_options.shard_params = !a.replicate_params;
   adam_options.update_behind_forward = !a.sync_update;
+  adam_options.plan_state_with_activations = a.joint_placement;
   ferry::HybridAdam adam(model, adam_options);
   const c10::Device device = model.store().device();
   std::mt19937_64 rng(7 + config.rank);  // each rank its own batches
@@ -689,6 +691,8 @@ int run(int argc, char** argv) {
            "batch / N sequences (default 1)", 1)
       .add("max-grad-norm", &a.max_grad_norm, "global gradient clipping in ferry and the baseline, 0 = none "
            "(default 0; with clipping ferry's host Adam follows backward: Note [Pipelined step])", 0.0)
+      .add_flag("joint-placement", &a.joint_placement, "activations=auto: the state placed again with the "
+                "activation plan after a steady iteration (HybridAdamOptions::plan_state_with_activations)")
       .add_flag("find-max", &a.find_max, "find the largest preset that trains")
       .add_flag("replicate-params", &a.replicate_params, "world size > 1: every rank keeps every parameter chunk")
       .add_flag("keep-gathered", &a.keep_gathered, "world size > 1: keep gathered groups from forward to the step")
@@ -738,6 +742,7 @@ int run(int argc, char** argv) {
       << ", \"host_budget_bytes\": " << config.host_budget_bytes << ", \"batch\": " << a.batch << ", \"seq\": " << a.seq
       << ", \"steps\": " << a.steps << ", \"checkpoint_activations\": " << (a.checkpoint ? "true" : "false")
       << ", \"activations\": \"" << ferry::to_string(config.activations) << "\""
+      << ", \"joint_placement\": " << (a.joint_placement ? "true" : "false")
       << ", \"trace\": \"" << a.trace << "\", \"step\": \"" << (a.unpipelined ? "unpipelined" : "pipelined")
       << "\", \"max_grad_norm\": " << a.max_grad_norm << ", \"micro_batches\": " << a.micro_batches
       << ", \"update_behind_forward\": " << (behind_forward_option(a, world) ? "true" : "false")

@@ -1,10 +1,10 @@
 // HybridAdam under activations=auto with plan_state_with_activations (Note [The joint placement],
-// optim/engine.cpp; off by default, tested off too): the first step after
-// the warm-up places the state and plans the activations in one solve (the plan sees every state group
-// and the rates measured in-process, optim/rate_probe.h); training is bit-identical to recompute and to
-// keep over several steps, with evictions and dropout, whatever the plan decided; a fixed count of
-// device groups leaves the plan to the model, which makes it one iteration later in the room the state
-// left.
+// optim/engine.cpp; off by default, tested off too): the first step after the warm-up places the state
+// by the policy, the model plans its activations at the end of the next iteration, and the step after
+// it places the state again and plans the activations in one solve (the plan sees every state group and
+// the rates measured in-process, optim/rate_probe.h), the state then where the plan says; training is
+// bit-identical to recompute and to keep over several steps, with evictions and dropout, whatever the
+// plan decided (state moved either way); a fixed count of device groups leaves the plan to the model.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -29,7 +29,8 @@ Config config_for(ActivationPolicy policy, int64_t capacity) { return test::bloc
 struct Trained {
   std::vector<double> losses;
   NamedTensors weights;
-  int64_t plans_after_first_step = 0;
+  int64_t plans_after_first_step = 0, plans_after_second_step = 0;
+  int64_t planned_groups_on_device = -1;
   size_t planned_groups = 0;
   int64_t kept = 0;
   int64_t device_state_chunks = 0;
@@ -53,10 +54,12 @@ Trained train(ActivationPolicy policy, int64_t capacity, int64_t fixed_device_gr
     adam.zero_grad();
     t.losses.push_back(loss.item<double>());
     if (step == 0) t.plans_after_first_step = model.activations().plans();
+    if (step == 1) t.plans_after_second_step = model.activations().plans();
   }
   t.weights = adam.state_dict();
   t.planned_groups = model.activations().plan_input().groups.size();
   t.kept = model.activations().plan().kept();
+  t.planned_groups_on_device = model.activations().plan().groups_on_device;
   t.device_state_chunks = adam.device_state_chunks();
   return t;
 }
@@ -69,11 +72,15 @@ void expect_identical(const Trained& a, const Trained& b, const std::string& wha
   }
 }
 
-TEST(JointStep, TheFirstStepPlacesStateAndPlansActivationsTogether) {
-  const Trained t = train(ActivationPolicy::kAuto, 1 << 20);
-  EXPECT_EQ(t.plans_after_first_step, 1);
-  EXPECT_GT(t.planned_groups, 0u);  // the plan weighed the state groups: the joint solve
-  EXPECT_GE(t.kept, 1);             // 128 KiB of room: a segment's activations fit
+TEST(JointStep, TheStepAfterASteadyIterationPlacesStateAndPlansActivationsTogether) {
+  for (const int64_t capacity : {int64_t{1} << 20, int64_t{160} << 10}) {
+    const Trained t = train(ActivationPolicy::kAuto, capacity);
+    EXPECT_EQ(t.plans_after_first_step, 0) << "the first step places by the policy alone";
+    EXPECT_EQ(t.plans_after_second_step, 2) << "the model's plan, then the joint one";
+    EXPECT_GT(t.planned_groups, 0u) << "the plan weighed the state groups: the joint solve";
+    // The state is where the joint plan put it: its first groups_on_device groups.
+    EXPECT_EQ(t.device_state_chunks, t.planned_groups_on_device) << capacity;
+  }
 }
 
 TEST(JointStep, TrainingIsBitIdenticalToRecomputeAndKeep) {
