@@ -55,17 +55,23 @@ cpu_adam::LowpType lowp_type_of(at::ScalarType t) {
   TORCH_CHECK(false, "CpuAdam: expected param_lowp dtype BFloat16 or Half (or none), got ", t);
 }
 
+// What every span (fp32 or compact state) must be: a size, known dtypes, a compute copy and its dtype
+// given together. Then the span's own arrays, non-null unless it is empty (`arrays_set`, `arrays`).
+void check_span_common(int64_t numel, at::ScalarType grad_dtype, const void* param_lowp, at::ScalarType lowp_dtype,
+                       bool arrays_set, const char* arrays) {
+  TORCH_CHECK(numel >= 0, "CpuAdam: expected numel >= 0, got ", numel);
+  grad_type_of(grad_dtype);
+  lowp_type_of(lowp_dtype);
+  if (numel == 0) return;  // empty spans may carry null pointers
+  TORCH_CHECK(arrays_set, "CpuAdam: expected non-null ", arrays, " for a span of ", numel, " elements");
+  TORCH_CHECK((param_lowp != nullptr) == (lowp_dtype != at::ScalarType::Undefined),
+              "CpuAdam: param_lowp and lowp_dtype must be given together, got pointer ", param_lowp ? "set" : "null",
+              " and dtype ", lowp_dtype);
+}
+
 void check_span(const AdamSpan& s) {
-  TORCH_CHECK(s.numel >= 0, "CpuAdam: expected numel >= 0, got ", s.numel);
-  grad_type_of(s.grad_dtype);
-  lowp_type_of(s.lowp_dtype);
-  if (s.numel == 0) return;  // empty spans may carry null pointers
-  TORCH_CHECK(s.param && s.grad && s.exp_avg && s.exp_avg_sq,
-              "CpuAdam: expected non-null param, grad, exp_avg and exp_avg_sq for a span of ", s.numel,
-              " elements");
-  TORCH_CHECK((s.param_lowp != nullptr) == (s.lowp_dtype != at::ScalarType::Undefined),
-              "CpuAdam: param_lowp and lowp_dtype must be given together, got pointer ",
-              s.param_lowp ? "set" : "null", " and dtype ", s.lowp_dtype);
+  check_span_common(s.numel, s.grad_dtype, s.param_lowp, s.lowp_dtype, s.param && s.grad && s.exp_avg && s.exp_avg_sq,
+                    "param, grad, exp_avg and exp_avg_sq");
 }
 
 void check_grad_scale(double grad_scale) {
@@ -315,16 +321,9 @@ UpdateResult CpuAdam::update(const FrozenGroup& group, const AdamSpan& span, con
 namespace {
 
 void check_compact_span(const CompactAdamSpan& s) {
-  TORCH_CHECK(s.numel >= 0, "CpuAdam: expected numel >= 0, got ", s.numel);
-  grad_type_of(s.grad_dtype);
-  lowp_type_of(s.lowp_dtype);
-  if (s.numel == 0) return;
-  TORCH_CHECK(s.master && s.grad && s.exp_avg && s.exp_avg_scale && s.exp_avg_sq && s.exp_avg_sq_scale,
-              "CpuAdam: expected non-null master, grad, exp_avg, exp_avg_sq and their scales for a compact span of ",
-              s.numel, " elements");
-  TORCH_CHECK((s.param_lowp != nullptr) == (s.lowp_dtype != at::ScalarType::Undefined),
-              "CpuAdam: param_lowp and lowp_dtype must be given together, got pointer ", s.param_lowp ? "set" : "null",
-              " and dtype ", s.lowp_dtype);
+  check_span_common(s.numel, s.grad_dtype, s.param_lowp, s.lowp_dtype,
+                    s.master && s.grad && s.exp_avg && s.exp_avg_scale && s.exp_avg_sq && s.exp_avg_sq_scale,
+                    "master, grad, exp_avg, exp_avg_sq and their scales (compact state)");
 }
 
 // The step's stream of rounding bits: murmur3's finaliser of the step count.

@@ -17,11 +17,12 @@ namespace ferry {
 // each one) and the device's room as the rest of the step will leave it: the parameter chunks, the
 // optimizer state the optimizer placed on the device, and the non-model memory the trace saw with every
 // segment recomputed. HybridAdam places its state at the first step after the warm-up (optim/
-// state_placement.h); asked to (plan_state_with_activations, opt-in) it makes the plan there, jointly
-// with the state's placement (Note [The joint placement], optim/engine.cpp), and nothing is left to do
-// here. Otherwise the plan waits for one iteration past the warm-up and the kept segments take the
-// room the state left; a model without an optimizer attached plans at the end of its warm-up. A changed plan changes the uses backward makes (a kept segment is not recomputed)
-// and the non-model memory at each moment, so the scheduler records the next iteration as a new trace.
+// state_placement.h), so the plan waits for one iteration past the warm-up and the kept segments take
+// the room the state left (asked to, plan_state_with_activations, HybridAdam then decides the state's
+// place and the segments again in one solve at the end of the next step and replaces this plan: Note
+// [The joint placement], optim/engine.cpp); a model without an optimizer attached plans at the end of
+// its warm-up. A changed plan changes the uses backward makes (a kept segment is not recomputed) and
+// the non-model memory at each moment, so the scheduler records the next iteration as a new trace.
 // At world size > 1 the ranks decide together when to plan and from what (Note [An activation plan
 // agreed across ranks], dist/plan_agreement.h): the PlanAgreement HybridAdam sets votes at the end of
 // every training iteration, on every rank, whatever this rank wants.
@@ -37,11 +38,8 @@ void ChunkedModel::plan_activations_if_wanted() {
   }
   const int64_t after_warmup = options_.scheduler.warmup_iterations + (grad_sink_ != nullptr ? 1 : 0);
   const bool ready = layout_final() && scheduler_->iterations() >= after_warmup;
-  bool wanted = ready && activations_.plan_wanted();
-  if (ranks) {
-    wanted = plan_agreement_->plan_now(ready, activations_.plan_wanted(), activations_.count());
-  }
-  if (!wanted) return;
+  const bool wanted = activations_.plan_wanted();
+  if (!(ranks ? plan_agreement_->plan_now(ready, wanted, activations_.count()) : ready && wanted)) return;
 
   ActivationCosts costs = activation_costs();
   MemoryPlanInput input;

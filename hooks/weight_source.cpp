@@ -127,6 +127,7 @@ WeightLoadPlan plan_weight_load(const WeightSource& source, const std::vector<We
   for (const WeightTarget& t : targets) by_name.emplace(t.name, &t);
   WeightLoadPlan plan;
   std::unordered_map<std::string, std::string> source_of;  // destination -> file tensor
+  std::vector<std::pair<std::string, std::string>> accepted;  // (destination, file tensor), in file order
   std::vector<std::string> twice, shapes, dtypes;
   for (const std::string& name : source.names()) {
     const std::string dest = options.rename ? options.rename(name) : name;
@@ -144,6 +145,7 @@ WeightLoadPlan plan_weight_load(const WeightSource& source, const std::vector<We
       twice.push_back(it->second + " and " + name + " (both as " + dest + ")");
       continue;
     }
+    accepted.emplace_back(dest, name);
     const SafetensorsFile::Entry& e = source.entry(name);
     const WeightTarget& t = *target->second;
     if (e.shape != t.shape) {
@@ -172,11 +174,7 @@ WeightLoadPlan plan_weight_load(const WeightSource& source, const std::vector<We
   }
   TORCH_CHECK(problems.str().empty(), "ferry: cannot load ", source.path(), " into ", what, "; nothing was loaded:",
               problems.str());
-  for (const std::string& name : source.names()) {
-    const std::string dest = options.rename ? options.rename(name) : name;
-    if (dest.empty() || !by_name.count(dest) || source_of.at(dest) != name) continue;
-    plan.values.emplace_back(dest, source.tensor(name));
-  }
+  for (const auto& [dest, name] : accepted) plan.values.emplace_back(dest, source.tensor(name));
   return plan;
 }
 

@@ -80,7 +80,7 @@ void StatePlacement::place(ChunkedModel& model, const PlacementPolicy& policy, c
             margin >= 0 ? format_bytes(std::max<int64_t>(0, margin)) : std::string());
 }
 
-bool StatePlacement::replace(ChunkedModel& model, const PlacementPolicy& policy, const Ownership& ownership,
+void StatePlacement::replace(ChunkedModel& model, const PlacementPolicy& policy, const Ownership& ownership,
                              bool params_travel, bool remote_params) {
   TORCH_INTERNAL_ASSERT(placed_ && !replaced_, "StatePlacement::replace() ", placed_ ? "twice" : "before place()");
   TORCH_CHECK(model.phase() == ModelPhase::kIdle, "ferry: optimizer state is placed again between iterations; the model is in ",
@@ -112,7 +112,6 @@ bool StatePlacement::replace(ChunkedModel& model, const PlacementPolicy& policy,
   grow_host_cache(model, placement.host_cache_bytes);
   log::info("ferry: HybridAdam placed optimizer state again (", policy.name(), "): ", num_on_device(), " of ", held,
             " chunk groups on the device (", left, " moved to the host, ", arriving, " to the device)");
-  return left + arriving > 0;
 }
 
 }  // namespace ferry::optim

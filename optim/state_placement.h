@@ -61,8 +61,8 @@ class StatePlacement {
   // update running) and moves the groups whose place changed: those leaving the device first, then
   // room for the arriving ones (Scheduler::admit_device_bytes; it throws if they cannot fit, with the
   // leaving ones already on the host: consistent, and the placement is that far), then those. Grows
-  // the host cache for the round trips of the groups now on the host. Returns whether a group moved.
-  bool replace(ChunkedModel& model, const PlacementPolicy& policy, const Ownership& ownership, bool params_travel,
+  // the host cache for the round trips of the groups now on the host.
+  void replace(ChunkedModel& model, const PlacementPolicy& policy, const Ownership& ownership, bool params_travel,
                bool remote_params);
   bool replaced() const { return replaced_; }
   bool on_device(int64_t chunk) const { return on_device_[chunk] != 0; }

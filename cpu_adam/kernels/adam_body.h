@@ -148,37 +148,49 @@ ferry::cpu_adam::GradStats grad_stats_loop(const void* grad, float grad_scale, i
   return {total, b != 0.0f || b != b};
 }
 
-// Every (grad type, lowp type, decay mode) combination of one Ops, behind the KernelTable ABI.
-template <class Ops>
-struct Dispatch {
+// Loop<Ops, G, L, decoupled, decay>::run(args, b, e) for the grad type, compute-copy type and decay mode
+// `h` names: every combination instantiated, one chosen per call (the fp32 and the compact loops).
+template <template <class, ferry::cpu_adam::GradType, ferry::cpu_adam::LowpType, bool, bool> class Loop, class Ops>
+struct LoopDispatch {
   using GradType = ferry::cpu_adam::GradType;
   using LowpType = ferry::cpu_adam::LowpType;
 
-  template <GradType G, LowpType L>
-  static void by_mode(const ferry::cpu_adam::AdamKernelArgs& a, int64_t b, int64_t e) {
-    const bool decay = a.weight_decay != 0.0f || a.decay_factor != 1.0f;
-    if (a.decoupled_decay) {
-      decay ? AdamLoop<Ops, G, L, true, true>::run(a, b, e) : AdamLoop<Ops, G, L, true, false>::run(a, b, e);
+  template <GradType G, LowpType L, class Args>
+  static void by_mode(const ferry::cpu_adam::AdamKernelArgs& h, const Args& a, int64_t b, int64_t e) {
+    const bool decay = h.weight_decay != 0.0f || h.decay_factor != 1.0f;
+    if (h.decoupled_decay) {
+      decay ? Loop<Ops, G, L, true, true>::run(a, b, e) : Loop<Ops, G, L, true, false>::run(a, b, e);
     } else {
-      decay ? AdamLoop<Ops, G, L, false, true>::run(a, b, e) : AdamLoop<Ops, G, L, false, false>::run(a, b, e);
+      decay ? Loop<Ops, G, L, false, true>::run(a, b, e) : Loop<Ops, G, L, false, false>::run(a, b, e);
     }
   }
 
-  template <GradType G>
-  static void by_lowp(const ferry::cpu_adam::AdamKernelArgs& a, int64_t b, int64_t e) {
-    switch (a.lowp_type) {
-      case LowpType::kNone: return by_mode<G, LowpType::kNone>(a, b, e);
-      case LowpType::kBf16: return by_mode<G, LowpType::kBf16>(a, b, e);
-      case LowpType::kF16: return by_mode<G, LowpType::kF16>(a, b, e);
+  template <GradType G, class Args>
+  static void by_lowp(const ferry::cpu_adam::AdamKernelArgs& h, const Args& a, int64_t b, int64_t e) {
+    switch (h.lowp_type) {
+      case LowpType::kNone: return by_mode<G, LowpType::kNone>(h, a, b, e);
+      case LowpType::kBf16: return by_mode<G, LowpType::kBf16>(h, a, b, e);
+      case LowpType::kF16: return by_mode<G, LowpType::kF16>(h, a, b, e);
     }
   }
+
+  template <class Args>
+  static void run(const ferry::cpu_adam::AdamKernelArgs& h, const Args& a, int64_t b, int64_t e) {
+    switch (h.grad_type) {
+      case GradType::kF32: return by_lowp<GradType::kF32>(h, a, b, e);
+      case GradType::kBf16: return by_lowp<GradType::kBf16>(h, a, b, e);
+      case GradType::kF16: return by_lowp<GradType::kF16>(h, a, b, e);
+    }
+  }
+};
+
+// The fp32 update and the grad statistics of one Ops, behind the KernelTable ABI.
+template <class Ops>
+struct Dispatch {
+  using GradType = ferry::cpu_adam::GradType;
 
   static void adam(const ferry::cpu_adam::AdamKernelArgs& a, int64_t b, int64_t e) {
-    switch (a.grad_type) {
-      case GradType::kF32: return by_lowp<GradType::kF32>(a, b, e);
-      case GradType::kBf16: return by_lowp<GradType::kBf16>(a, b, e);
-      case GradType::kF16: return by_lowp<GradType::kF16>(a, b, e);
-    }
+    LoopDispatch<AdamLoop, Ops>::run(a, a, b, e);
   }
 
   static ferry::cpu_adam::GradStats grad_stats(const void* g, GradType t, float s, int64_t b, int64_t e) {

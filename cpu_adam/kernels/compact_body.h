@@ -170,37 +170,10 @@ struct CompactLoop {
   }
 };
 
-// Every (grad type, lowp type, decay mode) combination of the compact update for one Ops.
+// The compact update of one Ops, behind the KernelTable ABI.
 template <class Ops>
 struct CompactDispatch {
-  using GradType = ferry::cpu_adam::GradType;
-  using LowpType = ferry::cpu_adam::LowpType;
-
-  template <GradType G, LowpType L>
-  static void by_mode(const ferry::cpu_adam::CompactAdamArgs& a, int64_t b, int64_t e) {
-    const ferry::cpu_adam::AdamKernelArgs& h = a.hyper;
-    const bool decay = h.weight_decay != 0.0f || h.decay_factor != 1.0f;
-    if (h.decoupled_decay) {
-      decay ? CompactLoop<Ops, G, L, true, true>::run(a, b, e) : CompactLoop<Ops, G, L, true, false>::run(a, b, e);
-    } else {
-      decay ? CompactLoop<Ops, G, L, false, true>::run(a, b, e) : CompactLoop<Ops, G, L, false, false>::run(a, b, e);
-    }
-  }
-
-  template <GradType G>
-  static void by_lowp(const ferry::cpu_adam::CompactAdamArgs& a, int64_t b, int64_t e) {
-    switch (a.hyper.lowp_type) {
-      case LowpType::kNone: return by_mode<G, LowpType::kNone>(a, b, e);
-      case LowpType::kBf16: return by_mode<G, LowpType::kBf16>(a, b, e);
-      case LowpType::kF16: return by_mode<G, LowpType::kF16>(a, b, e);
-    }
-  }
-
   static void adam(const ferry::cpu_adam::CompactAdamArgs& a, int64_t b, int64_t e) {
-    switch (a.hyper.grad_type) {
-      case GradType::kF32: return by_lowp<GradType::kF32>(a, b, e);
-      case GradType::kBf16: return by_lowp<GradType::kBf16>(a, b, e);
-      case GradType::kF16: return by_lowp<GradType::kF16>(a, b, e);
-    }
+    LoopDispatch<CompactLoop, Ops>::run(a.hyper, a, b, e);
   }
 };
