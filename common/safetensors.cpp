@@ -5,9 +5,13 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <regex>
 #include <set>
 #include <sstream>
+
+#include "durable_file.h"
 
 namespace ferry {
 namespace {
@@ -57,7 +61,12 @@ void write_all(int fd, const void* data, size_t n, const std::string& path) {
 }  // namespace
 
 void write_safetensors(const std::string& path, const NamedTensors& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+                       const std::map<std::string, std::string>& metadata, std::optional<at::ScalarType> floating_as) {
+  TORCH_CHECK(!floating_as || at::isFloatingType(*floating_as), "ferry: write_safetensors: floating_as must be a "
+              "floating dtype, got ", *floating_as);
+  auto stored = [&](const at::Tensor& t) {
+    return floating_as && at::isFloatingType(t.scalar_type()) ? *floating_as : t.scalar_type();
+  };
   TORCH_CHECK(!path.empty(), "ferry: write_safetensors needs a path");
   std::set<std::string> names;
   std::ostringstream header;
@@ -76,8 +85,8 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
     TORCH_CHECK(t.defined(), "ferry: safetensors tensor ", name, " is undefined");
     TORCH_CHECK(!name.empty() && name != "__metadata__" && names.insert(name).second, "ferry: safetensors names "
                 "must be unique and not empty or __metadata__, got '", name, "'");
-    const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-    header << (first ? "" : ",") << json_string(name) << ":{\"dtype\":\"" << dtype_name(t.scalar_type())
+    const int64_t bytes = t.numel() * static_cast<int64_t>(c10::elementSize(stored(t)));
+    header << (first ? "" : ",") << json_string(name) << ":{\"dtype\":\"" << dtype_name(stored(t))
            << "\",\"shape\":[";
     for (int64_t d = 0; d < t.dim(); ++d) header << (d ? "," : "") << t.size(d);
     header << "],\"data_offsets\":[" << offset << "," << offset + bytes << "]}";
@@ -98,7 +107,7 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
     write_all(fd, len, 8, tmp);
     write_all(fd, h.data(), h.size(), tmp);
     for (const auto& [name, t] : tensors) {
-      const at::Tensor c = t.to(at::kCPU).contiguous();
+      const at::Tensor c = t.to(at::kCPU, stored(t)).contiguous();
       write_all(fd, c.data_ptr(), static_cast<size_t>(c.numel()) * c.element_size(), tmp);
     }
     TORCH_CHECK(::fsync(fd) == 0, "ferry: fsync of ", tmp, " failed: ", std::strerror(errno));
@@ -111,6 +120,75 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
     ::unlink(tmp.c_str());
     throw;
   }
+}
+
+std::vector<std::string> write_safetensors_folder(const std::string& dir, const NamedTensors& tensors,
+                                                  const SafetensorsFolderOptions& options) {
+  TORCH_CHECK(!dir.empty(), "ferry: write_safetensors_folder needs a directory");
+  TORCH_CHECK(options.max_shard_bytes > 0, "ferry: max_shard_bytes must be > 0, got ", options.max_shard_bytes);
+  TORCH_CHECK(!tensors.empty(), "ferry: write_safetensors_folder(", dir, ") got no tensors");
+  auto stored_bytes = [&](const at::Tensor& t) {
+    const at::ScalarType s =
+        options.floating_as && at::isFloatingType(t.scalar_type()) ? *options.floating_as : t.scalar_type();
+    return t.numel() * static_cast<int64_t>(c10::elementSize(s));
+  };
+  // Shards in order, each closed when the next tensor would pass the limit (as save_pretrained does).
+  std::vector<NamedTensors> shards(1);
+  int64_t shard_bytes = 0, total = 0;
+  for (const auto& nt : tensors) {
+    TORCH_CHECK(nt.second.defined(), "ferry: write_safetensors_folder: tensor ", nt.first, " is undefined");
+    const int64_t b = stored_bytes(nt.second);
+    if (!shards.back().empty() && shard_bytes + b > options.max_shard_bytes) {
+      shards.emplace_back();
+      shard_bytes = 0;
+    }
+    shards.back().push_back(nt);
+    shard_bytes += b;
+    total += b;
+  }
+  make_dirs(dir);
+  const size_t n = shards.size();
+  std::vector<std::string> files;
+  for (size_t i = 0; i < n; ++i) {
+    char name[64];
+    std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", i + 1, n);
+    files.push_back(n == 1 ? std::string("model.safetensors") : std::string(name));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    write_safetensors(dir + "/" + files[i], shards[i], options.metadata, options.floating_as);
+  }
+  const std::string index = dir + "/model.safetensors.index.json";
+  if (n > 1) {
+    std::ostringstream j;
+    j << "{\n  \"metadata\": {\"total_size\": " << total << "},\n  \"weight_map\": {";
+    bool first = true;
+    for (size_t i = 0; i < n; ++i) {
+      for (const auto& nt : shards[i]) {
+        j << (first ? "\n    " : ",\n    ") << json_string(nt.first) << ": " << json_string(files[i]);
+        first = false;
+      }
+    }
+    j << "\n  }\n}\n";
+    const std::string text = j.str();
+    const std::string tmp = index + ".tmp." + std::to_string(::getpid());
+    DurableFile f(tmp);
+    f.write(text.data(), text.size());
+    f.sync_and_close();
+    TORCH_CHECK(::rename(tmp.c_str(), index.c_str()) == 0, "ferry: cannot rename ", tmp, " to ", index, ": ",
+                std::strerror(errno));
+  }
+  // An earlier save's weight files this one does not name.
+  static const std::regex weight_file(R"(model(-[0-9]+-of-[0-9]+)?\.safetensors(\.index\.json)?)");
+  const std::set<std::string> keep(files.begin(), files.end());
+  for (const std::string& f : list_dir(dir)) {  // no std::filesystem (D21)
+    const bool ours = keep.count(f) || (n > 1 && f == "model.safetensors.index.json");
+    if (!ours && std::regex_match(f, weight_file)) {
+      TORCH_CHECK(::unlink((dir + "/" + f).c_str()) == 0, "ferry: cannot remove the earlier save's ", dir, "/", f,
+                  ": ", std::strerror(errno));
+    }
+  }
+  fsync_dir(dir);
+  return files;
 }
 
 }  // namespace ferry

@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -22,7 +23,9 @@
 #include <utility>
 #include <vector>
 
+#include "../../common/json.h"
 #include "../../common/safetensors.h"
+#include "../../common/safetensors_file.h"
 #include "../test_util.h"
 
 namespace ferry {
@@ -407,6 +410,58 @@ torch.save(tensors, out)
   }
   remove_dir(dir);
 #endif
+}
+
+
+// A Hugging Face folder: shards closed when the next tensor would pass the limit, the index naming each
+// tensor's shard and the total, floating tensors converted (integers kept), and an earlier save's
+// weight files the new one does not name removed (other files kept).
+TEST(Safetensors, AFolderIsShardedIndexedAndReplacesAnEarlierSave) {
+  const std::string dir = temp_dir();
+  for (const char* stale : {"model-00001-of-00003.safetensors", "model-00003-of-00003.safetensors", "model.safetensors"}) {
+    write_safetensors(dir + "/" + stale, {{"old", torch::ones({1})}});
+  }
+  std::ofstream(dir + "/tokenizer.json") << "{}";
+  const NamedTensors tensors = {{"a", torch::randn({1000})},
+                                {"b", torch::randn({30, 100})},
+                                {"c", torch::randn({10}).to(torch::kBFloat16)},
+                                {"d", torch::arange(5, torch::kLong)}};
+  SafetensorsFolderOptions options;
+  options.max_shard_bytes = 8000;  // a + b in bf16 = 8000 bytes exactly; c and d in the second shard
+  options.floating_as = at::kBFloat16;
+  const std::vector<std::string> files = write_safetensors_folder(dir, tensors, options);
+  const std::vector<std::string> want_files = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"};
+  EXPECT_EQ(files, want_files);
+  std::vector<std::string> in_dir = files_in(dir);
+  std::sort(in_dir.begin(), in_dir.end());
+  EXPECT_EQ(in_dir, (std::vector<std::string>{"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                                              "model.safetensors.index.json", "tokenizer.json"}));
+  const JsonValue index = parse_json(read_file(dir + "/model.safetensors.index.json"), "index");
+  EXPECT_EQ(index.find("metadata")->find("total_size")->int64("total_size"), 2000 + 6000 + 20 + 40);
+  const JsonValue& map = *index.find("weight_map");
+  const std::map<std::string, std::string> want_map = {
+      {"a", want_files[0]}, {"b", want_files[0]}, {"c", want_files[1]}, {"d", want_files[1]}};
+  ASSERT_EQ(map.object("weight_map").size(), want_map.size());
+  for (const auto& [name, file] : want_map) {
+    EXPECT_EQ(map.find(name)->string(name), file) << name;
+    const auto f = SafetensorsFile::open(dir + "/" + file);
+    EXPECT_EQ(f->metadata().at("format"), "pt");
+    const at::Tensor t = f->tensor(name);
+    const at::Tensor& given = std::find_if(tensors.begin(), tensors.end(), [&](const auto& nt) { return nt.first == name; })->second;
+    EXPECT_EQ(t.scalar_type(), name == "d" ? at::kLong : at::kBFloat16) << name;
+    EXPECT_TRUE(torch::equal(t, name == "d" ? given : given.to(at::kBFloat16))) << name;
+  }
+  // One shard: model.safetensors alone; the shards and the index of the save before are gone.
+  EXPECT_EQ(write_safetensors_folder(dir, tensors), std::vector<std::string>{"model.safetensors"});
+  in_dir = files_in(dir);
+  std::sort(in_dir.begin(), in_dir.end());
+  EXPECT_EQ(in_dir, (std::vector<std::string>{"model.safetensors", "tokenizer.json"}));
+  EXPECT_TRUE(torch::equal(SafetensorsFile::open(dir + "/model.safetensors")->tensor("b"), tensors[1].second));
+  EXPECT_ERROR_HAS(write_safetensors_folder(dir, {}), "got no tensors");
+  SafetensorsFolderOptions zero;
+  zero.max_shard_bytes = 0;
+  EXPECT_ERROR_HAS(write_safetensors_folder(dir, tensors, zero), "max_shard_bytes must be > 0, got 0");
+  remove_dir(dir);
 }
 
 }  // namespace
