@@ -158,6 +158,21 @@ const SafetensorsFile::Entry* SafetensorsFile::find(const std::string& name) con
   return it == index_.end() ? nullptr : &entries_[it->second];
 }
 
+bool SafetensorsFile::release(const at::Tensor& t) const {
+  if (!t.defined() || base_ == nullptr) return false;
+  const auto* begin = static_cast<const uint8_t*>(t.const_data_ptr());
+  const uint8_t* end = begin + t.nbytes();
+  if (begin < base_ || end > base_ + size_) return false;
+  // Whole pages, rounded outwards but kept inside the mapping: a neighbour's page dropped too is read
+  // again when the neighbour is (the mapping is read-only and private: nothing of ours is lost).
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = std::max(reinterpret_cast<uintptr_t>(begin) & ~(page - 1), reinterpret_cast<uintptr_t>(base_));
+  const uintptr_t hi = std::min((reinterpret_cast<uintptr_t>(end) + page - 1) & ~(page - 1),
+                                reinterpret_cast<uintptr_t>(base_) + static_cast<uintptr_t>(size_));
+  if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);  // advice: a failure costs memory only
+  return true;
+}
+
 at::Tensor SafetensorsFile::tensor(const std::string& name) const {
   const Entry* e = find(name);
   TORCH_CHECK(e != nullptr, "ferry: safetensors file ", path_, " has no tensor '", name, "'");

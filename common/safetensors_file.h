@@ -46,6 +46,11 @@ class SafetensorsFile {
   int64_t file_bytes() const { return size_; }
   // The tensor `name` over the mapping (see the contract); fails naming the file if absent.
   at::Tensor tensor(const std::string& name) const;
+  // Drops the mapping's pages under `t` (every whole page its bytes touch, madvise MADV_DONTNEED) from
+  // this process's resident memory: a loader that has copied a tensor calls it, so a load holds one
+  // tensor of the file at a time, not the whole file. Reading `t` again reads the file again (from the
+  // page cache). Returns false, doing nothing, for a tensor not over this mapping (an aligned copy).
+  bool release(const at::Tensor& t) const;
 
  private:
   SafetensorsFile() = default;

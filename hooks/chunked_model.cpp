@@ -350,7 +350,8 @@ NamedTensors ChunkedModel::state_dict() {
   return out;
 }
 
-void ChunkedModel::load_state_dict(const NamedTensors& values) {
+void ChunkedModel::load_state_dict(const NamedTensors& values, const ValueLoaded& loaded,
+                                   const std::function<void(int64_t param, const at::Tensor& value)>& also) {
   TORCH_CHECK(phase_.load() == ModelPhase::kIdle, "ferry: load_state_dict() is for between iterations (the model "
               "is in ", to_string(phase_.load()), ")");
   std::unordered_map<std::string, const at::Tensor*> given;
@@ -384,9 +385,17 @@ void ChunkedModel::load_state_dict(const NamedTensors& values) {
   take_writes("load_state_dict()");  // a parameter given new storage views its slot again, which is loaded
   const std::shared_ptr<RemoteChunks>& remote = chunks_.remote();
   if (remote && remote->any_remote()) remote->fetch_all();  // a collective: every rank loads
-  for (int64_t p = 0; p < num_params(); ++p) param_values(p).copy_(*given.at(table_.name(p)));
+  for (int64_t p = 0; p < num_params(); ++p) {
+    const at::Tensor& value = *given.at(table_.name(p));
+    param_values(p).copy_(value);
+    if (also) also(p, value);
+    if (loaded) loaded(value);
+  }
   for (auto& b : buffers) {
-    if (b.value().defined()) b.value().copy_(*given.at(b.key()));
+    if (!b.value().defined()) continue;
+    const at::Tensor& value = *given.at(b.key());
+    b.value().copy_(value);
+    if (loaded) loaded(value);
   }
   clear_grad_slots();  // every slot holds its value now
 }

@@ -96,6 +96,9 @@
 
 namespace ferry {
 
+// Called with a value load_state_dict has written where it belongs (and no longer reads).
+using ValueLoaded = std::function<void(const at::Tensor& value)>;
+
 struct ChunkedModelOptions {
   // The budget and capacity are the DeviceBudget's, made of the Config (chunk/device.h): any given here
   // are replaced.
@@ -192,8 +195,12 @@ class ChunkedModel final : private UseListener {
   // Writes `values` into the parameters' chunks and the buffers (any dtype/device; cast). Every name
   // must be present with its shape, and no other: all is checked before anything is written. Between
   // iterations. With a HybridAdam attached use HybridAdam::load_state_dict, or its masters would
-  // overwrite the parameters at the next step.
-  void load_state_dict(const NamedTensors& values);
+  // overwrite the parameters at the next step. `loaded(value)`, if given, is called once each value is
+  // in place (parameters in order, then buffers): a loader reading from a mapping drops its pages there.
+  // Parameters are written in order; `also(p, value)` (HybridAdam's masters) runs right after parameter
+  // p's write, before `loaded`.
+  void load_state_dict(const NamedTensors& values, const ValueLoaded& loaded = {},
+                       const std::function<void(int64_t param, const at::Tensor& value)>& also = {});
   // state_dict() as a safetensors file a Python user loads with safetensors.torch.load_file.
   void export_safetensors(const std::string& path) { write_safetensors(path, state_dict(), {{"format", "pt"}}); }
 

@@ -113,6 +113,12 @@ int64_t WeightSource::file_bytes() const {
   return n;
 }
 
+void WeightSource::release(const at::Tensor& t) const {
+  for (const auto& f : files_) {
+    if (f->release(t)) return;
+  }
+}
+
 WeightNameMap name_table(std::map<std::string, std::string> table, bool others_as_is) {
   return [table = std::move(table), others_as_is](const std::string& name) -> std::string {
     const auto it = table.find(name);
@@ -198,7 +204,8 @@ WeightLoadPlan load_safetensors(torch::nn::Module& module, const std::string& pa
   at::NoGradGuard no_grad;
   for (auto& [name, value] : plan.values) {
     dest.at(name).copy_(value);
-    value = at::Tensor();  // the mapping's pages of this tensor are no longer referenced from here
+    source.release(value);  // its pages leave resident memory: the load holds one tensor of the files
+    value = at::Tensor();
   }
   return plan;
 }
@@ -216,9 +223,9 @@ std::vector<WeightTarget> weight_targets(ChunkedModel& model) {
 
 ChunkedModelLoad prepare_load(ChunkedModel& model, const std::string& path, const WeightLoadOptions& options,
                               const std::function<at::Tensor(int64_t param)>& current) {
-  const WeightSource source = WeightSource::open(path);
   ChunkedModelLoad load;
-  load.plan = plan_weight_load(source, weight_targets(model), options, "the ChunkedModel");
+  load.source = WeightSource::open(path);
+  load.plan = plan_weight_load(load.source, weight_targets(model), options, "the ChunkedModel");
   load.values = std::move(load.plan.values);  // views of the mapping: they keep it alive
   load.plan.values.clear();
   if (load.plan.missing.empty()) return load;
@@ -235,7 +242,7 @@ ChunkedModelLoad prepare_load(ChunkedModel& model, const std::string& path, cons
 
 WeightLoadPlan load_safetensors(ChunkedModel& model, const std::string& path, const WeightLoadOptions& options) {
   ChunkedModelLoad load = prepare_load(model, path, options, [&](int64_t p) { return model.param_values(p).clone(); });
-  model.load_state_dict(load.values);
+  model.load_state_dict(load.values, load.release());
   return std::move(load.plan);
 }
 

@@ -44,6 +44,9 @@ class WeightSource {
   const SafetensorsFile::Entry& entry(const std::string& name) const;
   const SafetensorsFile& file_of(const std::string& name) const;
   at::Tensor tensor(const std::string& name) const { return file_of(name).tensor(name); }
+  // Drops a copied tensor's pages from resident memory (SafetensorsFile::release) if it is over one of
+  // these files' mappings.
+  void release(const at::Tensor& t) const;
   int64_t file_bytes() const;
 
  private:
@@ -96,8 +99,14 @@ std::vector<WeightTarget> weight_targets(ChunkedModel& model);
 // buffer): the file's values and, for those a non-strict load misses, `current(param)` for a
 // parameter and the buffer's own value for a buffer.
 struct ChunkedModelLoad {
+  WeightSource source;  // the files the values are views of
   WeightLoadPlan plan;  // its values moved into `values`
   NamedTensors values;
+  // For load_state_dict: drops each value's pages once it is in place, so the load's resident memory
+  // grows by one tensor of the files, not by the files.
+  ValueLoaded release() const {
+    return [this](const at::Tensor& t) { source.release(t); };
+  }
 };
 ChunkedModelLoad prepare_load(ChunkedModel& model, const std::string& path, const WeightLoadOptions& options,
                               const std::function<at::Tensor(int64_t param)>& current);

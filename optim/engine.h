@@ -89,7 +89,7 @@ class Engine final : private GradSink, private LayoutListener, private PlanAgree
   void load(const std::string& dir);
   bool grads_pending() const;
   NamedTensors state_dict();
-  void load_state_dict(const NamedTensors& values);
+  void load_state_dict(const NamedTensors& values, const ValueLoaded& loaded = {});
 
  private:
   // GradSink (hooks/chunked_model.h): the landing protocol, on autograd's thread. Slots in every mode;

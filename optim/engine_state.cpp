@@ -79,19 +79,21 @@ NamedTensors Engine::state_dict() {
   return out;
 }
 
-void Engine::load_state_dict(const NamedTensors& values) {
+void Engine::load_state_dict(const NamedTensors& values, const ValueLoaded& loaded) {
   const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   settle("load_state_dict()");
-  // The model checks every name and shape before it writes anything; then the masters follow.
-  model().load_state_dict(values);
-  std::lock_guard<std::mutex> lock(mutex_);
-  sync_layout_locked();
-  std::unordered_map<std::string, const at::Tensor*> by_name;
-  for (const auto& [name, t] : values) by_name.emplace(name, &t);
-  for (int64_t p = 0; p < model().num_params(); ++p) {
-    if (!ownership_.owned(model().layout().slots()[p].chunk)) continue;  // sharded: every rank loads the same values
-    placement_.view(kMasterRole, p).copy_(*by_name.at(model().param_name(p)));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    sync_layout_locked();
   }
+  // The model checks every name and shape before it writes anything; each master follows its parameter
+  // (before `loaded` lets the value go: a load from a mapping reads each tensor's pages once).
+  model().load_state_dict(values, loaded, [&](int64_t p, const at::Tensor& value) {
+    if (!ownership_.owned(model().layout().slots()[p].chunk)) return;  // sharded: every rank loads the same values
+    std::lock_guard<std::mutex> lock(mutex_);
+    placement_.view(kMasterRole, p).copy_(value);
+  });
+  std::lock_guard<std::mutex> lock(mutex_);
   ledger_.clear();  // the model's slots hold values again (it cleared them)
   updates_.write_back();
   if (sharded_.param_shards()) sharded_.param_shards()->release_all();  // the model fetched every chunk to load it

@@ -54,7 +54,9 @@ void HybridAdam::load(const std::string& dir) { engine_->load(dir); }
 bool HybridAdam::grads_pending() const { return engine_->grads_pending(); }
 void HybridAdam::check_save_target(const std::string& dir) { optim::check_checkpoint_target(dir); }
 NamedTensors HybridAdam::state_dict() { return engine_->state_dict(); }
-void HybridAdam::load_state_dict(const NamedTensors& values) { engine_->load_state_dict(values); }
+void HybridAdam::load_state_dict(const NamedTensors& values, const ValueLoaded& loaded) {
+  engine_->load_state_dict(values, loaded);
+}
 void HybridAdam::export_safetensors(const std::string& path) {
   write_safetensors(path, state_dict(), {{"format", "pt"}});
 }

@@ -175,8 +175,9 @@ class HybridAdam final {
   NamedTensors state_dict();
   // Loads weights (not optimizer state): the model's parameters and buffers as
   // ChunkedModel::load_state_dict checks them, and the fp32 masters from the same values (exact when
-  // they are fp32); moments and step counts stay. Between iterations.
-  void load_state_dict(const NamedTensors& values);
+  // they are fp32); moments and step counts stay. Between iterations. `loaded` as
+  // ChunkedModel::load_state_dict's: called once a value is in its chunk and its master.
+  void load_state_dict(const NamedTensors& values, const ValueLoaded& loaded = {});
   // state_dict() as a safetensors file (fp32 weights) a Python user loads with safetensors.torch.
   void export_safetensors(const std::string& path);
 

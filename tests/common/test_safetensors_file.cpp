@@ -84,6 +84,43 @@ TEST(SafetensorsFile, ReadsWhatWriteSafetensorsWrote) {
   ::unlink(path.c_str());
 }
 
+int64_t resident_kib() {  // VmRSS of this process
+  std::ifstream in("/proc/self/status");
+  std::string key;
+  while (in >> key) {
+    if (key == "VmRSS:") {
+      int64_t v = 0;
+      in >> v;
+      return v;
+    }
+    std::getline(in, key);
+  }
+  return -1;
+}
+
+// release() drops a read tensor's pages from this process's resident memory (what keeps a load's RSS
+// at one tensor of the file), and reading it again reads the same values from the file.
+TEST(SafetensorsFile, ReleaseDropsATensorsPagesAndRereadsThem) {
+  const at::Tensor big = torch::arange(int64_t{16} << 20, torch::kFloat);  // 64 MiB
+  const std::string path = temp_path("release");
+  write_safetensors(path, {{"small", torch::ones({3})}, {"big", big}});
+  const auto f = SafetensorsFile::open(path);
+  const at::Tensor t = f->tensor("big");
+  const int64_t before = resident_kib();
+  EXPECT_EQ(t.sum(at::kDouble).item<double>(), big.sum(at::kDouble).item<double>());  // every page read
+  const int64_t read = resident_kib();
+  EXPECT_GT(read - before, 48 * 1024) << "reading 64 MiB of the mapping made it resident";
+  EXPECT_TRUE(f->release(t));
+  const int64_t released = resident_kib();
+  EXPECT_LT(released - before, 16 * 1024) << "resident KiB: " << before << " before, " << read << " read, "
+                                          << released << " released";
+  EXPECT_TRUE(torch::equal(t, big)) << "read again from the file";
+  EXPECT_TRUE(torch::equal(f->tensor("small"), torch::ones({3})));
+  EXPECT_FALSE(f->release(big)) << "not over the mapping: nothing to drop";
+  EXPECT_FALSE(f->release(at::Tensor()));
+  ::unlink(path.c_str());
+}
+
 TEST(SafetensorsFile, ReadsAFileBuiltByHandIncludingAnUnalignedTensor) {
   // "b" at data offset 2: its floats are not 4-byte aligned in the mapping, so it is copied.
   const std::string header =
@@ -96,6 +133,8 @@ TEST(SafetensorsFile, ReadsAFileBuiltByHandIncludingAnUnalignedTensor) {
   EXPECT_EQ(b[0].item<float>(), 1.5f);
   EXPECT_EQ(b[1].item<float>(), -3.0f);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(b.data_ptr()) % 4, 0u);
+  EXPECT_FALSE(f->release(b)) << "a copy, not the mapping: release must not drop (zero) its memory";
+  EXPECT_EQ(b[1].item<float>(), -3.0f);
   EXPECT_NE(error_of([&] { f->tensor("c"); }).find("has no tensor 'c'"), std::string::npos);
   ::unlink(path.c_str());
 }
