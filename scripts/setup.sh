@@ -11,6 +11,7 @@
 #  3. LibTorch 2.11: a python3 (or $FERRY_PYTHON) that already imports torch 2.11 is used as it is (the
 #     GPU machine); otherwise the PyPI wheel torch==2.11.0 is installed once per machine into a virtual
 #     environment in ${FERRY_CACHE:-~/.cache/ferry}, outside the clone, so every clone (and CI) reuses it.
+#  4. transformers (optional, into that virtual environment only): the LLaMA tests' reference.
 #  FERRY_OFFLINE=1: never try the network (apt-get, pip); say what is missing instead.
 #
 # Prints on stdout only two lines for its callers, `python=PATH` (the python3 that imports torch) and
@@ -134,6 +135,25 @@ else
     fi
   fi
   torch_ok "$venv/bin/python3" && python="$venv/bin/python3"
+fi
+
+# transformers (with tokenizers): the reference the LLaMA example's tests compare with. Optional: without
+# it those tests are reported skipped, by name. Installed only into ferry's own virtual environment,
+# never into a python that came with the machine.
+TRANSFORMERS_VERSION=5.24.0
+if [[ -n $python && $python == "$FERRY_CACHE"/venv-* ]] && ! "$python" -c "import transformers" 2>/dev/null; then
+  if [[ "$offline" == 1 ]]; then
+    say "transformers is not importable by $python (offline): the llama_vs_transformers tests will be skipped"
+  else
+    exec 9>"$FERRY_CACHE/.install.lock"
+    flock 9
+    if ! "$python" -c "import transformers" 2>/dev/null; then
+      say "installing transformers==$TRANSFORMERS_VERSION into $(dirname "$(dirname "$python")") (the LLaMA tests' reference)"
+      "$python" -m pip install -q --disable-pip-version-check "transformers==$TRANSFORMERS_VERSION" >&2 ||
+        say "pip install transformers failed: the llama_vs_transformers tests will be skipped"
+    fi
+    flock -u 9
+  fi
 fi
 
 if ((${#missing[@]})); then
