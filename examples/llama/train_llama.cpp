@@ -38,7 +38,7 @@ std::atomic<bool> g_stop{false};
 void on_stop_signal(int) { g_stop.store(true); }
 
 struct Args {
-  std::string model_dir, preset, data, save, save_dtype = "auto", max_shard = "5GB";
+  std::string model_dir, preset, data, save, save_dtype = "auto", max_shard = "5GB", commit = "unknown";
   int64_t steps = 100, batch = 4, seq = 256, micro_batches = 1, warmup = 10, log_every = 10, seed = 1;
   double lr = 1e-5, max_grad_norm = 1.0, expect_loss_below = 0;
   bool checkpoint_activations = false;
@@ -67,7 +67,8 @@ ferry::cli::Options options_for(Args& a) {
       .add_flag("checkpoint-activations", &a.checkpoint_activations, "make each layer a ferry::checkpoint segment")
       .add("seed", &a.seed, "data seed, and the initialisation's with --preset (default 1)")
       .add("log-every", &a.log_every, "steps per progress line (default 10)", 1)
-      .add("expect-loss-below", &a.expect_loss_below, "exit 1 unless the last window's mean loss is below X", 0.0);
+      .add("expect-loss-below", &a.expect_loss_below, "exit 1 unless the last window's mean loss is below X", 0.0)
+      .add("commit", &a.commit, "commit id recorded in the JSON line");
   return o;
 }
 
@@ -299,9 +300,14 @@ int train(int argc, char** argv) {
   }
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
+  // What the process must hold at least: the compute copies and the fp32 master and moments (12 B/param).
+  const int64_t floor_bytes = lc.num_params() * (elem + 12);
   if (report) {
+    std::printf("{\"benchmark\": \"train_llama\", \"commit\": \"%s\", \"env\": %s, \"floor_bytes\": %lld, ",
+                args.commit.c_str(), ferry::env_report_json(ferry::collect_env_report()).c_str(),
+                static_cast<long long>(floor_bytes));
     std::printf(
-        "{\"model\": \"%s\", \"params\": %lld, \"precision\": \"%s\", \"device\": \"%s\", \"load_s\": %.3f, "
+        "\"model\": \"%s\", \"params\": %lld, \"precision\": \"%s\", \"device\": \"%s\", \"load_s\": %.3f, "
         "\"steps\": %lld, \"step_s\": %.4f, \"tokens_per_s\": %.1f, \"model_tflops\": %.3f, \"save_s\": %.3f, "
         "\"peak_rss_bytes\": %lld, \"first_loss\": %.5f, \"last_loss\": %.5f}\n",
         lc.name.c_str(), static_cast<long long>(lc.num_params()), ferry::to_string(config.precision),
