@@ -90,6 +90,36 @@ ChunkLayout ChunkLayout::pack(const std::vector<int64_t>& numels, const std::vec
   return layout;
 }
 
+ChunkLayout ChunkLayout::derive(const std::function<int64_t(int64_t numel)>& numel_of, int64_t align_numel) const {
+  TORCH_CHECK(align_numel > 0, "ferry: derive() needs align_numel > 0, got ", align_numel);
+  ChunkLayout out;
+  out.options_ = options_;
+  out.options_.align_numel = align_numel;
+  out.slots_.resize(slots_.size());
+  int64_t largest = align_numel;
+  for (const ChunkExtent& chunk : chunks_) {
+    ChunkExtent derived;
+    derived.dedicated = chunk.dedicated;
+    derived.tensors = chunk.tensors;
+    int64_t cursor = 0;
+    for (int64_t j : chunk.tensors) {
+      const int64_t numel = numel_of(slots_[j].numel);
+      TORCH_CHECK(numel >= 0, "ferry: derive(): tensor ", j, " maps to a negative element count ", numel);
+      Slot& slot = out.slots_[j];
+      slot.chunk = slots_[j].chunk;
+      slot.offset = round_up(cursor, align_numel);
+      slot.numel = numel;
+      derived.used_numel += numel;
+      cursor = slot.offset + numel;
+    }
+    derived.numel = std::max(align_numel, round_up(cursor, align_numel));
+    largest = std::max(largest, derived.numel);
+    out.chunks_.push_back(std::move(derived));
+  }
+  out.options_.chunk_numel = largest;
+  return out;
+}
+
 int64_t ChunkLayout::allocated_numel() const {
   int64_t sum = 0;
   for (const auto& c : chunks_) sum += c.numel;

@@ -8,6 +8,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace ferry {
@@ -46,6 +47,12 @@ class ChunkLayout {
   // get a slot of length 0 and take no space.
   static ChunkLayout pack(const std::vector<int64_t>& numels, const std::vector<int64_t>& order,
                           const PackOptions& options);
+
+  // A layout with the same chunks, each holding the same tensors in the same order, but tensor j taking
+  // numel_of(slots()[j].numel) elements (slots aligned to align_numel, each chunk as large as its
+  // tensors need, at least align_numel): a state role whose elements do not mirror the parameters one
+  // for one (the compact moments' per-block scales, cpu_adam/compact_state.h).
+  ChunkLayout derive(const std::function<int64_t(int64_t numel)>& numel_of, int64_t align_numel) const;
 
   const PackOptions& options() const { return options_; }
   const std::vector<ChunkExtent>& chunks() const { return chunks_; }

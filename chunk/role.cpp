@@ -11,6 +11,7 @@ const char* to_string(ChunkRole role) {
     case ChunkRole::kExpAvg: return "exp_avg";
     case ChunkRole::kExpAvgSq: return "exp_avg_sq";
     case ChunkRole::kGrad: return "grad";
+    case ChunkRole::kScales: return "scales";
   }
   return "?";
 }
@@ -39,9 +40,16 @@ void check_role_dtype(ChunkRole role, at::ScalarType dtype) {
                   "ferry: param chunks hold float, bfloat16 or half, got ", dtype);
       return;
     case ChunkRole::kMaster:
+      TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "ferry: master chunks hold float or bfloat16 "
+                  "(the compact state format), got ", dtype);
+      return;
     case ChunkRole::kExpAvg:
     case ChunkRole::kExpAvgSq:
+      TORCH_CHECK(dtype == at::kFloat || dtype == at::kByte, "ferry: ", to_string(role), " chunks hold float or "
+                  "uint8 codes (the compact state format), got ", dtype);
+      return;
     case ChunkRole::kGrad:
+    case ChunkRole::kScales:
       TORCH_CHECK(dtype == at::kFloat, "ferry: ", to_string(role), " chunks hold float, got ", dtype);
       return;
   }

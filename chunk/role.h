@@ -16,12 +16,13 @@ using TensorId = int64_t;
 // its slot in every role.
 enum class ChunkRole {
   kParam,     // compute copy of parameters (fp32, bf16 or fp16); what the model's tensors view
-  kMaster,    // fp32 master parameters
-  kExpAvg,    // Adam first moment (fp32)
-  kExpAvgSq,  // Adam second moment (fp32)
+  kMaster,    // master parameters: fp32, or bf16 in the compact state format (cpu_adam/compact_state.h)
+  kExpAvg,    // Adam first moment: fp32, or 8-bit codes (uint8) in the compact format
+  kExpAvgSq,  // Adam second moment: fp32, or 8-bit codes (uint8) in the compact format
   kGrad,      // gradients kept across micro-batches (fp32), for gradient accumulation
+  kScales,    // the compact format's per-block scales of the moments (fp32)
 };
-constexpr int kNumChunkRoles = 5;
+constexpr int kNumChunkRoles = 6;
 
 // Where a chunk's payload lives. kNone: no payload anywhere (chunk state RELEASED).
 enum class Location { kNone, kDevice, kHost };

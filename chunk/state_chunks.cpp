@@ -2,18 +2,57 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 #include "repack.h"
 
 namespace ferry {
 
-StateChunks::StateChunks(ChunkStoreOptions options, std::vector<ChunkRole> roles, std::vector<int> zero_roles)
+namespace {
+std::vector<StateRoleSpec> fp32_roles(const std::vector<ChunkRole>& roles, const std::vector<int>& zero_roles) {
+  std::vector<StateRoleSpec> out;
+  for (ChunkRole role : roles) out.push_back({role, at::kFloat});
+  for (int r : zero_roles) {
+    TORCH_CHECK(r >= 0 && r < static_cast<int>(out.size()), "ferry: zero role ", r, " out of range [0, ", out.size(), ")");
+    out[r].zero = true;
+  }
+  return out;
+}
+
+// Blocked roles' slots start 64-byte aligned, as the parameter layout's do.
+int64_t align_for(const StateRoleSpec& spec) { return std::max<int64_t>(1, 64 / c10::elementSize(spec.dtype)); }
+}  // namespace
+
+StateChunks::StateChunks(ChunkStoreOptions options, std::vector<StateRoleSpec> roles)
     : options_(std::move(options)), roles_(std::move(roles)) {
   TORCH_CHECK(!roles_.empty(), "ferry: StateChunks needs at least one role");
-  zero_role_.assign(roles_.size(), 0);
-  for (int r : zero_roles) {
-    TORCH_CHECK(r >= 0 && r < num_roles(), "ferry: zero role ", r, " out of range [0, ", num_roles(), ")");
-    zero_role_[r] = 1;
+  for (const StateRoleSpec& spec : roles_) {
+    check_role_dtype(spec.role, spec.dtype);
+    TORCH_CHECK(spec.block >= 0 && (spec.block == 0) == (spec.per_block == 0) && spec.per_block >= 0,
+                "ferry: a ", to_string(spec.role), " state role needs block and per_block both 0 (mirroring the "
+                "parameters) or both > 0, got ", spec.block, " and ", spec.per_block);
   }
+}
+
+StateChunks::StateChunks(ChunkStoreOptions options, const std::vector<ChunkRole>& roles, const std::vector<int>& zero_roles)
+    : StateChunks(std::move(options), fp32_roles(roles, zero_roles)) {}
+
+ChunkLayout StateChunks::layout_of(int r, const ChunkLayout& layout) const {
+  const StateRoleSpec& spec = roles_[r];
+  if (!spec.block) return layout;
+  return layout.derive([&spec](int64_t n) { return spec.numel_for(n); }, align_for(spec));
+}
+
+std::vector<int64_t> StateChunks::group_bytes_for(const ChunkLayout& layout, const std::vector<StateRoleSpec>& roles) {
+  std::vector<int64_t> bytes(static_cast<size_t>(layout.num_chunks()), 0);
+  for (const StateRoleSpec& spec : roles) {
+    const ChunkLayout own =
+        spec.block ? layout.derive([&spec](int64_t n) { return spec.numel_for(n); }, align_for(spec)) : layout;
+    for (int64_t g = 0; g < own.num_chunks(); ++g) {
+      bytes[g] += own.chunks()[g].numel * static_cast<int64_t>(c10::elementSize(spec.dtype));
+    }
+  }
+  return bytes;
 }
 
 void StateChunks::ensure_allocated(int r, int64_t group, Location at) {
@@ -33,36 +72,54 @@ void StateChunks::build(const ChunkLayout& layout, const std::vector<std::vector
   // A zero role untouched in every group stays untouched (no memory, no copy); one touched somewhere is
   // migrated, its untouched chunks given their zeros first (so fill_layout sees ordinary chunks).
   std::vector<char> keep_untouched(num_roles(), 0);
-  std::vector<int> filled;  // the roles fill_layout fills
-  std::vector<ChunkStore::RoleChunks> chunks, filled_chunks;
-  std::vector<std::vector<TensorId>> from;
+  // The roles fill_layout fills, by layout: the mirroring roles in one call, each blocked role in its own.
+  struct Fill {
+    ChunkLayout layout;
+    std::vector<int> roles;
+    std::vector<ChunkStore::RoleChunks> chunks;
+    std::vector<std::vector<TensorId>> from;
+  };
+  std::vector<Fill> fills(1, Fill{layout, {}, {}, {}});
+  std::vector<ChunkStore::RoleChunks> chunks;
   for (int r = 0; r < num_roles(); ++r) {
-    chunks.push_back(store->add_layout(roles_[r], at::kFloat, layout, shapes, Location::kNone));
+    const StateRoleSpec& spec = roles_[r];
+    ChunkLayout own = layout_of(r, layout);
+    std::vector<std::vector<int64_t>> own_shapes;
+    if (spec.block) {
+      for (const Slot& s : own.slots()) own_shapes.push_back({s.numel});
+    }
+    chunks.push_back(store->add_layout(spec.role, spec.dtype, own, spec.block ? own_shapes : shapes, Location::kNone));
     if (migrate) {
-      bool all = zero_role_[r] != 0;
+      bool all = spec.zero;
       for (char u : untouched_[r]) all = all && u;
       keep_untouched[r] = all;
       if (!all) {
         for (int64_t g = 0; g < num_groups(); ++g) ensure_allocated(r, g, Location::kHost);
       }
     } else {
-      keep_untouched[r] = zero_role_[r];
+      keep_untouched[r] = spec.zero;
     }
     if (keep_untouched[r]) continue;
-    filled.push_back(r);
-    filled_chunks.push_back(chunks.back());
-    if (migrate) from.push_back(chunks_[r].tensors);
+    if (spec.block) fills.push_back(Fill{std::move(own), {}, {}, {}});
+    Fill& fill = spec.block ? fills.back() : fills.front();
+    fill.roles.push_back(r);
+    fill.chunks.push_back(chunks.back());
+    if (migrate) fill.from.push_back(chunks_[r].tensors);
   }
-  const int64_t peak = fill_layout(*store, layout, filled_chunks, store_.get(), from,
-                                   [&](int k, int64_t j, TensorId slot) {
-    const int r = filled[k];
-    store->set_state(slot, TensorState::kHold);
-    if (migrate) {
-      store->view(slot).copy_(store_->view(chunks_[r].tensors[j]));
-    } else if (init) {
-      init(r, j, store->view(slot));
-    }
-  });
+  int64_t peak = 0;
+  for (const Fill& fill : fills) {
+    if (fill.roles.empty()) continue;
+    peak = std::max(peak, fill_layout(*store, fill.layout, fill.chunks, store_.get(), fill.from,
+                                      [&](int k, int64_t j, TensorId slot) {
+      const int r = fill.roles[k];
+      store->set_state(slot, TensorState::kHold);
+      if (migrate) {
+        store->view(slot).copy_(store_->view(chunks_[r].tensors[j]));
+      } else if (init) {
+        init(r, j, store->view(slot));
+      }
+    }));
+  }
   if (migrate) migration_peak_bytes_ = peak;
   store_ = std::move(store);  // the old store (and its device bytes on the accountant) goes
   chunks_ = std::move(chunks);
@@ -74,7 +131,7 @@ void StateChunks::build(const ChunkLayout& layout, const std::vector<std::vector
 }
 
 void StateChunks::check_held(int r, int64_t group) const {
-  TORCH_CHECK(!dropped_[r][group], "ferry: the ", to_string(roles_[r]), " state of chunk group ", group,
+  TORCH_CHECK(!dropped_[r][group], "ferry: the ", to_string(roles_[r].role), " state of chunk group ", group,
               " is held by another rank (the optimizer state is sharded across ranks)");
 }
 

@@ -1,8 +1,12 @@
 #pragma once
 // StateChunks: the optimizer's half of each parameter chunk's group. For every chunk of a parameter
-// layout, one fp32 chunk per role (master, exp_avg, exp_avg_sq, and with accumulation an fp32 grad)
-// mirroring it slot for slot, in a store of their own that shares the parameters' DeviceAccountant
-// (one device budget for both) and never pins host memory (state moves once, at placement).
+// layout, one chunk per role (master, exp_avg, exp_avg_sq, and with accumulation an fp32 grad), in a
+// store of their own that shares the parameters' DeviceAccountant (one device budget for both) and
+// never pins host memory (state moves once, at placement). A role has its own dtype (fp32; the compact
+// format's bf16 master and uint8 moment codes) and either mirrors the parameter chunk slot for slot or,
+// with a block, holds `per_block` values per block of each tensor (the compact format's scales) in a
+// derived layout (ChunkLayout::derive): same groups, same tensors, its own offsets. A group's bytes are
+// its chunks' real bytes, so placement weighs what the format really costs.
 //
 // The parameter chunks' owner (ChunkedModel) builds it with the layout and migrates it in the same
 // repack, with the same routine (fill_layout, chunk/repack.h); the optimizer asks it for views and
@@ -31,11 +35,27 @@
 
 namespace ferry {
 
+// One role of the state chunks.
+struct StateRoleSpec {
+  ChunkRole role = ChunkRole::kMaster;
+  at::ScalarType dtype = at::kFloat;  // checked against the role (check_role_dtype, role.h)
+  bool zero = false;                  // starts at zero: memory only when first touched
+  // 0: mirrors the parameters (a tensor of n elements has n here, in its shape). > 0: a tensor of n
+  // elements has per_block * ceil(n / block) values here, as a flat [count] tensor.
+  int64_t block = 0;
+  int64_t per_block = 0;
+  int64_t numel_for(int64_t numel) const { return block ? per_block * ((numel + block - 1) / block) : numel; }
+};
+
 class StateChunks {
  public:
-  // `roles`: the roles of the chunks that mirror each parameter chunk (all fp32); `zero_roles`: indices
-  // into `roles` of those that start at zero and are allocated when first touched.
-  StateChunks(ChunkStoreOptions options, std::vector<ChunkRole> roles, std::vector<int> zero_roles = {});
+  StateChunks(ChunkStoreOptions options, std::vector<StateRoleSpec> roles);
+  // fp32 roles mirroring the parameters; `zero_roles`: indices into `roles` of those that start at zero.
+  StateChunks(ChunkStoreOptions options, const std::vector<ChunkRole>& roles, const std::vector<int>& zero_roles = {});
+
+  // The bytes each group's roles would take for `layout` (parameter layout), without building anything:
+  // placement on paper (a model too large to build here).
+  static std::vector<int64_t> group_bytes_for(const ChunkLayout& layout, const std::vector<StateRoleSpec>& roles);
 
   // Chunks for `layout` (shapes[j]: tensor j's shape). The first call gives every slot zeros, then
   // init(role, tensor, slot view) may write initial values; later calls (a repack) migrate the values
@@ -44,7 +64,8 @@ class StateChunks {
   void build(const ChunkLayout& layout, const std::vector<std::vector<int64_t>>& shapes, const Init& init = {});
 
   int num_roles() const { return static_cast<int>(roles_.size()); }
-  ChunkRole role(int r) const { return roles_[r]; }
+  ChunkRole role(int r) const { return roles_[r].role; }
+  const StateRoleSpec& spec(int r) const { return roles_[r]; }
   int64_t num_groups() const { return chunks_.empty() ? 0 : static_cast<int64_t>(chunks_[0].chunks.size()); }
   ChunkStore& store() { return *store_; }
   const ChunkStore& store() const { return *store_; }
@@ -78,18 +99,19 @@ class StateChunks {
 
  private:
   ChunkStoreOptions options_;
-  std::vector<ChunkRole> roles_;
+  std::vector<StateRoleSpec> roles_;
   std::unique_ptr<ChunkStore> store_;
   std::vector<ChunkStore::RoleChunks> chunks_;  // per role
   int64_t migration_peak_bytes_ = 0;
   std::vector<int64_t> group_of_;             // per tensor: its group (layout chunk)
   std::vector<std::vector<char>> dropped_;    // per role, per group
-  std::vector<char> zero_role_;               // per role: starts at zero, allocated when first touched
   std::vector<std::vector<char>> untouched_;  // per role, per group: a zero role's chunk without memory yet
   int64_t num_dropped_ = 0;
   void check_held(int r, int64_t group) const;
   // A zero role's untouched chunk gets zeros at `at` (its tensors HOLD).
   void ensure_allocated(int r, int64_t group, Location at);
+  // Role r's layout for the parameter layout: itself, or derived for a blocked role.
+  ChunkLayout layout_of(int r, const ChunkLayout& layout) const;
 };
 
 }  // namespace ferry

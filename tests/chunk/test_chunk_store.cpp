@@ -368,7 +368,10 @@ TEST(ChunkStore, BadInputIsRejected) {
   EXPECT_ERROR_HAS(store.add_tensor(7, 0, {1}), "chunk id 7 out of range");
   EXPECT_ERROR_HAS(store.access(5), "tensor id 5 out of range");
   EXPECT_ERROR_HAS(store.add_chunk(ChunkRole::kExpAvg, at::kHalf, 64, Location::kHost),
-                   "exp_avg chunks hold float, got Half");
+                   "exp_avg chunks hold float or uint8 codes (the compact state format), got Half");
+  EXPECT_ERROR_HAS(store.add_chunk(ChunkRole::kMaster, at::kHalf, 64, Location::kHost),
+                   "master chunks hold float or bfloat16 (the compact state format), got Half");
+  EXPECT_ERROR_HAS(store.add_chunk(ChunkRole::kScales, at::kByte, 64, Location::kHost), "scales chunks hold float");
   EXPECT_ERROR_HAS(store.add_chunk(ChunkRole::kParam, at::kInt, 64, Location::kHost),
                    "param chunks hold float, bfloat16 or half");
   EXPECT_ERROR_HAS(store.add_chunk(ChunkRole::kParam, at::kHalf, 0, Location::kHost), "at least one element");

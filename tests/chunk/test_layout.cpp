@@ -8,6 +8,7 @@
 #include <random>
 
 #include "../../chunk/layout.h"
+#include "../test_util.h"
 
 namespace ferry {
 namespace {
@@ -200,6 +201,37 @@ TEST(CommGroups, LayoutForWorldSizesOneToEight) {
   EXPECT_THROW(CommGroups(3, 0), c10::Error);
   EXPECT_THROW(g.owner_of(8), c10::Error);
   EXPECT_THROW(g.chunks_owned_by(4), c10::Error);
+}
+
+// derive(): the same chunks and tensors, each tensor's element count mapped, slots aligned, chunks as
+// large as their tensors need (the compact state's scales, chunk/state_chunks.h).
+TEST(ChunkLayout, DeriveKeepsChunksAndTensorsWithTheirOwnSizes) {
+  PackOptions pack;
+  pack.chunk_numel = 1024;
+  pack.align_numel = 32;
+  const ChunkLayout base = ChunkLayout::pack({500, 300, 0, 2000, 700, 10}, {}, pack);
+  const ChunkLayout d = base.derive([](int64_t n) { return 2 * ((n + 255) / 256); }, 16);
+  ASSERT_EQ(d.num_chunks(), base.num_chunks());
+  for (int64_t c = 0; c < base.num_chunks(); ++c) {
+    EXPECT_EQ(d.chunks()[c].tensors, base.chunks()[c].tensors) << c;
+    EXPECT_EQ(d.chunks()[c].dedicated, base.chunks()[c].dedicated) << c;
+    EXPECT_EQ(d.chunks()[c].numel % 16, 0) << c;
+    EXPECT_GE(d.chunks()[c].numel, 16) << c;
+  }
+  const std::vector<int64_t> want = {4, 4, 0, 16, 6, 2};
+  int64_t previous_end = 0, previous_chunk = -1;
+  for (size_t j = 0; j < want.size(); ++j) {
+    const Slot& s = d.slots()[j];
+    EXPECT_EQ(s.numel, want[j]) << j;
+    EXPECT_EQ(s.chunk, base.slots()[j].chunk) << j;
+    EXPECT_EQ(s.offset % 16, 0) << j;
+    if (s.chunk == previous_chunk) EXPECT_GE(s.offset, previous_end) << j << " overlaps the tensor before it";
+    EXPECT_LE(s.offset + s.numel, d.chunks()[s.chunk].numel) << j;
+    previous_end = s.offset + s.numel;
+    previous_chunk = s.chunk;
+  }
+  EXPECT_ERROR_HAS(base.derive([](int64_t) { return -1; }, 16), "negative element count");
+  EXPECT_ERROR_HAS(base.derive([](int64_t n) { return n; }, 0), "align_numel > 0");
 }
 
 }  // namespace

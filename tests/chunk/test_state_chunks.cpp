@@ -62,7 +62,7 @@ TEST(StateChunks, BuildsMigratesAndMovesGroups) {
     EXPECT_EQ(state.store().tensor_info(state.tensor(0, j)).chunk, state.chunk(0, b.slots()[j].chunk))
         << "tensor " << j << " sits in its new layout chunk's group";
   }
-  EXPECT_THROW(StateChunks(options, {}), c10::Error);
+  EXPECT_THROW(StateChunks(options, std::vector<ChunkRole>{}), c10::Error);
 }
 
 TEST(StateChunks, DroppedRolesFreeTheirMemoryAndRefuseUseAndRepack) {
@@ -155,6 +155,67 @@ TEST(StateChunks, ARepackKeepsUntouchedZeroRolesUntouchedAndMigratesTouchedOnes)
     EXPECT_TRUE(torch::equal(state.view(1, j), torch::full({t.numels[j]}, j == 2 ? 7.0 : 0.0))) << j;
     EXPECT_TRUE(torch::equal(state.view(2, j), torch::zeros({t.numels[j]}))) << j;
   }
+}
+
+// The compact format's roles (cpu_adam/compact_state.h): a bf16 master, uint8 moment codes and fp32
+// per-block scales in a derived layout. Every role has its dtype and shape; a group's bytes are its real
+// bytes and equal the on-paper count; initial values, a repack and moves keep every role's values with
+// its tensor, the scales included.
+TEST(StateChunks, RolesOfTheirOwnDtypeAndBlockedRolesKeepTheirValues) {
+  Tensors t = tensors_of({100, 60, 200, 30, 0, 300, 90});  // 300 > 256: a dedicated chunk; 0: an empty slot
+  const ChunkLayout a = ChunkLayout::pack(t.numels, t.order, t.pack);
+  const std::vector<StateRoleSpec> specs = {{ChunkRole::kMaster, at::kBFloat16},
+                                            {ChunkRole::kExpAvg, at::kByte, /*zero=*/true},
+                                            {ChunkRole::kExpAvgSq, at::kByte, /*zero=*/true},
+                                            {ChunkRole::kScales, at::kFloat, false, /*block=*/64, /*per_block=*/2}};
+  auto accountant = std::make_shared<DeviceAccountant>();
+  ChunkStoreOptions options;
+  options.device = DeviceKind::kSimulated;
+  options.accountant = accountant;
+  StateChunks state(options, specs);
+  auto blocks = [](int64_t n) { return (n + 63) / 64; };
+  state.build(a, t.shapes, [&](int r, int64_t j, const at::Tensor& slot) {
+    if (r == 0) slot.fill_(static_cast<double>(j) + 0.5);
+    if (r == 3) slot.copy_(torch::arange(slot.numel(), torch::kFloat) + 1000 * j);
+  });
+  const std::vector<int64_t> paper = StateChunks::group_bytes_for(a, specs);
+  ASSERT_EQ(static_cast<int64_t>(paper.size()), a.num_chunks());
+  for (int64_t g = 0; g < a.num_chunks(); ++g) {
+    EXPECT_EQ(state.group_bytes(g), paper[g]) << "group " << g << ": built and on paper";
+    // master 2 B + two codes 1 B each per element of the parameter chunk, plus the scales chunk.
+    EXPECT_GE(paper[g], 4 * a.chunks()[g].numel);
+    EXPECT_LT(paper[g], 4 * a.chunks()[g].numel + 8 * (a.chunks()[g].numel / 64 + 16 * 8)) << g;
+  }
+  auto check = [&](const char* when) {
+    for (int64_t j = 0; j < static_cast<int64_t>(t.numels.size()); ++j) {
+      const int64_t n = t.numels[j];
+      EXPECT_EQ(state.view(0, j).scalar_type(), at::kBFloat16);
+      EXPECT_TRUE(torch::equal(state.view(0, j), torch::full({n}, j + 0.5, torch::kBFloat16))) << when << " " << j;
+      EXPECT_EQ(state.view(1, j).scalar_type(), at::kByte);
+      EXPECT_TRUE(torch::equal(state.view(2, j), torch::zeros({n}, torch::kByte))) << when << " " << j;
+      const at::Tensor scales = state.view(3, j);
+      ASSERT_EQ(scales.sizes(), at::IntArrayRef({2 * blocks(n)})) << when << " " << j;
+      EXPECT_TRUE(torch::equal(scales, torch::arange(2 * blocks(n), torch::kFloat) + 1000 * j)) << when << " " << j;
+    }
+  };
+  check("built");
+  state.view(1, 2).fill_(7);  // touches exp_avg's group of tensor 2: it gets memory and migrates
+  state.move_group(a.slots()[5].chunk, Location::kDevice);
+  EXPECT_EQ(accountant->bytes_by_role()[static_cast<int>(ChunkRole::kScales)],
+            state.store().chunk_info(state.chunk(3, a.slots()[5].chunk)).nbytes);
+  check("moved");
+  std::reverse(t.order.begin(), t.order.end());
+  const ChunkLayout b = ChunkLayout::pack(t.numels, t.order, t.pack);
+  state.build(b, t.shapes);
+  check("repacked");
+  EXPECT_TRUE(torch::equal(state.view(1, 2), torch::full({200}, 7, torch::kByte)));
+  for (int64_t j = 0; j < static_cast<int64_t>(t.numels.size()); ++j) {
+    EXPECT_EQ(state.store().tensor_info(state.tensor(3, j)).chunk, state.chunk(3, b.slots()[j].chunk))
+        << "tensor " << j << "'s scales sit in its new group";
+  }
+  EXPECT_ERROR_HAS(StateChunks(options, {{ChunkRole::kExpAvg, at::kHalf}}), "exp_avg chunks hold float or uint8");
+  EXPECT_ERROR_HAS(StateChunks(options, {{ChunkRole::kScales, at::kFloat, false, 64, 0}}),
+                   "needs block and per_block both 0");
 }
 
 }  // namespace
