@@ -19,8 +19,13 @@ std::vector<StateRoleSpec> fp32_roles(const std::vector<ChunkRole>& roles, const
   return out;
 }
 
-// Blocked roles' slots start 64-byte aligned, as the parameter layout's do.
-int64_t align_for(const StateRoleSpec& spec) { return std::max<int64_t>(1, 64 / c10::elementSize(spec.dtype)); }
+// A role's layout for the parameter layout: itself, or for a blocked role the derived one, its slots
+// 64-byte aligned as the parameter layout's are.
+ChunkLayout role_layout(const StateRoleSpec& spec, const ChunkLayout& layout) {
+  if (!spec.block) return layout;
+  const int64_t align = std::max<int64_t>(1, 64 / static_cast<int64_t>(c10::elementSize(spec.dtype)));
+  return layout.derive([&spec](int64_t n) { return spec.numel_for(n); }, align);
+}
 }  // namespace
 
 StateChunks::StateChunks(ChunkStoreOptions options, std::vector<StateRoleSpec> roles)
@@ -37,17 +42,10 @@ StateChunks::StateChunks(ChunkStoreOptions options, std::vector<StateRoleSpec> r
 StateChunks::StateChunks(ChunkStoreOptions options, const std::vector<ChunkRole>& roles, const std::vector<int>& zero_roles)
     : StateChunks(std::move(options), fp32_roles(roles, zero_roles)) {}
 
-ChunkLayout StateChunks::layout_of(int r, const ChunkLayout& layout) const {
-  const StateRoleSpec& spec = roles_[r];
-  if (!spec.block) return layout;
-  return layout.derive([&spec](int64_t n) { return spec.numel_for(n); }, align_for(spec));
-}
-
 std::vector<int64_t> StateChunks::group_bytes_for(const ChunkLayout& layout, const std::vector<StateRoleSpec>& roles) {
   std::vector<int64_t> bytes(static_cast<size_t>(layout.num_chunks()), 0);
   for (const StateRoleSpec& spec : roles) {
-    const ChunkLayout own =
-        spec.block ? layout.derive([&spec](int64_t n) { return spec.numel_for(n); }, align_for(spec)) : layout;
+    const ChunkLayout own = role_layout(spec, layout);
     for (int64_t g = 0; g < own.num_chunks(); ++g) {
       bytes[g] += own.chunks()[g].numel * static_cast<int64_t>(c10::elementSize(spec.dtype));
     }
@@ -83,7 +81,7 @@ void StateChunks::build(const ChunkLayout& layout, const std::vector<std::vector
   std::vector<ChunkStore::RoleChunks> chunks;
   for (int r = 0; r < num_roles(); ++r) {
     const StateRoleSpec& spec = roles_[r];
-    ChunkLayout own = layout_of(r, layout);
+    ChunkLayout own = role_layout(spec, layout);
     std::vector<std::vector<int64_t>> own_shapes;
     if (spec.block) {
       for (const Slot& s : own.slots()) own_shapes.push_back({s.numel});

@@ -110,8 +110,6 @@ class StateChunks {
   void check_held(int r, int64_t group) const;
   // A zero role's untouched chunk gets zeros at `at` (its tensors HOLD).
   void ensure_allocated(int r, int64_t group, Location at);
-  // Role r's layout for the parameter layout: itself, or derived for a blocked role.
-  ChunkLayout layout_of(int r, const ChunkLayout& layout) const;
 };
 
 }  // namespace ferry

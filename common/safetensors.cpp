@@ -47,6 +47,15 @@ std::string json_string(const std::string& s) {
   return out + "\"";
 }
 
+// The dtype `t` is written in: `floating_as` for a floating tensor when given, else its own.
+at::ScalarType stored_dtype(const at::Tensor& t, std::optional<at::ScalarType> floating_as) {
+  return floating_as && at::isFloatingType(t.scalar_type()) ? *floating_as : t.scalar_type();
+}
+
+int64_t stored_bytes(const at::Tensor& t, std::optional<at::ScalarType> floating_as) {
+  return t.numel() * static_cast<int64_t>(c10::elementSize(stored_dtype(t, floating_as)));
+}
+
 void write_all(int fd, const void* data, size_t n, const std::string& path) {
   const auto* p = static_cast<const char*>(data);
   while (n > 0) {
@@ -64,9 +73,6 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
                        const std::map<std::string, std::string>& metadata, std::optional<at::ScalarType> floating_as) {
   TORCH_CHECK(!floating_as || at::isFloatingType(*floating_as), "ferry: write_safetensors: floating_as must be a "
               "floating dtype, got ", *floating_as);
-  auto stored = [&](const at::Tensor& t) {
-    return floating_as && at::isFloatingType(t.scalar_type()) ? *floating_as : t.scalar_type();
-  };
   TORCH_CHECK(!path.empty(), "ferry: write_safetensors needs a path");
   std::set<std::string> names;
   std::ostringstream header;
@@ -85,8 +91,8 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
     TORCH_CHECK(t.defined(), "ferry: safetensors tensor ", name, " is undefined");
     TORCH_CHECK(!name.empty() && name != "__metadata__" && names.insert(name).second, "ferry: safetensors names "
                 "must be unique and not empty or __metadata__, got '", name, "'");
-    const int64_t bytes = t.numel() * static_cast<int64_t>(c10::elementSize(stored(t)));
-    header << (first ? "" : ",") << json_string(name) << ":{\"dtype\":\"" << dtype_name(stored(t))
+    const int64_t bytes = stored_bytes(t, floating_as);
+    header << (first ? "" : ",") << json_string(name) << ":{\"dtype\":\"" << dtype_name(stored_dtype(t, floating_as))
            << "\",\"shape\":[";
     for (int64_t d = 0; d < t.dim(); ++d) header << (d ? "," : "") << t.size(d);
     header << "],\"data_offsets\":[" << offset << "," << offset + bytes << "]}";
@@ -107,7 +113,7 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
     write_all(fd, len, 8, tmp);
     write_all(fd, h.data(), h.size(), tmp);
     for (const auto& [name, t] : tensors) {
-      const at::Tensor c = t.to(at::kCPU, stored(t)).contiguous();
+      const at::Tensor c = t.to(at::kCPU, stored_dtype(t, floating_as)).contiguous();
       write_all(fd, c.data_ptr(), static_cast<size_t>(c.numel()) * c.element_size(), tmp);
     }
     TORCH_CHECK(::fsync(fd) == 0, "ferry: fsync of ", tmp, " failed: ", std::strerror(errno));
@@ -127,17 +133,12 @@ std::vector<std::string> write_safetensors_folder(const std::string& dir, const 
   TORCH_CHECK(!dir.empty(), "ferry: write_safetensors_folder needs a directory");
   TORCH_CHECK(options.max_shard_bytes > 0, "ferry: max_shard_bytes must be > 0, got ", options.max_shard_bytes);
   TORCH_CHECK(!tensors.empty(), "ferry: write_safetensors_folder(", dir, ") got no tensors");
-  auto stored_bytes = [&](const at::Tensor& t) {
-    const at::ScalarType s =
-        options.floating_as && at::isFloatingType(t.scalar_type()) ? *options.floating_as : t.scalar_type();
-    return t.numel() * static_cast<int64_t>(c10::elementSize(s));
-  };
   // Shards in order, each closed when the next tensor would pass the limit (as save_pretrained does).
   std::vector<NamedTensors> shards(1);
   int64_t shard_bytes = 0, total = 0;
   for (const auto& nt : tensors) {
     TORCH_CHECK(nt.second.defined(), "ferry: write_safetensors_folder: tensor ", nt.first, " is undefined");
-    const int64_t b = stored_bytes(nt.second);
+    const int64_t b = stored_bytes(nt.second, options.floating_as);
     if (!shards.back().empty() && shard_bytes + b > options.max_shard_bytes) {
       shards.emplace_back();
       shard_bytes = 0;
