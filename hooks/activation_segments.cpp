@@ -112,6 +112,7 @@ bool ActivationSegments::apply(const MemoryPlan& plan, const MemoryPlanInput& in
   plan_ = plan;
   plan_input_ = input;
   ++plans_;
+  if (changed) ++changes_;
   return changed;
 }
 

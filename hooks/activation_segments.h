@@ -94,6 +94,9 @@ class ActivationSegments {
   const MemoryPlan& plan() const { return plan_; }
   const MemoryPlanInput& plan_input() const { return plan_input_; }
   int64_t plans() const { return plans_; }
+  // How many applied plans changed what some segment does (a kept segment makes no recompute uses in
+  // backward: whoever counts the parameters' uses in backward must learn them again).
+  int64_t changes() const { return changes_; }
   // The plan as a table, one line per run of segments with the same decision: what is kept and
   // recomputed, the bytes and seconds, the state groups on the device, the predicted step.
   std::string table() const;
@@ -118,6 +121,7 @@ class ActivationSegments {
   MemoryPlan plan_;
   MemoryPlanInput plan_input_;
   int64_t plans_ = 0;
+  int64_t changes_ = 0;
   bool replan_ = false;
   int64_t replans_ = 0;
 };

@@ -246,6 +246,12 @@ void ChunkedModel::check_trainable() {
   grad_sink_->trainable_changed();
 }
 
+void ChunkedModel::check_activation_plan() {
+  if (!grad_sink_ || activations_.changes() == told_activation_changes_) return;
+  told_activation_changes_ = activations_.changes();
+  grad_sink_->backward_uses_changed();
+}
+
 void ChunkedModel::clear_grad_slots() {
   TORCH_CHECK(phase_.load() == ModelPhase::kIdle || phase_.load() == ModelPhase::kForwardDone,
               "ferry: clear_grad_slots() inside an iteration");

@@ -340,6 +340,8 @@ class ChunkedModel final : private UseListener {
   void install_grad_hooks(bool on);
   // Tells the gradient sink when a parameter's requires_grad changed since the last look.
   void check_trainable();
+  // Tells the gradient sink when the activation plan changed what backward recomputes since the last look.
+  void check_activation_plan();
   void check_no_grad_in_slots(const char* what) const;
   void materialize(bool fetch_remote);
 
@@ -354,6 +356,7 @@ class ChunkedModel final : private UseListener {
   PhaseTimer timer_;       // last_phase_seconds()
   ForwardOutputs outputs_; // Note [Several forwards]
   ActivationSegments activations_;  // Config::activations: the checkpoint segments and their plan
+  int64_t told_activation_changes_ = 0;  // activations_.changes() when the sink was last told
   std::unique_ptr<Scheduler> scheduler_;
   double loss_scale_ = 1.0;
   GradSink* grad_sink_ = nullptr;

@@ -98,6 +98,7 @@ void ChunkedModel::begin_forward() {
   check_module_parameters("forward()");  // Note [The module's parameters]
   take_writes("forward()");              // Note [Writes to parameters]
   check_trainable();
+  check_activation_plan();
   transition(ModelPhase::kForward);
   if (continued) return;  // Note [Several forwards]: the same iteration, its forward marked from its start
   outputs_.clear();

@@ -61,6 +61,10 @@ class GradSink {
   // fine-tuning), told before the next one: gradients land from every parameter that requires grad
   // when its backward runs, so what a step receives changes.
   virtual void trainable_changed() {}
+  // The activation plan changed since the last forward (hooks/activation_segments.h): a segment now
+  // kept is not recomputed in backward (or one now recomputed is), so the parameters' uses in backward
+  // differ from those of earlier backwards. Told before the next forward, like trainable_changed().
+  virtual void backward_uses_changed() {}
   // The model is being destroyed with this sink still attached (an optimizer declared before its model
   // outlives it), after await_params(): the sink must never call the model again.
   virtual void model_gone() {}
