@@ -107,6 +107,7 @@ class Engine final : private GradSink, private LayoutListener, private PlanAgree
   // A parameter was frozen or unfrozen: the next backward_step() counts the landings anew (unpipelined
   // once, as the first one is) instead of expecting the old ones.
   void trainable_changed() override;
+  void backward_uses_changed() override;
   void model_gone() override;  // the model was destroyed first: every call is refused from now on
   // LayoutListener: the model was repacked and migrated the state with it; placement starts over.
   void layout_changed() override;
@@ -151,8 +152,11 @@ class Engine final : private GradSink, private LayoutListener, private PlanAgree
   // Queues layout chunk c's host update (grad scale and group options frozen now) on CpuAdam's worker,
   // its parameter chunk locked on the host until it has written the new values; returns false (nothing
   // queued) where the parameter chunk is not on the host or nothing landed.
-  bool defer_host_update_locked(int64_t chunk, const UpdateOptions& options,
-                                const std::shared_ptr<const std::vector<CpuAdam::FrozenGroup>>& frozen);
+  using FrozenGroups = std::shared_ptr<const std::vector<CpuAdam::FrozenGroup>>;
+  bool defer_host_update_locked(int64_t chunk, const UpdateOptions& options, const FrozenGroups& frozen);
+  // Each group's options and step count frozen now for the updates left running behind the step (null:
+  // none may be: update_behind_forward off, or replicated parameters across ranks).
+  FrozenGroups frozen_groups_locked() const;
   void check_backward_step_start_locked() const;  // the layout is followed, no gradients wait for step()
   // The kind of pipeline an N = 1 backward_step runs: eager unless clipping or loss scaling need every
   // gradient first (two-phase, Note [Pipelined step]).

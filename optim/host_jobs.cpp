@@ -11,13 +11,53 @@ namespace ferry::optim {
 
 std::future<void> HostJobs::launch(ChunkStore& params, ChunkId pc, int64_t chunk, const char* what,
                                    std::function<void(const at::Tensor& grads)> work, bool background_write) {
+  return queue(params, pc, chunk, what, std::move(work), background_write, nullptr);
+}
+
+void HostJobs::launch_cancellable(ChunkStore& params, ChunkId pc, int64_t chunk, const char* what,
+                                  std::function<void(const at::Tensor& grads)> work) {
+  auto claim = std::make_shared<Claim>();
+  claim->store = &params;
+  claim->pc = pc;
+  std::future<void> job = queue(params, pc, chunk, what, std::move(work), /*background_write=*/false, claim);
+  put(chunk, std::move(job));
+  if (static_cast<int64_t>(claims_.size()) <= chunk) claims_.resize(chunk + 1);
+  claims_[chunk] = std::move(claim);
+}
+
+std::vector<int64_t> HostJobs::cancel_queued() {
+  std::vector<int64_t> cancelled;
+  for (size_t c = 0; c < claims_.size(); ++c) {
+    const std::shared_ptr<Claim>& claim = claims_[c];
+    if (!claim) continue;
+    int queued = Claim::kQueued;
+    if (claim->state.compare_exchange_strong(queued, Claim::kCancelled)) {
+      // The worker will skip the job: its lock and its copy are this thread's to settle.
+      claim->store->unlock_on_host(claim->pc);
+      claim->store->wait(claim->pc);
+      jobs_[c] = std::future<void>();  // never made ready before the worker pops it: not waited for
+      cancelled.push_back(static_cast<int64_t>(c));
+    }
+  }
+  claims_.clear();
+  return cancelled;
+}
+
+std::future<void> HostJobs::queue(ChunkStore& params, ChunkId pc, int64_t chunk, const char* what,
+                                  std::function<void(const at::Tensor& grads)> work, bool background_write,
+                                  std::shared_ptr<Claim> claim) {
   if (params.location(pc) != Location::kHost) params.move_async(pc, Location::kHost);  // one transfer
   params.lock_on_host(pc);
   // Note [Ops outside the scopes] (hooks/interceptor.h): announced before the job is queued, over when it is
   // (failed or not), so that ops between iterations wait for it.
   if (background_write) outside_hazard_begin();
   try {
-    return worker_.run_async([this, chunk, pc, store = &params, what, work = std::move(work), background_write] {
+    return worker_.run_async([this, chunk, pc, store = &params, what, work = std::move(work), background_write,
+                              claim = std::move(claim)] {
+      if (claim) {  // cancel_queued() took it back first: it unlocked the chunk
+        int queued = Claim::kQueued;
+        if (!claim->state.compare_exchange_strong(queued, Claim::kStarted)) return;
+      }
       struct Finished {  // last: the chunk is unlocked when the write is announced over
         bool announce;
         ~Finished() {
@@ -50,6 +90,7 @@ std::future<void> HostJobs::launch(ChunkStore& params, ChunkId pc, int64_t chunk
 void HostJobs::reset(int64_t num_chunks) {
   jobs_.clear();
   jobs_.resize(num_chunks);
+  claims_.clear();
 }
 
 void HostJobs::put(int64_t chunk, std::future<void> job, bool uses_wait) {
@@ -87,6 +128,7 @@ std::exception_ptr HostJobs::join() {
     }
   }
   jobs_.clear();
+  claims_.clear();
   in_backward_.store(false);
   return error;
 }
@@ -99,6 +141,7 @@ void HostJobs::wait_all() {
 
 void HostJobs::drop() {
   jobs_.clear();
+  claims_.clear();
   superseded_error_ = nullptr;
   in_backward_.store(false);
 }

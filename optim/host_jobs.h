@@ -15,6 +15,7 @@
 #include <exception>
 #include <functional>
 #include <future>
+#include <memory>
 #include <vector>
 
 #include "../chunk/chunk_store.h"
@@ -33,6 +34,14 @@ class HostJobs {
   // iterations wait for it. `what` names the job in the event trace.
   std::future<void> launch(ChunkStore& params, ChunkId pc, int64_t chunk, const char* what,
                            std::function<void(const at::Tensor& grads)> work, bool background_write = false);
+  // launch() and put() in one, for a job that cancel_queued() may take back before it starts (Note
+  // [Host updates carried over behind the next forward], optim/engine_step.cpp).
+  void launch_cancellable(ChunkStore& params, ChunkId pc, int64_t chunk, const char* what,
+                          std::function<void(const at::Tensor& grads)> work);
+  // Takes back every cancellable job of this backward that has not started: it will not run (the worker
+  // skips it), its chunk is unlocked and its copy to the host waited for, and it is forgotten. Returns
+  // those chunks, ascending. A job that started runs to its end.
+  std::vector<int64_t> cancel_queued();
 
   // Backward's jobs, per layout chunk. reset(): none, room for `num_chunks`.
   void reset(int64_t num_chunks);
@@ -61,8 +70,20 @@ class HostJobs {
   int64_t started() const { return started_.load(); }
 
  private:
+  // Who runs a cancellable job, decided once: the worker when it starts it, or cancel_queued() before.
+  struct Claim {
+    enum State : int { kQueued, kStarted, kCancelled };
+    std::atomic<int> state{kQueued};
+    ChunkStore* store = nullptr;
+    ChunkId pc{};
+  };
+  std::future<void> queue(ChunkStore& params, ChunkId pc, int64_t chunk, const char* what,
+                          std::function<void(const at::Tensor& grads)> work, bool background_write,
+                          std::shared_ptr<Claim> claim);
+
   CpuAdam& worker_;
   std::vector<std::future<void>> jobs_;  // per layout chunk
+  std::vector<std::shared_ptr<Claim>> claims_;  // per layout chunk: a cancellable job's (null: none)
   std::exception_ptr superseded_error_;  // of a job superseded in jobs_
   std::atomic<bool> in_backward_{false};
   std::atomic<int64_t> started_{0};

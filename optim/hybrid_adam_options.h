@@ -46,6 +46,11 @@ struct HybridAdamOptions {
   // (Note [Update behind the next forward]); at N > 1 only with shard_params. Off: step() and
   // backward_step() return with every update written.
   bool update_behind_forward = true;
+  // The eager backward_step (no clipping, no loss scaling, N = 1, not accumulating), with
+  // update_behind_forward: the host updates that have not started when backward ends are taken back and
+  // left running behind the return in forward order (Note [Host updates carried over behind the next
+  // forward], optim/engine_step.cpp). Off: the step waits for every host update queued in backward.
+  bool carry_over_host_updates = true;
   // Under Config::activations = auto: after the state was placed by the policy and the model planned its
   // activations in the room left (one iteration later), place the state again and plan the activations
   // in one solve, from that iteration's times, at the end of its step (Note [The joint placement],
@@ -68,6 +73,7 @@ struct HybridAdamOptions {
   HybridAdamOptions& with_accumulate_grads(bool v = true) { accumulate_grads = v; return *this; }
   HybridAdamOptions& with_shard_params(bool v = true) { shard_params = v; return *this; }
   HybridAdamOptions& with_update_behind_forward(bool v = true) { update_behind_forward = v; return *this; }
+  HybridAdamOptions& with_carry_over_host_updates(bool v = true) { carry_over_host_updates = v; return *this; }
   HybridAdamOptions& with_plan_state_with_activations(bool v = true) { plan_state_with_activations = v; return *this; }
   void validate() const;
 };

@@ -43,9 +43,10 @@ void PipelinedStep::arm(bool armed) {
   }
 }
 
-void PipelinedStep::start(Kind kind) {
+void PipelinedStep::start(Kind kind, bool cancellable) {
   const int64_t n = parts_.placement.num_chunks();
   kind_ = kind;
+  cancellable_ = cancellable && kind == Kind::kEager;
   active_ = true;
   outcomes_.assign(n, ChunkOutcome{});
   device_norms_.assign(n, {});
@@ -93,20 +94,23 @@ void PipelinedStep::launch(int64_t c) {
     return;
   }
   const HostState state = parts_.placement.host_state(c, parts_.ownership.owned(c), /*moments=*/true);
-  parts_.jobs.put(c, parts_.jobs.launch(params, pc, c, "pipelined host adam chunk ",
-                            [this, c, spans = std::move(spans), eager = eager(), state](const at::Tensor& g) {
-                              const ChunkOutcome out = parts_.updates.host_norm(g, spans);
-                              if (eager) {
-                                if (out.finite) {
-                                  parts_.updates.run_host(parts_.updates.adam_spans(spans, state.master, state.exp_avg,
-                                                                        state.exp_avg_sq, g),
-                                                    UpdateOptions{1.0, /*grads_checked=*/true});
-                                } else {
-                                  ChunkUpdates::restore_values(g, state.master_tensor, spans);
-                                }
-                              }
-                              outcomes_[c] = out;
-                            }));
+  auto work = [this, c, spans = std::move(spans), eager = eager(), state](const at::Tensor& g) {
+    const ChunkOutcome out = parts_.updates.host_norm(g, spans);
+    if (eager) {
+      if (out.finite) {
+        parts_.updates.run_host(parts_.updates.adam_spans(spans, state.master, state.exp_avg, state.exp_avg_sq, g),
+                                UpdateOptions{1.0, /*grads_checked=*/true});
+      } else {
+        ChunkUpdates::restore_values(g, state.master_tensor, spans);
+      }
+    }
+    outcomes_[c] = out;
+  };
+  if (cancellable_) {
+    parts_.jobs.launch_cancellable(params, pc, c, "pipelined host adam chunk ", std::move(work));
+  } else {
+    parts_.jobs.put(c, parts_.jobs.launch(params, pc, c, "pipelined host adam chunk ", std::move(work)));
+  }
 }
 
 bool PipelinedStep::late_landing(int64_t param, int64_t c, bool accumulation) {
@@ -138,7 +142,8 @@ bool PipelinedStep::late_landing(int64_t param, int64_t c, bool accumulation) {
                            : ".");
 }
 
-bool PipelinedStep::update_unlaunched(const ChunkNorms& norms, bool accumulate_grads, StepResult& result) {
+bool PipelinedStep::update_unlaunched(const ChunkNorms& norms, bool accumulate_grads, StepResult& result,
+                                      const std::function<bool(int64_t)>& defer_host) {
   bool all_finite = true;
   for (int64_t c = 0; c < parts_.placement.num_chunks(); ++c) {
     // A launched chunk's late part (Note [A gradient after its chunk's update]) is updated as an
@@ -158,6 +163,9 @@ bool PipelinedStep::update_unlaunched(const ChunkNorms& norms, bool accumulate_g
     } else if (parts_.placement.on_device(c)) {
       parts_.updates.device_update(c, 1.0, {}, only);
       result.device_update_ns += now_ns() - t0;
+    } else if (!late_part && defer_host && defer_host(c)) {
+      ++result.deferred_chunks;
+      result.host_update_ns += now_ns() - t0;  // queueing only
     } else {
       // Accumulation: the job of the launched part wrote its values into the parameter chunk; the late
       // part's are written too, in the update's pass where the chunk is on the host, else by the write-back.

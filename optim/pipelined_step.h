@@ -65,6 +65,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "hybrid_adam_options.h"
@@ -90,8 +91,10 @@ class PipelinedStep {
   // down, and at N > 1 a chunk with a trainable parameter no backward reached held back); forgets what
   // the last one launched.
   void arm(bool armed);
-  // The pipeline runs in this backward: outcomes and device norms for every chunk.
-  void start(Kind kind);
+  // The pipeline runs in this backward: outcomes and device norms for every chunk. `cancellable`: the
+  // eager host jobs may be taken back at backward's end, not started yet, and carried over behind the
+  // next forward (Note [Host updates carried over behind the next forward], optim/engine_step.cpp).
+  void start(Kind kind, bool cancellable = false);
   // Backward is over (or failed): no more launches; the kind stays for the step's end.
   void stop() { active_ = false; }
   bool active() const { return active_; }
@@ -132,14 +135,18 @@ class PipelinedStep {
 
   // After backward: every chunk not launched (and the late part of a launched one) updated where its
   // state lives as step() would, with grad scale 1; a chunk with non-finite gradients is skipped
-  // (default mode: its values restored). Adds the times to `result`; returns whether all were finite.
-  bool update_unlaunched(const ChunkNorms& norms, bool accumulate_grads, StepResult& result);
+  // (default mode: its values restored). `defer_host(c)`, where given, may leave a whole host-state
+  // chunk's update running behind the call (true: it did; counted in result.deferred_chunks). Adds the
+  // times to `result`; returns whether all were finite.
+  bool update_unlaunched(const ChunkNorms& norms, bool accumulate_grads, StepResult& result,
+                         const std::function<bool(int64_t)>& defer_host = {});
 
  private:
   StepParts parts_;
   bool history_ = false;
   bool active_ = false;
   Kind kind_ = Kind::kTwoPhase;
+  bool cancellable_ = false;
   std::vector<char> launched_;                      // per layout chunk: its host update (or norm) is queued
   std::vector<ChunkOutcome> outcomes_;              // per layout chunk, what its host job found
   std::vector<std::vector<at::Tensor>> device_norms_;  // per layout chunk, its norms taken on the device

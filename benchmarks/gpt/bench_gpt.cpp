@@ -894,8 +894,12 @@ int run(int argc, char** argv) {
         eager ? host_memory_s : (accumulation_bytes + copy_host_bytes) / rates.adam_bytes_per_s;
     const bool behind_forward = !eager && behind_forward_option(a, world);
     const double after_backward_s = eager ? 0.0 : behind_forward ? std::max(0.0, adam_s - forward_s) : adam_s;
+    // Eager at N = 1 with the carry-over (D79): the host updates still queued at backward's end run
+    // beside the next forward, so the host's traffic can overlap backward and forward: the plain floor.
+    const bool carried = eager && world == 1 && a.micro_batches == 1 && behind_forward_option(a, world);
     const double schedule_s =
-        std::max(forward_s + std::max(compute_s - forward_s, backward_host_s) + after_backward_s, pcie_s);
+        carried ? floor_s
+                : std::max(forward_s + std::max(compute_s - forward_s, backward_host_s) + after_backward_s, pcie_s);
     std::cerr << "bench_gpt: floors: compute " << compute_s << " s, transfers " << pcie_s << " s, host Adam " << adam_s
               << " s, host memory " << host_memory_s << " s; measured / floor " << f.mean.total / floor_s
               << ", measured / schedule floor " << f.mean.total / schedule_s << "\n";
@@ -906,7 +910,9 @@ int run(int argc, char** argv) {
         << "\"}, \"compute_s\": " << compute_s << ", \"transfers_s\": " << pcie_s << ", \"host_adam_s\": " << adam_s
         << ", \"host_memory_s\": " << host_memory_s << ", \"floor_s\": " << floor_s
         << ", \"measured_over_floor\": " << f.mean.total / floor_s << ", \"schedule\": \""
-        << (eager ? "host Adam inside backward" : behind_forward ? "host Adam behind the next forward" : "host Adam after backward")
+        << (carried ? "host Adam inside backward and behind the next forward"
+            : eager ? "host Adam inside backward"
+            : behind_forward ? "host Adam behind the next forward" : "host Adam after backward")
         << "\", \"schedule_floor_s\": " << schedule_s
         << ", \"measured_over_schedule_floor\": " << f.mean.total / schedule_s
         << ", \"measured_over_compute\": " << f.mean.total / compute_s << "}";

@@ -25,6 +25,7 @@ using namespace test;  // NOLINT: the fixtures
 
 TEST(PipelinedStep, BackwardStepOverlapsAndIsBitIdentical) {
   HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+  options.carry_over_host_updates = false;  // the jobs during backward are what is tested
   options.device_state_chunks = 2;
   options.accumulate_grads = true;
   LmTwins t(twins(21), sim_config(budget_for(3, 2, 4)), options);  // a: backward() + step(); b: backward_step()
@@ -72,6 +73,7 @@ TEST(PipelinedStep, AFrozenLayerBackwardGoesThroughTrainsPipelined) {
       const std::string what = std::to_string(micro) + " micro-batch(es), " + std::to_string(device_state) +
                                " state chunk(s) on the device";
       HybridAdamOptions options(adamw());
+      options.carry_over_host_updates = false;  // the jobs during backward are what is tested
       options.device_state_chunks = device_state;
       options.accumulate_grads = micro > 1;
       FourLayerTwins t(43, /*freeze_l2=*/true, options);
@@ -103,6 +105,7 @@ TEST(PipelinedStep, AFrozenLayerBackwardGoesThroughTrainsPipelined) {
 // then the counts know two. backward_step equals backward() + step() bit for bit throughout.
 TEST(PipelinedStep, MoreUsesThanTheLastBackwardWaitForTheChunksUpdate) {
   HybridAdamOptions options(adamw());
+  options.carry_over_host_updates = false;  // the jobs during backward are what is tested
   options.device_state_chunks = 0;
   FourLayerTwins t(53, /*freeze_l2=*/true, options);
   const int times[] = {1, 1, 1, 2, 2, 1, 2};
@@ -129,6 +132,7 @@ TEST(PipelinedStep, ALayerSkippedInSomeStepsTrainsPipelined) {
   for (const int micro : {1, 2}) {
     const std::string what = std::to_string(micro) + " micro-batch(es)";
     HybridAdamOptions options(adamw());
+    options.carry_over_host_updates = false;  // the jobs during backward are what is tested
     options.device_state_chunks = 0;
     options.accumulate_grads = micro > 1;
     FourLayerTwins t(59, /*freeze_l2=*/false, options);
@@ -218,6 +222,7 @@ struct StepCounts {
 
 StepCounts steady_step_counts(bool pipelined) {
   HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+  options.carry_over_host_updates = false;  // the jobs during backward are what is tested
   options.device_state_chunks = 1;
   torch::manual_seed(43);
   TinyLm net(kVocab, kDim);
@@ -272,6 +277,7 @@ TEST(PipelinedStep, SyncsOnceAndMovesWholeChunks) {
 // then). Without the pipeline it would wait its 30 s and record that it saw none.
 TEST(PipelinedStep, HostAdamStartsBeforeBackwardEnds) {
   HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+  options.carry_over_host_updates = false;  // the jobs during backward are what is tested
   options.device_state_chunks = 0;
   torch::manual_seed(47);
   TinyLm net(kVocab, kDim);
@@ -310,6 +316,7 @@ TEST(PipelinedStep, TakesAGradientItsChunkDidNotExpect) {
                                  (device_chunks == 0 ? ", host state" : ", device state") +
                                  (clip > 0 ? ", two-phase (clipping)" : ", eager");
         HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+        options.carry_over_host_updates = false;  // the jobs during backward are what is tested
         options.device_state_chunks = device_chunks;
         options.accumulate_grads = accumulate;
         options.max_grad_norm = clip;
@@ -396,6 +403,7 @@ TORCH_MODULE(WeightThenHead);
 
 TEST(PipelinedStep, RefusesASecondContributionAfterTheUpdate) {
   HybridAdamOptions options(adamw());
+  options.carry_over_host_updates = false;  // the jobs during backward are what is tested
   options.device_state_chunks = 0;
   torch::manual_seed(61);
   WeightThenHead net;
