@@ -28,8 +28,10 @@
 // the same bits. What it saves: after backward the host Adam (A) and the next forward (F) ran one after
 // the other; now forward runs beside A (the device-state chunks come first in forward, D51, and the
 // host-state ones are ready in the order forward needs them), so the two take about max(A, F). The
-// eager step needs none of it (its updates run during backward, D52); the parameter chunks a step
-// with accumulate_grads finds on the device keep the update on the calling thread (and the copy after).
+// eager step's updates run during backward (D52); those it had not started when backward ended are
+// left running here too (Note [Host updates carried over behind the next forward], engine_step.cpp).
+// The parameter chunks a step with accumulate_grads finds on the device keep the update on the
+// calling thread (and the copy after).
 // An error in such an update surfaces at the next wait (the forward that needs the chunk, or any of
 // the calls above), logged with the chunk; that chunk may be partly updated.
 //

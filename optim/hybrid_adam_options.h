@@ -41,10 +41,10 @@ struct HybridAdamOptions {
   // each rank keeps only the chunks it owns between steps and gathers the others before their use.
   // Off: every rank keeps every parameter chunk, and a step all-gathers the updated values.
   bool shard_params = true;
-  // Leave the host updates that run after backward (with clipping or fp16 loss scaling, and in
-  // step()) running behind the return, in forward order, each chunk's next use waiting for its own
-  // (Note [Update behind the next forward]); at N > 1 only with shard_params. Off: step() and
-  // backward_step() return with every update written.
+  // Leave the host updates that run after backward (with clipping or fp16 loss scaling, in step(), and
+  // with carry_over_host_updates the eager step's that had not started) running behind the return, in
+  // forward order, each chunk's next use waiting for its own (Note [Update behind the next forward]);
+  // at N > 1 only with shard_params. Off: step() and backward_step() return with every update written.
   bool update_behind_forward = true;
   // The eager backward_step (no clipping, no loss scaling, N = 1, not accumulating), with
   // update_behind_forward: the host updates that have not started when backward ends are taken back and

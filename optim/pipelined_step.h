@@ -17,8 +17,11 @@
 //  - device state: its parameter chunk is brought to the device if evicted (no host stall), its
 //    norm is reduced on the device (no host sync) and the device Adam runs on the compute stream, told
 //    to skip by a device flag if the chunk's gradients are not finite.
-// The jobs are awaited when backward ends (before the model may repack). Then one host sync reads every
-// device norm, chunks that did not become final run as step() runs them, and the result is reported.
+// The jobs are awaited when backward ends (before the model may repack); in the eager mode those not
+// started by then are first taken back (Note [Host updates carried over behind the next forward],
+// engine_step.cpp). Then one host sync reads every device norm, chunks that did not become final run
+// as step() runs them (a host-state chunk's update may be left running behind the return), and the
+// result is reported.
 // A gradient that lands after its chunk became final (a layer no earlier backward reached) is taken:
 // Note [A gradient after its chunk's update].
 // No host synchronization per parameter or per chunk on the training thread: the per-chunk waits
