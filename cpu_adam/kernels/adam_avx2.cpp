@@ -63,6 +63,7 @@ struct Avx2Ops {
   static M lt_i(I a, I b) { return _mm256_cmpgt_epi32(b, a); }
   static M lt_f(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
   static I select_i(M m, I if_true, I if_false) { return _mm256_blendv_epi8(if_false, if_true, m); }
+  static bool any(M m) { return _mm256_testz_si256(m, m) == 0; }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F abs(F a) { return _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7fffffff))); }
   static F max(F a, F b) { return _mm256_max_ps(a, b); }

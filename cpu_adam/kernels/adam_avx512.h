@@ -67,6 +67,7 @@ struct Avx512Ops {
   static M lt_i(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
   static M lt_f(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
   static I select_i(M m, I if_true, I if_false) { return _mm512_mask_blend_epi32(m, if_false, if_true); }
+  static bool any(M m) { return m != 0; }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F abs(F a) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7fffffff))); }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }

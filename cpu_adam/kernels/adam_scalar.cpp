@@ -45,6 +45,7 @@ struct ScalarOps {
   static M lt_i(I a, I b) { return static_cast<int32_t>(a) < static_cast<int32_t>(b); }
   static M lt_f(F a, F b) { return a < b; }
   static I select_i(M m, I if_true, I if_false) { return m ? if_true : if_false; }
+  static bool any(M m) { return m; }
   static F add(F a, F b) { return a + b; }
   static F abs(F a) { return bits_f32(f32_bits(a) & 0x7fffffffu); }
   static F max(F a, F b) { return a > b ? a : b; }  // as MAXPS: the second when either is NaN

@@ -32,12 +32,15 @@ template <class Ops>
 struct CompactCodes {
   using F = typename Ops::F;
   using I = typename Ops::I;
+  using M = typename Ops::M;
 
+  // Each code takes the same operations in every ISA; a vector with no subnormal code (almost all, past
+  // the first step) skips computing that path, which changes no bit.
   static F decode_m(I code) {
     const I mag = Ops::and_i(code, Ops::set1_i(127u));
-    const F normal = Ops::from_bits(Ops::slli(Ops::add_i(mag, Ops::set1_i(kMBias)), 20));
-    const F sub = Ops::mul(Ops::to_float(mag), Ops::set1(0x1p-17f));
-    const I value = Ops::select_i(Ops::lt_i(mag, Ops::set1_i(8u)), Ops::bits(sub), Ops::bits(normal));
+    I value = Ops::slli(Ops::add_i(mag, Ops::set1_i(kMBias)), 20);
+    const M small = Ops::lt_i(mag, Ops::set1_i(8u));
+    if (Ops::any(small)) value = Ops::select_i(small, Ops::bits(Ops::mul(Ops::to_float(mag), Ops::set1(0x1p-17f))), value);
     return Ops::from_bits(Ops::or_i(value, Ops::slli(Ops::and_i(code, Ops::set1_i(128u)), 24)));
   }
   // y = m / s_m, |y| <= 1 (+ an ulp).
@@ -46,26 +49,32 @@ struct CompactCodes {
     const I sign = Ops::and_i(Ops::srli(yb, 24), Ops::set1_i(128u));
     const I a = Ops::and_i(yb, Ops::set1_i(0x7fffffffu));
     const I rounded = Ops::add_i(Ops::add_i(a, Ops::set1_i(0x7ffffu)), Ops::and_i(Ops::srli(a, 20), Ops::set1_i(1u)));
-    const I normal = Ops::sub_i(Ops::srli(rounded, 20), Ops::set1_i(kMBias));
+    I mag = Ops::sub_i(Ops::srli(rounded, 20), Ops::set1_i(kMBias));
     const F af = Ops::from_bits(a);
-    const I sub = Ops::sub_i(Ops::bits(Ops::add(Ops::mul(af, Ops::set1(0x1p17f)), Ops::set1(kRoundMagic))),
-                             Ops::set1_i(kRoundMagicBits));
-    const I mag = Ops::select_i(Ops::lt_f(af, Ops::set1(0x1p-14f)), sub, normal);
+    const M small = Ops::lt_f(af, Ops::set1(0x1p-14f));
+    if (Ops::any(small)) {
+      const I sub = Ops::sub_i(Ops::bits(Ops::add(Ops::mul(af, Ops::set1(0x1p17f)), Ops::set1(kRoundMagic))),
+                               Ops::set1_i(kRoundMagicBits));
+      mag = Ops::select_i(small, sub, mag);
+    }
     return Ops::or_i(mag, sign);
   }
   static F decode_u(I code) {
-    const F normal = Ops::from_bits(Ops::slli(Ops::add_i(code, Ops::set1_i(kUBias)), 19));
-    const F sub = Ops::mul(Ops::to_float(code), Ops::set1(0x1p-18f));
-    return Ops::from_bits(Ops::select_i(Ops::lt_i(code, Ops::set1_i(16u)), Ops::bits(sub), Ops::bits(normal)));
+    I value = Ops::slli(Ops::add_i(code, Ops::set1_i(kUBias)), 19);
+    const M small = Ops::lt_i(code, Ops::set1_i(16u));
+    if (Ops::any(small)) value = Ops::select_i(small, Ops::bits(Ops::mul(Ops::to_float(code), Ops::set1(0x1p-18f))), value);
+    return Ops::from_bits(value);
   }
   // y = u / s_u in [0, 1] (+ an ulp); `u` itself decides whether code 0 is allowed.
   static I encode_u(F y, F u) {
     const I a = Ops::bits(y);
     const I rounded = Ops::add_i(Ops::add_i(a, Ops::set1_i(0x3ffffu)), Ops::and_i(Ops::srli(a, 19), Ops::set1_i(1u)));
-    const I normal = Ops::sub_i(Ops::srli(rounded, 19), Ops::set1_i(kUBias));
+    I code = Ops::sub_i(Ops::srli(rounded, 19), Ops::set1_i(kUBias));
+    const M small = Ops::lt_f(y, Ops::set1(0x1p-14f));
+    if (!Ops::any(small)) return code;  // every u >= 2^-14 s_u > 0: no code is 0
     const I sub = Ops::sub_i(Ops::bits(Ops::add(Ops::mul(y, Ops::set1(0x1p18f)), Ops::set1(kRoundMagic))),
                              Ops::set1_i(kRoundMagicBits));
-    const I code = Ops::select_i(Ops::lt_f(y, Ops::set1(0x1p-14f)), sub, normal);
+    code = Ops::select_i(small, sub, code);
     const I floor = Ops::select_i(Ops::lt_f(Ops::set1(0.0f), u), Ops::set1_i(1u), Ops::set1_i(0u));
     return Ops::max_i(code, floor);
   }
@@ -74,10 +83,12 @@ struct CompactCodes {
   // bf16 below) / (one bf16 ulp): unbiased. The bits: the top 16 of (index + the step's seed) times
   // the golden ratio, a Weyl sequence: over consecutive elements equidistributed (each 1/65536 of the
   // unit interval visited in turn, better spread than independent draws), and for one element shifted
-  // by the step's seed (a hash of the step count) from step to step. One multiply per element.
-  static I round_bf16(F p, I index, uint32_t seed) {
-    const I noise = Ops::srli(Ops::mullo(Ops::add_i(index, Ops::set1_i(seed)), Ops::set1_i(0x9e3779b1u)), 16);
-    return Ops::srli(Ops::add_i(Ops::bits(p), noise), 16);
+  // by the step's seed (a hash of the step count) from step to step. `weyl` is (index + seed) times the
+  // ratio, mod 2^32: the caller steps it by W times the ratio per vector (the same bits as a multiply
+  // per element, for one add).
+  static constexpr uint32_t kGolden = 0x9e3779b1u;
+  static I round_bf16(F p, I weyl) {
+    return Ops::srli(Ops::add_i(Ops::bits(p), Ops::srli(weyl, 16)), 16);
   }
 };
 
@@ -98,7 +109,8 @@ struct CompactLoop {
     alignas(64) float new_u[B];
     const F s_m = Ops::set1(*m_scale), s_u = Ops::set1(*u_scale);
     F max_m = Ops::set1(0.0f), max_u = Ops::set1(0.0f);
-    const I lanes = Ops::iota_i();
+    I weyl = Ops::mullo(Ops::add_i(Ops::set1_i(index0 + seed), Ops::iota_i()), Ops::set1_i(Codes::kGolden));
+    const I weyl_step = Ops::set1_i(static_cast<uint32_t>(W) * Codes::kGolden);
     for (int64_t j = 0; j < B; j += W) {
       F g = Ops::mul(load_grad<Ops, G>(grad, j), c.grad_scale);
       F p = Ops::from_bits(Ops::slli(Ops::load_u16(master + j), 16));
@@ -111,8 +123,8 @@ struct CompactLoop {
       const F u = Ops::sqrt(v);
       const F d = Ops::fma(u, c.inv_bc2_sqrt, c.eps);
       p = Ops::fma(c.neg_step_size, Ops::div(m, d), p);
-      const I index = Ops::add_i(Ops::set1_i(index0 + static_cast<uint32_t>(j)), lanes);
-      const I out = Codes::round_bf16(p, index, seed);
+      const I out = Codes::round_bf16(p, weyl);
+      weyl = Ops::add_i(weyl, weyl_step);
       Ops::store_u16(master + j, out);
       if constexpr (L == ferry::cpu_adam::LowpType::kBf16) {
         Ops::store_u16(static_cast<uint16_t*>(lowp) + j, out);

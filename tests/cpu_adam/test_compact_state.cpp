@@ -337,5 +337,72 @@ TEST(CompactState, NonFiniteGradsAndBadSpansAreRefused) {
   EXPECT_NE(error_of([&] { fresh.update(0, c.span()); }).find("before advance_step()"), std::string::npos);
 }
 
+// The format's bits, pinned: 20 steps of every kernel over state drawn without libm or <random> (whose
+// outputs may differ between standard libraries), one FNV-1a hash of everything the update writes. A
+// change to a kernel that changes a bit (faster code must give the same bits: checkpoints in this
+// format and the CUDA kernel to come must agree with it) fails here with the hash it got.
+TEST(CompactState, TheUpdatesBitsArePinned) {
+  constexpr int64_t n = 3 * 256 + 77;  // whole blocks and a partial one
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  auto next = [&x] {  // xorshift64*
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    return static_cast<uint32_t>((x * 0x2545f4914f6cdd1dull) >> 32);
+  };
+  // A float of random sign and mantissa with exponent in [lo, lo + span) (powers of two only: exact).
+  auto value = [&](int lo, int span) {
+    const uint32_t r = next();
+    const uint32_t exponent = static_cast<uint32_t>(127 + lo + static_cast<int>(r % static_cast<uint32_t>(span)));
+    const uint32_t bits = (r & 0x80000000u) | (exponent << 23) | (next() & 0x7fffffu);
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  };
+  Compact start(n, at::kBFloat16, at::kBFloat16);
+  std::vector<float> p(n), mm(n), vv(n);
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = value(-8, 6);
+    mm[i] = value(-20, 12);
+    vv[i] = i % 61 == 3 ? 0.0f : std::fabs(value(-40, 24));
+  }
+  compact_from_fp32(start.span(), p.data(), mm.data(), vv.data());
+  std::vector<std::vector<uint16_t>> grads(20, std::vector<uint16_t>(n));
+  for (auto& g : grads) {
+    for (int64_t i = 0; i < n; ++i) g[i] = i % 53 == 7 ? 0 : c10::BFloat16(value(-14, 8)).x;
+  }
+  for (const CpuIsa isa : kAllIsas) {
+    if (!cpu_supports(isa)) continue;
+    for (const AdamMode mode : {AdamMode::kAdamW, AdamMode::kAdam}) {
+      AdamOptions o;
+      o.mode = mode;
+      o.weight_decay = 0.01;
+      CpuAdamConfig config;
+      config.isa = isa;
+      config.threads = 2;
+      CpuAdam adam(o, config);
+      Compact c = start;
+      uint64_t h = 0xcbf29ce484222325ull;
+      auto mix = [&h](const void* data, size_t bytes) {
+        const auto* b = static_cast<const uint8_t*>(data);
+        for (size_t k = 0; k < bytes; ++k) h = (h ^ b[k]) * 0x100000001b3ull;
+      };
+      for (const auto& g : grads) {
+        c.g16 = g;
+        adam.advance_step(0);
+        ASSERT_TRUE(adam.update(0, c.span(4242)).applied);
+        mix(c.master.data(), c.master.size() * 2);
+        mix(c.lowp.data(), c.lowp.size() * 2);
+        mix(c.m.data(), c.m.size());
+        mix(c.u.data(), c.u.size());
+        mix(c.m_scale.data(), c.m_scale.size() * 4);
+        mix(c.u_scale.data(), c.u_scale.size() * 4);
+      }
+      const uint64_t want = mode == AdamMode::kAdamW ? 1879713352259169754ull : 15990251865286469912ull;
+      EXPECT_EQ(h, want) << to_string(isa) << (mode == AdamMode::kAdamW ? " AdamW" : " Adam");
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ferry
