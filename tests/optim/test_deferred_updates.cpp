@@ -226,7 +226,9 @@ void expect_update_behind_forward_exact(const BehindCase& bc) {
   b.end_iteration();
   EXPECT_TRUE(torch::equal(ya, yb));
   ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, "after 8 steps"));
-  EXPECT_GE(deferred, 8) << "host updates must be left running";
+  // (Eager with the worker free, how many jobs backward's end finds not started depends on the
+  // machine's speed: only the first, unpipelined, step's updates are sure to be left running.)
+  EXPECT_GE(deferred, !bc.clipping && !bc.stall_worker ? 1 : 8) << "host updates must be left running";
   if (bc.clipping) EXPECT_GT(clipped, 2) << "the clipping path must be exercised";
   if (bc.stall_worker && !bc.unpipelined) EXPECT_GT(carried, 2) << "eager host updates must be taken back";
   EXPECT_GE(evictions, 5);
