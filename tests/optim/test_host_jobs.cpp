@@ -3,15 +3,18 @@
 // and launch() on a ChunkStore of the simulated device whose copies stay pending until waited for: the
 // chunk moves to the host in one transfer, the job runs on its bytes once the copy has landed (waited for
 // on the worker, not the caller), the chunk is locked on the host while the job runs and unlocked after,
-// also when the job throws; started() counts the jobs that ran.
+// also when the job throws; started() counts the jobs that ran; cancel_queued() takes back the jobs not
+// started.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <exception>
 #include <future>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "../../chunk/chunk_store.h"
 #include "../../chunk/stream_model_engine.h"
@@ -182,6 +185,59 @@ TEST(HostJobs, LaunchUnlocksTheChunkWhenTheJobThrows) {
   EXPECT_EQ(message(jobs.join()), "(none)");
   EXPECT_EQ(jobs.started(), 2);
   EXPECT_TRUE(torch::equal(store.payload(c), torch::full({64}, 7.0f)));
+}
+
+// cancel_queued() (Note [Host updates carried over behind the next forward], optim/engine_step.cpp): with
+// the worker held by a job the test lets go, the job that has started runs to its end and keeps its
+// chunk locked until then; the queued ones are taken back at once: their chunks unlocked, their copies
+// to the host landed, their work never run (also after the worker reaches them), and they are forgotten.
+TEST(HostJobs, CancelQueuedTakesBackTheJobsNotStarted) {
+  CpuAdam worker;
+  HostJobs jobs(worker);
+  ChunkStore store(simulated(), std::make_unique<StreamModelCopyEngine>());
+  std::vector<ChunkId> ids;
+  for (int k = 0; k < 4; ++k) {
+    ids.push_back(store.add_chunk(ChunkRole::kParam, at::kFloat, 64, Location::kDevice));
+    store.payload(ids.back()).fill_(static_cast<float>(k));
+  }
+  jobs.reset(4);
+  std::promise<void> running, go;
+  std::shared_future<void> let_go = go.get_future().share();
+  std::atomic<int> ran{0};
+  jobs.launch_cancellable(store, ids[0], 0, "held job ", [&](const at::Tensor& bytes) {
+    running.set_value();
+    let_go.wait();
+    bytes.add_(10);
+    ++ran;
+  });
+  running.get_future().wait();  // chunk 0's job has started
+  for (int k = 3; k >= 1; --k) {  // queued behind it, in backward's order
+    jobs.launch_cancellable(store, ids[k], k, "queued job ", [&](const at::Tensor& bytes) {
+      bytes.add_(10);
+      ++ran;
+    });
+  }
+  EXPECT_EQ(jobs.cancel_queued(), (std::vector<int64_t>{1, 2, 3}));
+  for (int k = 1; k < 4; ++k) {
+    EXPECT_FALSE(jobs.has(k)) << k;
+    EXPECT_FALSE(store.locked_on_host(ids[k])) << "taken back: unlocked at once";
+    EXPECT_EQ(store.location(ids[k]), Location::kHost);
+    EXPECT_TRUE(torch::equal(store.payload(ids[k]), torch::full({64}, static_cast<float>(k)))) << "its copy landed";
+  }
+  EXPECT_TRUE(jobs.has(0));
+  EXPECT_TRUE(store.locked_on_host(ids[0])) << "the started job keeps its chunk";
+  EXPECT_TRUE(jobs.cancel_queued().empty()) << "nothing is taken back twice";
+  go.set_value();
+  EXPECT_EQ(message(jobs.join()), "(none)");
+  worker.run_async([] {}).get();  // the worker has passed the skipped jobs
+  EXPECT_EQ(ran.load(), 1) << "the taken-back jobs never ran";
+  EXPECT_EQ(jobs.started(), 1);
+  EXPECT_FALSE(store.locked_on_host(ids[0]));
+  EXPECT_TRUE(torch::equal(store.payload(ids[0]), torch::full({64}, 10.0f)));
+  for (int k = 1; k < 4; ++k) {
+    EXPECT_FALSE(store.locked_on_host(ids[k])) << "the skipped job did not unlock it a second time";
+    EXPECT_TRUE(torch::equal(store.payload(ids[k]), torch::full({64}, static_cast<float>(k))));
+  }
 }
 
 }  // namespace
