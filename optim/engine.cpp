@@ -369,21 +369,18 @@ void Engine::await_param(int64_t param) {
   deferred_.await_chunk(c);
 }
 
+// What backwards had no longer says what the next ones will have: learned again from the next, which
+// runs unpipelined.
 void Engine::trainable_changed() {
   std::lock_guard<std::mutex> lock(mutex_);
-  // What backwards had no longer says what the next ones will have: learned again from the next.
   finality_.forget();
   pipeline_.forget();
 }
 
 // A kept segment makes no recompute uses in backward: expected uses that only grow (Note [Expectations
 // only grow]) would hold each of its chunks to backward's end (4b on one H100: 96 of 193 chunks
-// updated after backward, +28 ms a step). Learned again from the next backward, which runs unpipelined.
-void Engine::backward_uses_changed() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  finality_.forget();
-  pipeline_.forget();
-}
+// updated after backward, +28 ms a step). As for a change of requires_grad.
+void Engine::backward_uses_changed() { trainable_changed(); }
 
 // Note [Writes to parameters] (hooks/write_watch.h). Every slot holds its value here. A replacement
 // is taken whole, at its own precision; an in-place write where the slot differs from the master

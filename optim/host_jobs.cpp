@@ -19,27 +19,25 @@ void HostJobs::launch_cancellable(ChunkStore& params, ChunkId pc, int64_t chunk,
   auto claim = std::make_shared<Claim>();
   claim->store = &params;
   claim->pc = pc;
-  std::future<void> job = queue(params, pc, chunk, what, std::move(work), /*background_write=*/false, claim);
-  put(chunk, std::move(job));
-  if (static_cast<int64_t>(claims_.size()) <= chunk) claims_.resize(chunk + 1);
-  claims_[chunk] = std::move(claim);
+  put(chunk, queue(params, pc, chunk, what, std::move(work), /*background_write=*/false, claim));
+  jobs_[chunk].claim = std::move(claim);
 }
 
 std::vector<int64_t> HostJobs::cancel_queued() {
   std::vector<int64_t> cancelled;
-  for (size_t c = 0; c < claims_.size(); ++c) {
-    const std::shared_ptr<Claim>& claim = claims_[c];
-    if (!claim) continue;
+  for (size_t c = 0; c < jobs_.size(); ++c) {
+    Job& job = jobs_[c];
+    if (!job.claim) continue;
     int queued = Claim::kQueued;
-    if (claim->state.compare_exchange_strong(queued, Claim::kCancelled)) {
+    if (job.claim->state.compare_exchange_strong(queued, Claim::kCancelled)) {
       // The worker will skip the job: its lock and its copy are this thread's to settle.
-      claim->store->unlock_on_host(claim->pc);
-      claim->store->wait(claim->pc);
-      jobs_[c] = std::future<void>();  // never made ready before the worker pops it: not waited for
+      job.claim->store->unlock_on_host(job.claim->pc);
+      job.claim->store->wait(job.claim->pc);
+      job.done = std::future<void>();  // never made ready before the worker pops it: not waited for
       cancelled.push_back(static_cast<int64_t>(c));
     }
+    job.claim.reset();
   }
-  claims_.clear();
   return cancelled;
 }
 
@@ -90,17 +88,16 @@ std::future<void> HostJobs::queue(ChunkStore& params, ChunkId pc, int64_t chunk,
 void HostJobs::reset(int64_t num_chunks) {
   jobs_.clear();
   jobs_.resize(num_chunks);
-  claims_.clear();
 }
 
 void HostJobs::put(int64_t chunk, std::future<void> job, bool uses_wait) {
   if (static_cast<int64_t>(jobs_.size()) <= chunk) jobs_.resize(chunk + 1);
-  jobs_[chunk] = std::move(job);
+  jobs_[chunk] = Job{std::move(job), nullptr};
   if (uses_wait) in_backward_.store(true);
 }
 
 void HostJobs::wait(int64_t chunk) {
-  if (has(chunk)) jobs_[chunk].wait();
+  if (has(chunk)) jobs_[chunk].done.wait();
 }
 
 void HostJobs::supersede(int64_t chunk) {
@@ -110,7 +107,7 @@ void HostJobs::supersede(int64_t chunk) {
 std::exception_ptr HostJobs::take(int64_t chunk) {
   if (!has(chunk)) return nullptr;
   try {
-    jobs_[chunk].get();
+    jobs_[chunk].done.get();
   } catch (...) {
     return std::current_exception();
   }
@@ -119,29 +116,27 @@ std::exception_ptr HostJobs::take(int64_t chunk) {
 
 std::exception_ptr HostJobs::join() {
   std::exception_ptr error = std::exchange(superseded_error_, nullptr);
-  for (auto& job : jobs_) {
-    if (!job.valid()) continue;
+  for (Job& job : jobs_) {
+    if (!job.done.valid()) continue;
     try {
-      job.get();
+      job.done.get();
     } catch (...) {
       if (!error) error = std::current_exception();
     }
   }
   jobs_.clear();
-  claims_.clear();
   in_backward_.store(false);
   return error;
 }
 
 void HostJobs::wait_all() {
-  for (auto& job : jobs_) {
-    if (job.valid()) job.wait();
+  for (Job& job : jobs_) {
+    if (job.done.valid()) job.done.wait();
   }
 }
 
 void HostJobs::drop() {
   jobs_.clear();
-  claims_.clear();
   superseded_error_ = nullptr;
   in_backward_.store(false);
 }

@@ -49,7 +49,7 @@ class HostJobs {
   // final before its last use]); not for an owner's job across ranks, which waits for the ranks' sums.
   void put(int64_t chunk, std::future<void> job, bool uses_wait = true);
   bool has(int64_t chunk) const {
-    return chunk < static_cast<int64_t>(jobs_.size()) && jobs_[chunk].valid();
+    return chunk < static_cast<int64_t>(jobs_.size()) && jobs_[chunk].done.valid();
   }
   // Waits for chunk `chunk`'s job (its error surfaces at join()).
   void wait(int64_t chunk);
@@ -81,9 +81,14 @@ class HostJobs {
                           std::function<void(const at::Tensor& grads)> work, bool background_write,
                           std::shared_ptr<Claim> claim);
 
+  // A layout chunk's job of this backward: its future, and its claim if cancel_queued() may take it back.
+  struct Job {
+    std::future<void> done;
+    std::shared_ptr<Claim> claim;
+  };
+
   CpuAdam& worker_;
-  std::vector<std::future<void>> jobs_;  // per layout chunk
-  std::vector<std::shared_ptr<Claim>> claims_;  // per layout chunk: a cancellable job's (null: none)
+  std::vector<Job> jobs_;  // per layout chunk
   std::exception_ptr superseded_error_;  // of a job superseded in jobs_
   std::atomic<bool> in_backward_{false};
   std::atomic<int64_t> started_{0};

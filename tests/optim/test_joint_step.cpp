@@ -34,23 +34,33 @@ struct Trained {
   size_t planned_groups = 0;
   int64_t kept = 0;
   int64_t device_state_chunks = 0;
+  std::vector<int64_t> overlapped;  // per step, with `backward_step`
 };
 
-Trained train(ActivationPolicy policy, int64_t capacity, int64_t fixed_device_groups = -1, bool joint = true) {
+// `backward_step`: trains through HybridAdam::backward_step (8 steps, the update behind forward off:
+// how many jobs are carried over behind it depends on the machine's speed, so the overlapped counts
+// would too) instead of backward() + step() (5 steps).
+Trained train(ActivationPolicy policy, int64_t capacity, int64_t fixed_device_groups = -1, bool joint = true,
+              bool backward_step = false) {
   torch::manual_seed(11);
   Blocks net(32);
   ChunkedModel model(net, config_for(policy, capacity));
   HybridAdamOptions options;
   options.device_state_chunks = fixed_device_groups;
   options.plan_state_with_activations = joint;
+  options.update_behind_forward = !backward_step;
   HybridAdam adam(model, options);
   Trained t;
   torch::manual_seed(12);
-  for (int step = 0; step < 5; ++step) {
+  for (int step = 0; step < (backward_step ? 8 : 5); ++step) {
     const torch::Tensor x = torch::randn({8, 32});
     const torch::Tensor loss = model.forward([&] { return net->forward(x); });
-    model.backward(loss);
-    adam.step();
+    if (backward_step) {
+      t.overlapped.push_back(adam.backward_step(loss).overlapped_chunks);
+    } else {
+      model.backward(loss);
+      adam.step();
+    }
     adam.zero_grad();
     t.losses.push_back(loss.item<double>());
     if (step == 0) t.plans_after_first_step = model.activations().plans();
@@ -112,40 +122,11 @@ TEST(JointStep, OffByDefault) {
 // optimizer, those chunks waited for that use until backward's end: on one H100 at 4b, 96 of 193 chunks
 // updated after backward under auto (+28 ms a step) against none under recompute. Every chunk must start
 // its update during backward again once the plan's backward has been seen, with the same results.
-struct Overlap {
-  std::vector<int64_t> overlapped;  // per step
-  std::vector<double> losses;
-  int64_t kept = 0;
-};
-
-Overlap overlap_per_step(ActivationPolicy policy, bool joint) {
-  torch::manual_seed(11);
-  Blocks net(32);
-  ChunkedModel model(net, config_for(policy, 1 << 20));
-  HybridAdamOptions options;
-  options.plan_state_with_activations = joint;
-  // Updates are carried over behind the next forward when the worker falls behind backward, which
-  // depends on the machine's speed: off, the counts depend on finality alone.
-  options.update_behind_forward = false;
-  HybridAdam adam(model, options);
-  Overlap o;
-  torch::manual_seed(12);
-  for (int step = 0; step < 8; ++step) {
-    const torch::Tensor x = torch::randn({8, 32});
-    const torch::Tensor loss = model.forward([&] { return net->forward(x); });
-    o.overlapped.push_back(adam.backward_step(loss).overlapped_chunks);
-    adam.zero_grad();
-    o.losses.push_back(loss.item<double>());
-  }
-  o.kept = model.activations().plan().kept();
-  return o;
-}
-
 TEST(JointStep, EveryChunkOverlapsBackwardOnceThePlanApplies) {
-  const Overlap recompute = overlap_per_step(ActivationPolicy::kRecompute, false);
+  const Trained recompute = train(ActivationPolicy::kRecompute, 1 << 20, -1, false, /*backward_step=*/true);
   ASSERT_GT(recompute.overlapped.back(), 0);
   for (const bool joint : {false, true}) {
-    const Overlap a = overlap_per_step(ActivationPolicy::kAuto, joint);
+    const Trained a = train(ActivationPolicy::kAuto, 1 << 20, -1, joint, /*backward_step=*/true);
     ASSERT_GE(a.kept, 1) << "the capacity must let the plan keep a segment, or this tests nothing";
     EXPECT_EQ(a.overlapped.back(), recompute.overlapped.back()) << "joint " << joint;
     EXPECT_EQ(a.overlapped[a.overlapped.size() - 2], recompute.overlapped.back()) << "joint " << joint;
