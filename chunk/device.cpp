@@ -2,6 +2,8 @@
 // device_cuda.cpp (CUDA builds only).
 #include "device.h"
 
+#include <algorithm>
+
 #include <c10/util/Exception.h>
 
 #include "../common/gpu_info.h"
@@ -65,6 +67,10 @@ DeviceBudget DeviceBudget::of(const Config& config, const Device& device, bool c
   TORCH_INTERNAL_ASSERT(b.budget_bytes >= 0 && b.capacity_bytes >= 0, "device budget ", b.budget_bytes,
                         ", capacity ", b.capacity_bytes);
   return b;
+}
+
+int64_t default_gpu_capacity_bytes(int64_t total_bytes) {
+  return total_bytes - std::max<int64_t>(int64_t{2} << 30, total_bytes / 20);
 }
 
 }  // namespace ferry

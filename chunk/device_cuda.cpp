@@ -17,7 +17,7 @@ class CudaDevice final : public Device {
   c10::Device torch_device() const override { return c10::Device(c10::kCUDA, c10::cuda::current_device()); }
   std::unique_ptr<CopyEngine> make_copy_engine() const override { return make_cuda_copy_engine(); }
   int64_t default_capacity_bytes(int64_t /*budget_bytes*/, bool /*counts_host_memory*/) const override {
-    return query_gpus().total_memory_bytes / 10 * 9;
+    return default_gpu_capacity_bytes(query_gpus().total_memory_bytes);
   }
   int64_t allocated_bytes() const override {
     // getDeviceStats asserts if CUDA was not initialised yet (see copy_engine_cuda.cpp); once it was,

@@ -41,7 +41,7 @@ struct Config {
   int64_t chunk_size_bytes = 0;
   int64_t device_budget_bytes = 0;               // bytes for chunks on the device; 0 = no limit
   // The device's memory for chunks and everything else (activations, temporaries); 0 = the GPU's
-  // (90% of its total memory) on CUDA, unknown on the simulated device. ferry keeps chunks within
+  // (all but max(2 GiB, 5%) of it: default_gpu_capacity_bytes) on CUDA, unknown on the simulated device. ferry keeps chunks within
   // capacity - non-model memory at every moment, and within device_budget_bytes always.
   int64_t device_capacity_bytes = 0;
   int64_t host_budget_bytes = 0;                 // bytes for chunks on the host; 0 = no limit

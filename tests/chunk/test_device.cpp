@@ -33,6 +33,16 @@ TEST(Device, TheSimulatedDeviceHasACapacityOnlyWhenItCountsHostMemory) {
   EXPECT_EQ(d->default_capacity_bytes(0, /*counts_host_memory=*/true), 0) << "no budget: unknown";
 }
 
+// A GPU's default capacity: all but max(2 GiB, 5%), never a share that leaves a small card nothing.
+TEST(Device, AGpusDefaultCapacityLeavesTwoGibibytesOrFivePercent) {
+  constexpr int64_t GiB = int64_t{1} << 30;
+  const int64_t h100 = 81079LL << 20;  // an 80 GB H100 as CUDA reports it
+  EXPECT_EQ(default_gpu_capacity_bytes(h100), h100 - h100 / 20);
+  EXPECT_GT(default_gpu_capacity_bytes(h100), 75 * GiB);
+  EXPECT_EQ(default_gpu_capacity_bytes(16 * GiB), 14 * GiB);
+  EXPECT_EQ(default_gpu_capacity_bytes(24 * GiB), 22 * GiB);
+}
+
 TEST(Device, TheFactoryResolvesAutoAsItMakesIt) {
   EXPECT_EQ(resolve_device_kind(DeviceKind::kSimulated), DeviceKind::kSimulated);
   EXPECT_EQ(resolve_device_kind(DeviceKind::kCuda), DeviceKind::kCuda);
