@@ -8,8 +8,7 @@
 
 namespace ferry {
 
-namespace {
-std::vector<StateRoleSpec> fp32_roles(const std::vector<ChunkRole>& roles, const std::vector<int>& zero_roles) {
+std::vector<StateRoleSpec> StateChunks::fp32_specs(const std::vector<ChunkRole>& roles, const std::vector<int>& zero_roles) {
   std::vector<StateRoleSpec> out;
   for (ChunkRole role : roles) out.push_back({role, at::kFloat});
   for (int r : zero_roles) {
@@ -18,6 +17,8 @@ std::vector<StateRoleSpec> fp32_roles(const std::vector<ChunkRole>& roles, const
   }
   return out;
 }
+
+namespace {
 
 // A role's layout for the parameter layout: itself, or for a blocked role the derived one, its slots
 // 64-byte aligned as the parameter layout's are.
@@ -40,7 +41,7 @@ StateChunks::StateChunks(ChunkStoreOptions options, std::vector<StateRoleSpec> r
 }
 
 StateChunks::StateChunks(ChunkStoreOptions options, const std::vector<ChunkRole>& roles, const std::vector<int>& zero_roles)
-    : StateChunks(std::move(options), fp32_roles(roles, zero_roles)) {}
+    : StateChunks(std::move(options), fp32_specs(roles, zero_roles)) {}
 
 std::vector<int64_t> StateChunks::group_bytes_for(const ChunkLayout& layout, const std::vector<StateRoleSpec>& roles) {
   std::vector<int64_t> bytes(static_cast<size_t>(layout.num_chunks()), 0);

@@ -52,6 +52,8 @@ class StateChunks {
   StateChunks(ChunkStoreOptions options, std::vector<StateRoleSpec> roles);
   // fp32 roles mirroring the parameters; `zero_roles`: indices into `roles` of those that start at zero.
   StateChunks(ChunkStoreOptions options, const std::vector<ChunkRole>& roles, const std::vector<int>& zero_roles = {});
+  // Those roles' specs.
+  static std::vector<StateRoleSpec> fp32_specs(const std::vector<ChunkRole>& roles, const std::vector<int>& zero_roles);
 
   // The bytes each group's roles would take for `layout` (parameter layout), without building anything:
   // placement on paper (a model too large to build here).

@@ -1,5 +1,5 @@
 #pragma once
-// The Adam/AdamW update of optimizer state that lives on the device (D53).
+// The Adam/AdamW update of optimizer state that lives on the device (D53), fp32 or compact.
 //
 // It runs the per-element function of CpuAdam's kernels (kernels/adam_body.h): on CUDA compiled by nvcc
 // (kernels/adam_cuda.cu) with round-to-nearest intrinsics, on the simulated device as CpuAdam's own
@@ -29,6 +29,12 @@ namespace ferry {
 void device_adam_update(const CpuAdam& adam, int group, const AdamSpan& span, double grad_scale, c10::Device device,
                         const at::Tensor& found_inf = {});
 void device_adam_update(const CpuAdam& adam, const CpuAdam::FrozenGroup& group, const AdamSpan& span,
+                        double grad_scale, c10::Device device, const at::Tensor& found_inf = {});
+// The same for compact state (Note [The compact state format], compact_state.h): on CUDA the compact
+// kernel (kernels/adam_cuda.cu: CompactLoop::element per thread, the block's scales by a reduction),
+// bit-identical to CpuAdam's; skipped by `found_inf`, only the compute copy is written (the master's
+// value). The simulated device: CpuAdam's kernel on the calling thread.
+void device_adam_update(const CpuAdam& adam, const CpuAdam::FrozenGroup& group, const CompactAdamSpan& span,
                         double grad_scale, c10::Device device, const at::Tensor& found_inf = {});
 
 }  // namespace ferry

@@ -183,11 +183,15 @@ void ChunkedModel::set_loss_scale(double scale) {
 
 std::shared_ptr<StateChunks> ChunkedModel::attach_state(std::vector<ChunkRole> roles, const StateChunks::Init& init,
                                                        std::vector<int> zero_roles) {
+  return attach_state(StateChunks::fp32_specs(roles, zero_roles), init);
+}
+
+std::shared_ptr<StateChunks> ChunkedModel::attach_state(std::vector<StateRoleSpec> roles, const StateChunks::Init& init) {
   const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   TORCH_CHECK(phase_.load() == ModelPhase::kIdle || phase_.load() == ModelPhase::kForwardDone,
               "ferry: attach_state() inside an iteration");
   take_writes("attach_state()");  // the state starts from what was written before it (Note [Writes to parameters])
-  return chunks_.attach_state(std::move(roles), init, std::move(zero_roles));
+  return chunks_.attach_state(std::move(roles), init);
 }
 
 void ChunkedModel::set_remote_chunks(std::shared_ptr<RemoteChunks> remote) {

@@ -217,6 +217,8 @@ class ChunkedModel final : private UseListener {
   // zero_roles: as StateChunks' (roles that start at zero, allocated when first touched).
   std::shared_ptr<StateChunks> attach_state(std::vector<ChunkRole> roles, const StateChunks::Init& init,
                                             std::vector<int> zero_roles = {});
+  // The same with each role's dtype and shape (StateRoleSpec: the compact format's roles).
+  std::shared_ptr<StateChunks> attach_state(std::vector<StateRoleSpec> roles, const StateChunks::Init& init);
   // The device accountant of the parameter chunks, for every store that shares the device budget with
   // them (HybridAdam's optimizer state charges it too): total and by role.
   const std::shared_ptr<DeviceAccountant>& device_accountant() const { return chunks_.accountant(); }

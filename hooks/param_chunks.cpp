@@ -182,6 +182,10 @@ void ParamChunks::unregister_storages() {
 
 std::shared_ptr<StateChunks> ParamChunks::attach_state(std::vector<ChunkRole> roles, const StateChunks::Init& init,
                                                        std::vector<int> zero_roles) {
+  return attach_state(StateChunks::fp32_specs(roles, zero_roles), init);
+}
+
+std::shared_ptr<StateChunks> ParamChunks::attach_state(std::vector<StateRoleSpec> roles, const StateChunks::Init& init) {
   ChunkStoreOptions options;
   options.device = device_;  // no budget of its own: groups are placed by the optimizer, admitted by the scheduler
   options.name = "optimizer state";
@@ -190,7 +194,7 @@ std::shared_ptr<StateChunks> ParamChunks::attach_state(std::vector<ChunkRole> ro
   // lock 12 B/param of host memory for nothing and cost seconds of cudaHostAlloc.
   options.pin_host_memory = false;
   options.accountant = accountant_;  // one device budget for parameters and state
-  auto state = std::make_shared<StateChunks>(std::move(options), std::move(roles), std::move(zero_roles));
+  auto state = std::make_shared<StateChunks>(std::move(options), std::move(roles));
   state->build(layout_, params_.shapes(), init);
   states_.push_back(state);
   return state;

@@ -65,6 +65,7 @@ class ParamChunks {
   // repack while the caller holds it.
   std::shared_ptr<StateChunks> attach_state(std::vector<ChunkRole> roles, const StateChunks::Init& init,
                                             std::vector<int> zero_roles);
+  std::shared_ptr<StateChunks> attach_state(std::vector<StateRoleSpec> roles, const StateChunks::Init& init);
   // Gives every parameter plain memory on the device again (a copy of its slot; 0 elements where its
   // chunk has no payload here: another rank's, not fetched) and unregisters; the chunks stop moving.
   // Once; bound() is false after.

@@ -478,7 +478,7 @@ void publish_checkpoint(const std::string& dir, int64_t generation, const std::s
 
 }  // namespace
 
-void save_checkpoint(const std::string& dir, const ChunkedModel& model, StateChunks& state,
+void save_checkpoint(const std::string& dir, const ChunkedModel& model, StateValues& state,
                      const std::vector<int>& group_of_param, const CheckpointCounters& counters) {
   make_dirs(dir);
   const int64_t generation = next_generation(dir);
@@ -494,7 +494,7 @@ void save_checkpoint(const std::string& dir, const ChunkedModel& model, StateChu
       int64_t role_bytes = 0;
       for (int64_t p = 0; p < model.num_params(); ++p) {
         // One parameter at a time: at most one slot is ever copied off the device.
-        const at::Tensor t = savable(state.view(r, p), r, r == kExpAvgSqRole, model.param_name(p));
+        const at::Tensor t = savable(state.read(r, p), r, r == kExpAvgSqRole, model.param_name(p));
         const float* x = t.data_ptr<float>();
         const size_t n = static_cast<size_t>(t.numel()) * sizeof(float);
         crc = crc32c_extend(crc, x, n);
@@ -514,7 +514,7 @@ void save_checkpoint(const std::string& dir, const ChunkedModel& model, StateChu
   log::info("ferry: saved training state (step ", counters.steps[0], ", ", format_bytes(bytes), ") to ", dir);
 }
 
-void save_checkpoint_across_ranks(const std::string& dir, const ChunkedModel& model, StateChunks& state,
+void save_checkpoint_across_ranks(const std::string& dir, const ChunkedModel& model, StateValues& state,
                                   const std::vector<int>& group_of_param, const CheckpointCounters& counters,
                                   const Ownership& ownership, dist::Communicator& comm) {
   const int world = ownership.world(), rank = ownership.rank();
@@ -565,7 +565,7 @@ void save_checkpoint_across_ranks(const std::string& dir, const ChunkedModel& mo
       DurableFile f(paths[r], /*existing=*/true);
       for (int64_t p = 0; p < np; ++p) {
         if (owner[p] != rank) continue;
-        const at::Tensor t = savable(state.view(r, p), r, r == kExpAvgSqRole, model.param_name(p));
+        const at::Tensor t = savable(state.read(r, p), r, r == kExpAvgSqRole, model.param_name(p));
         const float* x = t.data_ptr<float>();
         const size_t n = static_cast<size_t>(t.numel()) * sizeof(float);
         f.write_at(offset[p] * static_cast<int64_t>(sizeof(float)), x, n);
@@ -637,7 +637,7 @@ void save_checkpoint_across_ranks(const std::string& dir, const ChunkedModel& mo
 }
 
 
-CheckpointCounters load_checkpoint(const std::string& dir, const ChunkedModel& model, StateChunks& state,
+CheckpointCounters load_checkpoint(const std::string& dir, const ChunkedModel& model, StateValues& state,
                                    const std::vector<int>& group_of_param, int num_groups,
                                    const DynamicLossScaler* scaler, const Ownership& ownership,
                                    dist::Communicator* comm) {
@@ -667,7 +667,7 @@ CheckpointCounters load_checkpoint(const std::string& dir, const ChunkedModel& m
     TORCH_CHECK(f, "ferry: cannot open ", path, ": ", errno_text());
     for (int64_t p = 0; p < model.num_params(); ++p) {
       const int64_t n = m.params[p].numel;
-      if (!state.held(r, model.layout().slots()[p].chunk)) {
+      if (!state.state().held(r, model.layout().slots()[p].chunk)) {
         TORCH_CHECK(std::fseek(f.get(), static_cast<long>(n * sizeof(float)), SEEK_CUR) == 0, "ferry: seeking in ",
                     path, " failed");
         continue;
@@ -676,8 +676,7 @@ CheckpointCounters load_checkpoint(const std::string& dir, const ChunkedModel& m
       TORCH_CHECK(std::fread(host.data_ptr<float>(), sizeof(float), static_cast<size_t>(n), f.get()) ==
                       static_cast<size_t>(n),
                   "ferry: reading ", path, " failed (it changed while loading?)");
-      at::Tensor slot = state.view(r, p);
-      slot.copy_(host.view(slot.sizes()));
+      state.write(r, p, host);
     }
   }
   CheckpointCounters counters;

@@ -22,6 +22,7 @@
 #include "loss_scaler.h"
 #include "ownership.h"
 #include "state_roles.h"
+#include "state_values.h"
 
 namespace ferry::optim {
 
@@ -38,19 +39,21 @@ struct CheckpointCounters {
 // Fails now (creating `dir` if needed) if a checkpoint could not be written into `dir`.
 void check_checkpoint_target(const std::string& dir);
 
-// One process: the state of every parameter (state.view(role, param)) and `counters` into `dir`.
-void save_checkpoint(const std::string& dir, const ChunkedModel& model, StateChunks& state,
+// One process: the state of every parameter (its fp32 values, StateValues: the compact format's
+// decoded, exactly) and `counters` into `dir`.
+void save_checkpoint(const std::string& dir, const ChunkedModel& model, StateValues& state,
                      const std::vector<int>& group_of_param, const CheckpointCounters& counters);
 // Every rank of `comm`: the same files as one process's save, each rank writing the parameters whose
 // state it owns (`ownership`).
-void save_checkpoint_across_ranks(const std::string& dir, const ChunkedModel& model, StateChunks& state,
+void save_checkpoint_across_ranks(const std::string& dir, const ChunkedModel& model, StateValues& state,
                                   const std::vector<int>& group_of_param, const CheckpointCounters& counters,
                                   const Ownership& ownership, dist::Communicator& comm);
 
 // Checks the checkpoint in `dir` against the model, `num_groups` and, when given, the loss scaler's
 // options (at N > 1 every rank checks, and all load or none does: `comm` then); then writes the state
-// this process holds into `state` and returns the counters. Nothing is written if a check fails.
-CheckpointCounters load_checkpoint(const std::string& dir, const ChunkedModel& model, StateChunks& state,
+// this process holds into `state` (in its format: fp32 values into compact state are encoded) and
+// returns the counters. Nothing is written if a check fails.
+CheckpointCounters load_checkpoint(const std::string& dir, const ChunkedModel& model, StateValues& state,
                                    const std::vector<int>& group_of_param, int num_groups,
                                    const DynamicLossScaler* scaler, const Ownership& ownership,
                                    dist::Communicator* comm);

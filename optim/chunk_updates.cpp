@@ -36,9 +36,8 @@ at::Tensor ChunkUpdates::grad_payload(int64_t c) {
   return model_.store().payload(model_.param_chunk(c));
 }
 
-std::vector<std::pair<Span, AdamSpan>> ChunkUpdates::adam_spans(const std::vector<Span>& landed, float* p, float* m,
-                                                                float* v, const at::Tensor& grads,
-                                                                const at::Tensor& lowp) const {
+std::vector<std::pair<Span, StateSpan>> ChunkUpdates::adam_spans(const std::vector<Span>& landed, const HostState& state,
+                                                                 const at::Tensor& grads, const at::Tensor& lowp) const {
   const at::ScalarType grad_dtype = grads.scalar_type();
   const int64_t grad_elem = static_cast<int64_t>(c10::elementSize(grad_dtype));
   char* g = static_cast<char*>(grads.data_ptr());
@@ -50,14 +49,42 @@ std::vector<std::pair<Span, AdamSpan>> ChunkUpdates::adam_spans(const std::vecto
   char* lowp_base = in_place_lowp ? g : (lowp.defined() ? static_cast<char*>(lowp.data_ptr()) : nullptr);
   const at::ScalarType lowp_dtype = in_place_lowp ? grad_dtype : (lowp.defined() ? lowp.scalar_type() : at::kFloat);
   const int64_t lowp_elem = static_cast<int64_t>(c10::elementSize(lowp_dtype));
-  std::vector<std::pair<Span, AdamSpan>> spans;
+  std::vector<std::pair<Span, StateSpan>> spans;
+  if (state.compact()) {
+    TORCH_INTERNAL_ASSERT(state.master16 && state.exp_avg8 && state.exp_avg_sq8, "compact spans without the state");
+    // The compact blocks are per tensor: one span per tensor (a span covers whole slots).
+    auto piece = state.pieces.begin();
+    for (const Span& s : landed) {
+      while (piece != state.pieces.end() && piece->begin < s.begin) ++piece;
+      for (; piece != state.pieces.end() && piece->begin < s.end; ++piece) {
+        TORCH_INTERNAL_ASSERT(piece->begin + piece->numel <= s.end, "a span ending inside a tensor");
+        CompactAdamSpan c;
+        c.master = state.master16 + piece->begin;
+        c.grad = g + piece->begin * grad_elem;
+        c.grad_dtype = grad_dtype;
+        c.exp_avg = state.exp_avg8 + piece->begin;
+        c.exp_avg_scale = piece->exp_avg_scale;
+        c.exp_avg_sq = state.exp_avg_sq8 + piece->begin;
+        c.exp_avg_sq_scale = piece->exp_avg_sq_scale;
+        if (lowp_base != nullptr) {
+          c.param_lowp = lowp_base + piece->begin * lowp_elem;
+          c.lowp_dtype = lowp_dtype;
+        }
+        c.numel = piece->numel;
+        c.element_offset = state.element_base + static_cast<uint64_t>(piece->begin);
+        spans.emplace_back(s, c);
+      }
+    }
+    return spans;
+  }
+  TORCH_INTERNAL_ASSERT(state.master && state.exp_avg && state.exp_avg_sq, "fp32 spans without the state");
   for (const Span& s : landed) {
     AdamSpan span;
-    span.param = p + s.begin;
+    span.param = state.master + s.begin;
     span.grad = g + s.begin * grad_elem;
     span.grad_dtype = grad_dtype;
-    span.exp_avg = m + s.begin;
-    span.exp_avg_sq = v + s.begin;
+    span.exp_avg = state.exp_avg + s.begin;
+    span.exp_avg_sq = state.exp_avg_sq + s.begin;
     span.numel = s.end - s.begin;
     if (lowp_base != nullptr) {
       span.param_lowp = lowp_base + s.begin * lowp_elem;
@@ -75,9 +102,15 @@ CpuAdam::FrozenGroup ChunkUpdates::update_group(const Span& s, const std::vector
   return f;
 }
 
-void ChunkUpdates::run_host(const std::vector<std::pair<Span, AdamSpan>>& spans, const UpdateOptions& options,
+void ChunkUpdates::run_host(const std::vector<std::pair<Span, StateSpan>>& spans, const UpdateOptions& options,
                             const std::vector<CpuAdam::FrozenGroup>* frozen) const {
-  for (const auto& [s, span] : spans) {
+  for (const auto& [s, state_span] : spans) {
+    if (const auto* compact = std::get_if<CompactAdamSpan>(&state_span)) {
+      // The compute copy is 16-bit (the format needs it): written in the update's pass, or after it.
+      adam_.update(update_group(s, frozen), *compact, options);
+      continue;
+    }
+    const AdamSpan& span = std::get<AdamSpan>(state_span);
     adam_.update(update_group(s, frozen), span, options);
     if (!accumulate_ && !span.param_lowp) {  // fp32 compute copy: the master is the value
       std::memcpy(const_cast<void*>(span.grad), span.param, static_cast<size_t>(span.numel) * sizeof(float));
@@ -101,10 +134,10 @@ void ChunkUpdates::mark_written(int64_t chunk) {
   written_[chunk] = 1;
 }
 
-std::vector<std::pair<Span, AdamSpan>> ChunkUpdates::spans_of(int64_t c, const std::vector<char>* only) {
-  return adam_spans(ledger_.spans(model_.layout(), c, only), placement_.payload(kMasterRole, c).data_ptr<float>(),
-                    placement_.payload(kExpAvgRole, c).data_ptr<float>(),
-                    placement_.payload(kExpAvgSqRole, c).data_ptr<float>(), grad_payload(c), lowp_target(c));
+std::vector<std::pair<Span, StateSpan>> ChunkUpdates::spans_of(int64_t c, const std::vector<char>* only) {
+  return adam_spans(ledger_.spans(model_.layout(), c, only),
+                    placement_.host_state(c, /*held=*/true, /*moments=*/true, model_.layout()), grad_payload(c),
+                    lowp_target(c));
 }
 
 void ChunkUpdates::host_update(int64_t c, const UpdateOptions& options, const std::vector<char>* only) {
@@ -115,7 +148,8 @@ void ChunkUpdates::host_update(int64_t c, const UpdateOptions& options, const st
 void ChunkUpdates::device_update(int64_t c, double grad_scale, const at::Tensor& found_inf,
                                  const std::vector<char>* only) {
   trace::Span span("adam", trace::enabled() ? "device adam chunk " + std::to_string(c) : std::string());
-  const at::Tensor p = placement_.payload(kMasterRole, c);
+  const HostState state = placement_.host_state(c, /*held=*/true, /*moments=*/true, model_.layout());
+  const at::Tensor& p = state.master_tensor;
   const at::Tensor g = grad_payload(c);
   // On CUDA the kernel would fault on a host gradient; the simulated device would not notice, so the
   // invariant is checked here for both.
@@ -124,10 +158,12 @@ void ChunkUpdates::device_update(int64_t c, double grad_scale, const at::Tensor&
               "gradients) on the host; it must be staged on the device first (internal error)");
   // The spans the host update would get (adam_spans): in the default mode the new bf16/fp16 value is
   // written over the gradient in the same pass; an fp32 compute copy is the master, copied after.
-  for (const auto& [landed, s] : adam_spans(ledger_.spans(model_.layout(), c, only), p.data_ptr<float>(),
-                                            placement_.payload(kExpAvgRole, c).data_ptr<float>(),
-                                            placement_.payload(kExpAvgSqRole, c).data_ptr<float>(), g,
-                                            lowp_target(c))) {
+  for (const auto& [landed, state_span] : adam_spans(ledger_.spans(model_.layout(), c, only), state, g, lowp_target(c))) {
+    if (const auto* compact = std::get_if<CompactAdamSpan>(&state_span)) {
+      device_adam_update(adam_, update_group(landed, nullptr), *compact, grad_scale, p.device(), found_inf);
+      continue;
+    }
+    const AdamSpan& s = std::get<AdamSpan>(state_span);
     device_adam_update(adam_, update_group(landed, nullptr), s, grad_scale, p.device(), found_inf);
     if (!accumulate_ && !s.param_lowp) {
       const int64_t begin = s.param - p.data_ptr<float>();

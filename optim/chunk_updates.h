@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "../cpu_adam/cpu_adam.h"
@@ -24,6 +25,10 @@
 #include "state_placement.h"
 
 namespace ferry::optim {
+
+// One run of one update: over fp32 state (a Span's elements) or compact state (one tensor's: the
+// compact blocks are per tensor, Note [The compact state format]).
+using StateSpan = std::variant<AdamSpan, CompactAdamSpan>;
 
 // A chunk's landed gradients, as taken by its norm.
 struct ChunkOutcome {
@@ -54,14 +59,15 @@ class ChunkUpdates {
   // Where chunk c's gradients are: the fp32 accumulation chunk (or the sums over ranks), or (default
   // mode) the parameter chunk.
   at::Tensor grad_payload(int64_t chunk);
-  // CpuAdam spans over state (p, m, v) and `grads` for `spans` (default mode: the new value is written
-  // over each grad; accumulation mode: into `lowp`, a 16-bit parameter chunk payload, when given).
-  std::vector<std::pair<Span, AdamSpan>> adam_spans(const std::vector<Span>& spans, float* p, float* m, float* v,
-                                                    const at::Tensor& grads, const at::Tensor& lowp = {}) const;
+  // CpuAdam spans over a chunk's `state` (host_state's, with the moments) and `grads` for `spans`
+  // (default mode: the new value is written over each grad; accumulation mode: into `lowp`, a 16-bit
+  // parameter chunk payload, when given): one per span over fp32 state, one per tensor over compact.
+  std::vector<std::pair<Span, StateSpan>> adam_spans(const std::vector<Span>& spans, const HostState& state,
+                                                     const at::Tensor& grads, const at::Tensor& lowp = {}) const;
   // Runs CpuAdam over `spans` (each with its group's options and its own step count, D62; `frozen`: the
   // groups as a step froze them, for an update that runs after the step returned). Default mode with an
   // fp32 compute copy: the master is the value, copied over the gradient after.
-  void run_host(const std::vector<std::pair<Span, AdamSpan>>& spans, const UpdateOptions& options,
+  void run_host(const std::vector<std::pair<Span, StateSpan>>& spans, const UpdateOptions& options,
                 const std::vector<CpuAdam::FrozenGroup>* frozen = nullptr) const;
   // The options and step count span `s` is updated with: its group's (as `frozen` froze them, or now),
   // the step count lessened by the span's lag (D62).
@@ -99,7 +105,7 @@ class ChunkUpdates {
   // Accumulation mode at N = 1: layout chunk c's parameter chunk payload when it is where c's state is
   // and 16-bit, so that the update writes the new values in its own pass (marked written); else undefined.
   at::Tensor lowp_target(int64_t chunk);
-  std::vector<std::pair<Span, AdamSpan>> spans_of(int64_t chunk, const std::vector<char>* only);
+  std::vector<std::pair<Span, StateSpan>> spans_of(int64_t chunk, const std::vector<char>* only);
 
   ChunkedModel& model_;
   CpuAdam& adam_;

@@ -18,8 +18,6 @@
 namespace ferry::optim {
 namespace {
 
-constexpr ChunkRole kRoleOf[] = {ChunkRole::kMaster, ChunkRole::kExpAvg, ChunkRole::kExpAvgSq, ChunkRole::kGrad};
-
 // The model, once it is known that an optimizer may attach to it now.
 ChunkedModel& attachable(ChunkedModel& model) {
   const ModelPhase phase = model.phase();
@@ -57,17 +55,26 @@ std::vector<int> assign_groups(const ChunkedModel& model, const HybridAdamOption
 // fp32 values are never held twice. The moments (and accumulation chunks) start at zero: memory only
 // when first touched, so none is spent before the first step, and at N > 1 none for the groups the
 // rank will not own (D46).
-std::shared_ptr<StateChunks> attach_state(ChunkedModel& model, int num_roles) {
-  std::vector<ChunkRole> roles(kRoleOf, kRoleOf + num_roles);
-  std::vector<int> zero_roles{kExpAvgRole, kExpAvgSqRole};
-  if (num_roles > kGradRole) zero_roles.push_back(kGradRole);
-  return model.attach_state(roles, [&model](int r, int64_t p, const at::Tensor& slot) {
-    if (r != kMasterRole) return;  // moments (and accumulated grads) start at zero
-    // The masters start from the values the module built (fp32), not from their rounded compute copy.
+std::shared_ptr<StateChunks> attach_state(ChunkedModel& model, const HybridAdamOptions& options) {
+  if (options.state_format == StateFormat::kCompact) {
+    // The compact master is bf16 and the update writes the compute copy from it: a 16-bit copy only
+    // (an fp32 compute copy would be finer than the master it is made from).
+    TORCH_CHECK(model.compute_dtype() == at::kBFloat16 || model.compute_dtype() == at::kHalf,
+                "ferry: HybridAdam: the compact state format needs a bf16 or fp16 compute copy "
+                "(Config::precision), got ", model.compute_dtype());
+    TORCH_CHECK(!options.communicator || options.communicator->world_size() == 1,
+                "ferry: HybridAdam: the compact state format runs in one process for now; got a communicator of ",
+                options.communicator ? options.communicator->world_size() : 1, " ranks (use the fp32 format)");
+  }
+  return model.attach_state(state_role_specs(options.state_format, options.accumulate_grads),
+                            [&model](int r, int64_t p, const at::Tensor& slot) {
+    if (r != kMasterRole) return;  // moments (and accumulated grads, scales) start at zero
+    // The masters start from the values the module built (fp32), not from their rounded compute copy;
+    // the compact master is those rounded to nearest.
     const at::Tensor initial = model.initial_value(p);
     slot.copy_(initial.defined() ? initial : model.param_values(p));
     model.release_initial_value(p);
-  }, zero_roles);
+  });
 }
 
 Ownership ownership_of(const std::shared_ptr<dist::Communicator>& comm) {
@@ -87,10 +94,10 @@ Engine::Engine(ChunkedModel& wrapped, HybridAdamOptions options)
       cpu_adam_(options_.defaults, CpuAdamConfig::from(wrapped.config())),
       scaler_(options_.loss_scaler),
       scaling_(wrapped.compute_dtype() == at::kHalf),
-      num_roles_(options_.accumulate_grads ? 4 : 3),
+      num_roles_(static_cast<int>(state_role_specs(options_.state_format, options_.accumulate_grads).size())),
       policy_(policy_for(options_)),
       ledger_(assign_groups(wrapped, options_, cpu_adam_)),
-      placement_(attach_state(wrapped, num_roles_)),
+      placement_(attach_state(wrapped, options_)),
       ownership_(ownership_of(options_.communicator)),
       jobs_(cpu_adam_),
       updates_(wrapped, cpu_adam_, options_.accumulate_grads, placement_, ledger_, ownership_,
@@ -111,7 +118,9 @@ Engine::Engine(ChunkedModel& wrapped, HybridAdamOptions options)
   model().set_layout_listener(this);
   if (sharded_.active()) model().set_plan_agreement(this);
   log::info("ferry: HybridAdam over ", model().num_params(), " parameters in ", num_param_groups(), " groups, ",
-            placement_.num_chunks(), " state chunk groups (fp32 master, exp_avg, exp_avg_sq",
+            placement_.num_chunks(), " state chunk groups (",
+            options_.state_format == StateFormat::kCompact ? "compact: bf16 master, 8-bit exp_avg and exp_avg_sq"
+                                                           : "fp32 master, exp_avg, exp_avg_sq",
             options_.accumulate_grads ? ", grad accumulation" : "; grads in the parameter chunks", "), CPU kernel ",
             to_string(cpu_adam_.isa()), " x", cpu_adam_.threads(), " threads",
             scaling_ ? ", fp16 dynamic loss scaling" : "",

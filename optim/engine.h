@@ -80,6 +80,7 @@ class Engine final : private GradSink, private LayoutListener, private PlanAgree
   bool state_on_device(int64_t layout_chunk) const;
   int64_t state_bytes_per_chunk(int64_t layout_chunk) const { return placement_.group_bytes(layout_chunk); }
   int num_state_roles() const { return num_roles_; }
+  StateFormat state_format() const { return options_.state_format; }
   at::Tensor state_view(int role, int64_t param);
   at::Tensor grad(int64_t param);
   ChunkStore& state_store() { return placement_.state().store(); }

@@ -10,6 +10,7 @@
 #include "../hooks/interceptor.h"
 #include "checkpoint_files.h"
 #include "engine.h"
+#include "state_values.h"
 
 namespace ferry::optim {
 
@@ -43,6 +44,8 @@ at::Tensor Engine::state_view(int role, int64_t param) {
   settle("state view");
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
+  // The compact format's roles decoded to fp32 (on the CPU); fp32 state as it is, where it is.
+  if (placement_.compact() && role <= kExpAvgSqRole) return StateValues(placement_.state()).read(role, param);
   return placement_.view(role, param).clone();
 }
 
@@ -117,11 +120,11 @@ void Engine::save(const std::string& dir) {
   }
   counters.lags = ledger_.lags();
   counters.scaler = scaler_.state();
+  StateValues values(placement_.state());
   if (sharded_.active()) {
-    save_checkpoint_across_ranks(dir, model(), placement_.state(), ledger_.groups(), counters, ownership_,
-                                 sharded_.comm());
+    save_checkpoint_across_ranks(dir, model(), values, ledger_.groups(), counters, ownership_, sharded_.comm());
   } else {
-    save_checkpoint(dir, model(), placement_.state(), ledger_.groups(), counters);
+    save_checkpoint(dir, model(), values, ledger_.groups(), counters);
   }
 }
 
@@ -130,8 +133,9 @@ void Engine::load(const std::string& dir) {
   settle("load()");
   std::lock_guard<std::mutex> lock(mutex_);
   sync_layout_locked();
+  StateValues values(placement_.state());
   const CheckpointCounters counters =
-      load_checkpoint(dir, model(), placement_.state(), ledger_.groups(), num_param_groups(),
+      load_checkpoint(dir, model(), values, ledger_.groups(), num_param_groups(),
                       scaling_ ? &scaler_ : nullptr, ownership_, sharded_.active() ? &sharded_.comm() : nullptr);
   for (int g = 0; g < num_param_groups(); ++g) {
     cpu_adam_.set_options(g, counters.options[g]);

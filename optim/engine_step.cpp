@@ -300,17 +300,17 @@ bool Engine::defer_host_update_locked(int64_t c, const UpdateOptions& options, c
     acc = updates_.grad_payload(c);  // at N > 1 the sums over the ranks (a tensor of their own)
     updates_.mark_written(c);
   }
-  const HostState state = placement_.host_state(c, /*held=*/true, /*moments=*/true);
+  const HostState state = placement_.host_state(c, /*held=*/true, /*moments=*/true, model().layout());
   deferred_.put(c, jobs_.launch(
                        params, pc, c, "deferred host adam chunk ",
                        [this, spans = std::move(spans), options, frozen, acc, state](const at::Tensor& g) {
                          if (!acc.defined()) {  // default mode: the new values over the gradients
-                           updates_.run_host(updates_.adam_spans(spans, state.master, state.exp_avg, state.exp_avg_sq, g),
+                           updates_.run_host(updates_.adam_spans(spans, state, g),
                                              options, frozen.get());
                            return;
                          }
                          const bool lowp = g.scalar_type() != at::kFloat;
-                         updates_.run_host(updates_.adam_spans(spans, state.master, state.exp_avg, state.exp_avg_sq,
+                         updates_.run_host(updates_.adam_spans(spans, state,
                                                                acc, lowp ? g : at::Tensor()),
                                            options, frozen.get());
                          // fp32 compute: the master is the value, as the write-back copies it

@@ -42,6 +42,7 @@ int64_t HybridAdam::state_bytes_per_chunk(int64_t layout_chunk) const {
   return engine_->state_bytes_per_chunk(layout_chunk);
 }
 int HybridAdam::num_state_roles() const { return engine_->num_state_roles(); }
+StateFormat HybridAdam::state_format() const { return engine_->state_format(); }
 at::Tensor HybridAdam::master(int64_t param) { return engine_->state_view(optim::kMasterRole, param); }
 at::Tensor HybridAdam::exp_avg(int64_t param) { return engine_->state_view(optim::kExpAvgRole, param); }
 at::Tensor HybridAdam::exp_avg_sq(int64_t param) { return engine_->state_view(optim::kExpAvgSqRole, param); }

@@ -145,9 +145,13 @@ class HybridAdam final {
   // Whether layout chunk `layout_chunk`'s state is on the device (false before placement).
   bool state_on_device(int64_t layout_chunk) const;
   int64_t state_bytes_per_chunk(int64_t layout_chunk) const;
-  // fp32 state chunks per layout chunk: 3 (master, exp_avg, exp_avg_sq), 4 with accumulate_grads.
+  // State chunks per layout chunk: 3 (master, exp_avg, exp_avg_sq), 4 with accumulate_grads; the
+  // compact format one more (the moments' scales).
   int num_state_roles() const;
-  // fp32 views of one parameter's state, wherever it lives (tests, reports); between iterations.
+  // The state format (HybridAdamOptions::state_format).
+  StateFormat state_format() const;
+  // Copies of one parameter's state as fp32, wherever it lives (tests, reports); between iterations.
+  // fp32 state: on its device; the compact format: decoded, on the CPU.
   at::Tensor master(int64_t param);
   at::Tensor exp_avg(int64_t param);
   at::Tensor exp_avg_sq(int64_t param);

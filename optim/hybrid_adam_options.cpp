@@ -6,6 +6,20 @@
 
 namespace ferry {
 
+const char* to_string(StateFormat format) {
+  switch (format) {
+    case StateFormat::kFp32: return "fp32";
+    case StateFormat::kCompact: return "compact";
+  }
+  return "?";
+}
+
+StateFormat state_format_from_string(const std::string& name) {
+  if (name == "fp32") return StateFormat::kFp32;
+  if (name == "compact") return StateFormat::kCompact;
+  TORCH_CHECK(false, "ferry: expected a state format of fp32 or compact, got '", name, "'");
+}
+
 HybridAdamOptions HybridAdamOptions::no_decay_for_bias_and_norm(const AdamOptions& defaults) {
   HybridAdamOptions o;
   o.defaults = defaults;
@@ -26,6 +40,8 @@ void HybridAdamOptions::validate() const {
   TORCH_CHECK(device_state_chunks >= -1, "ferry: device_state_chunks must be -1 (auto) or >= 0, got ",
               device_state_chunks);
   loss_scaler.validate();
+  TORCH_CHECK(state_format == StateFormat::kFp32 || state_format == StateFormat::kCompact,
+              "ferry: unknown state format ", static_cast<int>(state_format));
 }
 
 }  // namespace ferry

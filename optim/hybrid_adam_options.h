@@ -15,6 +15,15 @@
 
 namespace ferry {
 
+// How the optimizer state is stored (Note [The compact state format], cpu_adam/compact_state.h).
+//  kFp32: fp32 master, exp_avg, exp_avg_sq (12 B per parameter beside the compute copy): exact Adam.
+//  kCompact: bf16 master with stochastic rounding, 8-bit blockwise moments (4.03 B per parameter);
+//            needs a bf16 or fp16 compute copy (Config::precision), one process (no sharding yet).
+enum class StateFormat { kFp32, kCompact };
+const char* to_string(StateFormat format);
+// "fp32" or "compact"; anything else fails, naming what was given.
+StateFormat state_format_from_string(const std::string& name);
+
 // Parameters whose (name, tensor) `match` returns true go into a group with `options`.
 struct ParamGroupRule {
   std::function<bool(const std::string& name, const at::Tensor& param)> match;
@@ -58,6 +67,9 @@ struct HybridAdamOptions {
   // Opt-in until measured on a GPU: its first form, solved at the first placement from the warm-up's
   // times, moved all state to the host there (4b: 1.6 s against 0.56 s; D75).
   bool plan_state_with_activations = false;
+  // The state's format (above). Checkpoints hold fp32 values either way (the compact state decoded,
+  // exactly), so a checkpoint loads into either format.
+  StateFormat state_format = StateFormat::kFp32;
 
   // `defaults` for matrices; biases and norm weights (tensors of dim <= 1) in group 1 without decay.
   static HybridAdamOptions no_decay_for_bias_and_norm(const AdamOptions& defaults);
@@ -75,6 +87,7 @@ struct HybridAdamOptions {
   HybridAdamOptions& with_update_behind_forward(bool v = true) { update_behind_forward = v; return *this; }
   HybridAdamOptions& with_carry_over_host_updates(bool v = true) { carry_over_host_updates = v; return *this; }
   HybridAdamOptions& with_plan_state_with_activations(bool v = true) { plan_state_with_activations = v; return *this; }
+  HybridAdamOptions& with_state_format(StateFormat v) { state_format = v; return *this; }
   void validate() const;
 };
 

@@ -93,12 +93,12 @@ void PipelinedStep::launch(int64_t c) {
     }
     return;
   }
-  const HostState state = parts_.placement.host_state(c, parts_.ownership.owned(c), /*moments=*/true);
+  const HostState state = parts_.placement.host_state(c, parts_.ownership.owned(c), /*moments=*/true, parts_.model.layout());
   auto work = [this, c, spans = std::move(spans), eager = eager(), state](const at::Tensor& g) {
     const ChunkOutcome out = parts_.updates.host_norm(g, spans);
     if (eager) {
       if (out.finite) {
-        parts_.updates.run_host(parts_.updates.adam_spans(spans, state.master, state.exp_avg, state.exp_avg_sq, g),
+        parts_.updates.run_host(parts_.updates.adam_spans(spans, state, g),
                                 UpdateOptions{1.0, /*grads_checked=*/true});
       } else {
         ChunkUpdates::restore_values(g, state.master_tensor, spans);

@@ -383,7 +383,7 @@ void ShardedStep::launch_group(int64_t group) {
   owner_job_[c] = 1;
   const int64_t numel = parts_.model.layout().chunks()[c].numel;
   const int64_t tensors = static_cast<int64_t>(parts_.model.layout().chunks()[c].tensors.size());
-  const HostState state = parts_.placement.host_state(c, /*held=*/true, /*moments=*/true);
+  const HostState state = parts_.placement.host_state(c, /*held=*/true, /*moments=*/true, parts_.model.layout());
   parts_.jobs.put(c, parts_.jobs.launch(parts_.model.store(), parts_.model.param_chunk(c), c, "pipelined owner adam chunk ",
                             [this, c, flight = &flight, numel, tensors, state, world](const at::Tensor& g) {
                               flight->pending->wait();  // the sums over ranks
@@ -393,8 +393,7 @@ void ShardedStep::launch_group(int64_t group) {
                               ChunkUpdates::restore_values(g, state.master_tensor, spans.unlanded);
                               const ChunkOutcome out = parts_.updates.host_norm(g, spans.landed);
                               if (out.finite) {
-                                parts_.updates.run_host(parts_.updates.adam_spans(spans.landed, state.master, state.exp_avg,
-                                                                      state.exp_avg_sq, g),
+                                parts_.updates.run_host(parts_.updates.adam_spans(spans.landed, state, g),
                                                   UpdateOptions{1.0 / world, /*grads_checked=*/true});
                               } else {
                                 ChunkUpdates::restore_values(g, state.master_tensor, spans.landed);

@@ -101,7 +101,7 @@ void SlotAccumulation::consume(int64_t c, Then then) {
     pipeline_.mark_launched(c);
   }
   const bool update = then == Then::kNormAndUpdate;
-  const HostState state = parts_.placement.host_state(c, /*held=*/true, /*moments=*/update);
+  const HostState state = parts_.placement.host_state(c, /*held=*/true, /*moments=*/update, parts_.model.layout());
   parts_.jobs.put(c, parts_.jobs.launch(
                    params, pc, c, update ? "accumulate + host adam chunk " : "accumulate chunk ",
                    [this, c, acc, spans = std::move(spans), landed = std::move(landed), then, update,
@@ -122,7 +122,7 @@ void SlotAccumulation::consume(int64_t c, Then then) {
                      // after): the chunk is locked on the host for this job, so no write-back pass is
                      // needed for it.
                      const bool lowp = g.scalar_type() != at::kFloat;
-                     parts_.updates.run_host(parts_.updates.adam_spans(landed, state.master, state.exp_avg, state.exp_avg_sq, acc,
+                     parts_.updates.run_host(parts_.updates.adam_spans(landed, state, acc,
                                                            lowp ? g : at::Tensor()),
                                        UpdateOptions{1.0, /*grads_checked=*/true});
                      if (!lowp) ChunkUpdates::restore_values(g, state.master_tensor, landed);

@@ -6,25 +6,66 @@
 #include <utility>
 
 #include "../common/config.h"
+#include "../cpu_adam/compact_state.h"
 #include "../common/logging.h"
 
 namespace ferry::optim {
+
+std::vector<StateRoleSpec> state_role_specs(StateFormat format, bool accumulate_grads) {
+  std::vector<StateRoleSpec> roles;
+  if (format == StateFormat::kCompact) {
+    roles = {{ChunkRole::kMaster, at::kBFloat16, /*zero=*/false},
+             {ChunkRole::kExpAvg, at::kByte, /*zero=*/true},
+             {ChunkRole::kExpAvgSq, at::kByte, /*zero=*/true}};
+  } else {
+    roles = {{ChunkRole::kMaster, at::kFloat, /*zero=*/false},
+             {ChunkRole::kExpAvg, at::kFloat, /*zero=*/true},
+             {ChunkRole::kExpAvgSq, at::kFloat, /*zero=*/true}};
+  }
+  if (accumulate_grads) roles.push_back({ChunkRole::kGrad, at::kFloat, /*zero=*/true});
+  if (format == StateFormat::kCompact) {
+    // Two fp32 scales per block: zero with the moments (a zero scale decodes every code as 0).
+    roles.push_back({ChunkRole::kScales, at::kFloat, /*zero=*/true, kCompactStateBlock, /*per_block=*/2});
+  }
+  return roles;
+}
 
 StatePlacement::StatePlacement(std::shared_ptr<StateChunks> state) : state_(std::move(state)) {
   TORCH_INTERNAL_ASSERT(state_ != nullptr, "StatePlacement without state");
 }
 
-HostState StatePlacement::host_state(int64_t chunk, bool held, bool moments) {
+HostState StatePlacement::host_state(int64_t chunk, bool held, bool moments, const ChunkLayout& layout) {
   HostState s;
+  TORCH_INTERNAL_ASSERT(held || !moments, "host Adam job for chunk ", chunk, ", not owned here");
+  if (!compact()) {
+    if (held) {
+      s.master_tensor = state_->payload(kMasterRole, chunk);
+      s.master = s.master_tensor.data_ptr<float>();
+    }
+    if (moments) {
+      s.exp_avg = state_->payload(kExpAvgRole, chunk).data_ptr<float>();
+      s.exp_avg_sq = state_->payload(kExpAvgSqRole, chunk).data_ptr<float>();
+    }
+    return s;
+  }
   if (held) {
     s.master_tensor = state_->payload(kMasterRole, chunk);
-    s.master = s.master_tensor.data_ptr<float>();
+    s.master16 = reinterpret_cast<uint16_t*>(s.master_tensor.data_ptr());
   }
-  TORCH_INTERNAL_ASSERT(held || !moments, "host Adam job for chunk ", chunk, ", not owned here");
-  if (moments) {
-    s.exp_avg = state_->payload(kExpAvgRole, chunk).data_ptr<float>();
-    s.exp_avg_sq = state_->payload(kExpAvgSqRole, chunk).data_ptr<float>();
+  if (!moments) return s;
+  s.exp_avg8 = state_->payload(kExpAvgRole, chunk).data_ptr<uint8_t>();
+  s.exp_avg_sq8 = state_->payload(kExpAvgSqRole, chunk).data_ptr<uint8_t>();
+  const int sr = scales_role();
+  float* scales = state_->payload(sr, chunk).data_ptr<float>();
+  for (int64_t p : layout.chunks()[chunk].tensors) {
+    const Slot& slot = layout.slots()[p];
+    if (slot.numel == 0) continue;
+    float* mine = scales + state_->store().tensor_info(state_->tensor(sr, p)).offset;
+    s.pieces.push_back({slot.offset, slot.numel, mine, mine + compact_blocks(slot.numel)});
   }
+  std::sort(s.pieces.begin(), s.pieces.end(),
+            [](const CompactPiece& a, const CompactPiece& b) { return a.begin < b.begin; });
+  s.element_base = static_cast<uint64_t>(chunk) * static_cast<uint64_t>(layout.options().chunk_numel);
   return s;
 }
 

@@ -24,13 +24,30 @@
 
 namespace ferry::optim {
 
-// A host-state group's arrays for a host Adam job: fp32 master, exp_avg, exp_avg_sq (null where not
-// asked for or not held here), and the master as a tensor (undefined where not held: another rank's).
+// One tensor of a layout chunk in the compact format: its elements [begin, begin + numel) of the chunk
+// and its blocks' scales (StateChunks' scales role: exp_avg's, then exp_avg_sq's).
+struct CompactPiece {
+  int64_t begin = 0, numel = 0;
+  float* exp_avg_scale = nullptr;
+  float* exp_avg_sq_scale = nullptr;
+};
+
+// A state group's arrays, where the group is (host, or device for a device update), for its update:
+// fp32 master, exp_avg, exp_avg_sq, or the compact format's (null where not asked for or not held
+// here), and the master as a tensor (undefined where not held: another rank's).
 struct HostState {
   float* master = nullptr;
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
-  at::Tensor master_tensor;
+  at::Tensor master_tensor;  // fp32, or bf16 in the compact format
+  // The compact format: bf16 master bits, the moments' codes, per tensor its piece (offset order; with
+  // the moments only), and the chunk's first element's index in the rounding stream.
+  uint16_t* master16 = nullptr;
+  uint8_t* exp_avg8 = nullptr;
+  uint8_t* exp_avg_sq8 = nullptr;
+  std::vector<CompactPiece> pieces;
+  uint64_t element_base = 0;
+  bool compact() const { return master16 != nullptr || exp_avg8 != nullptr; }
 };
 
 class StatePlacement {
@@ -41,8 +58,12 @@ class StatePlacement {
   const StateChunks& state() const { return *state_; }
   at::Tensor payload(int role, int64_t chunk) { return state_->payload(role, chunk); }
   at::Tensor view(int role, int64_t param) { return state_->view(role, param); }
-  // Chunk `chunk`'s arrays for a host job: the master if held, the moments with `moments`.
-  HostState host_state(int64_t chunk, bool held, bool moments);
+  // Chunk `chunk`'s arrays (of `layout`, the parameters') for its update, host or device: the master if
+  // held, the moments (and in the compact format their scales) with `moments`.
+  HostState host_state(int64_t chunk, bool held, bool moments, const ChunkLayout& layout);
+  // The compact format (the master role is bf16), and its scales role.
+  bool compact() const { return state_->spec(kMasterRole).dtype == at::kBFloat16; }
+  int scales_role() const { return state_->num_roles() - 1; }
 
   // The model's layout (version `layout_version`, `num_chunks` layout chunks) is the state's now: every
   // group on the host's books, placement to be decided again (the old state store's device bytes left

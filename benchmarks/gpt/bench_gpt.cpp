@@ -3,7 +3,7 @@
 // document (progress on stderr).
 //
 //   bench_gpt [--preset=small] [--batch=8] [--seq=256] [--steps=5] [--warmup-steps=2]
-//             [--checkpoint-activations] [--joint-placement] [--no-baseline] [--find-max] [--trace=FILE.json] [--commit=SHA]
+//             [--checkpoint-activations] [--joint-placement] [--state-format=fp32|compact] [--no-baseline] [--find-max] [--trace=FILE.json] [--commit=SHA]
 //             [--unpipelined] [--replicate-params] [--keep-gathered] [--reshard-gap=16]
 //             [--profile=FILE.json] [--profile-ferry=FILE.json]
 //             + ferry options   (--trace: a Chrome trace of the last measured step)
@@ -61,6 +61,7 @@ struct Args {
   bool checkpoint = false, baseline = true, find_max = false, init_scope = false, unpipelined = false;
   bool sync_update = false;  // HybridAdamOptions::update_behind_forward off
   bool joint_placement = false;  // HybridAdamOptions::plan_state_with_activations
+  std::string state_format = "fp32";  // HybridAdamOptions::state_format
   bool replicate_params = false, keep_gathered = false;  // world size > 1: Note [Sharded parameters] off / no reshard
   int64_t reshard_gap = 16;
   double max_grad_norm = 0;  // global-norm clipping (ferry and the baseline); 0: none
@@ -106,6 +107,13 @@ class StepProfile {
 // Whether the host updates after backward run behind the next forward (Note [Update behind the next
 // forward]): unless --sync-update; across ranks only with sharded parameters (replicated ones are
 // gathered by the step itself).
+// Bytes the host Adam moves per parameter (read + written), bf16 gradients: fp32 state 28 (the grad
+// 2, master and moments 12 read and 12 written, the new value 2); compact 12.06 (the grad 2, master 2 +
+// 2, codes 2 + 2, the new value 2, two fp32 scales per 256 read and written).
+double host_adam_bytes_per_param(const Args& a) {
+  return a.state_format == "compact" ? 12.0 + 16.0 / 256.0 : 28.0;
+}
+
 bool behind_forward_option(const Args& a, int world) { return !a.sync_update && (world == 1 || !a.replicate_params); }
 
 // Peak resident set of this process so far (getrusage; Linux reports KiB).
@@ -275,6 +283,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   adam_options.shard_params = !a.replicate_params;
   adam_options.update_behind_forward = !a.sync_update;
   adam_options.plan_state_with_activations = a.joint_placement;
+  adam_options.state_format = ferry::state_format_from_string(a.state_format);
   ferry::HybridAdam adam(model, adam_options);
   const c10::Device device = model.store().device();
   std::mt19937_64 rng(7 + config.rank);  // each rank its own batches
@@ -471,7 +480,9 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   r.rss_peak = static_cast<double>(rss_peak_bytes());
   r.state_device = static_cast<double>(ss.device.current_bytes);
   r.state_host = static_cast<double>(ss.host.current_bytes);
-  r.host_state_params = static_cast<double>(ss.host.current_bytes) / (4.0 * adam.num_state_roles());
+  // The state's share on the host, in parameters (every format's bytes are proportional to them).
+  const double state_bytes = static_cast<double>(ss.host.current_bytes + ss.device.current_bytes);
+  r.host_state_params = state_bytes > 0 ? params * static_cast<double>(ss.host.current_bytes) / state_bytes : 0.0;
   r.device_state_chunks = adam.device_state_chunks();
   r.plan_json = plan_json(model.activations());
   return r;
@@ -691,6 +702,8 @@ int run(int argc, char** argv) {
            "batch / N sequences (default 1)", 1)
       .add("max-grad-norm", &a.max_grad_norm, "global gradient clipping in ferry and the baseline, 0 = none "
            "(default 0; with clipping ferry's host Adam follows backward: Note [Pipelined step])", 0.0)
+      .add("state-format", &a.state_format, "optimizer state: fp32 (default) or compact (bf16 master, 8-bit "
+           "moments: Note [The compact state format])")
       .add_flag("joint-placement", &a.joint_placement, "activations=auto: the state placed again with the "
                 "activation plan after a steady iteration (HybridAdamOptions::plan_state_with_activations)")
       .add_flag("find-max", &a.find_max, "find the largest preset that trains")
@@ -709,6 +722,9 @@ int run(int argc, char** argv) {
       .add("profile-ferry", &a.profile_ferry, "the same for ferry's step (profile_compare.py compares it with the "
            "baseline's: --unpipelined gives both the same three phases; FILE-rankR.json per rank)");
   options.parse(rest);
+  if (a.state_format != "fp32" && a.state_format != "compact") {
+    throw ferry::cli::UsageError("--state-format must be fp32 or compact, got '" + a.state_format + "'");
+  }
   if (a.batch % a.micro_batches != 0) {
     throw ferry::cli::UsageError("--batch (" + std::to_string(a.batch) + ") must be a multiple of --micro-batches (" +
                                  std::to_string(a.micro_batches) + ")");
@@ -743,6 +759,7 @@ int run(int argc, char** argv) {
       << ", \"steps\": " << a.steps << ", \"checkpoint_activations\": " << (a.checkpoint ? "true" : "false")
       << ", \"activations\": \"" << ferry::to_string(config.activations) << "\""
       << ", \"joint_placement\": " << (a.joint_placement ? "true" : "false")
+      << ", \"state_format\": \"" << a.state_format << "\""
       << ", \"trace\": \"" << a.trace << "\", \"step\": \"" << (a.unpipelined ? "unpipelined" : "pipelined")
       << "\", \"max_grad_norm\": " << a.max_grad_norm << ", \"micro_batches\": " << a.micro_batches
       << ", \"update_behind_forward\": " << (behind_forward_option(a, world) ? "true" : "false")
@@ -868,7 +885,7 @@ int run(int argc, char** argv) {
     const double flops_rate = from_baseline ? 6 * n * tokens / b.total : rates.gemm_flops_per_s;
     const double compute_s = flops / flops_rate;
     const double pcie_s = std::max(f.h2d_bytes / rates.h2d_bytes_per_s, f.d2h_bytes / rates.d2h_bytes_per_s);
-    const double adam_s = 28.0 * f.host_state_params / rates.adam_bytes_per_s;
+    const double adam_s = host_adam_bytes_per_param(a) * f.host_state_params / rates.adam_bytes_per_s;
     // Host memory: the host Adam's 28 B/param and every chunk transfer cross the host's DRAM, which the
     // roof measures (a DMA copy crosses it once; on the CPU's simulated device a copy reads and writes it).
     // With micro-batches, each one's accumulation on the host too (Note [Accumulation per chunk]): 16 B
@@ -877,7 +894,8 @@ int run(int argc, char** argv) {
     const double copy_host_bytes = (cuda ? 1.0 : 2.0) * (f.h2d_bytes + f.d2h_bytes);
     const double accumulation_bytes = a.micro_batches > 1 ? 16.0 * a.micro_batches * f.host_state_params : 0.0;
     const double host_memory_s =
-        (28.0 * f.host_state_params + accumulation_bytes + copy_host_bytes) / rates.adam_bytes_per_s;
+        (host_adam_bytes_per_param(a) * f.host_state_params + accumulation_bytes + copy_host_bytes) /
+        rates.adam_bytes_per_s;
     const double floor_s = std::max({compute_s, pcie_s, host_memory_s});
     // The schedule's floor (D52): the host Adam overlaps backward only, so forward's compute adds to the
     // larger of backward's compute and the host memory traffic (and the link can be busy throughout).

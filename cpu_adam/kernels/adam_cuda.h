@@ -13,5 +13,9 @@ namespace ferry::cpu_adam {
 // nonzero value the kernel writes nothing (the host never reads it). Returns null, or the text of the
 // CUDA error the launch raised.
 const char* launch_adam_cuda(const AdamKernelArgs& args, int64_t n, const float* found_inf, void* stream);
+// The same for the compact state's update (compact_body.h) of elements [0, n) of `args`, blocks of
+// kCompactBlock from element 0: the bits the CPU kernels give. With `found_inf` set, only the compute
+// copy is written (the master's value), as the fp32 launch does.
+const char* launch_compact_cuda(const CompactAdamArgs& args, int64_t n, const float* found_inf, void* stream);
 
 }  // namespace ferry::cpu_adam

@@ -78,18 +78,19 @@ void compact_encode(const CompactStateView& s, int64_t n, const float* master, c
     const int64_t e = n - b < kCompactBlock ? n : b + kCompactBlock;
     float max_m = 0.0f, max_u = 0.0f;
     for (int64_t i = b; i < e; ++i) {
-      s.master[i] = f32_to_bf16(master[i]);
-      max_m = ScalarOps::max(max_m, ScalarOps::abs(exp_avg[i]));
-      max_u = ScalarOps::max(max_u, std::sqrt(exp_avg_sq[i]));
+      if (master) s.master[i] = f32_to_bf16(master[i]);
+      if (exp_avg) max_m = ScalarOps::max(max_m, ScalarOps::abs(exp_avg[i]));
+      if (exp_avg_sq) max_u = ScalarOps::max(max_u, std::sqrt(exp_avg_sq[i]));
     }
     const float inv_m = max_m > 0.0f ? 1.0f / max_m : 0.0f, inv_u = max_u > 0.0f ? 1.0f / max_u : 0.0f;
     for (int64_t i = b; i < e; ++i) {
+      if (exp_avg) s.exp_avg[i] = static_cast<uint8_t>(Codes::encode_m(exp_avg[i] * inv_m));
+      if (!exp_avg_sq) continue;
       const float u = std::sqrt(exp_avg_sq[i]);
-      s.exp_avg[i] = static_cast<uint8_t>(Codes::encode_m(exp_avg[i] * inv_m));
       s.exp_avg_sq[i] = static_cast<uint8_t>(Codes::encode_u(u * inv_u, u));
     }
-    s.exp_avg_scale[b / kCompactBlock] = max_m;
-    s.exp_avg_sq_scale[b / kCompactBlock] = max_u;
+    if (exp_avg) s.exp_avg_scale[b / kCompactBlock] = max_m;
+    if (exp_avg_sq) s.exp_avg_sq_scale[b / kCompactBlock] = max_u;
   }
 }
 

@@ -36,7 +36,7 @@ struct CompactCodes {
 
   // Each code takes the same operations in every ISA; a vector with no subnormal code (almost all, past
   // the first step) skips computing that path, which changes no bit.
-  static F decode_m(I code) {
+  FERRY_HD static F decode_m(I code) {
     const I mag = Ops::and_i(code, Ops::set1_i(127u));
     I value = Ops::slli(Ops::add_i(mag, Ops::set1_i(kMBias)), 20);
     const M small = Ops::lt_i(mag, Ops::set1_i(8u));
@@ -44,7 +44,7 @@ struct CompactCodes {
     return Ops::from_bits(Ops::or_i(value, Ops::slli(Ops::and_i(code, Ops::set1_i(128u)), 24)));
   }
   // y = m / s_m, |y| <= 1 (+ an ulp).
-  static I encode_m(F y) {
+  FERRY_HD static I encode_m(F y) {
     const I yb = Ops::bits(y);
     const I sign = Ops::and_i(Ops::srli(yb, 24), Ops::set1_i(128u));
     const I a = Ops::and_i(yb, Ops::set1_i(0x7fffffffu));
@@ -59,14 +59,14 @@ struct CompactCodes {
     }
     return Ops::or_i(mag, sign);
   }
-  static F decode_u(I code) {
+  FERRY_HD static F decode_u(I code) {
     I value = Ops::slli(Ops::add_i(code, Ops::set1_i(kUBias)), 19);
     const M small = Ops::lt_i(code, Ops::set1_i(16u));
     if (Ops::any(small)) value = Ops::select_i(small, Ops::bits(Ops::mul(Ops::to_float(code), Ops::set1(0x1p-18f))), value);
     return Ops::from_bits(value);
   }
   // y = u / s_u in [0, 1] (+ an ulp); `u` itself decides whether code 0 is allowed.
-  static I encode_u(F y, F u) {
+  FERRY_HD static I encode_u(F y, F u) {
     const I a = Ops::bits(y);
     const I rounded = Ops::add_i(Ops::add_i(a, Ops::set1_i(0x3ffffu)), Ops::and_i(Ops::srli(a, 19), Ops::set1_i(1u)));
     I code = Ops::sub_i(Ops::srli(rounded, 19), Ops::set1_i(kUBias));
@@ -87,7 +87,7 @@ struct CompactCodes {
   // ratio, mod 2^32: the caller steps it by W times the ratio per vector (the same bits as a multiply
   // per element, for one add).
   static constexpr uint32_t kGolden = 0x9e3779b1u;
-  static I round_bf16(F p, I weyl) {
+  FERRY_HD static I round_bf16(F p, I weyl) {
     return Ops::srli(Ops::add_i(Ops::bits(p), Ops::srli(weyl, 16)), 16);
   }
 };
@@ -102,6 +102,30 @@ struct CompactLoop {
   static constexpr int64_t B = ferry::cpu_adam::kCompactBlock;
   static_assert(B % W == 0, "a block is whole vectors");
 
+  // One element's (one vector's) update from its loaded values (the grad widened, the master's bf16
+  // bits, the two codes) and its block's old scales: the new master bits and the new m and u = sqrt(v),
+  // before the block's new scales encode them. The CPU loop below and the CUDA kernel (adam_cuda.cu)
+  // both run it: the same operations, so the same bits.
+  struct Updated {
+    I master;
+    F m, u;
+  };
+  FERRY_HD static Updated element(const Consts& c, F grad, I master_bits, I m_code, I u_code, F s_m, F s_u,
+                                  I weyl) {
+    F g = Ops::mul(grad, c.grad_scale);
+    F p = Ops::from_bits(Ops::slli(master_bits, 16));
+    if constexpr (kDecay && !kDecoupled) g = Ops::fma(c.weight_decay, p, g);
+    if constexpr (kDecay && kDecoupled) p = Ops::mul(p, c.decay_factor);
+    const F m0 = Ops::mul(Codes::decode_m(m_code), s_m);
+    const F u0 = Ops::mul(Codes::decode_u(u_code), s_u);
+    const F m = Ops::fma(c.beta1, m0, Ops::mul(c.one_minus_beta1, g));
+    const F v = Ops::fma(c.beta2, Ops::mul(u0, u0), Ops::mul(Ops::mul(c.one_minus_beta2, g), g));
+    const F u = Ops::sqrt(v);
+    const F d = Ops::fma(u, c.inv_bc2_sqrt, c.eps);
+    p = Ops::fma(c.neg_step_size, Ops::div(m, d), p);
+    return Updated{Codes::round_bf16(p, weyl), m, u};
+  }
+
   // One full block of B elements at these pointers (`index0`: its first element's counter).
   static void block(const Consts& c, uint16_t* master, const void* grad, uint8_t* mq, uint8_t* uq, void* lowp,
                     float* m_scale, float* u_scale, uint32_t index0, uint32_t seed) {
@@ -112,29 +136,19 @@ struct CompactLoop {
     I weyl = Ops::mullo(Ops::add_i(Ops::set1_i(index0 + seed), Ops::iota_i()), Ops::set1_i(Codes::kGolden));
     const I weyl_step = Ops::set1_i(static_cast<uint32_t>(W) * Codes::kGolden);
     for (int64_t j = 0; j < B; j += W) {
-      F g = Ops::mul(load_grad<Ops, G>(grad, j), c.grad_scale);
-      F p = Ops::from_bits(Ops::slli(Ops::load_u16(master + j), 16));
-      if constexpr (kDecay && !kDecoupled) g = Ops::fma(c.weight_decay, p, g);
-      if constexpr (kDecay && kDecoupled) p = Ops::mul(p, c.decay_factor);
-      const F m0 = Ops::mul(Codes::decode_m(Ops::load_u8(mq + j)), s_m);
-      const F u0 = Ops::mul(Codes::decode_u(Ops::load_u8(uq + j)), s_u);
-      const F m = Ops::fma(c.beta1, m0, Ops::mul(c.one_minus_beta1, g));
-      const F v = Ops::fma(c.beta2, Ops::mul(u0, u0), Ops::mul(Ops::mul(c.one_minus_beta2, g), g));
-      const F u = Ops::sqrt(v);
-      const F d = Ops::fma(u, c.inv_bc2_sqrt, c.eps);
-      p = Ops::fma(c.neg_step_size, Ops::div(m, d), p);
-      const I out = Codes::round_bf16(p, weyl);
+      const Updated e = element(c, load_grad<Ops, G>(grad, j), Ops::load_u16(master + j), Ops::load_u8(mq + j),
+                                Ops::load_u8(uq + j), s_m, s_u, weyl);
       weyl = Ops::add_i(weyl, weyl_step);
-      Ops::store_u16(master + j, out);
+      Ops::store_u16(master + j, e.master);
       if constexpr (L == ferry::cpu_adam::LowpType::kBf16) {
-        Ops::store_u16(static_cast<uint16_t*>(lowp) + j, out);
+        Ops::store_u16(static_cast<uint16_t*>(lowp) + j, e.master);
       } else if constexpr (L == ferry::cpu_adam::LowpType::kF16) {
-        Ops::store_f16(static_cast<uint16_t*>(lowp) + j, Ops::from_bits(Ops::slli(out, 16)));
+        Ops::store_f16(static_cast<uint16_t*>(lowp) + j, Ops::from_bits(Ops::slli(e.master, 16)));
       }
-      Ops::store(new_m + j, m);
-      Ops::store(new_u + j, u);
-      max_m = Ops::max(max_m, Ops::abs(m));
-      max_u = Ops::max(max_u, u);
+      Ops::store(new_m + j, e.m);
+      Ops::store(new_u + j, e.u);
+      max_m = Ops::max(max_m, Ops::abs(e.m));
+      max_u = Ops::max(max_u, e.u);
     }
     const float sm = Ops::hmax(max_m), su = Ops::hmax(max_u);
     const F inv_m = Ops::set1(sm > 0.0f ? 1.0f / sm : 0.0f), inv_u = Ops::set1(su > 0.0f ? 1.0f / su : 0.0f);

@@ -74,7 +74,8 @@ struct KernelTable {
 
 // The compact state of `n` elements as fp32 and back, with the kernels' codes (adam_scalar.cpp; no ISA
 // flags): decode writes master, exp_avg, exp_avg_sq (any may be null); encode rounds the master to
-// nearest (a conversion, not an update) and sets each block's scales to its maxima.
+// nearest (a conversion, not an update) and sets each block's scales to its maxima, for the inputs
+// given (any may be null: that role is left as it is).
 struct CompactStateView {
   uint16_t* master = nullptr;
   uint8_t* exp_avg = nullptr;

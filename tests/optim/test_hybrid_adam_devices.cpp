@@ -131,14 +131,20 @@ class HybridAdamOnDevice : public ::testing::TestWithParam<DeviceKind> {
 // chunks staged first, the eviction policy evicted one staged a moment before, and on CUDA the device
 // norms met a gradient on the host.
 // With micro_batches > 1 (accumulate_grads), backward_step is the last micro-batch's backward + step().
-void expect_pipeline_equals_step(DeviceKind device, double max_grad_norm, int micro_batches = 1) {
+void expect_pipeline_equals_step(DeviceKind device, double max_grad_norm, int micro_batches = 1,
+                                 StateFormat format = StateFormat::kFp32) {
   HybridAdamOptions o = options(max_grad_norm);
   o.accumulate_grads = micro_batches > 1;
+  o.state_format = format;
   const int64_t roles = o.accumulate_grads ? 4 : 3;
   const auto nets = twins(11);
   Lm a_net = nets.first, b_net = nets.second;
-  ChunkedModel a(a_net.ptr(), device_config(device, Precision::kBf16, roles));
-  ChunkedModel b(b_net.ptr(), device_config(device, Precision::kBf16, roles));
+  Config config = device_config(device, Precision::kBf16, roles);
+  if (format == StateFormat::kCompact) {  // 3 parameter chunks + 2 compact groups (4 B per element, scales)
+    config.device_budget_bytes = (3 + 2 * 2) * kChunk + 2 * (16 << 10) + (o.accumulate_grads ? 2 * 2 * kChunk : 0);
+  }
+  ChunkedModel a(a_net.ptr(), config);
+  ChunkedModel b(b_net.ptr(), config);
   HybridAdam a_adam(a, o), b_adam(b, o);
   int64_t evictions = 0, overlapped = 0, host_chunks = 0, clipped = 0;
   for (int step = 0; step < 5; ++step) {
@@ -186,6 +192,16 @@ TEST_P(HybridAdamOnDevice, AccumulatedPipelinedStepWithClippingEqualsBackwardThe
   expect_pipeline_equals_step(GetParam(), 0.05, /*micro_batches=*/2);
 }
 
+// The compact state format (Note [The compact state format]) through the same paths: its host and
+// device updates, per tensor, in backward_step's pipeline and after backward().
+TEST_P(HybridAdamOnDevice, CompactStatePipelinedStepEqualsBackwardThenStepBitForBit) {
+  expect_pipeline_equals_step(GetParam(), 0.0, 1, StateFormat::kCompact);
+}
+
+TEST_P(HybridAdamOnDevice, CompactStateAccumulatedPipelinedStepWithClippingEqualsBackwardThenStep) {
+  expect_pipeline_equals_step(GetParam(), 0.05, /*micro_batches=*/2, StateFormat::kCompact);
+}
+
 TEST_P(HybridAdamOnDevice, TenFp32StepsFollowTorchAdamWOnTheSameDevice) {
   const DeviceKind device = GetParam();
   torch::manual_seed(12);
@@ -231,9 +247,8 @@ TEST_P(HybridAdamOnDevice, TenFp32StepsFollowTorchAdamWOnTheSameDevice) {
 // decision) changes no bit. All state on the device against all on the host, no clipping (with
 // clipping the two norms are reduced by different code, so their last bits may differ); on CUDA this
 // is the GPU kernel against the CPU kernel.
-TEST_P(HybridAdamOnDevice, StateOnTheDeviceAndOnTheHostGiveTheSameBits) {
-  const DeviceKind device = GetParam();
-  DeviceAndHostState t(device, 13, options(0.0));
+void expect_device_state_equals_host_state(DeviceKind device, const HybridAdamOptions& o) {
+  DeviceAndHostState t(device, 13, o);
   Lm &a_net = t.a_net, &b_net = t.b_net;  // (structured bindings cannot be captured in C++17)
   ChunkedModel &a = t.a, &b = t.b;
   HybridAdam &a_adam = t.a_adam, &b_adam = t.b_adam;
@@ -247,6 +262,17 @@ TEST_P(HybridAdamOnDevice, StateOnTheDeviceAndOnTheHostGiveTheSameBits) {
     EXPECT_EQ(rb.host_chunks, chunks) << "step " << step;
     ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, "step " + std::to_string(step)));
   }
+}
+
+TEST_P(HybridAdamOnDevice, StateOnTheDeviceAndOnTheHostGiveTheSameBits) {
+  expect_device_state_equals_host_state(GetParam(), options(0.0));
+}
+
+// The same for the compact format: on CUDA the compact kernel (one thread block per block of 256, the
+// scales by a reduction) against the CPU kernels, with the model's partial blocks (biases, norms).
+TEST_P(HybridAdamOnDevice, CompactStateOnTheDeviceAndOnTheHostGiveTheSameBits) {
+  expect_device_state_equals_host_state(GetParam(),
+                                        HybridAdamOptions(options(0.0)).with_state_format(StateFormat::kCompact));
 }
 
 // D53 under what a training script does between steps: a layer frozen and unfrozen (D61, D62: its
@@ -319,9 +345,12 @@ TEST_P(HybridAdamOnDevice, StepsBetweenFreezesWritesAndLrChangesGiveTheSameBitsW
 // anywhere, and training goes on.
 TEST_P(HybridAdamOnDevice, ANonFiniteGradientSkipsItsChunkWhereverItsStateLives) {
   const DeviceKind device = GetParam();
-  for (const double injected : {double(NAN), 1e20}) {
-    const std::string what = "gradient " + std::to_string(injected);
-    DeviceAndHostState t(device, 19, options(0.0));
+  for (const auto& c : {std::pair{StateFormat::kFp32, double(NAN)}, {StateFormat::kFp32, 1e20},
+                        {StateFormat::kCompact, double(NAN)}, {StateFormat::kCompact, 1e20}}) {
+    const StateFormat format = c.first;
+    const double injected = c.second;  // (structured bindings cannot be captured in C++17)
+    const std::string what = std::string(to_string(format)) + " state, gradient " + std::to_string(injected);
+    DeviceAndHostState t(device, 19, HybridAdamOptions(options(0.0)).with_state_format(format));
     Lm &a_net = t.a_net, &b_net = t.b_net;
     ChunkedModel &a = t.a, &b = t.b;
     HybridAdam &a_adam = t.a_adam, &b_adam = t.b_adam;

@@ -1,0 +1,216 @@
+// HybridAdam with the compact state format (HybridAdamOptions::state_format, Note [The compact state
+// format] in cpu_adam/compact_state.h) on the simulated device, budgets forcing evictions and the state
+// split between device and host:
+//  - every step equals the fp64 Adam step from the step's own (decoded) state within the format's
+//    written error bound: the master within one bf16 ulp (stochastic rounding), exp_avg within 2^-4 of
+//    itself plus 2^-17 of its tensor's largest, sqrt(exp_avg_sq) within 2^-5 plus 2^-17;
+//  - the state takes the bytes the format says, by role, and the device accountant counts them;
+//  - a checkpoint of compact state loads back to the same bits; into fp32 state as the decoded values;
+//    fp32 state into compact as the format encodes it;
+//  - it trains like the fp32 state (the losses of 40 steps within a few percent);
+//  - an fp32 compute copy is refused, naming the precision.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "../../cpu_adam/compact_state.h"
+#include "../cpu_adam/adam_reference.h"
+#include "hybrid_adam_fixtures.h"
+
+namespace ferry {
+namespace {
+
+using namespace test;  // NOLINT: the fixtures
+
+// Budget: `param_chunks` bf16 parameter chunks plus `state_groups` compact state groups (4 B per element
+// of a chunk of kChunk / 2 elements, and the scales).
+int64_t compact_budget(int64_t param_chunks, int64_t state_groups) {
+  return param_chunks * kChunk + state_groups * (2 * kChunk + 4096);
+}
+
+HybridAdamOptions compact_split_state(bool accumulate = false) {
+  return split_state(accumulate).with_state_format(StateFormat::kCompact);
+}
+
+struct PreStep {
+  std::vector<torch::Tensor> master, exp_avg, exp_avg_sq, grad;
+};
+
+PreStep snapshot(HybridAdam& adam, ChunkedModel& model) {
+  PreStep s;
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    s.master.push_back(adam.master(p));
+    s.exp_avg.push_back(adam.exp_avg(p));
+    s.exp_avg_sq.push_back(adam.exp_avg_sq(p));
+    s.grad.push_back(adam.grad(p));
+  }
+  return s;
+}
+
+TEST(CompactFormat, EveryStepIsTheFp64StepWithinTheFormatsBound) {
+  auto [ref, net] = twins(3);
+  ChunkedModel model(net.ptr(), sim_config(compact_budget(2, 2), Precision::kBf16));
+  HybridAdam adam(model, compact_split_state());
+  ASSERT_EQ(adam.state_format(), StateFormat::kCompact);
+  ASSERT_EQ(adam.num_state_roles(), 4);
+  int64_t evictions = 0, device_chunks = 0, host_chunks = 0;
+  for (int step = 0; step < 12; ++step) {
+    const std::string when = "step " + std::to_string(step);
+    model.backward(forward_loss(model, net, batch(step)));
+    const PreStep pre = snapshot(adam, model);
+    const StepResult r = adam.step();
+    ASSERT_TRUE(r.applied) << when;
+    device_chunks += r.device_chunks;
+    host_chunks += r.host_chunks;
+    evictions += model.last_iteration().evictions;
+    for (int64_t p = 0; p < model.num_params(); ++p) {
+      const std::string what = when + ": " + model.param_name(p);
+      const AdamStepFp64 ref64 = adam_step_fp64(pre.master[p], pre.grad[p], pre.exp_avg[p], pre.exp_avg_sq[p],
+                                                adam.group_options(adam.group_of(p)), adam.param_step_count(p),
+                                                r.clip_coef / r.loss_scale);
+      // The master: stochastic rounding to bf16 is within one ulp of bf16 (<= 2^-7 |p|), of a value
+      // within the fp32 bound of the exact step.
+      const auto master = adam.master(p).to(torch::kDouble);
+      const auto master_tol = std::ldexp(1.0, -7) * ref64.param.abs() + 2 * ref64.param_tol + 1e-30;
+      EXPECT_LE(excess(master, ref64.param, master_tol), 1.0) << what << ": master";
+      // The compute copy is the master's bits.
+      EXPECT_TRUE(torch::equal(model.param_values(p).to(torch::kFloat), adam.master(p))) << what;
+      // exp_avg: a 3-bit mantissa against its block's max (<= the tensor's max) rounds to nearest.
+      const auto m = adam.exp_avg(p).to(torch::kDouble);
+      const double m_max = ref64.exp_avg.abs().max().item<double>();
+      const auto m_tol = std::ldexp(1.0, -4) * ref64.exp_avg.abs() + std::ldexp(1.0, -17) * m_max +
+                         2 * ref64.exp_avg_tol + 1e-30;
+      EXPECT_LE(excess(m, ref64.exp_avg, m_tol), 1.0) << what << ": exp_avg";
+      // sqrt(exp_avg_sq): a 4-bit mantissa, likewise.
+      const auto u = adam.exp_avg_sq(p).to(torch::kDouble).sqrt();
+      const auto u64 = ref64.exp_avg_sq.sqrt();
+      const double u_max = u64.max().item<double>();
+      const auto u_tol = (std::ldexp(1.0, -5) + 1e-5) * u64 + std::ldexp(1.0, -17) * u_max + 1e-30;
+      EXPECT_LE(excess(u, u64, u_tol), 1.0) << what << ": sqrt(exp_avg_sq)";
+      // A positive second moment never decodes as zero (no update divided by eps alone).
+      EXPECT_EQ((ref64.exp_avg_sq.gt(0) & adam.exp_avg_sq(p).eq(0)).sum().item<int64_t>(), 0) << what;
+    }
+    adam.zero_grad();
+  }
+  EXPECT_GT(device_chunks, 0) << "some state must be updated on the device";
+  EXPECT_GT(host_chunks, 0) << "some state must be updated on the host";
+  EXPECT_GT(evictions, 10) << "the budget must force evictions (" << model.layout().num_chunks() << " chunks)";
+}
+
+TEST(CompactFormat, TheStateTakesTheFormatsBytesByRole) {
+  auto [ref, net] = twins(4);
+  ChunkedModel model(net.ptr(), sim_config(compact_budget(2, 2), Precision::kBf16));
+  HybridAdam adam(model, compact_split_state());
+  train_steps(model, net, adam, 0, 3);
+  const ChunkLayout& layout = model.layout();
+  for (int64_t c = 0; c < layout.num_chunks(); ++c) {
+    // master 2 B, each moment 1 B per element of the chunk; scales 2 x 4 B per block of each tensor,
+    // each tensor's slot 64-byte aligned.
+    int64_t scales = 0;
+    for (int64_t p : layout.chunks()[c].tensors) {
+      scales += (2 * 4 * compact_blocks(layout.slots()[p].numel) + 63) / 64 * 64;
+    }
+    const int64_t elems = layout.chunks()[c].numel;
+    EXPECT_EQ(adam.state_bytes_per_chunk(c), 4 * elems + std::max<int64_t>(scales, 64)) << "chunk " << c;
+  }
+  // Two groups on the device: the accountant counts their real bytes, the scales under their own role.
+  const auto by_role = model.device_accountant()->bytes_by_role();
+  EXPECT_EQ(by_role[static_cast<int>(ChunkRole::kMaster)], 2 * (layout.chunks()[0].numel + layout.chunks()[1].numel));
+  EXPECT_GT(by_role[static_cast<int>(ChunkRole::kScales)], 0);
+}
+
+// fp32 values as the compact format stores them: encoded and decoded again (compact_state.h).
+torch::Tensor as_compact(const torch::Tensor& master, const torch::Tensor& exp_avg, const torch::Tensor& exp_avg_sq,
+                         int role) {
+  const int64_t n = master.numel();
+  auto m16 = torch::empty({n}, torch::kBFloat16);
+  auto mq = torch::empty({n}, torch::kByte), uq = torch::empty({n}, torch::kByte);
+  auto scales = torch::empty({2 * compact_blocks(n)}, torch::kFloat);
+  CompactAdamSpan s;
+  s.master = reinterpret_cast<uint16_t*>(m16.data_ptr());
+  s.exp_avg = mq.data_ptr<uint8_t>();
+  s.exp_avg_sq = uq.data_ptr<uint8_t>();
+  s.exp_avg_scale = scales.data_ptr<float>();
+  s.exp_avg_sq_scale = s.exp_avg_scale + compact_blocks(n);
+  s.numel = n;
+  const auto m = master.contiguous(), a = exp_avg.contiguous(), v = exp_avg_sq.contiguous();
+  compact_from_fp32(s, m.data_ptr<float>(), a.data_ptr<float>(), v.data_ptr<float>());
+  auto out = torch::empty({n}, torch::kFloat);
+  compact_to_fp32(s, role == 0 ? out.data_ptr<float>() : nullptr, role == 1 ? out.data_ptr<float>() : nullptr,
+                  role == 2 ? out.data_ptr<float>() : nullptr);
+  return out.view(master.sizes());
+}
+
+TEST(CompactFormat, CheckpointsHoldTheStateExactlyAndConvertBetweenFormats) {
+  const std::string dir = temp_dir("compact_ckpt"), fp32_dir = temp_dir("compact_ckpt_fp32");
+  auto [ref, net] = twins(5);
+  ChunkedModel model(net.ptr(), sim_config(compact_budget(2, 2), Precision::kBf16));
+  HybridAdam adam(model, compact_split_state());
+  train_steps(model, net, adam, 0, 4);
+  adam.save(dir);
+  // Into compact state: the same bits (decoded values and compute copies equal), and it trains on
+  // identically.
+  auto [r2, net2] = twins(6);
+  ChunkedModel m2(net2.ptr(), sim_config(compact_budget(2, 2), Precision::kBf16));
+  HybridAdam a2(m2, compact_split_state());
+  a2.load(dir);
+  // Into fp32 state: the decoded values.
+  auto [r3, net3] = twins(7);
+  ChunkedModel m3(net3.ptr(), sim_config(budget_for(2, 4), Precision::kBf16));
+  HybridAdam a3(m3, split_state(false));
+  a3.load(dir);
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    const std::string& name = model.param_name(p);
+    ASSERT_TRUE(torch::equal(adam.master(p), a2.master(p))) << name;
+    ASSERT_TRUE(torch::equal(adam.exp_avg(p), a2.exp_avg(p))) << name;
+    ASSERT_TRUE(torch::equal(adam.exp_avg_sq(p), a2.exp_avg_sq(p))) << name;
+    ASSERT_TRUE(torch::equal(model.param_values(p), m2.param_values(p))) << name;
+    ASSERT_TRUE(torch::equal(adam.master(p), a3.master(p).cpu())) << "fp32: " << name;
+    ASSERT_TRUE(torch::equal(adam.exp_avg(p), a3.exp_avg(p).cpu())) << "fp32: " << name;
+    ASSERT_TRUE(torch::equal(adam.exp_avg_sq(p), a3.exp_avg_sq(p).cpu())) << "fp32: " << name;
+  }
+  train_steps(model, net, adam, 4, 2);
+  train_steps(m2, net2, a2, 4, 2);
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    ASSERT_TRUE(torch::equal(adam.master(p), a2.master(p))) << "after resuming: " << model.param_name(p);
+    ASSERT_TRUE(torch::equal(adam.exp_avg_sq(p), a2.exp_avg_sq(p))) << "after resuming: " << model.param_name(p);
+  }
+  // fp32 state (trained on, so its values are no longer the format's) into compact: encoded.
+  train_steps(m3, net3, a3, 4, 2);
+  a3.save(fp32_dir);
+  auto [r4, net4] = twins(8);
+  ChunkedModel m4(net4.ptr(), sim_config(compact_budget(2, 2), Precision::kBf16));
+  HybridAdam a4(m4, compact_split_state());
+  a4.load(fp32_dir);
+  int64_t rounded = 0;
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    const std::string& name = model.param_name(p);
+    const auto master = a3.master(p).cpu(), m = a3.exp_avg(p).cpu(), v = a3.exp_avg_sq(p).cpu();
+    EXPECT_TRUE(torch::equal(a4.master(p), as_compact(master, m, v, 0))) << name;
+    EXPECT_TRUE(torch::equal(a4.exp_avg(p), as_compact(master, m, v, 1))) << name;
+    EXPECT_TRUE(torch::equal(a4.exp_avg_sq(p), as_compact(master, m, v, 2))) << name;
+    rounded += a4.master(p).ne(master).sum().item<int64_t>();
+  }
+  EXPECT_GT(rounded, 0) << "the fp32 masters must have needed rounding (else the test shows nothing)";
+  remove_checkpoint(dir);
+  remove_checkpoint(fp32_dir);
+}
+
+TEST(CompactFormat, AnFp32ComputeCopyIsRefused) {
+  auto [ref, net] = twins(8);
+  ChunkedModel model(net.ptr(), sim_config(budget_for(3, 2), Precision::kFp32));
+  try {
+    HybridAdam adam(model, compact_split_state());
+    FAIL() << "expected a refusal";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("needs a bf16 or fp16 compute copy"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(state_format_from_string("int8"), c10::Error);
+  EXPECT_EQ(state_format_from_string("compact"), StateFormat::kCompact);
+}
+
+}  // namespace
+}  // namespace ferry
