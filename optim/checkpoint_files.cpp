@@ -44,7 +44,7 @@ namespace ferry::optim {
 namespace {
 
 constexpr const char* kMagic = "ferry-checkpoint";
-constexpr int kVersion = 3;  // 3: per-parameter step counts (D62)
+constexpr int kVersion = 4;  // 3: per-parameter step counts (D62); 4: the state format (D76)
 constexpr const char* kRoleNames[] = {"master", "exp_avg", "exp_avg_sq"};
 constexpr int kMaxDims = 64;                       // more than any torch op supports
 constexpr int64_t kMaxDim = int64_t{1} << 40;      // per dimension
@@ -102,6 +102,7 @@ struct Manifest {
   int version = 0;
   int64_t generation = -1;
   std::string precision;
+  std::string state_format = "fp32";  // the saving optimizer's (versions < 4: fp32)
   struct Param {
     int64_t numel = 0;
     std::vector<int64_t> shape;
@@ -226,6 +227,13 @@ Manifest parse_manifest(const std::string& path) {
   r.fail_unless(m.precision == "Float" || m.precision == "BFloat16" || m.precision == "Half",
                 "expected precision Float, BFloat16 or Half, got '" + m.precision + "'");
   r.done();
+  if (m.version >= 4) {
+    r.next("state_format");
+    m.state_format = r.word();
+    r.fail_unless(m.state_format == "fp32" || m.state_format == "compact",
+                  "expected state_format fp32 or compact, got '" + m.state_format + "'");
+    r.done();
+  }
   const int64_t count = r.count("params", 0);
   for (int64_t i = 0; i < count; ++i) {
     r.entry("param", i, count, "parameters");
@@ -412,12 +420,13 @@ void check_checkpoint_target(const std::string& dir) {
 
 namespace {
 
-std::string manifest_text(const ChunkedModel& model, const std::vector<int>& group_of_param,
+std::string manifest_text(const ChunkedModel& model, const StateValues& state, const std::vector<int>& group_of_param,
                           const CheckpointCounters& counters, int64_t generation, const std::string& file_lines) {
   std::ostringstream m;
   m << std::setprecision(17) << kMagic << " " << kVersion << "\n";
   m << "generation " << generation << "\n";
   m << "precision " << c10::toString(model.compute_dtype()) << "\n";
+  m << "state_format " << (state.compact() ? "compact" : "fp32") << "\n";
   m << "params " << model.num_params() << "\n";
   for (int64_t p = 0; p < model.num_params(); ++p) {
     const auto& shape = model.param_shapes()[p];
@@ -505,7 +514,7 @@ void save_checkpoint(const std::string& dir, const ChunkedModel& model, StateVal
       bytes += role_bytes;
       files << "file " << kRoleNames[r] << " " << name << " bytes " << role_bytes << " crc32c " << crc32c_hex(crc) << "\n";
     }
-    publish_checkpoint(dir, generation, manifest_text(model, group_of_param, counters, generation, files.str()),
+    publish_checkpoint(dir, generation, manifest_text(model, state, group_of_param, counters, generation, files.str()),
                        written);
   } catch (...) {
     for (const std::string& path : written) ::unlink(path.c_str());  // best effort; the old checkpoint stands
@@ -622,7 +631,7 @@ void save_checkpoint_across_ranks(const std::string& dir, const ChunkedModel& mo
       }
       CheckpointCounters all = counters;
       for (int64_t p = 0; p < np; ++p) all.lags[p] = static_cast<int64_t>(lags.data_ptr<double>()[p]);
-      publish_checkpoint(dir, generation, manifest_text(model, group_of_param, all, generation, lines.str()), paths);
+      publish_checkpoint(dir, generation, manifest_text(model, state, group_of_param, all, generation, lines.str()), paths);
     } catch (const std::exception& e) {
       error = cli::message_of(e);
     }
@@ -659,6 +668,12 @@ CheckpointCounters load_checkpoint(const std::string& dir, const ChunkedModel& m
     TORCH_CHECK(bad_rank < 0, "ferry: rank ", rank, ": loading ", dir, " failed",
                 error.empty() ? " on rank " + std::to_string(bad_rank) + " (its log says why)" : ": " + error,
                 "; nothing was loaded on any rank");
+  }
+  // The files hold fp32 values in either format (StateValues): another format's converts as it loads.
+  const std::string format = state.compact() ? "compact" : "fp32";
+  if (m.state_format != format) {
+    log::warn("ferry: checkpoint ", dir, " holds ", m.state_format, " optimizer state; loading it into ", format,
+              " state converts it", format == "compact" ? " (rounded as the compact format stores it)" : " (exactly)");
   }
   // 3. Copy the values in: the state this rank holds (every chunk group before sharding, its own after).
   for (int r = 0; r < 3; ++r) {

@@ -388,8 +388,11 @@ TEST(CheckpointFiles, EveryCorruptionIsRefusedAndChangesNothing) {
        [&] { write_text(manifest, replace(read_text(manifest), "param_steps 0\n", "param_steps 7\n")); },
        "expected an integer in [0, 6]"},
       {"a version this ferry does not know",
-       [&] { write_text(manifest, replace(read_text(manifest), "ferry-checkpoint 3\n", "ferry-checkpoint 4\n")); },
-       "reads checkpoint versions 1 to 3, got 4"},
+       [&] { write_text(manifest, replace(read_text(manifest), "ferry-checkpoint 4\n", "ferry-checkpoint 5\n")); },
+       "reads checkpoint versions 1 to 4, got 5"},
+      {"an unknown state format",
+       [&] { write_text(manifest, replace(read_text(manifest), "state_format fp32\n", "state_format int4\n")); },
+       "expected state_format fp32 or compact, got 'int4'"},
   };
   for (const Case& c : cases) {
     source.adam->save(dir);
@@ -428,7 +431,8 @@ TEST(CheckpointFiles, PerParameterStepCountsSurviveSaveAndLoad) {
 
   // The same checkpoint as version 2 wrote it: no counts, so every parameter at its group's.
   std::string v2 = manifest;
-  v2.replace(v2.find("ferry-checkpoint 3"), 18, "ferry-checkpoint 2");
+  v2.replace(v2.find("ferry-checkpoint 4"), 18, "ferry-checkpoint 2");
+  v2.erase(v2.find("state_format fp32\n"), std::string("state_format fp32\n").size());
   v2.erase(v2.find("param_steps 2\n"), std::string("param_steps 2\nparam_step 0 2\nparam_step 1 2\n").size());
   write_text(dir + "/manifest.txt", v2);
   Trainer old(98);
