@@ -62,9 +62,6 @@ std::shared_ptr<StateChunks> attach_state(ChunkedModel& model, const HybridAdamO
     TORCH_CHECK(model.compute_dtype() == at::kBFloat16 || model.compute_dtype() == at::kHalf,
                 "ferry: HybridAdam: the compact state format needs a bf16 or fp16 compute copy "
                 "(Config::precision), got ", model.compute_dtype());
-    TORCH_CHECK(!options.communicator || options.communicator->world_size() == 1,
-                "ferry: HybridAdam: the compact state format runs in one process for now; got a communicator of ",
-                options.communicator ? options.communicator->world_size() : 1, " ranks (use the fp32 format)");
   }
   return model.attach_state(state_role_specs(options.state_format, options.accumulate_grads),
                             [&model](int r, int64_t p, const at::Tensor& slot) {

@@ -66,11 +66,13 @@ NamedTensors Engine::state_dict() {
   if (ownership_.sharded()) {  // the masters from their owners (a collective: every rank calls state_dict())
     std::lock_guard<std::mutex> lock(mutex_);
     sharded_.gather_groups(
-        at::kFloat, [&](int64_t c) { return placement_.payload(kMasterRole, c); },
+        placement_.state().spec(kMasterRole).dtype, [&](int64_t c) { return placement_.payload(kMasterRole, c); },
         [&](int64_t c, const at::Tensor& values) {
           for (int64_t p : model().layout().chunks()[c].tensors) {
             const Slot& slot = model().layout().slots()[p];
-            out[p].second = values.slice(0, slot.offset, slot.offset + slot.numel).view(model().param_shapes()[p]).clone();
+            out[p].second = values.slice(0, slot.offset, slot.offset + slot.numel)
+                                .view(model().param_shapes()[p])
+                                .to(at::kFloat, false, /*copy=*/true);
           }
         });
     return out;

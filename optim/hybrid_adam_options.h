@@ -18,7 +18,7 @@ namespace ferry {
 // How the optimizer state is stored (Note [The compact state format], cpu_adam/compact_state.h).
 //  kFp32: fp32 master, exp_avg, exp_avg_sq (12 B per parameter beside the compute copy): exact Adam.
 //  kCompact: bf16 master with stochastic rounding, 8-bit blockwise moments (4.03 B per parameter);
-//            needs a bf16 or fp16 compute copy (Config::precision), one process (no sharding yet).
+//            needs a bf16 or fp16 compute copy (Config::precision).
 enum class StateFormat { kFp32, kCompact };
 const char* to_string(StateFormat format);
 // "fp32" or "compact"; anything else fails, naming what was given.

@@ -68,7 +68,7 @@ void ShardedStep::check_same_layout() {
 }
 
 void ShardedStep::broadcast_initial_values() {
-  // Rank 0's starting point everywhere: its masters (fp32, held on the host until placement), then the
+  // Rank 0's starting point everywhere: its masters (fp32 or compact bf16, on the host until placement), then the
   // parameter chunks from them, as a step writes them.
   check_same_layout();
   for (int64_t c = 0; c < num_chunks(); ++c) {
@@ -93,7 +93,9 @@ void ShardedStep::shard(std::function<void(int64_t)> await_chunk) {
               "parameters are sharded by the final layout: run the warm-up iterations first, or use "
               "warmup_iterations = 1");
   check_same_layout();  // again: the warm-up repacked in call order
-  const std::vector<int> roles{kMasterRole, kExpAvgRole, kExpAvgSqRole};  // accumulation chunks stay on every rank
+  // Accumulation chunks stay on every rank; the compact format's scales go with the codes.
+  std::vector<int> roles{kMasterRole, kExpAvgRole, kExpAvgSqRole};
+  if (parts_.placement.compact()) roles.push_back(parts_.placement.scales_role());
   int64_t held = 0, bytes = 0;
   for (int64_t c = 0; c < num_chunks(); ++c) {
     if (c % world == rank) {

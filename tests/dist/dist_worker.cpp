@@ -29,6 +29,7 @@
 // SchedulerOptions::reshard_after_forward / reshard_min_gap.
 // --reorder-rank=R: from the second step on, rank R uses the head before the rest in forward (ranks with
 // different use orders once the parameters are sharded).
+// --state-format=compact: HybridAdamOptions::state_format (with --precision=bf16).
 // --sync-update=1: HybridAdamOptions::update_behind_forward off (every host update written when the
 // step returns). --stall-ms=T (--api=step): before every step, a job of T ms on the host updates' worker,
 // ahead of the updates the step leaves running (a slow host: the next forward then meets them still running).
@@ -151,6 +152,7 @@ int run(int argc, char** argv) {
   options.communicator = comm;
   options.shard_params = option(rest, "shard-params", "1") == "1";
   options.update_behind_forward = option(rest, "sync-update", "0") != "1";
+  options.state_format = ferry::state_format_from_string(option(rest, "state-format", "fp32"));
   auto optimizer = std::make_unique<ferry::HybridAdam>(model, options);  // --eval-without-optimizer drops it
   ferry::HybridAdam& adam = *optimizer;
   const ferry::ChunkStoreStats built = adam.state_store().stats();
