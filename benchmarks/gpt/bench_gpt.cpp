@@ -926,6 +926,7 @@ int run(int argc, char** argv) {
         << ", \"compute_flops_per_s\": " << flops_rate << ", \"compute_rate_from\": \""
         << (from_baseline ? "baseline step (6N)" : (cuda ? "bf16 GEMM probe" : "fp32 GEMM probe"))
         << "\"}, \"compute_s\": " << compute_s << ", \"transfers_s\": " << pcie_s << ", \"host_adam_s\": " << adam_s
+        << ", \"host_adam_bytes_per_param\": " << host_adam_bytes_per_param(a)
         << ", \"host_memory_s\": " << host_memory_s << ", \"floor_s\": " << floor_s
         << ", \"measured_over_floor\": " << f.mean.total / floor_s << ", \"schedule\": \""
         << (carried ? "host Adam inside backward and behind the next forward"

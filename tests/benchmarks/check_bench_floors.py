@@ -41,14 +41,17 @@ def main():
     host_params = f["host_state_params"]
     if host_params <= 0:
         sys.exit("check_bench_floors: no optimizer state on the host; run with a device budget that offloads")
-    close("host_adam_s", fl["host_adam_s"], 28.0 * host_params / r["host_adam_bytes_per_s"])
+    # The host Adam's bytes per parameter (read + written, bf16 gradients): fp32 state 28, compact 12.0625.
+    per_param = {"fp32": 28.0, "compact": 12.0 + 16.0 / 256.0}[doc["config"].get("state_format", "fp32")]
+    close("host_adam_bytes_per_param", fl["host_adam_bytes_per_param"], per_param)
+    close("host_adam_s", fl["host_adam_s"], per_param * host_params / r["host_adam_bytes_per_s"])
     copies = f["h2d_bytes_per_step"] + f["d2h_bytes_per_step"]
     if copies <= 0:
         sys.exit("check_bench_floors: no chunk moved in a step; the floors of the transfers count nothing")
     per_copy = 1.0 if doc["device"] == "cuda" else 2.0  # the simulated device's copies read and write host memory
     micro = doc["config"]["micro_batches"]
     accumulation = 16.0 * micro * host_params if micro > 1 else 0.0  # each micro-batch's add and restore
-    host_memory = (28.0 * host_params + accumulation + per_copy * copies) / r["host_adam_bytes_per_s"]
+    host_memory = (per_param * host_params + accumulation + per_copy * copies) / r["host_adam_bytes_per_s"]
     close("host_memory_s", fl["host_memory_s"], host_memory)
     transfers = max(f["h2d_bytes_per_step"] / r["h2d_bytes_per_s"], f["d2h_bytes_per_step"] / r["d2h_bytes_per_s"])
     close("transfers_s", fl["transfers_s"], transfers)
