@@ -6,13 +6,17 @@
 //   fp32     ferry's CPU Adam kernel over fp32 master, exp_avg, exp_avg_sq (what HybridAdam runs today)
 //   compact  ferry's CPU Adam kernel over the compact state: bf16 master with stochastic rounding,
 //            8-bit blockwise moments (6.03 B/param with the bf16 compute copy instead of 14)
+//   hybrid-fp32, hybrid-compact
+//            the whole of ferry: the model wrapped in a ChunkedModel (bf16 compute copy, the simulated
+//            device with a budget of half the chunks, so they are evicted every step), trained by
+//            HybridAdam::backward_step with StateFormat kFp32 or kCompact (clipping by its max_grad_norm)
 //
 //   bench_state_quality --optimizer=compact --train=DIR --heldout=DIR [--preset=tiny] [--steps=2000]
 //       [--batch=16] [--seq=128] [--lr=2e-3] [--warmup=100] [--eval-every=100] [--eval-batches=8]
 //       [--seed=1] [--commit=SHA]
 //
-// The kernels are called on the module's own parameters (no chunks, no HybridAdam): this measures the
-// format's numerics, which the integration into the state chunks will run unchanged. The model computes
+// torch, fp32 and compact call the kernels on the module's own parameters (no chunks, no HybridAdam): the
+// format's numerics alone; the hybrid runs are the integration, whose two formats differ in nothing else. The model computes
 // in fp32 in every run; under `compact` its weights are the bf16 master's values (up-cast after each
 // step), as a bf16 compute copy would hold them. AdamW (decoupled decay 0.1 on every matrix, the
 // embeddings included; none on biases and norms), betas (0.9, 0.95), eps 1e-8, gradients clipped to norm 1,
@@ -170,10 +174,46 @@ class CompactState final : public FerryAdam {
   at::Tensor grad_;  // the gradient a span points into, alive until its update returns
 };
 
-double heldout_loss(gpt::GptImpl& net, const std::vector<std::pair<at::Tensor, at::Tensor>>& batches) {
+// The whole of ferry: the step is HybridAdam's (its own clipping), so this is not an Optimizer.
+struct HybridRun {
+  HybridRun(gpt::GptImpl& net, ferry::StateFormat format)
+      : model(std::shared_ptr<torch::nn::Module>(&net, [](torch::nn::Module*) {}), config_for(net)),
+        adam(model, options(format)) {}
+  static ferry::Config config_for(gpt::GptImpl& net) {
+    ferry::Config c;
+    c.device = ferry::DeviceKind::kSimulated;
+    c.precision = ferry::Precision::kBf16;
+    int64_t bytes = 0;
+    for (const auto& p : net.parameters()) bytes += 2 * p.numel();
+    c.device_budget_bytes = bytes / 2;  // the chunk size searched (Config's default): evictions every step
+    c.validate();
+    return c;
+  }
+  static ferry::HybridAdamOptions options(ferry::StateFormat format) {
+    ferry::HybridAdamOptions o = ferry::HybridAdamOptions::no_decay_for_bias_and_norm(
+        ferry::AdamOptions().with_betas(0.9, 0.95).with_eps(1e-8).with_weight_decay(0.1));
+    o.max_grad_norm = 1.0;
+    o.device_state_chunks = 0;  // the host Adam: the kernels of the other runs
+    return o.with_state_format(format);
+  }
+  double state_bytes_per_param(int64_t params) {
+    const ferry::ChunkStoreStats s = adam.state_store().stats();
+    return static_cast<double>(s.host.current_bytes + s.device.current_bytes) / static_cast<double>(params);
+  }
+  ferry::ChunkedModel model;
+  ferry::HybridAdam adam;
+};
+
+double heldout_loss(gpt::GptImpl& net, const std::vector<std::pair<at::Tensor, at::Tensor>>& batches,
+                    HybridRun* hybrid) {
   at::NoGradGuard no_grad;
   double sum = 0;
-  for (const auto& [x, y] : batches) sum += gpt::GptImpl::loss(net.forward(x), y).item<double>();
+  for (const auto& [x, y] : batches) {
+    // Through the ChunkedModel when it holds the parameters (an evaluation forward), else directly.
+    auto loss = [&] { return gpt::GptImpl::loss(net.forward(x), y).to(at::kFloat); };
+    sum += (hybrid ? hybrid->model.forward(loss) : loss()).item<double>();
+  }
+  if (hybrid) hybrid->model.end_iteration();
   return sum / static_cast<double>(batches.size());
 }
 
@@ -183,7 +223,7 @@ int main(int argc, char** argv) {
   return ferry::cli::run_main("bench_state_quality", [&] {
     Args a;
     ferry::cli::Options o("bench_state_quality");
-    o.add("optimizer", &a.optimizer, "torch, fp32 or compact")
+    o.add("optimizer", &a.optimizer, "torch, fp32, compact, hybrid-fp32 or hybrid-compact")
         .add("preset", &a.preset, "GPT preset (default tiny)")
         .add("train", &a.train, "training text: a file or a directory of files")
         .add("heldout", &a.heldout, "held-out text: a file or a directory of files")
@@ -205,14 +245,20 @@ int main(int argc, char** argv) {
     gpt::GptImpl net(gc);
     std::vector<at::Tensor> params = net.parameters();
     std::unique_ptr<Optimizer> opt;
-    if (a.optimizer == "torch") {
+    std::unique_ptr<HybridRun> hybrid;
+    if (a.optimizer == "hybrid-fp32" || a.optimizer == "hybrid-compact") {
+      hybrid = std::make_unique<HybridRun>(
+          net, a.optimizer == "hybrid-fp32" ? ferry::StateFormat::kFp32 : ferry::StateFormat::kCompact);
+      params.clear();  // the chunks hold the parameters now; nothing else should
+    } else if (a.optimizer == "torch") {
       opt = std::make_unique<TorchAdamW>(params);
     } else if (a.optimizer == "fp32") {
       opt = std::make_unique<Fp32State>(params);
     } else if (a.optimizer == "compact") {
       opt = std::make_unique<CompactState>(params);
     } else {
-      throw ferry::cli::UsageError("--optimizer: expected torch, fp32 or compact, got '" + a.optimizer + "'");
+      throw ferry::cli::UsageError("--optimizer: expected torch, fp32, compact, hybrid-fp32 or hybrid-compact, got '" +
+                                   a.optimizer + "'");
     }
     std::mt19937_64 eval_rng(12345);
     std::vector<std::pair<at::Tensor, at::Tensor>> eval;
@@ -221,22 +267,31 @@ int main(int argc, char** argv) {
     std::ostringstream curve;
     double window = 0, last_heldout = 0;
     const auto t0 = std::chrono::steady_clock::now();
-    curve << "[{\"step\": 0, \"heldout_loss\": " << heldout_loss(net, eval) << "}";
+    curve << "[{\"step\": 0, \"heldout_loss\": " << heldout_loss(net, eval, hybrid.get()) << "}";
     for (int64_t step = 1; step <= a.steps; ++step) {
       const double warm = std::min(1.0, static_cast<double>(step) / std::max<int64_t>(1, a.warmup));
       const double progress = static_cast<double>(std::max<int64_t>(0, step - a.warmup)) /
                               static_cast<double>(std::max<int64_t>(1, a.steps - a.warmup));
       const double lr = a.lr * warm * (0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * progress)));
       auto [x, y] = train.sample(a.batch, a.seq, rng);
-      for (auto& p : params) p.mutable_grad() = at::Tensor();
-      const at::Tensor loss = gpt::GptImpl::loss(net.forward(x), y);
-      loss.backward();
-      torch::nn::utils::clip_grad_norm_(params, 1.0);
-      opt->step(lr);
-      window += loss.item<double>();
+      if (hybrid) {
+        hybrid->adam.set_lr(lr);
+        const at::Tensor loss =
+            hybrid->model.forward([&] { return gpt::GptImpl::loss(net.forward(x), y).to(at::kFloat); });
+        const double value = loss.item<double>();
+        TORCH_CHECK(hybrid->adam.backward_step(loss).applied, "bench_state_quality: a step was not applied");
+        window += value;
+      } else {
+        for (auto& p : params) p.mutable_grad() = at::Tensor();
+        const at::Tensor loss = gpt::GptImpl::loss(net.forward(x), y);
+        loss.backward();
+        torch::nn::utils::clip_grad_norm_(params, 1.0);
+        opt->step(lr);
+        window += loss.item<double>();
+      }
       if (step % a.eval_every == 0 || step == a.steps) {
         const int64_t n = step % a.eval_every == 0 ? a.eval_every : step % a.eval_every;
-        last_heldout = heldout_loss(net, eval);
+        last_heldout = heldout_loss(net, eval, hybrid.get());
         curve << ",\n    {\"step\": " << step << ", \"train_loss\": " << window / n << ", \"heldout_loss\": " << last_heldout
               << "}";
         std::cerr << "bench_state_quality " << a.optimizer << ": step " << step << " train " << window / n << " held-out "
@@ -253,7 +308,8 @@ int main(int argc, char** argv) {
               << ", \"heldout\": \"" << heldout.path() << "\", \"heldout_bytes\": " << heldout.size()
               << ", \"heldout_files\": " << heldout.files() << ",\n  \"steps\": " << a.steps << ", \"batch\": " << a.batch
               << ", \"seq\": " << a.seq << ", \"lr\": " << a.lr << ", \"warmup\": " << a.warmup << ", \"seed\": " << a.seed
-              << ",\n  \"state_bytes_per_param\": " << opt->state_bytes_per_param()
+              << ",\n  \"state_bytes_per_param\": "
+              << (hybrid ? hybrid->state_bytes_per_param(gc.num_params()) : opt->state_bytes_per_param())
               << ", \"final_heldout_loss\": " << last_heldout << ", \"seconds\": " << seconds << ",\n  \"curve\": "
               << curve.str() << "\n}\n";
     return 0;

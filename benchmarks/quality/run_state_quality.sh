@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 48's quality runs: bench_state_quality with torch's AdamW, ferry's fp32 state and ferry's compact
 # state over the same model, batches and schedule, then the curves as one PNG.
-#   benchmarks/quality/run_state_quality.sh [TAG] [bench_state_quality options...]
+#   [OPTIMIZERS="torch fp32 compact"] benchmarks/quality/run_state_quality.sh [TAG] [bench_state_quality options...]
+# OPTIMIZERS: which runs, the first the reference of the summary (hybrid-fp32 and hybrid-compact: through
+# ChunkedModel + HybridAdam).
 # The corpus: the Python standard library's top-level modules on this machine (STDLIB, default
 # /usr/lib/python3.11/*.py), sorted by name; every 10th file is held out (the held-out split), the rest
 # are the training text. Results: benchmarks/results/state_quality-TAG-{torch,fp32,compact}.json and
@@ -23,9 +25,11 @@ done
 echo "[state quality] $(ls "$work/train" | wc -l) training files, $(ls "$work/heldout" | wc -l) held out, from $stdlib" >&2
 commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
 out=$root/benchmarks/results
-for opt in torch fp32 compact; do
+read -ra optimizers <<<"${OPTIMIZERS:-torch fp32 compact}"
+jsons=()
+for opt in "${optimizers[@]}"; do
   "$build/benchmarks/bench_state_quality" --optimizer=$opt --train="$work/train" --heldout="$work/heldout" \
     --commit="$commit" "$@" > "$out/state_quality-$tag-$opt.json"
+  jsons+=("$out/state_quality-$tag-$opt.json")
 done
-python3 "$root/benchmarks/quality/plot_state_quality.py" "$out/state_quality-$tag.png" \
-  "$out/state_quality-$tag-torch.json" "$out/state_quality-$tag-fp32.json" "$out/state_quality-$tag-compact.json"
+python3 "$root/benchmarks/quality/plot_state_quality.py" "$out/state_quality-$tag.png" "${jsons[@]}"
