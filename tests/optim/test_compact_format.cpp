@@ -7,12 +7,14 @@
 //  - the state takes the bytes the format says, by role, and the device accountant counts them;
 //  - a checkpoint of compact state loads back to the same bits; into fp32 state as the decoded values;
 //    fp32 state into compact as the format encodes it;
-//  - it trains like the fp32 state (the losses of 40 steps within a few percent);
+//  - fp16 with loss scaling (an overflow skips the step and backs the scale off) and a layer frozen for
+//    some steps (its state untouched, its step count lagging) within the same bound;
 //  - an fp32 compute copy is refused, naming the precision.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -32,7 +34,10 @@ int64_t compact_budget(int64_t param_chunks, int64_t state_groups) {
 }
 
 HybridAdamOptions compact_split_state(bool accumulate = false) {
-  return split_state(accumulate).with_state_format(StateFormat::kCompact);
+  HybridAdamOptions o = split_state(accumulate).with_state_format(StateFormat::kCompact);
+  o.loss_scaler.initial_scale = 1024;  // fp16: a scale the tiny model's gradients do not overflow at
+  o.loss_scaler.hysteresis = 1;        // back off at the first overflow
+  return o;
 }
 
 struct PreStep {
@@ -50,15 +55,21 @@ PreStep snapshot(HybridAdam& adam, ChunkedModel& model) {
   return s;
 }
 
-TEST(CompactFormat, EveryStepIsTheFp64StepWithinTheFormatsBound) {
+// Every step against the fp64 step from its own decoded state (the bound in the file comment). With
+// `freeze_fc0`, fc0 is frozen for steps 3..5 (its state untouched, its step count lagging, D62); in
+// fp16 the gradients carry the loss scale (the reference divides it out: r.loss_scale) and the compute
+// copy is the master's value in fp16.
+void expect_steps_within_the_bound(Precision precision, bool freeze_fc0) {
   auto [ref, net] = twins(3);
-  ChunkedModel model(net.ptr(), sim_config(compact_budget(2, 2), Precision::kBf16));
+  ChunkedModel model(net.ptr(), sim_config(compact_budget(2, 2), precision));
   HybridAdam adam(model, compact_split_state());
   ASSERT_EQ(adam.state_format(), StateFormat::kCompact);
   ASSERT_EQ(adam.num_state_roles(), 4);
   int64_t evictions = 0, device_chunks = 0, host_chunks = 0;
   for (int step = 0; step < 12; ++step) {
     const std::string when = "step " + std::to_string(step);
+    const bool frozen = freeze_fc0 && step >= 3 && step < 6;
+    for (auto& p : net->fc[0]->parameters()) p.set_requires_grad(!frozen);
     model.backward(forward_loss(model, net, batch(step)));
     const PreStep pre = snapshot(adam, model);
     const StepResult r = adam.step();
@@ -68,6 +79,15 @@ TEST(CompactFormat, EveryStepIsTheFp64StepWithinTheFormatsBound) {
     evictions += model.last_iteration().evictions;
     for (int64_t p = 0; p < model.num_params(); ++p) {
       const std::string what = when + ": " + model.param_name(p);
+      // The compute copy is the master's value (bf16: its bits; fp16: rounded).
+      EXPECT_TRUE(torch::equal(model.param_values(p).to(torch::kFloat),
+                               adam.master(p).to(model.compute_dtype()).to(torch::kFloat)))
+          << what;
+      if (frozen && model.param_name(p).rfind("fc0.", 0) == 0) {  // no gradient: nothing changes
+        EXPECT_TRUE(torch::equal(adam.master(p), pre.master[p])) << what;
+        EXPECT_TRUE(torch::equal(adam.exp_avg_sq(p), pre.exp_avg_sq[p])) << what;
+        continue;
+      }
       const AdamStepFp64 ref64 = adam_step_fp64(pre.master[p], pre.grad[p], pre.exp_avg[p], pre.exp_avg_sq[p],
                                                 adam.group_options(adam.group_of(p)), adam.param_step_count(p),
                                                 r.clip_coef / r.loss_scale);
@@ -76,8 +96,6 @@ TEST(CompactFormat, EveryStepIsTheFp64StepWithinTheFormatsBound) {
       const auto master = adam.master(p).to(torch::kDouble);
       const auto master_tol = std::ldexp(1.0, -7) * ref64.param.abs() + 2 * ref64.param_tol + 1e-30;
       EXPECT_LE(excess(master, ref64.param, master_tol), 1.0) << what << ": master";
-      // The compute copy is the master's bits.
-      EXPECT_TRUE(torch::equal(model.param_values(p).to(torch::kFloat), adam.master(p))) << what;
       // exp_avg: a 3-bit mantissa against its block's max (<= the tensor's max) rounds to nearest.
       const auto m = adam.exp_avg(p).to(torch::kDouble);
       const double m_max = ref64.exp_avg.abs().max().item<double>();
@@ -98,6 +116,52 @@ TEST(CompactFormat, EveryStepIsTheFp64StepWithinTheFormatsBound) {
   EXPECT_GT(device_chunks, 0) << "some state must be updated on the device";
   EXPECT_GT(host_chunks, 0) << "some state must be updated on the host";
   EXPECT_GT(evictions, 10) << "the budget must force evictions (" << model.layout().num_chunks() << " chunks)";
+  if (freeze_fc0) {
+    for (int64_t p = 0; p < model.num_params(); ++p) {
+      const bool fc0 = model.param_name(p).rfind("fc0.", 0) == 0;
+      EXPECT_EQ(adam.param_step_count(p), fc0 ? 9 : 12) << model.param_name(p);
+    }
+  }
+}
+
+TEST(CompactFormat, EveryStepIsTheFp64StepWithinTheFormatsBound) {
+  expect_steps_within_the_bound(Precision::kBf16, /*freeze_fc0=*/false);
+}
+
+TEST(CompactFormat, Fp16WithLossScalingStaysWithinTheBound) {
+  expect_steps_within_the_bound(Precision::kFp16, /*freeze_fc0=*/false);
+}
+
+TEST(CompactFormat, ALayerFrozenForSomeStepsKeepsItsStateAndLagsItsCount) {
+  expect_steps_within_the_bound(Precision::kBf16, /*freeze_fc0=*/true);
+}
+
+// fp16 loss scaling with compact state: an overflow skips the step (state and compute copies as they
+// were) and backs the scale off, wherever the state lives.
+TEST(CompactFormat, AnFp16OverflowSkipsTheStepAndBacksOff) {
+  auto [ref, net] = twins(9);
+  ChunkedModel model(net.ptr(), sim_config(compact_budget(2, 2), Precision::kFp16));
+  HybridAdam adam(model, compact_split_state());
+  train_steps(model, net, adam, 0, 3);
+  const double scale = adam.loss_scale();
+  model.backward(model.forward([&] {
+    const Batch b = batch(3);
+    return lm_loss(net, b.idx, b.target) * std::numeric_limits<float>::infinity();
+  }));
+  const PreStep pre = snapshot(adam, model);
+  const StepResult r = adam.step();
+  EXPECT_FALSE(r.applied);
+  EXPECT_TRUE(r.overflow);
+  EXPECT_EQ(adam.loss_scale(), scale / 2) << "backed off";
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    EXPECT_TRUE(torch::equal(adam.master(p), pre.master[p])) << model.param_name(p);
+    EXPECT_TRUE(torch::equal(adam.exp_avg(p), pre.exp_avg[p])) << model.param_name(p);
+    EXPECT_TRUE(torch::equal(model.param_values(p).to(torch::kFloat),
+                             adam.master(p).to(torch::kHalf).to(torch::kFloat)))
+        << model.param_name(p);
+  }
+  adam.zero_grad();
+  train_steps(model, net, adam, 4, 2);
 }
 
 TEST(CompactFormat, TheStateTakesTheFormatsBytesByRole) {
