@@ -3,7 +3,7 @@
 # state over the same model, batches and schedule, then the curves as one PNG.
 #   [OPTIMIZERS="torch fp32 compact"] benchmarks/quality/run_state_quality.sh [TAG] [bench_state_quality options...]
 # OPTIMIZERS: which runs, the first the reference of the summary (hybrid-fp32 and hybrid-compact: through
-# ChunkedModel + HybridAdam).
+# ChunkedModel + HybridAdam). PYTHON: an interpreter with matplotlib for the PNG (default python3).
 # The corpus: the Python standard library's top-level modules on this machine (STDLIB, default
 # /usr/lib/python3.11/*.py), sorted by name; every 10th file is held out (the held-out split), the rest
 # are the training text. Results: benchmarks/results/state_quality-TAG-{torch,fp32,compact}.json and
@@ -32,4 +32,4 @@ for opt in "${optimizers[@]}"; do
     --commit="$commit" "$@" > "$out/state_quality-$tag-$opt.json"
   jsons+=("$out/state_quality-$tag-$opt.json")
 done
-python3 "$root/benchmarks/quality/plot_state_quality.py" "$out/state_quality-$tag.png" "${jsons[@]}"
+"${PYTHON:-python3}" "$root/benchmarks/quality/plot_state_quality.py" "$out/state_quality-$tag.png" "${jsons[@]}"
