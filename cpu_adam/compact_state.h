@@ -77,7 +77,8 @@ struct CompactAdamSpan {
 
 // The state of a span as fp32 (any output may be null) and back (the master rounded to nearest; the
 // scales the blocks' maxima; any input may be null: that role, and its scales, are left as they are):
-// checkpoint conversion, state views, tests. Arrays of span.numel elements. Decoding and encoding
+// checkpoint conversion, state views, tests. Arrays of span.numel elements; the span needs only the
+// arrays of the roles converted (a null one of those fails, naming it). Decoding and encoding
 // again gives the same bits (the block's largest |m| and u are exact; sqrt(u * u) == u in fp32).
 void compact_to_fp32(const CompactAdamSpan& span, float* master, float* exp_avg, float* exp_avg_sq);
 void compact_from_fp32(const CompactAdamSpan& span, const float* master, const float* exp_avg,

@@ -37,21 +37,16 @@ StatePlacement::StatePlacement(std::shared_ptr<StateChunks> state) : state_(std:
 HostState StatePlacement::host_state(int64_t chunk, bool held, bool moments, const ChunkLayout& layout) {
   HostState s;
   TORCH_INTERNAL_ASSERT(held || !moments, "host Adam job for chunk ", chunk, ", not owned here");
+  if (held) s.master_tensor = state_->payload(kMasterRole, chunk);
   if (!compact()) {
-    if (held) {
-      s.master_tensor = state_->payload(kMasterRole, chunk);
-      s.master = s.master_tensor.data_ptr<float>();
-    }
+    if (held) s.master = s.master_tensor.data_ptr<float>();
     if (moments) {
       s.exp_avg = state_->payload(kExpAvgRole, chunk).data_ptr<float>();
       s.exp_avg_sq = state_->payload(kExpAvgSqRole, chunk).data_ptr<float>();
     }
     return s;
   }
-  if (held) {
-    s.master_tensor = state_->payload(kMasterRole, chunk);
-    s.master16 = reinterpret_cast<uint16_t*>(s.master_tensor.data_ptr());
-  }
+  if (held) s.master16 = reinterpret_cast<uint16_t*>(s.master_tensor.data_ptr());
   if (!moments) return s;
   s.exp_avg8 = state_->payload(kExpAvgRole, chunk).data_ptr<uint8_t>();
   s.exp_avg_sq8 = state_->payload(kExpAvgSqRole, chunk).data_ptr<uint8_t>();
@@ -61,10 +56,11 @@ HostState StatePlacement::host_state(int64_t chunk, bool held, bool moments, con
     const Slot& slot = layout.slots()[p];
     if (slot.numel == 0) continue;
     float* mine = scales + state_->store().tensor_info(state_->tensor(sr, p)).offset;
+    // Packing order is offset order (ChunkLayout::pack), which adam_spans walks the pieces in.
+    TORCH_INTERNAL_ASSERT(s.pieces.empty() || s.pieces.back().begin < slot.offset, "tensors of chunk ", chunk,
+                          " out of offset order");
     s.pieces.push_back({slot.offset, slot.numel, mine, mine + compact_blocks(slot.numel)});
   }
-  std::sort(s.pieces.begin(), s.pieces.end(),
-            [](const CompactPiece& a, const CompactPiece& b) { return a.begin < b.begin; });
   s.element_base = static_cast<uint64_t>(chunk) * static_cast<uint64_t>(layout.options().chunk_numel);
   return s;
 }

@@ -62,8 +62,8 @@ class StatePlacement {
   // held, the moments (and in the compact format their scales) with `moments`.
   HostState host_state(int64_t chunk, bool held, bool moments, const ChunkLayout& layout);
   // The compact format (the master role is bf16), and its scales role.
-  bool compact() const { return state_->spec(kMasterRole).dtype == at::kBFloat16; }
-  int scales_role() const { return state_->num_roles() - 1; }
+  bool compact() const { return is_compact(*state_); }
+  int scales_role() const { return optim::scales_role(*state_); }
 
   // The model's layout (version `layout_version`, `num_chunks` layout chunks) is the state's now: every
   // group on the host's books, placement to be decided again (the old state store's device bytes left

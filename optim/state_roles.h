@@ -11,8 +11,10 @@ namespace ferry::optim {
 
 enum StateRole : int { kMasterRole = 0, kExpAvgRole, kExpAvgSqRole, kGradRole };
 
-// The compact format's scales role: after the last of the others (3, or 4 with accumulation).
-inline int scales_role(bool accumulate_grads) { return accumulate_grads ? kGradRole + 1 : kGradRole; }
+// Whether `state` has the compact format's roles (its master is bf16), and their scales role: the
+// last (3, or 4 with accumulation).
+inline bool is_compact(const StateChunks& state) { return state.spec(kMasterRole).dtype == at::kBFloat16; }
+inline int scales_role(const StateChunks& state) { return state.num_roles() - 1; }
 
 // The roles of a state group: fp32 master (initialised from the parameters) and moments (zero), or the
 // compact format's bf16 master and uint8 moment codes with their fp32 scales (two per block of each

@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "../chunk/state_chunks.h"
+#include "state_roles.h"
 
 namespace ferry::optim {
 
@@ -25,7 +26,7 @@ class StateValues {
   explicit StateValues(StateChunks& state);
 
   StateChunks& state() { return state_; }
-  bool compact() const { return compact_; }
+  bool compact() const { return is_compact(state_); }
   // Role `role` (kMasterRole, kExpAvgRole, kExpAvgSqRole, kGradRole: not the scales) of parameter
   // `param` as an fp32 CPU tensor of the parameter's shape.
   at::Tensor read(int role, int64_t param);
@@ -34,7 +35,6 @@ class StateValues {
 
  private:
   StateChunks& state_;
-  const bool compact_;
 };
 
 }  // namespace ferry::optim

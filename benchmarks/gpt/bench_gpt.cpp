@@ -61,7 +61,8 @@ struct Args {
   bool checkpoint = false, baseline = true, find_max = false, init_scope = false, unpipelined = false;
   bool sync_update = false;  // HybridAdamOptions::update_behind_forward off
   bool joint_placement = false;  // HybridAdamOptions::plan_state_with_activations
-  std::string state_format = "fp32";  // HybridAdamOptions::state_format
+  std::string state_format = "fp32";  // --state-format, parsed into `format` once
+  ferry::StateFormat format = ferry::StateFormat::kFp32;  // HybridAdamOptions::state_format
   bool replicate_params = false, keep_gathered = false;  // world size > 1: Note [Sharded parameters] off / no reshard
   int64_t reshard_gap = 16;
   double max_grad_norm = 0;  // global-norm clipping (ferry and the baseline); 0: none
@@ -111,7 +112,7 @@ class StepProfile {
 // 2, master and moments 12 read and 12 written, the new value 2); compact 12.06 (the grad 2, master 2 +
 // 2, codes 2 + 2, the new value 2, two fp32 scales per 256 read and written).
 double host_adam_bytes_per_param(const Args& a) {
-  return a.state_format == "compact" ? 12.0 + 16.0 / 256.0 : 28.0;
+  return a.format == ferry::StateFormat::kCompact ? 12.0 + 16.0 / 256.0 : 28.0;
 }
 
 bool behind_forward_option(const Args& a, int world) { return !a.sync_update && (world == 1 || !a.replicate_params); }
@@ -283,7 +284,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   adam_options.shard_params = !a.replicate_params;
   adam_options.update_behind_forward = !a.sync_update;
   adam_options.plan_state_with_activations = a.joint_placement;
-  adam_options.state_format = ferry::state_format_from_string(a.state_format);
+  adam_options.state_format = a.format;
   ferry::HybridAdam adam(model, adam_options);
   const c10::Device device = model.store().device();
   std::mt19937_64 rng(7 + config.rank);  // each rank its own batches
@@ -722,9 +723,7 @@ int run(int argc, char** argv) {
       .add("profile-ferry", &a.profile_ferry, "the same for ferry's step (profile_compare.py compares it with the "
            "baseline's: --unpipelined gives both the same three phases; FILE-rankR.json per rank)");
   options.parse(rest);
-  if (a.state_format != "fp32" && a.state_format != "compact") {
-    throw ferry::cli::UsageError("--state-format must be fp32 or compact, got '" + a.state_format + "'");
-  }
+  a.format = ferry::state_format_from_string(a.state_format);  // fails naming what was given
   if (a.batch % a.micro_batches != 0) {
     throw ferry::cli::UsageError("--batch (" + std::to_string(a.batch) + ") must be a multiple of --micro-batches (" +
                                  std::to_string(a.micro_batches) + ")");
@@ -759,7 +758,7 @@ int run(int argc, char** argv) {
       << ", \"steps\": " << a.steps << ", \"checkpoint_activations\": " << (a.checkpoint ? "true" : "false")
       << ", \"activations\": \"" << ferry::to_string(config.activations) << "\""
       << ", \"joint_placement\": " << (a.joint_placement ? "true" : "false")
-      << ", \"state_format\": \"" << a.state_format << "\""
+      << ", \"state_format\": \"" << ferry::to_string(a.format) << "\""
       << ", \"trace\": \"" << a.trace << "\", \"step\": \"" << (a.unpipelined ? "unpipelined" : "pipelined")
       << "\", \"max_grad_norm\": " << a.max_grad_norm << ", \"micro_batches\": " << a.micro_batches
       << ", \"update_behind_forward\": " << (behind_forward_option(a, world) ? "true" : "false")

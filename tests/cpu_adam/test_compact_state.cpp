@@ -337,6 +337,25 @@ TEST(CompactState, NonFiniteGradsAndBadSpansAreRefused) {
   EXPECT_NE(error_of([&] { fresh.update(0, c.span()); }).find("before advance_step()"), std::string::npos);
 }
 
+// The fp32 conversions need only the arrays of the roles they convert: one moment with its codes and
+// scales alone (as HybridAdam's state views read it), and a null array of a converted role is refused.
+TEST(CompactState, AConversionNeedsOnlyTheArraysOfItsRoles) {
+  Compact c(300, at::kFloat, at::ScalarType::Undefined);
+  c.fill(5);
+  std::vector<float> full_m(300), full_v(300), only(300);
+  compact_to_fp32(c.span(), nullptr, full_m.data(), full_v.data());
+  CompactAdamSpan m_only = c.span();
+  m_only.master = nullptr;
+  m_only.exp_avg_sq = nullptr;
+  m_only.exp_avg_sq_scale = nullptr;
+  compact_to_fp32(m_only, nullptr, only.data(), nullptr);
+  EXPECT_EQ(only, full_m);
+  EXPECT_NE(error_of([&] { compact_to_fp32(m_only, nullptr, nullptr, only.data()); }).find("null array"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { compact_from_fp32(m_only, full_m.data(), nullptr, nullptr); }).find("null array"),
+            std::string::npos);
+}
+
 // The format's bits, pinned: 20 steps of every kernel over state drawn without libm or <random> (whose
 // outputs may differ between standard libraries), one FNV-1a hash of everything the update writes. A
 // change to a kernel that changes a bit (faster code must give the same bits: checkpoints in this
