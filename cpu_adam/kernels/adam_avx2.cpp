@@ -12,6 +12,7 @@ namespace {
 struct Avx2Ops {
   using F = __m256;
   static constexpr int W = 8;
+  using Pairs = ConsecutivePairs<Avx2Ops>;
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
   static F set1(float x) { return _mm256_set1_ps(x); }
@@ -58,6 +59,10 @@ struct Avx2Ops {
   static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
   static I srli(I a, int n) { return _mm256_srli_epi32(a, n); }
   static I slli(I a, int n) { return _mm256_slli_epi32(a, n); }
+  static I srai(I a, int n) { return _mm256_srai_epi32(a, n); }
+  static I and_or(I a, I mask, I bits) { return _mm256_or_si256(_mm256_and_si256(a, mask), bits); }
+  static I blend_bits(I mask, I a, I b) { return _mm256_or_si256(_mm256_and_si256(a, mask), _mm256_andnot_si256(mask, b)); }
+  static M testz_i(I a, I mask) { return _mm256_cmpeq_epi32(_mm256_and_si256(a, mask), _mm256_setzero_si256()); }
   static I max_i(I a, I b) { return _mm256_max_epi32(a, b); }
   static F to_float(I a) { return _mm256_cvtepi32_ps(a); }
   static M lt_i(I a, I b) { return _mm256_cmpgt_epi32(b, a); }

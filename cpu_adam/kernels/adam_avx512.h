@@ -12,9 +12,12 @@ namespace {
 #include "adam_body.h"
 #include "compact_body.h"
 
+struct Avx512Pairs;
+
 struct Avx512Ops {
   using F = __m512;
   static constexpr int W = 16;
+  using Pairs = Avx512Pairs;
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   static F set1(float x) { return _mm512_set1_ps(x); }
@@ -62,6 +65,10 @@ struct Avx512Ops {
   static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
   static I srli(I a, int n) { return _mm512_srli_epi32(a, static_cast<unsigned>(n)); }
   static I slli(I a, int n) { return _mm512_slli_epi32(a, static_cast<unsigned>(n)); }
+  static I srai(I a, int n) { return _mm512_srai_epi32(a, static_cast<unsigned>(n)); }
+  static I and_or(I a, I mask, I bits) { return _mm512_ternarylogic_epi32(a, mask, bits, 0xEA); }  // a & mask | bits
+  static I blend_bits(I mask, I a, I b) { return _mm512_ternarylogic_epi32(mask, a, b, 0xCA); }  // mask ? a : b, bitwise
+  static M testz_i(I a, I mask) { return _mm512_testn_epi32_mask(a, mask); }
   static I max_i(I a, I b) { return _mm512_max_epi32(a, b); }
   static F to_float(I a) { return _mm512_cvtepi32_ps(a); }
   static M lt_i(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
@@ -76,6 +83,68 @@ struct Avx512Ops {
   static void store_u8(uint8_t* p, I v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v)); }
   static I load_u16(const uint16_t* p) { return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static void store_u16(uint16_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(v)); }
+};
+
+// A pair of vectors is 32 consecutive elements, the even ones in `a`, the odd ones in `b`: a 16-bit
+// element pair is one 32-bit lane, so bf16 widens with a shift (even) or a mask (odd) and narrows with
+// one ternary-logic op per two vectors, and 8-bit codes widen to 16 bits with one shuffle per two
+// vectors, where the per-vector loads and stores take a shuffle (2 uops on many cores) each.
+struct Avx512Pairs {
+  using F = __m512;
+  using I = __m512i;
+  static I load(const void* p) { return _mm512_loadu_si512(p); }
+  static I top16() { return _mm512_set1_epi32(static_cast<int>(0xffff0000u)); }
+  static void iota(I& a, I& b) {
+    a = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    b = _mm512_add_epi32(a, _mm512_set1_epi32(1));
+  }
+  static void load_bf16(const uint16_t* p, F& a, F& b) {
+    const I x = load(p);
+    a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    b = _mm512_castsi512_ps(_mm512_and_si512(x, top16()));
+  }
+  template <GradType G>
+  static void load_grad(const void* base, int64_t i, F& a, F& b) {
+    if constexpr (G == GradType::kBf16) {
+      load_bf16(static_cast<const uint16_t*>(base) + i, a, b);
+    } else if constexpr (G == GradType::kF16) {
+      const I x = load(static_cast<const uint16_t*>(base) + i);
+      a = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
+      b = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
+    } else {
+      const float* p = static_cast<const float*>(base) + i;
+      const F lo = _mm512_loadu_ps(p), hi = _mm512_loadu_ps(p + 16);
+      I even, odd;
+      iota(even, odd);
+      a = _mm512_permutex2var_ps(lo, even, hi);
+      b = _mm512_permutex2var_ps(lo, odd, hi);
+    }
+  }
+  // Placed as CompactCodes wants them: the 32 codes widened to 16 bits (m sign-extended), each code
+  // shifted to bit 20 (m) or 19 (u) of its lane, the odd element's from the lane's high half.
+  static void load_m_codes(const uint8_t* p, I& a, I& b) {
+    const I x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    a = _mm512_slli_epi32(x, 20);
+    b = _mm512_slli_epi32(x, 4);
+  }
+  static void load_u_codes(const uint8_t* p, I& a, I& b) {
+    const I x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    a = _mm512_slli_epi32(x, 19);
+    b = _mm512_slli_epi32(x, 3);
+  }
+  static void store_hi16(uint16_t* p, I a, I b) {
+    _mm512_storeu_si512(p, Avx512Ops::blend_bits(top16(), b, _mm512_srli_epi32(a, 16)));
+  }
+  static void store_f16(uint16_t* p, F a, F b) {
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const I ha = _mm512_cvtepu16_epi32(_mm512_cvtps_ph(a, kRound));
+    const I hb = _mm512_cvtepu16_epi32(_mm512_cvtps_ph(b, kRound));
+    _mm512_storeu_si512(p, _mm512_or_si512(ha, _mm512_slli_epi32(hb, 16)));
+  }
+  static void store_codes(uint8_t* p, I a, I b) {
+    const I words = Avx512Ops::blend_bits(_mm512_set1_epi32(0xffff), a, _mm512_slli_epi32(b, 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi16_epi8(words));
+  }
 };
 
 }  // namespace

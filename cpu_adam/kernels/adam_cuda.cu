@@ -52,6 +52,10 @@ struct CudaOps {
   __device__ static I or_i(I a, I b) { return a | b; }
   __device__ static I srli(I a, int n) { return a >> n; }
   __device__ static I slli(I a, int n) { return a << n; }
+  __device__ static I srai(I a, int n) { return static_cast<I>(static_cast<int32_t>(a) >> n); }
+  __device__ static I and_or(I a, I mask, I bits) { return (a & mask) | bits; }
+  __device__ static I blend_bits(I mask, I a, I b) { return (a & mask) | (b & ~mask); }
+  __device__ static M testz_i(I a, I mask) { return (a & mask) == 0; }
   __device__ static I max_i(I a, I b) { return static_cast<int32_t>(a) > static_cast<int32_t>(b) ? a : b; }
   __device__ static F to_float(I a) { return __int2float_rn(static_cast<int32_t>(a)); }
   __device__ static M lt_i(I a, I b) { return static_cast<int32_t>(a) < static_cast<int32_t>(b); }
@@ -59,6 +63,7 @@ struct CudaOps {
   __device__ static I select_i(M m, I if_true, I if_false) { return m ? if_true : if_false; }
   __device__ static bool any(M m) { return m; }
   __device__ static F add(F a, F b) { return __fadd_rn(a, b); }
+  __device__ static F abs(F a) { return bits_f32(f32_bits(a) & 0x7fffffffu); }
 };
 
 constexpr int kThreads = 256;
@@ -147,9 +152,9 @@ __global__ void __launch_bounds__(kCompactThreads)
     }
     const uint32_t index = a.element_offset + static_cast<uint32_t>(i) + a.rounding_seed;
     const typename Loop::Updated e =
-        Loop::element(c, live ? load_grad<CudaOps, G>(a.grad, i) : 0.0f, live ? a.master[i] : 0u,
-                      live ? a.exp_avg[i] : 0u, live ? a.exp_avg_sq[i] : 0u, a.exp_avg_scale[b],
-                      a.exp_avg_sq_scale[b], index * Codes::kGolden);
+        Loop::element(c, live ? load_grad<CudaOps, G>(a.grad, i) : 0.0f, live ? bf16_to_f32(a.master[i]) : 0.0f,
+                      Codes::place_m(live ? a.exp_avg[i] : 0u), Codes::place_u(live ? a.exp_avg_sq[i] : 0u),
+                      a.exp_avg_scale[b], a.exp_avg_sq_scale[b], index * Codes::kGolden);
     max_m[t] = live ? __int_as_float(__float_as_int(e.m) & 0x7fffffff) : 0.0f;
     max_u[t] = live ? e.u : 0.0f;
     __syncthreads();
@@ -163,11 +168,12 @@ __global__ void __launch_bounds__(kCompactThreads)
     const float sm = max_m[0], su = max_u[0];
     const float inv_m = sm > 0.0f ? __fdiv_rn(1.0f, sm) : 0.0f, inv_u = su > 0.0f ? __fdiv_rn(1.0f, su) : 0.0f;
     if (live) {
-      a.master[i] = static_cast<uint16_t>(e.master);
+      const uint16_t master = static_cast<uint16_t>(e.master >> 16);
+      a.master[i] = master;
       if constexpr (L == LowpType::kBf16) {
-        static_cast<uint16_t*>(a.param_lowp)[i] = static_cast<uint16_t>(e.master);
+        static_cast<uint16_t*>(a.param_lowp)[i] = master;
       } else if constexpr (L == LowpType::kF16) {
-        static_cast<uint16_t*>(a.param_lowp)[i] = f32_to_f16(bits_f32(e.master << 16));
+        static_cast<uint16_t*>(a.param_lowp)[i] = f32_to_f16(bf16_to_f32(master));
       }
       a.exp_avg[i] = static_cast<uint8_t>(Codes::encode_m(__fmul_rn(e.m, inv_m)));
       a.exp_avg_sq[i] = static_cast<uint8_t>(Codes::encode_u(__fmul_rn(e.u, inv_u), e.u));

@@ -13,6 +13,7 @@ namespace {
 struct ScalarOps {
   using F = float;
   static constexpr int W = 1;
+  using Pairs = ConsecutivePairs<ScalarOps>;
   static F load(const float* p) { return *p; }
   static void store(float* p, F v) { *p = v; }
   static F set1(float x) { return x; }
@@ -40,6 +41,10 @@ struct ScalarOps {
   static I mullo(I a, I b) { return a * b; }
   static I srli(I a, int n) { return a >> n; }
   static I slli(I a, int n) { return a << n; }
+  static I srai(I a, int n) { return static_cast<I>(static_cast<int32_t>(a) >> n); }  // arithmetic (C++20, and GCC/Clang before)
+  static I and_or(I a, I mask, I bits) { return (a & mask) | bits; }
+  static I blend_bits(I mask, I a, I b) { return (a & mask) | (b & ~mask); }
+  static M testz_i(I a, I mask) { return (a & mask) == 0; }
   static I max_i(I a, I b) { return static_cast<int32_t>(a) > static_cast<int32_t>(b) ? a : b; }
   static F to_float(I a) { return static_cast<float>(static_cast<int32_t>(a)); }
   static M lt_i(I a, I b) { return static_cast<int32_t>(a) < static_cast<int32_t>(b); }
@@ -63,9 +68,9 @@ void compact_decode(const CompactStateView& s, int64_t n, float* master, float* 
   for (int64_t i = 0; i < n; ++i) {
     const int64_t block = i / kCompactBlock;
     if (master) master[i] = bf16_to_f32(s.master[i]);
-    if (exp_avg) exp_avg[i] = Codes::decode_m(s.exp_avg[i]) * s.exp_avg_scale[block];
+    if (exp_avg) exp_avg[i] = Codes::decode_m(Codes::place_m(s.exp_avg[i])) * s.exp_avg_scale[block];
     if (exp_avg_sq) {
-      const float u = Codes::decode_u(s.exp_avg_sq[i]) * s.exp_avg_sq_scale[block];
+      const float u = Codes::decode_u(Codes::place_u(s.exp_avg_sq[i])) * s.exp_avg_sq_scale[block];
       exp_avg_sq[i] = u * u;
     }
   }

@@ -23,8 +23,16 @@
 // normal binade [1, 2) holds only 1.0), codes 1..7 subnormal steps of 2^-17, 0 zero. u: 8 bits, an
 // E4M4 float of u / s_u with 1.0 at code 240, codes 1..15 subnormal steps of 2^-18; a u > 0 never
 // gets code 0 (its v would decode as 0 and the next update divide by eps alone).
+//
+// Codes enter the update "placed" in their 32-bit lane where decoding wants them, so that a normal code
+// decodes in one and-or: an m code as the int8 it is, sign-extended, in bits 20..31; a u code in bits
+// 19..26, zeros above. The bits below are don't-care: a vector kernel places two vectors' codes with one
+// shift each from one widening load (Pairs below), the other's code left below. The (exponent, 3 or 4
+// mantissa bits) of a normal code then sit where fp32 keeps them, and the exponent's rebase, +112, sets
+// bits 27..29 the code's exponent (< 16) leaves clear: an or, not an add.
 constexpr uint32_t kMBias = 896;    // (127 - 15) << 3: fp32 exponent/mantissa bits >> 20, rebased
 constexpr uint32_t kUBias = 1792;   // (127 - 15) << 4: >> 19
+constexpr uint32_t kRebase = 0x38000000u;  // kMBias << 20 == kUBias << 19: the exponent's +112
 constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: x + it - it rounds x in [0, 2^22) to an integer
 constexpr uint32_t kRoundMagicBits = 0x4B400000u;
 
@@ -34,42 +42,54 @@ struct CompactCodes {
   using I = typename Ops::I;
   using M = typename Ops::M;
 
+  // One code (0..255, zero-extended in its lane) placed.
+  FERRY_HD static I place_m(I code) { return Ops::srai(Ops::slli(code, 24), 4); }
+  FERRY_HD static I place_u(I code) { return Ops::slli(code, 19); }
+
   // Each code takes the same operations in every ISA; a vector with no subnormal code (almost all, past
   // the first step) skips computing that path, which changes no bit.
-  FERRY_HD static F decode_m(I code) {
-    const I mag = Ops::and_i(code, Ops::set1_i(127u));
-    I value = Ops::slli(Ops::add_i(mag, Ops::set1_i(kMBias)), 20);
-    const M small = Ops::lt_i(mag, Ops::set1_i(8u));
-    if (Ops::any(small)) value = Ops::select_i(small, Ops::bits(Ops::mul(Ops::to_float(mag), Ops::set1(0x1p-17f))), value);
-    return Ops::from_bits(Ops::or_i(value, Ops::slli(Ops::and_i(code, Ops::set1_i(128u)), 24)));
+  FERRY_HD static F decode_m(I placed) {
+    I value = Ops::and_or(placed, Ops::set1_i(0x87F00000u), Ops::set1_i(kRebase));
+    const M small = Ops::testz_i(placed, Ops::set1_i(0x07800000u));  // exponent 0: mag < 8
+    if (Ops::any(small)) {
+      const I mag = Ops::and_i(Ops::srli(placed, 20), Ops::set1_i(127u));
+      const I sub = Ops::bits(Ops::mul(Ops::to_float(mag), Ops::set1(0x1p-17f)));
+      value = Ops::select_i(small, Ops::and_or(placed, Ops::set1_i(0x80000000u), sub), value);
+    }
+    return Ops::from_bits(value);
   }
-  // y = m / s_m, |y| <= 1 (+ an ulp).
+  // y = m / s_m, |y| <= 1 (+ an ulp). (|y|'s bits + 0x7ffff + their bit 20) >> 20 rounds to the nearest
+  // 3-bit mantissa, ties to even; the rebase is subtracted before the shift (exact: a multiple of 2^20,
+  // and every normal-coded |y| >= 2^-14 is above it), and y's sign rides along to bit 11, from where
+  // only the code's 7 magnitude bits are kept: the sign comes from bit 31 (>> 24: bit 7).
   FERRY_HD static I encode_m(F y) {
     const I yb = Ops::bits(y);
-    const I sign = Ops::and_i(Ops::srli(yb, 24), Ops::set1_i(128u));
-    const I a = Ops::and_i(yb, Ops::set1_i(0x7fffffffu));
-    const I rounded = Ops::add_i(Ops::add_i(a, Ops::set1_i(0x7ffffu)), Ops::and_i(Ops::srli(a, 20), Ops::set1_i(1u)));
-    I mag = Ops::sub_i(Ops::srli(rounded, 20), Ops::set1_i(kMBias));
-    const F af = Ops::from_bits(a);
+    const I lsb = Ops::and_i(Ops::srli(yb, 20), Ops::set1_i(1u));
+    const I t = Ops::srli(Ops::add_i(Ops::add_i(yb, Ops::set1_i(0x7ffffu - kRebase)), lsb), 20);
+    I code = Ops::blend_bits(Ops::set1_i(127u), t, Ops::srli(yb, 24));
+    const F af = Ops::abs(y);
     const M small = Ops::lt_f(af, Ops::set1(0x1p-14f));
     if (Ops::any(small)) {
       const I sub = Ops::sub_i(Ops::bits(Ops::add(Ops::mul(af, Ops::set1(0x1p17f)), Ops::set1(kRoundMagic))),
                                Ops::set1_i(kRoundMagicBits));
-      mag = Ops::select_i(small, sub, mag);
+      code = Ops::select_i(small, Ops::or_i(sub, Ops::and_i(Ops::srli(yb, 24), Ops::set1_i(128u))), code);
     }
-    return Ops::or_i(mag, sign);
+    return code;
   }
-  FERRY_HD static F decode_u(I code) {
-    I value = Ops::slli(Ops::add_i(code, Ops::set1_i(kUBias)), 19);
-    const M small = Ops::lt_i(code, Ops::set1_i(16u));
-    if (Ops::any(small)) value = Ops::select_i(small, Ops::bits(Ops::mul(Ops::to_float(code), Ops::set1(0x1p-18f))), value);
+  FERRY_HD static F decode_u(I placed) {
+    I value = Ops::and_or(placed, Ops::set1_i(0x07F80000u), Ops::set1_i(kRebase));
+    const M small = Ops::testz_i(placed, Ops::set1_i(0x07800000u));  // exponent 0: code < 16
+    if (Ops::any(small)) {
+      const I code = Ops::and_i(Ops::srli(placed, 19), Ops::set1_i(255u));
+      value = Ops::select_i(small, Ops::bits(Ops::mul(Ops::to_float(code), Ops::set1(0x1p-18f))), value);
+    }
     return Ops::from_bits(value);
   }
-  // y = u / s_u in [0, 1] (+ an ulp); `u` itself decides whether code 0 is allowed.
+  // y = u / s_u in [0, 1] (+ an ulp); `u` itself decides whether code 0 is allowed. Rounded as encode_m.
   FERRY_HD static I encode_u(F y, F u) {
     const I a = Ops::bits(y);
-    const I rounded = Ops::add_i(Ops::add_i(a, Ops::set1_i(0x3ffffu)), Ops::and_i(Ops::srli(a, 19), Ops::set1_i(1u)));
-    I code = Ops::sub_i(Ops::srli(rounded, 19), Ops::set1_i(kUBias));
+    const I lsb = Ops::and_i(Ops::srli(a, 19), Ops::set1_i(1u));
+    I code = Ops::srli(Ops::add_i(Ops::add_i(a, Ops::set1_i(0x3ffffu - kRebase)), lsb), 19);
     const M small = Ops::lt_f(y, Ops::set1(0x1p-14f));
     if (!Ops::any(small)) return code;  // every u >= 2^-14 s_u > 0: no code is 0
     const I sub = Ops::sub_i(Ops::bits(Ops::add(Ops::mul(y, Ops::set1(0x1p18f)), Ops::set1(kRoundMagic))),
@@ -84,11 +104,58 @@ struct CompactCodes {
   // the golden ratio, a Weyl sequence: over consecutive elements equidistributed (each 1/65536 of the
   // unit interval visited in turn, better spread than independent draws), and for one element shifted
   // by the step's seed (a hash of the step count) from step to step. `weyl` is (index + seed) times the
-  // ratio, mod 2^32: the caller steps it by W times the ratio per vector (the same bits as a multiply
-  // per element, for one add).
+  // ratio, mod 2^32: the caller steps it by the elements it advances times the ratio (the same bits as
+  // a multiply per element, for one add). The bf16 is the result's top 16 bits (the low 16: don't-care).
   static constexpr uint32_t kGolden = 0x9e3779b1u;
-  FERRY_HD static I round_bf16(F p, I weyl) {
-    return Ops::srli(Ops::add_i(Ops::bits(p), Ops::srli(weyl, 16)), 16);
+  FERRY_HD static I round_bf16_hi(F p, I weyl) { return Ops::add_i(Ops::bits(p), Ops::srli(weyl, 16)); }
+};
+
+// The loads and stores of two vectors of a block at once (a pair: 2W elements, into or out of `a` and
+// `b`), for Ops whose pairs are simply the next W elements and the W after (the scalar and AVX2
+// kernels). A kernel that can do better with another layout (AVX-512: even and odd elements, widened
+// and narrowed by shifts, not shuffles) declares its own `Pairs` with these members; the update and the
+// codes' bits do not depend on the layout.
+template <class Ops>
+struct ConsecutivePairs {
+  using F = typename Ops::F;
+  using I = typename Ops::I;
+  using Codes = CompactCodes<Ops>;
+  static constexpr int W = Ops::W;
+  // Each lane's element, counted from the pair's first.
+  static void iota(I& a, I& b) {
+    a = Ops::iota_i();
+    b = Ops::add_i(a, Ops::set1_i(W));
+  }
+  template <ferry::cpu_adam::GradType G>
+  static void load_grad(const void* base, int64_t i, F& a, F& b) {
+    a = ferry::cpu_adam::load_grad<Ops, G>(base, i);
+    b = ferry::cpu_adam::load_grad<Ops, G>(base, i + W);
+  }
+  static void load_bf16(const uint16_t* p, F& a, F& b) {
+    a = Ops::load_bf16(p);
+    b = Ops::load_bf16(p + W);
+  }
+  static void load_m_codes(const uint8_t* p, I& a, I& b) {
+    a = Codes::place_m(Ops::load_u8(p));
+    b = Codes::place_m(Ops::load_u8(p + W));
+  }
+  static void load_u_codes(const uint8_t* p, I& a, I& b) {
+    a = Codes::place_u(Ops::load_u8(p));
+    b = Codes::place_u(Ops::load_u8(p + W));
+  }
+  // The top 16 bits of each lane.
+  static void store_hi16(uint16_t* p, I a, I b) {
+    Ops::store_u16(p, Ops::srli(a, 16));
+    Ops::store_u16(p + W, Ops::srli(b, 16));
+  }
+  static void store_f16(uint16_t* p, F a, F b) {
+    Ops::store_f16(p, a);
+    Ops::store_f16(p + W, b);
+  }
+  // Codes in 0..255.
+  static void store_codes(uint8_t* p, I a, I b) {
+    Ops::store_u8(p, a);
+    Ops::store_u8(p + W, b);
   }
 };
 
@@ -100,20 +167,18 @@ struct CompactLoop {
   using Consts = typename AdamLoop<Ops, G, L, kDecoupled, kDecay>::Consts;
   static constexpr int W = Ops::W;
   static constexpr int64_t B = ferry::cpu_adam::kCompactBlock;
-  static_assert(B % W == 0, "a block is whole vectors");
+  static_assert(B % (2 * W) == 0, "a block is whole pairs of vectors");
 
-  // One element's (one vector's) update from its loaded values (the grad widened, the master's bf16
-  // bits, the two codes) and its block's old scales: the new master bits and the new m and u = sqrt(v),
-  // before the block's new scales encode them. The CPU loop below and the CUDA kernel (adam_cuda.cu)
-  // both run it: the same operations, so the same bits.
+  // One element's (one vector's) update from its loaded values (the grad and the master widened, the
+  // two codes placed) and its block's old scales: the new master (round_bf16_hi) and the new m and
+  // u = sqrt(v), before the block's new scales encode them. The CPU loop below and the CUDA kernel
+  // (adam_cuda.cu) both run it: the same operations, so the same bits.
   struct Updated {
     I master;
     F m, u;
   };
-  FERRY_HD static Updated element(const Consts& c, F grad, I master_bits, I m_code, I u_code, F s_m, F s_u,
-                                  I weyl) {
+  FERRY_HD static Updated element(const Consts& c, F grad, F p, I m_code, I u_code, F s_m, F s_u, I weyl) {
     F g = Ops::mul(grad, c.grad_scale);
-    F p = Ops::from_bits(Ops::slli(master_bits, 16));
     if constexpr (kDecay && !kDecoupled) g = Ops::fma(c.weight_decay, p, g);
     if constexpr (kDecay && kDecoupled) p = Ops::mul(p, c.decay_factor);
     const F m0 = Ops::mul(Codes::decode_m(m_code), s_m);
@@ -123,39 +188,57 @@ struct CompactLoop {
     const F u = Ops::sqrt(v);
     const F d = Ops::fma(u, c.inv_bc2_sqrt, c.eps);
     p = Ops::fma(c.neg_step_size, Ops::div(m, d), p);
-    return Updated{Codes::round_bf16(p, weyl), m, u};
+    return Updated{Codes::round_bf16_hi(p, weyl), m, u};
   }
 
-  // One full block of B elements at these pointers (`index0`: its first element's counter).
+  // One full block of B elements at these pointers (`index0`: its first element's counter), two
+  // vectors at a time in the layout of Ops::Pairs. Two passes: the update (the new m and u kept in
+  // the layout they came in), then, with the block's new scales, the codes.
   static void block(const Consts& c, uint16_t* master, const void* grad, uint8_t* mq, uint8_t* uq, void* lowp,
                     float* m_scale, float* u_scale, uint32_t index0, uint32_t seed) {
+    using P = typename Ops::Pairs;
     alignas(64) float new_m[B];
     alignas(64) float new_u[B];
     const F s_m = Ops::set1(*m_scale), s_u = Ops::set1(*u_scale);
     F max_m = Ops::set1(0.0f), max_u = Ops::set1(0.0f);
-    I weyl = Ops::mullo(Ops::add_i(Ops::set1_i(index0 + seed), Ops::iota_i()), Ops::set1_i(Codes::kGolden));
-    const I weyl_step = Ops::set1_i(static_cast<uint32_t>(W) * Codes::kGolden);
-    for (int64_t j = 0; j < B; j += W) {
-      const Updated e = element(c, load_grad<Ops, G>(grad, j), Ops::load_u16(master + j), Ops::load_u8(mq + j),
-                                Ops::load_u8(uq + j), s_m, s_u, weyl);
-      weyl = Ops::add_i(weyl, weyl_step);
-      Ops::store_u16(master + j, e.master);
+    I lane_a, lane_b;
+    P::iota(lane_a, lane_b);
+    const I first = Ops::set1_i(index0 + seed), golden = Ops::set1_i(Codes::kGolden);
+    I weyl_a = Ops::mullo(Ops::add_i(first, lane_a), golden), weyl_b = Ops::mullo(Ops::add_i(first, lane_b), golden);
+    const I weyl_step = Ops::set1_i(static_cast<uint32_t>(2 * W) * Codes::kGolden);
+    for (int64_t j = 0; j < B; j += 2 * W) {
+      F g_a, g_b, p_a, p_b;
+      I m_a, m_b, u_a, u_b;
+      P::template load_grad<G>(grad, j, g_a, g_b);
+      P::load_bf16(master + j, p_a, p_b);
+      P::load_m_codes(mq + j, m_a, m_b);
+      P::load_u_codes(uq + j, u_a, u_b);
+      const Updated a = element(c, g_a, p_a, m_a, u_a, s_m, s_u, weyl_a);
+      const Updated b = element(c, g_b, p_b, m_b, u_b, s_m, s_u, weyl_b);
+      weyl_a = Ops::add_i(weyl_a, weyl_step);
+      weyl_b = Ops::add_i(weyl_b, weyl_step);
+      P::store_hi16(master + j, a.master, b.master);
       if constexpr (L == ferry::cpu_adam::LowpType::kBf16) {
-        Ops::store_u16(static_cast<uint16_t*>(lowp) + j, e.master);
+        P::store_hi16(static_cast<uint16_t*>(lowp) + j, a.master, b.master);
       } else if constexpr (L == ferry::cpu_adam::LowpType::kF16) {
-        Ops::store_f16(static_cast<uint16_t*>(lowp) + j, Ops::from_bits(Ops::slli(e.master, 16)));
+        const I top = Ops::set1_i(0xffff0000u);
+        P::store_f16(static_cast<uint16_t*>(lowp) + j, Ops::from_bits(Ops::and_i(a.master, top)),
+                     Ops::from_bits(Ops::and_i(b.master, top)));
       }
-      Ops::store(new_m + j, e.m);
-      Ops::store(new_u + j, e.u);
-      max_m = Ops::max(max_m, Ops::abs(e.m));
-      max_u = Ops::max(max_u, e.u);
+      Ops::store(new_m + j, a.m);
+      Ops::store(new_m + j + W, b.m);
+      Ops::store(new_u + j, a.u);
+      Ops::store(new_u + j + W, b.u);
+      max_m = Ops::max(max_m, Ops::max(Ops::abs(a.m), Ops::abs(b.m)));
+      max_u = Ops::max(max_u, Ops::max(a.u, b.u));
     }
     const float sm = Ops::hmax(max_m), su = Ops::hmax(max_u);
     const F inv_m = Ops::set1(sm > 0.0f ? 1.0f / sm : 0.0f), inv_u = Ops::set1(su > 0.0f ? 1.0f / su : 0.0f);
-    for (int64_t j = 0; j < B; j += W) {
-      Ops::store_u8(mq + j, Codes::encode_m(Ops::mul(Ops::load(new_m + j), inv_m)));
-      const F u = Ops::load(new_u + j);
-      Ops::store_u8(uq + j, Codes::encode_u(Ops::mul(u, inv_u), u));
+    for (int64_t j = 0; j < B; j += 2 * W) {
+      P::store_codes(mq + j, Codes::encode_m(Ops::mul(Ops::load(new_m + j), inv_m)),
+                     Codes::encode_m(Ops::mul(Ops::load(new_m + j + W), inv_m)));
+      const F ua = Ops::load(new_u + j), ub = Ops::load(new_u + j + W);
+      P::store_codes(uq + j, Codes::encode_u(Ops::mul(ua, inv_u), ua), Codes::encode_u(Ops::mul(ub, inv_u), ub));
     }
     *m_scale = sm;
     *u_scale = su;
