@@ -12,17 +12,21 @@
 //
 // What is rounded where, per step (one element; kernels/compact_body.h has the operations):
 //  - the update itself is fp32 Adam from the decoded state: m, v, the denominator and the new value p
-//    are computed exactly as the fp32 kernel computes them (the same fma/sqrt/div sequence), so within
-//    a step the only new errors are the three stores;
+//    in fp32 with fma/sqrt/div, beta1, sqrt(beta2) and the grad scale folded into the block's scales
+//    and the (1 - beta) factors (each product rounded once, 2^-24 relative), so within a step the
+//    errors that matter are the three stores;
 //  - master: p rounded to bf16 stochastically (the 16 bits below bf16's added to 16 hashed bits of the
 //    element's index and the step, then truncated): |error| < 1 bf16 ulp of p (2^-8 |p| at most), and
 //    unbiased: E[stored] = p. Round-to-nearest would drop every update smaller than half an ulp (a
 //    bias that grows as the lr decays); stochastic rounding keeps them in expectation (Zamirai et al.,
 //    arXiv 2010.06192: bf16 weights with stochastic rounding or Kahan summation match fp32 within
 //    -0.1..+0.2%);
-//  - exp_avg: |m| / s_m rounded to nearest on a 3-bit mantissa: |error| <= 2^-4 |m| for |m| >=
+//  - exp_avg: |m| / s_m rounded to nearest on a 3-bit mantissa (ties away from zero, which reads only
+//    the bits down to the rounding bit: the AVX-512 kernel encodes from the top 16 bits of
+//    32 values at a time): |error| <= 2^-4 |m| for |m| >=
 //    2^-14 s_m, <= 2^-18 s_m below (subnormal steps); the block's largest |m| is exact;
-//  - exp_avg_sq: stored as u = sqrt(v), rounded to nearest on a 4-bit mantissa: |error| <= 2^-5 u for
+//  - exp_avg_sq: stored as u = sqrt(v), rounded to nearest on a 4-bit mantissa (ties away, as m's):
+//    |error| <= 2^-5 u for
 //    u >= 2^-14 s_u, <= 2^-19 s_u below, and a u > 0 never stored as 0 (it rounds up to the smallest
 //    code, 2^-18 s_u): the denominator sqrt(v) + eps is never lost, so no update is divided by eps
 //    alone (the failure mode of v quantised to zero, Li et al. 2023). Storing sqrt(v) halves the
@@ -34,7 +38,8 @@
 // below the block's maximum) instead of its dynamic tree code: the same relative precision for every
 // magnitude, and encodable with integer operations that every ISA (and the GPU) runs bit for bit.
 // Epsilon, bias correction, weight decay (AdamW's factor, Adam's L2) and the grad scale (clipping,
-// fp16 loss scaling) enter exactly as in the fp32 path: they act on the fp32 values.
+// fp16 loss scaling) act on the fp32 values as in the fp32 path (the scale through (1 - beta1) and
+// (1 - beta2) where no L2 term is added to the gradient).
 // Departures, said plainly: 8-bit Adam keeps an fp32 master and quantises v, not sqrt(v). FlashOptim
 // (arXiv 2602.23349) keeps an 8-bit correction term beside bf16 weights instead of stochastic
 // rounding; here the compute copy is also where gradients land (so it cannot be the master's high

@@ -72,6 +72,7 @@ struct Avx2Ops {
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F abs(F a) { return _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7fffffff))); }
   static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F max_abs(F a, F b) { return max(abs(a), abs(b)); }  // for finite a, b
   static float hmax(F v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));

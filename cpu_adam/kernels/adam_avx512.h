@@ -78,6 +78,7 @@ struct Avx512Ops {
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F abs(F a) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7fffffff))); }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F max_abs(F a, F b) { return _mm512_range_ps(a, b, 0x0b); }  // |the larger magnitude| (finite a, b)
   static float hmax(F v) { return _mm512_reduce_max_ps(v); }
   static I load_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static void store_u8(uint8_t* p, I v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v)); }
@@ -132,6 +133,12 @@ struct Avx512Pairs {
     a = _mm512_slli_epi32(x, 19);
     b = _mm512_slli_epi32(x, 3);
   }
+  // Whether any of the 32 m codes has a zero exponent (mag < 8) or any u code does (< 16).
+  static bool maybe_small_codes(const uint8_t* mq, const uint8_t* uq) {
+    const __m256i m = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mq));
+    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(uq));
+    return (_mm256_testn_epi8_mask(m, _mm256_set1_epi8(0x78)) | _mm256_testn_epi8_mask(u, _mm256_set1_epi8(static_cast<char>(0xf0)))) != 0;
+  }
   static void store_hi16(uint16_t* p, I a, I b) {
     _mm512_storeu_si512(p, Avx512Ops::blend_bits(top16(), b, _mm512_srli_epi32(a, 16)));
   }
@@ -141,9 +148,39 @@ struct Avx512Pairs {
     const I hb = _mm512_cvtepu16_epi32(_mm512_cvtps_ph(b, kRound));
     _mm512_storeu_si512(p, _mm512_or_si512(ha, _mm512_slli_epi32(hb, 16)));
   }
-  static void store_codes(uint8_t* p, I a, I b) {
-    const I words = Avx512Ops::blend_bits(_mm512_set1_epi32(0xffff), a, _mm512_slli_epi32(b, 16));
+  // The codes, from the top 16 bits of each y packed into 32 words: CompactCodes' normal-code
+  // arithmetic with its constants >> 16, which is exact (their low 16 bits are zero, so the low half
+  // of y neither changes the sum's top half nor the shifted-out result: ties-away rounding reads bits
+  // 19 (m) or 18 (u) and up). A pair with any code below the normal range (|y| < 2^-14, its top 16
+  // bits < 0x3880) takes CompactCodes' own path instead.
+  static constexpr uint32_t kMRound = 0x80000u - kRebase, kURound = 0x40000u - kRebase;
+  static_assert((kMRound & 0xffffu) == 0 && (kURound & 0xffffu) == 0, "the words' arithmetic is exact");
+  static I top_words(F a, F b) {
+    return Avx512Ops::blend_bits(top16(), _mm512_castps_si512(b), _mm512_srli_epi32(_mm512_castps_si512(a), 16));
+  }
+  static void store_words_as_bytes(uint8_t* p, I words) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi16_epi8(words));
+  }
+  static void store_codes(uint8_t* p, I a, I b) {  // codes in 0..255 in dword lanes
+    store_words_as_bytes(p, Avx512Ops::blend_bits(_mm512_set1_epi32(0xffff), a, _mm512_slli_epi32(b, 16)));
+  }
+  static void store_m_codes(uint8_t* p, F ya, F yb) {
+    const I w = top_words(ya, yb);
+    const I normal_min = _mm512_set1_epi16(0x3880 << 1);  // |y| >= 2^-14: (w << 1) >= 0x7100
+    if (_mm512_cmplt_epu16_mask(_mm512_slli_epi16(w, 1), normal_min) != 0) {
+      store_codes(p, CompactCodes<Avx512Ops>::encode_m(ya), CompactCodes<Avx512Ops>::encode_m(yb));
+      return;
+    }
+    const I t = _mm512_srli_epi16(_mm512_add_epi16(w, _mm512_set1_epi16(static_cast<short>(kMRound >> 16))), 4);
+    store_words_as_bytes(p, Avx512Ops::blend_bits(_mm512_set1_epi16(127), t, _mm512_srli_epi16(w, 8)));
+  }
+  static void store_u_codes(uint8_t* p, F ya, F yb, F ua, F ub) {
+    const I w = top_words(ya, yb);
+    if (_mm512_cmplt_epu16_mask(w, _mm512_set1_epi16(0x3880)) != 0) {
+      store_codes(p, CompactCodes<Avx512Ops>::encode_u(ya, ua), CompactCodes<Avx512Ops>::encode_u(yb, ub));
+      return;
+    }
+    store_words_as_bytes(p, _mm512_srli_epi16(_mm512_add_epi16(w, _mm512_set1_epi16(static_cast<short>(kURound >> 16))), 3));
   }
 };
 

@@ -128,7 +128,7 @@ __device__ inline float max_rn(float a, float b) { return a > b ? a : b; }  // a
 
 template <GradType G, LowpType L, bool kDecoupled, bool kDecay>
 __global__ void __launch_bounds__(kCompactThreads)
-    compact_kernel(typename AdamLoop<CudaOps, G, L, kDecoupled, kDecay>::Consts c, CompactAdamArgs a, int64_t n,
+    compact_kernel(typename CompactLoop<CudaOps, G, L, kDecoupled, kDecay>::Consts c, CompactAdamArgs a, int64_t n,
                    const float* found_inf) {
   using Loop = CompactLoop<CudaOps, G, L, kDecoupled, kDecay>;
   using Codes = CompactCodes<CudaOps>;
@@ -154,7 +154,8 @@ __global__ void __launch_bounds__(kCompactThreads)
     const typename Loop::Updated e =
         Loop::element(c, live ? load_grad<CudaOps, G>(a.grad, i) : 0.0f, live ? bf16_to_f32(a.master[i]) : 0.0f,
                       Codes::place_m(live ? a.exp_avg[i] : 0u), Codes::place_u(live ? a.exp_avg_sq[i] : 0u),
-                      a.exp_avg_scale[b], a.exp_avg_sq_scale[b], index * Codes::kGolden);
+                      __fmul_rn(a.exp_avg_scale[b], c.beta1), __fmul_rn(a.exp_avg_sq_scale[b], c.sqrt_beta2),
+                      index * Codes::kGolden);
     max_m[t] = live ? __int_as_float(__float_as_int(e.m) & 0x7fffffff) : 0.0f;
     max_u[t] = live ? e.u : 0.0f;
     __syncthreads();
@@ -188,7 +189,7 @@ __global__ void __launch_bounds__(kCompactThreads)
 
 template <GradType G, LowpType L, bool kDecoupled, bool kDecay>
 void launch_compact(const CompactAdamArgs& a, int64_t n, const float* found_inf, cudaStream_t stream, int blocks) {
-  using Loop = AdamLoop<CudaOps, G, L, kDecoupled, kDecay>;
+  using Loop = CompactLoop<CudaOps, G, L, kDecoupled, kDecay>;
   compact_kernel<G, L, kDecoupled, kDecay><<<blocks, kCompactThreads, 0, stream>>>(Loop::consts(a.hyper), a, n,
                                                                                     found_inf);
 }

@@ -54,6 +54,7 @@ struct ScalarOps {
   static F add(F a, F b) { return a + b; }
   static F abs(F a) { return bits_f32(f32_bits(a) & 0x7fffffffu); }
   static F max(F a, F b) { return a > b ? a : b; }  // as MAXPS: the second when either is NaN
+  static F max_abs(F a, F b) { return max(abs(a), abs(b)); }  // for finite a, b
   static float hmax(F v) { return v; }
   static I load_u8(const uint8_t* p) { return *p; }
   static void store_u8(uint8_t* p, I v) { *p = static_cast<uint8_t>(v); }

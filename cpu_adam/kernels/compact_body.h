@@ -7,17 +7,23 @@
 // Every element takes the same IEEE fp32 operations and the same integer operations in every ISA;
 // rounding to an integer is the add-1.5*2^23 idiom (exact round-to-nearest-even in fp32 arithmetic),
 // not a conversion instruction whose mode could differ; block maxima are exact whatever their order.
-// So all kernels give the same bits, whatever the length or thread split (splits are at block starts).
+// So all kernels give the same bits, whatever the length or thread split (splits are at block starts),
+// and a kernel may lay its vectors out as it likes (Pairs below).
 //
-// Per element, in fp32, from the block's old scales s_m, s_u (t = step, bc = bias correction):
-//   p  = bf16 master, widened                 m0 = dec_m(code) * s_m        u0 = dec_u(code) * s_u
-//   g  = grad * grad_scale;  g = fma(wd, p, g) (Adam, L2);  p = p * (1 - lr wd) (AdamW)
-//   m  = fma(beta1, m0, (1 - beta1) g)        v = fma(beta2, u0 * u0, ((1 - beta2) g) g)
+// Per element, in fp32, from the block's old scales s_m, s_u (t = step, bc = bias correction; the
+// products of constants are formed once per call or per block, each rounded once):
+//   p  = bf16 master, widened;   AdamW: p = p * (1 - lr wd)
+//   g  = grad;  Adam with L2 decay: g = fma(wd, p, grad * grad_scale), k1 = 1 - beta1, k2 = 1 - beta2;
+//               otherwise k1 = (1 - beta1) grad_scale, k2 = (1 - beta2) grad_scale^2
+//   m  = fma(dec_m(code), s_m beta1, k1 g)
+//   a  = dec_u(code) * (s_u sqrt(beta2))       v = fma(a, a, (k2 g) g)
 //   u  = sqrt(v)                              d = fma(u, 1 / sqrt(bc2), eps)
 //   p  = fma(-lr / bc1, m / d, p)
 //   master = bf16 of p, rounded stochastically (below); the compute copy: those bits (bf16) or fp16(them)
 // then per block s_m' = max |m|, s_u' = max u, and each element's codes enc_m(m / s_m'), enc_u(u / s_u')
-// (the division as a multiply by the fp32 reciprocal).
+// (the division as a multiply by the fp32 reciprocal). Folding beta1, sqrt(beta2) and the grad scale
+// into the scales and the (1 - beta) factors saves a third of the multiplies of the fp32 kernel's
+// sequence at one rounding each (2^-24 relative), far below the codes' 2^-4 and 2^-5.
 
 // ---- the codes. m: sign + 7 bits, an E4M3 float of |m| / s_m with 1.0 at code 120 (the largest
 // normal binade [1, 2) holds only 1.0), codes 1..7 subnormal steps of 2^-17, 0 zero. u: 8 bits, an
@@ -48,8 +54,9 @@ struct CompactCodes {
 
   // Each code takes the same operations in every ISA; a vector with no subnormal code (almost all, past
   // the first step) skips computing that path, which changes no bit.
-  FERRY_HD static F decode_m(I placed) {
+  FERRY_HD static F decode_m(I placed, bool maybe_small = true) {
     I value = Ops::and_or(placed, Ops::set1_i(0x87F00000u), Ops::set1_i(kRebase));
+    if (!maybe_small) return Ops::from_bits(value);
     const M small = Ops::testz_i(placed, Ops::set1_i(0x07800000u));  // exponent 0: mag < 8
     if (Ops::any(small)) {
       const I mag = Ops::and_i(Ops::srli(placed, 20), Ops::set1_i(127u));
@@ -58,14 +65,14 @@ struct CompactCodes {
     }
     return Ops::from_bits(value);
   }
-  // y = m / s_m, |y| <= 1 (+ an ulp). (|y|'s bits + 0x7ffff + their bit 20) >> 20 rounds to the nearest
-  // 3-bit mantissa, ties to even; the rebase is subtracted before the shift (exact: a multiple of 2^20,
-  // and every normal-coded |y| >= 2^-14 is above it), and y's sign rides along to bit 11, from where
-  // only the code's 7 magnitude bits are kept: the sign comes from bit 31 (>> 24: bit 7).
+  // y = m / s_m, |y| <= 1 (+ an ulp). Rounded to the nearest 3-bit mantissa, ties away from zero:
+  // (|y|'s bits + 2^19) >> 20, which reads only bits 19 and up (a vector kernel may hand over y's top
+  // 16 bits alone), less the rebase (subtracted before the shift: exact, a multiple of 2^20, and every
+  // normal-coded |y| >= 2^-14 is above it). y's sign rides along to bit 11, from where only the 7
+  // magnitude bits are kept: the code's sign comes from bit 31 (>> 24: bit 7).
   FERRY_HD static I encode_m(F y) {
     const I yb = Ops::bits(y);
-    const I lsb = Ops::and_i(Ops::srli(yb, 20), Ops::set1_i(1u));
-    const I t = Ops::srli(Ops::add_i(Ops::add_i(yb, Ops::set1_i(0x7ffffu - kRebase)), lsb), 20);
+    const I t = Ops::srli(Ops::add_i(yb, Ops::set1_i(0x80000u - kRebase)), 20);
     I code = Ops::blend_bits(Ops::set1_i(127u), t, Ops::srli(yb, 24));
     const F af = Ops::abs(y);
     const M small = Ops::lt_f(af, Ops::set1(0x1p-14f));
@@ -76,8 +83,9 @@ struct CompactCodes {
     }
     return code;
   }
-  FERRY_HD static F decode_u(I placed) {
+  FERRY_HD static F decode_u(I placed, bool maybe_small = true) {
     I value = Ops::and_or(placed, Ops::set1_i(0x07F80000u), Ops::set1_i(kRebase));
+    if (!maybe_small) return Ops::from_bits(value);
     const M small = Ops::testz_i(placed, Ops::set1_i(0x07800000u));  // exponent 0: code < 16
     if (Ops::any(small)) {
       const I code = Ops::and_i(Ops::srli(placed, 19), Ops::set1_i(255u));
@@ -85,11 +93,10 @@ struct CompactCodes {
     }
     return Ops::from_bits(value);
   }
-  // y = u / s_u in [0, 1] (+ an ulp); `u` itself decides whether code 0 is allowed. Rounded as encode_m.
+  // y = u / s_u in [0, 1] (+ an ulp); `u` itself decides whether code 0 is allowed. Rounded as
+  // encode_m: (bits + 2^18) >> 19, less the rebase.
   FERRY_HD static I encode_u(F y, F u) {
-    const I a = Ops::bits(y);
-    const I lsb = Ops::and_i(Ops::srli(a, 19), Ops::set1_i(1u));
-    I code = Ops::srli(Ops::add_i(Ops::add_i(a, Ops::set1_i(0x3ffffu - kRebase)), lsb), 19);
+    I code = Ops::srli(Ops::add_i(Ops::bits(y), Ops::set1_i(0x40000u - kRebase)), 19);
     const M small = Ops::lt_f(y, Ops::set1(0x1p-14f));
     if (!Ops::any(small)) return code;  // every u >= 2^-14 s_u > 0: no code is 0
     const I sub = Ops::sub_i(Ops::bits(Ops::add(Ops::mul(y, Ops::set1(0x1p18f)), Ops::set1(kRoundMagic))),
@@ -152,11 +159,17 @@ struct ConsecutivePairs {
     Ops::store_f16(p, a);
     Ops::store_f16(p + W, b);
   }
-  // Codes in 0..255.
-  static void store_codes(uint8_t* p, I a, I b) {
-    Ops::store_u8(p, a);
-    Ops::store_u8(p + W, b);
+  // The codes of y = m / s_m (encode_m) and of y = u / s_u (encode_u), stored.
+  static void store_m_codes(uint8_t* p, F ya, F yb) {
+    Ops::store_u8(p, Codes::encode_m(ya));
+    Ops::store_u8(p + W, Codes::encode_m(yb));
   }
+  static void store_u_codes(uint8_t* p, F ya, F yb, F ua, F ub) {
+    Ops::store_u8(p, Codes::encode_u(ya, ua));
+    Ops::store_u8(p + W, Codes::encode_u(yb, ub));
+  }
+  // Whether some of the pair's codes may be subnormal (here: let each decode check its own).
+  static bool maybe_small_codes(const uint8_t*, const uint8_t*) { return true; }
 };
 
 template <class Ops, ferry::cpu_adam::GradType G, ferry::cpu_adam::LowpType L, bool kDecoupled, bool kDecay>
@@ -164,27 +177,54 @@ struct CompactLoop {
   using F = typename Ops::F;
   using I = typename Ops::I;
   using Codes = CompactCodes<Ops>;
-  using Consts = typename AdamLoop<Ops, G, L, kDecoupled, kDecay>::Consts;
+  // Where Adam with L2 decay adds wd * p to the scaled gradient, the gradient's scale is its own
+  // multiply; otherwise it is folded into (1 - beta1) and (1 - beta2), which multiply the gradient anyway.
+  static constexpr bool kScaleFirst = kDecay && !kDecoupled;
+  struct Consts {
+    F one_minus_beta1, one_minus_beta2, grad_scale, weight_decay, decay_factor, eps, neg_step_size, inv_bc2_sqrt;
+    float beta1, sqrt_beta2;  // scalars: each block's old scales take them
+  };
+  static Consts consts(const ferry::cpu_adam::AdamKernelArgs& a) {
+    const float s = a.grad_scale;
+    return Consts{Ops::set1(kScaleFirst ? a.one_minus_beta1 : a.one_minus_beta1 * s),
+                  Ops::set1(kScaleFirst ? a.one_minus_beta2 : a.one_minus_beta2 * s * s),
+                  Ops::set1(s),
+                  Ops::set1(a.weight_decay),
+                  Ops::set1(a.decay_factor),
+                  Ops::set1(a.eps),
+                  Ops::set1(-a.step_size),
+                  Ops::set1(a.inv_bias_correction2_sqrt),
+                  a.beta1,
+                  __builtin_sqrtf(a.beta2)};
+  }
   static constexpr int W = Ops::W;
   static constexpr int64_t B = ferry::cpu_adam::kCompactBlock;
   static_assert(B % (2 * W) == 0, "a block is whole pairs of vectors");
 
   // One element's (one vector's) update from its loaded values (the grad and the master widened, the
-  // two codes placed) and its block's old scales: the new master (round_bf16_hi) and the new m and
-  // u = sqrt(v), before the block's new scales encode them. The CPU loop below and the CUDA kernel
-  // (adam_cuda.cu) both run it: the same operations, so the same bits.
+  // two codes placed; `maybe_small`: whether any of them may be a subnormal code, false when the
+  // caller has checked none is) and its block's old scales times beta1 and sqrt(beta2): the new master
+  // (round_bf16_hi) and the new m and u = sqrt(v), before the block's new scales encode them. The CPU
+  // loop below and the CUDA kernel (adam_cuda.cu) both run it: the same operations, so the same bits.
   struct Updated {
     I master;
     F m, u;
   };
-  FERRY_HD static Updated element(const Consts& c, F grad, F p, I m_code, I u_code, F s_m, F s_u, I weyl) {
-    F g = Ops::mul(grad, c.grad_scale);
-    if constexpr (kDecay && !kDecoupled) g = Ops::fma(c.weight_decay, p, g);
-    if constexpr (kDecay && kDecoupled) p = Ops::mul(p, c.decay_factor);
-    const F m0 = Ops::mul(Codes::decode_m(m_code), s_m);
-    const F u0 = Ops::mul(Codes::decode_u(u_code), s_u);
-    const F m = Ops::fma(c.beta1, m0, Ops::mul(c.one_minus_beta1, g));
-    const F v = Ops::fma(c.beta2, Ops::mul(u0, u0), Ops::mul(Ops::mul(c.one_minus_beta2, g), g));
+  FERRY_HD static Updated element(const Consts& c, F grad, F p, I m_code, I u_code, F s_m_beta1, F s_u_beta2,
+                                  I weyl, bool maybe_small = true) {
+    F c1g, c2gg;  // (1 - beta1) g and (1 - beta2) g^2, g the scaled gradient (plus L2 decay)
+    if constexpr (kScaleFirst) {
+      const F g = Ops::fma(c.weight_decay, p, Ops::mul(grad, c.grad_scale));
+      c1g = Ops::mul(c.one_minus_beta1, g);
+      c2gg = Ops::mul(Ops::mul(c.one_minus_beta2, g), g);
+    } else {
+      if constexpr (kDecay) p = Ops::mul(p, c.decay_factor);
+      c1g = Ops::mul(c.one_minus_beta1, grad);
+      c2gg = Ops::mul(Ops::mul(c.one_minus_beta2, grad), grad);
+    }
+    const F m = Ops::fma(Codes::decode_m(m_code, maybe_small), s_m_beta1, c1g);
+    const F a = Ops::mul(Codes::decode_u(u_code, maybe_small), s_u_beta2);  // sqrt(beta2) u0
+    const F v = Ops::fma(a, a, c2gg);
     const F u = Ops::sqrt(v);
     const F d = Ops::fma(u, c.inv_bc2_sqrt, c.eps);
     p = Ops::fma(c.neg_step_size, Ops::div(m, d), p);
@@ -199,7 +239,7 @@ struct CompactLoop {
     using P = typename Ops::Pairs;
     alignas(64) float new_m[B];
     alignas(64) float new_u[B];
-    const F s_m = Ops::set1(*m_scale), s_u = Ops::set1(*u_scale);
+    const F s_m = Ops::set1(*m_scale * c.beta1), s_u = Ops::set1(*u_scale * c.sqrt_beta2);
     F max_m = Ops::set1(0.0f), max_u = Ops::set1(0.0f);
     I lane_a, lane_b;
     P::iota(lane_a, lane_b);
@@ -213,8 +253,9 @@ struct CompactLoop {
       P::load_bf16(master + j, p_a, p_b);
       P::load_m_codes(mq + j, m_a, m_b);
       P::load_u_codes(uq + j, u_a, u_b);
-      const Updated a = element(c, g_a, p_a, m_a, u_a, s_m, s_u, weyl_a);
-      const Updated b = element(c, g_b, p_b, m_b, u_b, s_m, s_u, weyl_b);
+      const bool small = P::maybe_small_codes(mq + j, uq + j);
+      const Updated a = element(c, g_a, p_a, m_a, u_a, s_m, s_u, weyl_a, small);
+      const Updated b = element(c, g_b, p_b, m_b, u_b, s_m, s_u, weyl_b, small);
       weyl_a = Ops::add_i(weyl_a, weyl_step);
       weyl_b = Ops::add_i(weyl_b, weyl_step);
       P::store_hi16(master + j, a.master, b.master);
@@ -229,16 +270,15 @@ struct CompactLoop {
       Ops::store(new_m + j + W, b.m);
       Ops::store(new_u + j, a.u);
       Ops::store(new_u + j + W, b.u);
-      max_m = Ops::max(max_m, Ops::max(Ops::abs(a.m), Ops::abs(b.m)));
+      max_m = Ops::max_abs(max_m, Ops::max_abs(a.m, b.m));
       max_u = Ops::max(max_u, Ops::max(a.u, b.u));
     }
     const float sm = Ops::hmax(max_m), su = Ops::hmax(max_u);
     const F inv_m = Ops::set1(sm > 0.0f ? 1.0f / sm : 0.0f), inv_u = Ops::set1(su > 0.0f ? 1.0f / su : 0.0f);
     for (int64_t j = 0; j < B; j += 2 * W) {
-      P::store_codes(mq + j, Codes::encode_m(Ops::mul(Ops::load(new_m + j), inv_m)),
-                     Codes::encode_m(Ops::mul(Ops::load(new_m + j + W), inv_m)));
+      P::store_m_codes(mq + j, Ops::mul(Ops::load(new_m + j), inv_m), Ops::mul(Ops::load(new_m + j + W), inv_m));
       const F ua = Ops::load(new_u + j), ub = Ops::load(new_u + j + W);
-      P::store_codes(uq + j, Codes::encode_u(Ops::mul(ua, inv_u), ua), Codes::encode_u(Ops::mul(ub, inv_u), ub));
+      P::store_u_codes(uq + j, Ops::mul(ua, inv_u), Ops::mul(ub, inv_u), ua, ub);
     }
     *m_scale = sm;
     *u_scale = su;
@@ -246,7 +286,7 @@ struct CompactLoop {
 
   static void run(const ferry::cpu_adam::CompactAdamArgs& a, int64_t begin, int64_t end) {
     using GE = typename GradElem<G>::type;
-    const Consts c = AdamLoop<Ops, G, L, kDecoupled, kDecay>::consts(a.hyper);
+    const Consts c = consts(a.hyper);
     for (int64_t b = begin; b < end; b += B) {
       const int64_t len = end - b < B ? end - b : B;
       const uint32_t index0 = a.element_offset + static_cast<uint32_t>(b);
