@@ -12,7 +12,7 @@ namespace {
 struct Avx2Ops {
   using F = __m256;
   static constexpr int W = 8;
-  using Pairs = ConsecutivePairs<Avx2Ops>;
+  using Pairs = EvenOddPairs<Avx2Ops>;
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
   static F set1(float x) { return _mm256_set1_ps(x); }
@@ -87,6 +87,42 @@ struct Avx2Ops {
   static I load_u16(const uint16_t* p) { return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static void store_u16(uint16_t* p, I v) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+  }
+  // For EvenOddPairs (compact_body.h): 16 elements of 16 bits or 8 bits at a time.
+  static I load_i(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static void store_i(void* p, I v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
+  static I add_i16(I a, I b) { return _mm256_add_epi16(a, b); }
+  static I srli_i16(I a, int n) { return _mm256_srli_epi16(a, n); }
+  static bool any_lt_i16(I a, I b) { return _mm256_movemask_epi8(_mm256_cmpgt_epi16(b, a)) != 0; }
+  static __m128i load16(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+  static I load_s8_as_s16(const uint8_t* p) { return _mm256_cvtepi8_epi16(load16(p)); }
+  static I load_u8_as_u16(const uint8_t* p) { return _mm256_cvtepu8_epi16(load16(p)); }
+  static void store_u16_as_u8(uint8_t* p, I w) {  // words in 0..255
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+  }
+  static bool any_byte_clear(const uint8_t* p, uint8_t mask) {
+    const __m128i clear = _mm_cmpeq_epi8(_mm_and_si128(load16(p), _mm_set1_epi8(static_cast<char>(mask))), _mm_setzero_si128());
+    return _mm_movemask_epi8(clear) != 0;
+  }
+  static void load_f16_even_odd(const uint16_t* p, F& a, F& b) {
+    // Even and odd halves gathered into the low and high 8 bytes of each 128-bit lane, then joined.
+    const I split = _mm256_shuffle_epi8(load_i(p), _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                                    0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    const I joined = _mm256_permute4x64_epi64(split, _MM_SHUFFLE(3, 1, 2, 0));
+    a = _mm256_cvtph_ps(_mm256_castsi256_si128(joined));
+    b = _mm256_cvtph_ps(_mm256_extracti128_si256(joined, 1));
+  }
+  static void load_f32_even_odd(const float* p, F& a, F& b) {
+    const F lo = _mm256_loadu_ps(p), hi = _mm256_loadu_ps(p + 8);
+    auto join = [](F x) { return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), _MM_SHUFFLE(3, 1, 2, 0))); };
+    a = join(_mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)));
+    b = join(_mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  static void store_f16_even_odd(uint16_t* p, F a, F b) {
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m128i ha = _mm256_cvtps_ph(a, kRound), hb = _mm256_cvtps_ph(b, kRound);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_unpacklo_epi16(ha, hb));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm_unpackhi_epi16(ha, hb));
   }
 };
 

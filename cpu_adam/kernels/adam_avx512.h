@@ -12,12 +12,10 @@ namespace {
 #include "adam_body.h"
 #include "compact_body.h"
 
-struct Avx512Pairs;
-
 struct Avx512Ops {
   using F = __m512;
   static constexpr int W = 16;
-  using Pairs = Avx512Pairs;
+  using Pairs = EvenOddPairs<Avx512Ops>;
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   static F set1(float x) { return _mm512_set1_ps(x); }
@@ -84,103 +82,35 @@ struct Avx512Ops {
   static void store_u8(uint8_t* p, I v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v)); }
   static I load_u16(const uint16_t* p) { return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static void store_u16(uint16_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(v)); }
-};
-
-// A pair of vectors is 32 consecutive elements, the even ones in `a`, the odd ones in `b`: a 16-bit
-// element pair is one 32-bit lane, so bf16 widens with a shift (even) or a mask (odd) and narrows with
-// one ternary-logic op per two vectors, and 8-bit codes widen to 16 bits with one shuffle per two
-// vectors, where the per-vector loads and stores take a shuffle (2 uops on many cores) each.
-struct Avx512Pairs {
-  using F = __m512;
-  using I = __m512i;
-  static I load(const void* p) { return _mm512_loadu_si512(p); }
-  static I top16() { return _mm512_set1_epi32(static_cast<int>(0xffff0000u)); }
-  static void iota(I& a, I& b) {
-    a = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    b = _mm512_add_epi32(a, _mm512_set1_epi32(1));
+  // For EvenOddPairs (compact_body.h): 32 elements of 16 bits or 8 bits at a time.
+  static I load_i(const void* p) { return _mm512_loadu_si512(p); }
+  static void store_i(void* p, I v) { _mm512_storeu_si512(p, v); }
+  static I add_i16(I a, I b) { return _mm512_add_epi16(a, b); }
+  static I srli_i16(I a, int n) { return _mm512_srli_epi16(a, static_cast<unsigned>(n)); }
+  static bool any_lt_i16(I a, I b) { return _mm512_cmplt_epi16_mask(a, b) != 0; }
+  static I load_s8_as_s16(const uint8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static I load_u8_as_u16(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static void store_u16_as_u8(uint8_t* p, I w) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi16_epi8(w)); }
+  static bool any_byte_clear(const uint8_t* p, uint8_t mask) {
+    return _mm256_testn_epi8_mask(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                                  _mm256_set1_epi8(static_cast<char>(mask))) != 0;
   }
-  static void load_bf16(const uint16_t* p, F& a, F& b) {
-    const I x = load(p);
-    a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-    b = _mm512_castsi512_ps(_mm512_and_si512(x, top16()));
+  static void load_f16_even_odd(const uint16_t* p, F& a, F& b) {
+    const I x = load_i(p);
+    a = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
+    b = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
   }
-  template <GradType G>
-  static void load_grad(const void* base, int64_t i, F& a, F& b) {
-    if constexpr (G == GradType::kBf16) {
-      load_bf16(static_cast<const uint16_t*>(base) + i, a, b);
-    } else if constexpr (G == GradType::kF16) {
-      const I x = load(static_cast<const uint16_t*>(base) + i);
-      a = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
-      b = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
-    } else {
-      const float* p = static_cast<const float*>(base) + i;
-      const F lo = _mm512_loadu_ps(p), hi = _mm512_loadu_ps(p + 16);
-      I even, odd;
-      iota(even, odd);
-      a = _mm512_permutex2var_ps(lo, even, hi);
-      b = _mm512_permutex2var_ps(lo, odd, hi);
-    }
+  static void load_f32_even_odd(const float* p, F& a, F& b) {
+    const F lo = _mm512_loadu_ps(p), hi = _mm512_loadu_ps(p + 16);
+    const I even = _mm512_add_epi32(iota_i(), iota_i());
+    a = _mm512_permutex2var_ps(lo, even, hi);
+    b = _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, set1_i(1u)), hi);
   }
-  // Placed as CompactCodes wants them: the 32 codes widened to 16 bits (m sign-extended), each code
-  // shifted to bit 20 (m) or 19 (u) of its lane, the odd element's from the lane's high half.
-  static void load_m_codes(const uint8_t* p, I& a, I& b) {
-    const I x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    a = _mm512_slli_epi32(x, 20);
-    b = _mm512_slli_epi32(x, 4);
-  }
-  static void load_u_codes(const uint8_t* p, I& a, I& b) {
-    const I x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    a = _mm512_slli_epi32(x, 19);
-    b = _mm512_slli_epi32(x, 3);
-  }
-  // Whether any of the 32 m codes has a zero exponent (mag < 8) or any u code does (< 16).
-  static bool maybe_small_codes(const uint8_t* mq, const uint8_t* uq) {
-    const __m256i m = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mq));
-    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(uq));
-    return (_mm256_testn_epi8_mask(m, _mm256_set1_epi8(0x78)) | _mm256_testn_epi8_mask(u, _mm256_set1_epi8(static_cast<char>(0xf0)))) != 0;
-  }
-  static void store_hi16(uint16_t* p, I a, I b) {
-    _mm512_storeu_si512(p, Avx512Ops::blend_bits(top16(), b, _mm512_srli_epi32(a, 16)));
-  }
-  static void store_f16(uint16_t* p, F a, F b) {
+  static void store_f16_even_odd(uint16_t* p, F a, F b) {
     constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     const I ha = _mm512_cvtepu16_epi32(_mm512_cvtps_ph(a, kRound));
     const I hb = _mm512_cvtepu16_epi32(_mm512_cvtps_ph(b, kRound));
-    _mm512_storeu_si512(p, _mm512_or_si512(ha, _mm512_slli_epi32(hb, 16)));
-  }
-  // The codes, from the top 16 bits of each y packed into 32 words: CompactCodes' normal-code
-  // arithmetic with its constants >> 16, which is exact (their low 16 bits are zero, so the low half
-  // of y neither changes the sum's top half nor the shifted-out result: ties-away rounding reads bits
-  // 19 (m) or 18 (u) and up). A pair with any code below the normal range (|y| < 2^-14, its top 16
-  // bits < 0x3880) takes CompactCodes' own path instead.
-  static constexpr uint32_t kMRound = 0x80000u - kRebase, kURound = 0x40000u - kRebase;
-  static_assert((kMRound & 0xffffu) == 0 && (kURound & 0xffffu) == 0, "the words' arithmetic is exact");
-  static I top_words(F a, F b) {
-    return Avx512Ops::blend_bits(top16(), _mm512_castps_si512(b), _mm512_srli_epi32(_mm512_castps_si512(a), 16));
-  }
-  static void store_words_as_bytes(uint8_t* p, I words) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi16_epi8(words));
-  }
-  static void store_codes(uint8_t* p, I a, I b) {  // codes in 0..255 in dword lanes
-    store_words_as_bytes(p, Avx512Ops::blend_bits(_mm512_set1_epi32(0xffff), a, _mm512_slli_epi32(b, 16)));
-  }
-  static void store_m_codes(uint8_t* p, F ya, F yb) {
-    const I w = top_words(ya, yb);
-    const I normal_min = _mm512_set1_epi16(0x3880 << 1);  // |y| >= 2^-14: (w << 1) >= 0x7100
-    if (_mm512_cmplt_epu16_mask(_mm512_slli_epi16(w, 1), normal_min) != 0) {
-      store_codes(p, CompactCodes<Avx512Ops>::encode_m(ya), CompactCodes<Avx512Ops>::encode_m(yb));
-      return;
-    }
-    const I t = _mm512_srli_epi16(_mm512_add_epi16(w, _mm512_set1_epi16(static_cast<short>(kMRound >> 16))), 4);
-    store_words_as_bytes(p, Avx512Ops::blend_bits(_mm512_set1_epi16(127), t, _mm512_srli_epi16(w, 8)));
-  }
-  static void store_u_codes(uint8_t* p, F ya, F yb, F ua, F ub) {
-    const I w = top_words(ya, yb);
-    if (_mm512_cmplt_epu16_mask(w, _mm512_set1_epi16(0x3880)) != 0) {
-      store_codes(p, CompactCodes<Avx512Ops>::encode_u(ya, ua), CompactCodes<Avx512Ops>::encode_u(yb, ub));
-      return;
-    }
-    store_words_as_bytes(p, _mm512_srli_epi16(_mm512_add_epi16(w, _mm512_set1_epi16(static_cast<short>(kURound >> 16))), 3));
+    store_i(p, _mm512_or_si512(ha, _mm512_slli_epi32(hb, 16)));
   }
 };
 

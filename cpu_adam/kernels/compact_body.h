@@ -70,9 +70,13 @@ struct CompactCodes {
   // 16 bits alone), less the rebase (subtracted before the shift: exact, a multiple of 2^20, and every
   // normal-coded |y| >= 2^-14 is above it). y's sign rides along to bit 11, from where only the 7
   // magnitude bits are kept: the code's sign comes from bit 31 (>> 24: bit 7).
+  // The rounding constants of a normal code: half its last place, less the rebase. Their low 16 bits
+  // are zero, so a kernel may encode from the top 16 bits of y with these >> 16 (the same result).
+  static constexpr uint32_t kMRound = 0x80000u - kRebase, kURound = 0x40000u - kRebase;
+  static_assert((kMRound & 0xffffu) == 0 && (kURound & 0xffffu) == 0, "the codes read y's top 16 bits only");
   FERRY_HD static I encode_m(F y) {
     const I yb = Ops::bits(y);
-    const I t = Ops::srli(Ops::add_i(yb, Ops::set1_i(0x80000u - kRebase)), 20);
+    const I t = Ops::srli(Ops::add_i(yb, Ops::set1_i(kMRound)), 20);
     I code = Ops::blend_bits(Ops::set1_i(127u), t, Ops::srli(yb, 24));
     const F af = Ops::abs(y);
     const M small = Ops::lt_f(af, Ops::set1(0x1p-14f));
@@ -96,7 +100,7 @@ struct CompactCodes {
   // y = u / s_u in [0, 1] (+ an ulp); `u` itself decides whether code 0 is allowed. Rounded as
   // encode_m: (bits + 2^18) >> 19, less the rebase.
   FERRY_HD static I encode_u(F y, F u) {
-    I code = Ops::srli(Ops::add_i(Ops::bits(y), Ops::set1_i(0x40000u - kRebase)), 19);
+    I code = Ops::srli(Ops::add_i(Ops::bits(y), Ops::set1_i(kURound)), 19);
     const M small = Ops::lt_f(y, Ops::set1(0x1p-14f));
     if (!Ops::any(small)) return code;  // every u >= 2^-14 s_u > 0: no code is 0
     const I sub = Ops::sub_i(Ops::bits(Ops::add(Ops::mul(y, Ops::set1(0x1p18f)), Ops::set1(kRoundMagic))),
@@ -118,10 +122,8 @@ struct CompactCodes {
 };
 
 // The loads and stores of two vectors of a block at once (a pair: 2W elements, into or out of `a` and
-// `b`), for Ops whose pairs are simply the next W elements and the W after (the scalar and AVX2
-// kernels). A kernel that can do better with another layout (AVX-512: even and odd elements, widened
-// and narrowed by shifts, not shuffles) declares its own `Pairs` with these members; the update and the
-// codes' bits do not depend on the layout.
+// `b`), for Ops whose pairs are simply the next W elements and the W after (the scalar kernel). The
+// vector kernels use EvenOddPairs (below). The update and the codes' bits do not depend on the layout.
 template <class Ops>
 struct ConsecutivePairs {
   using F = typename Ops::F;
@@ -170,6 +172,82 @@ struct ConsecutivePairs {
   }
   // Whether some of the pair's codes may be subnormal (here: let each decode check its own).
   static bool maybe_small_codes(const uint8_t*, const uint8_t*) { return true; }
+};
+
+// The pair layout of the vector kernels (AVX2, AVX-512): a pair is 2W consecutive elements, the even
+// ones in `a`, the odd ones in `b`. A 16-bit element pair is then one 32-bit lane, so bf16 values widen
+// by a shift (even) or a mask (odd) and narrow with one bit-blend, and 8-bit codes widen to 16 bits with
+// one shuffle per pair, where per-vector widening loads and narrowing stores cost a shuffle each; the
+// codes are encoded from y's top 16 bits, 2W at a time in 16-bit lanes, with CompactCodes' constants
+// >> 16 (the same codes: see kMRound). Ops supplies full-width loads and stores of raw bits, 16-bit
+// lane arithmetic and the conversions that need its own shuffles (fp16, fp32 gradients).
+template <class Ops>
+struct EvenOddPairs {
+  using F = typename Ops::F;
+  using I = typename Ops::I;
+  using Codes = CompactCodes<Ops>;
+  static I top16() { return Ops::set1_i(0xffff0000u); }
+  static I words(uint32_t w) { return Ops::set1_i(w * 0x10001u); }  // w in both 16-bit halves
+  static void iota(I& a, I& b) {
+    a = Ops::add_i(Ops::iota_i(), Ops::iota_i());
+    b = Ops::add_i(a, Ops::set1_i(1u));
+  }
+  static void load_bf16(const uint16_t* p, F& a, F& b) {
+    const I x = Ops::load_i(p);
+    a = Ops::from_bits(Ops::slli(x, 16));
+    b = Ops::from_bits(Ops::and_i(x, top16()));
+  }
+  template <ferry::cpu_adam::GradType G>
+  static void load_grad(const void* base, int64_t i, F& a, F& b) {
+    if constexpr (G == ferry::cpu_adam::GradType::kBf16) {
+      load_bf16(static_cast<const uint16_t*>(base) + i, a, b);
+    } else if constexpr (G == ferry::cpu_adam::GradType::kF16) {
+      Ops::load_f16_even_odd(static_cast<const uint16_t*>(base) + i, a, b);
+    } else {
+      Ops::load_f32_even_odd(static_cast<const float*>(base) + i, a, b);
+    }
+  }
+  // Placed as CompactCodes wants them: each code shifted to bit 20 (m, sign-extended) or 19 (u) of its
+  // lane, the odd element's from the lane's high half (the even one's bits left below: don't-care).
+  static void load_m_codes(const uint8_t* p, I& a, I& b) {
+    const I x = Ops::load_s8_as_s16(p);
+    a = Ops::slli(x, 20);
+    b = Ops::slli(x, 4);
+  }
+  static void load_u_codes(const uint8_t* p, I& a, I& b) {
+    const I x = Ops::load_u8_as_u16(p);
+    a = Ops::slli(x, 19);
+    b = Ops::slli(x, 3);
+  }
+  // Whether any m code has a zero exponent (mag < 8) or any u code does (< 16).
+  static bool maybe_small_codes(const uint8_t* mq, const uint8_t* uq) {
+    return Ops::any_byte_clear(mq, 0x78) || Ops::any_byte_clear(uq, 0xf0);
+  }
+  static void store_hi16(uint16_t* p, I a, I b) { Ops::store_i(p, Ops::blend_bits(top16(), b, Ops::srli(a, 16))); }
+  static void store_f16(uint16_t* p, F a, F b) { Ops::store_f16_even_odd(p, a, b); }
+  static void store_codes(uint8_t* p, I a, I b) {  // codes in 0..255 in 32-bit lanes
+    Ops::store_u16_as_u8(p, Ops::blend_bits(Ops::set1_i(0xffffu), a, Ops::slli(b, 16)));
+  }
+  static I top_words(F a, F b) { return Ops::blend_bits(top16(), Ops::bits(b), Ops::srli(Ops::bits(a), 16)); }
+  // A pair with a code below the normal range (|y| < 2^-14: its top word's magnitude < 0x3880) takes
+  // CompactCodes' own path.
+  static void store_m_codes(uint8_t* p, F ya, F yb) {
+    const I w = top_words(ya, yb);
+    if (Ops::any_lt_i16(Ops::and_i(w, words(0x7fffu)), words(0x3880u))) {
+      store_codes(p, Codes::encode_m(ya), Codes::encode_m(yb));
+      return;
+    }
+    const I t = Ops::srli_i16(Ops::add_i16(w, words(Codes::kMRound >> 16)), 4);
+    Ops::store_u16_as_u8(p, Ops::blend_bits(words(127u), t, Ops::srli_i16(w, 8)));
+  }
+  static void store_u_codes(uint8_t* p, F ya, F yb, F ua, F ub) {
+    const I w = top_words(ya, yb);  // y >= 0: below 0x8000
+    if (Ops::any_lt_i16(w, words(0x3880u))) {
+      store_codes(p, Codes::encode_u(ya, ua), Codes::encode_u(yb, ub));
+      return;
+    }
+    Ops::store_u16_as_u8(p, Ops::srli_i16(Ops::add_i16(w, words(Codes::kURound >> 16)), 3));
+  }
 };
 
 template <class Ops, ferry::cpu_adam::GradType G, ferry::cpu_adam::LowpType L, bool kDecoupled, bool kDecay>
