@@ -5,8 +5,11 @@
 //   torch_fused  what HybridAdam ran before D53: the bf16 gradient cast to an fp32 temporary,
 //                at::_fused_adamw_, then the fp32 master copied into the bf16 slot (40 B per parameter
 //                actually moved: 6 + 28 + 6).
-// Floor = 28 B x N / roof bandwidth; every row reports time / floor. GB/s use the 28 declared bytes for
-// every row, so ratios of GB/s are ratios of time.
+//   compact      the same update over the compact state (D76, compact_state.h): 12.0625 B per parameter
+//                (bf16 grad read, bf16 master and two 1-byte codes read and written, the bf16 value
+//                written over the gradient, two fp32 scales per 256).
+// Floor = declared B x N / roof bandwidth (28 B for the fp32 rows, 12.0625 for compact); every row
+// reports time / its floor. GB/s use the row's declared bytes.
 //
 //   bench_device_adam [--device=cuda|simulated] [--small=N] [--large=N] [--min-time=0.5] [--commit=SHA]
 // On the simulated device (CPU tensors: CpuAdam's kernel) it is a smoke test of the benchmark itself:
@@ -28,6 +31,7 @@
 namespace {
 
 constexpr double kDeclaredBytesPerParam = 28.0;
+constexpr double kCompactBytesPerParam = 2 + 2 * 2 + 2 * 1 + 2 * 1 + 2 + 2 * 4 / 256.0;  // 12.0625
 using Clock = std::chrono::steady_clock;
 
 void sync(const at::Device& d) {
@@ -59,10 +63,10 @@ Timing measure(const at::Device& d, F&& f, double min_time) {
   return {t[t.size() / 2], t.front(), static_cast<int>(t.size())};
 }
 
-std::string row(const Timing& t, int64_t n, double floor_s) {
+std::string row(const Timing& t, int64_t n, double floor_s, double bytes_per_param = kDeclaredBytesPerParam) {
   std::ostringstream os;
   os << "{\"median_s\":" << t.median_s << ",\"best_s\":" << t.best_s << ",\"reps\":" << t.reps
-     << ",\"gb_per_s\":" << kDeclaredBytesPerParam * n / t.median_s / 1e9 << ",\"over_floor\":" << t.median_s / floor_s
+     << ",\"gb_per_s\":" << bytes_per_param * n / t.median_s / 1e9 << ",\"over_floor\":" << t.median_s / floor_s
      << "}";
   return os.str();
 }
@@ -126,14 +130,44 @@ int run(int argc, char** argv) {
       g.copy_(p);
     }, min_time);
 
+    // The compact state: a bf16 master, zero moments (their codes and scales), the same gradients.
+    p.reset();
+    m.reset();
+    v.reset();
+    g32.reset();
+    at::Tensor master = at::randn({n}, f32).to(at::kBFloat16);
+    at::Tensor codes = at::zeros({2, n}, at::TensorOptions(at::kByte).device(device));
+    at::Tensor scales = at::zeros({2, ferry::compact_blocks(n)}, f32);
+    g.copy_(g_values);
+    ferry::CompactAdamSpan cspan;
+    cspan.master = static_cast<uint16_t*>(master.data_ptr());
+    cspan.grad = g.data_ptr();
+    cspan.grad_dtype = at::kBFloat16;
+    cspan.exp_avg = codes[0].data_ptr<uint8_t>();
+    cspan.exp_avg_sq = codes[1].data_ptr<uint8_t>();
+    cspan.exp_avg_scale = scales[0].data_ptr<float>();
+    cspan.exp_avg_sq_scale = scales[1].data_ptr<float>();
+    cspan.param_lowp = g.data_ptr();
+    cspan.lowp_dtype = at::kBFloat16;
+    cspan.numel = n;
+    const double compact_floor_s = kCompactBytesPerParam * n / roof_bw;
+    const Timing compact_t = measure(device, [&] {
+      adam.advance_step(0);
+      ferry::device_adam_update(adam, adam.freeze(0), cspan, 1.0, device);
+    }, min_time);
+
     if (!first) results << ",";
     first = false;
     results << "\n    {\"n\":" << n << ",\"roof_gb_per_s\":" << roof_bw / 1e9 << ",\"floor_s\":" << floor_s
             << ",\"ferry\":" << row(ferry_t, n, floor_s) << ",\"torch_fused\":" << row(fused_t, n, floor_s)
-            << ",\"ferry_vs_torch_fused\":" << fused_t.median_s / ferry_t.median_s << "}";
+            << ",\"ferry_vs_torch_fused\":" << fused_t.median_s / ferry_t.median_s
+            << ",\"compact_floor_s\":" << compact_floor_s
+            << ",\"compact\":" << row(compact_t, n, compact_floor_s, kCompactBytesPerParam)
+            << ",\"compact_vs_ferry\":" << ferry_t.median_s / compact_t.median_s << "}";
     ferry::log::info("  roof ", roof_bw / 1e9, " GB/s; ferry ", ferry_t.median_s * 1e3, " ms (",
                      ferry_t.median_s / floor_s, "x floor), torch fused + casts ", fused_t.median_s * 1e3, " ms (",
-                     fused_t.median_s / floor_s, "x floor)");
+                     fused_t.median_s / floor_s, "x floor); compact ", compact_t.median_s * 1e3, " ms (",
+                     compact_t.median_s / compact_floor_s, "x its floor)");
   }
   std::cout << "{\n  \"benchmark\": \"device_adam\",\n  \"commit\": \"" << commit << "\",\n  \"device\": \""
             << device.str() << "\",\n  \"declared_bytes_per_param\": " << kDeclaredBytesPerParam
