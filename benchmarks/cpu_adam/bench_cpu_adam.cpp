@@ -291,7 +291,7 @@ int main(int argc, char** argv) {
                        kCompactBytesPerParam * n / compact_roof_t.median_s / 1e9, " GB/s");
     }
   }
-  const ferry::CpuAdam probe;
+  const ferry::CpuAdam probe(ferry::AdamOptions{}, ferry::CpuAdamConfig::from(config));  // the kernel the runs used
   std::cout << "{\n  \"benchmark\": \"cpu_adam\",\n  \"commit\": \"" << commit << "\",\n  \"kernel\": \""
             << ferry::to_string(probe.isa()) << "\",\n  \"declared_bytes_per_param\": " << kDeclaredBytesPerParam
             << ",\n  \"bytes_per_param\": {\"fp32_state\": " << kDeclaredBytesPerParam << ", \"compact_state\": "
