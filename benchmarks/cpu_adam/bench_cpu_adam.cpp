@@ -10,7 +10,9 @@
 // The compact state (cpu_adam/compact_state.h) in the same run: `compact` (its update, bf16 grads and
 // copy) against `compact_roof` (a streaming kernel over the same streams), at its own declared bytes:
 // read master 2, grad 2, m 1, v 1; write master 2, m 1, v 1, bf16 copy 2; the blocks' two fp32 scales
-// read and written (16 B per 256): 12.0625 B per parameter.
+// read and written (16 B per 256): 12.0625 B per parameter. The two alternate rep by rep, and
+// `compact_vs_roof_paired` is the median of their per-rep time ratios (`compact_vs_roof`: the ratio of
+// their medians).
 //
 //   bench_cpu_adam [--sizes=16M,64M,256M] [--threads=1,2,...] [--min-time=0.5] [--commit=SHA] [--config...]
 #include <ATen/ATen.h>
@@ -52,6 +54,36 @@ Timing measure(F&& f, double min_time) {
   }
   std::sort(t.begin(), t.end());
   return {t[t.size() / 2], t.front(), static_cast<int>(t.size())};
+}
+
+// f and g alternated rep by rep (after a warm-up of each), so that both see the same drift of a shared
+// machine's memory bandwidth; `ratio`: the median of the reps' time(g) / time(f).
+struct PairedTiming {
+  Timing f, g;
+  double ratio = 0;
+};
+template <class F, class G>
+PairedTiming measure_paired(F&& f, G&& g, double min_time) {
+  f();
+  g();
+  std::vector<double> tf, tg, ratio;
+  const auto start = Clock::now();
+  while (tf.size() < 3 || std::chrono::duration<double>(Clock::now() - start).count() < 2 * min_time) {
+    auto a = Clock::now();
+    f();
+    tf.push_back(std::chrono::duration<double>(Clock::now() - a).count());
+    a = Clock::now();
+    g();
+    tg.push_back(std::chrono::duration<double>(Clock::now() - a).count());
+    ratio.push_back(tg.back() / tf.back());
+    if (tf.size() >= 50) break;
+  }
+  auto timing = [](std::vector<double> t) {
+    std::sort(t.begin(), t.end());
+    return Timing{t[t.size() / 2], t.front(), static_cast<int>(t.size())};
+  };
+  std::sort(ratio.begin(), ratio.end());
+  return {timing(tf), timing(tg), ratio[ratio.size() / 2]};
 }
 
 // Same streams as the Adam step: reads p, g(bf16), m, v; writes p, m, v, lowp(bf16).
@@ -248,6 +280,7 @@ int main(int argc, char** argv) {
       }
       // the compact state, from the same values
       Timing compact_t, compact_roof_t;
+      double compact_vs_roof_paired = 0;
       {
         const int64_t blocks = ferry::compact_blocks(n);
         at::Tensor cm = at::empty({n}, at::kByte), cv = at::empty({n}, at::kByte), cmaster = at::empty({n}, at::kBFloat16);
@@ -264,11 +297,21 @@ int main(int argc, char** argv) {
         cs.lowp_dtype = at::kBFloat16;
         cs.numel = n;
         ferry::compact_from_fp32(cs, p.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>());
-        compact_t = measure([&] { adam.advance_step(0); adam.update(0, cs, checked); }, min_time);
-        compact_roof_t = measure([&] {
-          compact_roof(cs.master, reinterpret_cast<const uint16_t*>(g16.data_ptr()), cs.exp_avg, cs.exp_avg_sq,
-                       reinterpret_cast<uint16_t*>(lowp.data_ptr()), n, nt, avx2);
-        }, min_time);
+        // The roof streams through arrays of its own: what it writes is no state to update.
+        at::Tensor roof_m = cm.clone(), roof_v = cv.clone(), roof_master = cmaster.clone(), roof_lowp = lowp.clone();
+        // The update and its roof alternated, their ratio per pair of reps: this VM's bandwidth drifts
+        // by 1.5x between minutes, which a ratio of two separately measured medians carries whole.
+        const PairedTiming paired = measure_paired(
+            [&] { adam.advance_step(0); adam.update(0, cs, checked); },
+            [&] {
+              compact_roof(reinterpret_cast<uint16_t*>(roof_master.data_ptr()),
+                           reinterpret_cast<const uint16_t*>(g16.data_ptr()), roof_m.data_ptr<uint8_t>(),
+                           roof_v.data_ptr<uint8_t>(), reinterpret_cast<uint16_t*>(roof_lowp.data_ptr()), n, nt, avx2);
+            },
+            min_time);
+        compact_t = paired.f;
+        compact_roof_t = paired.g;
+        compact_vs_roof_paired = paired.ratio;
       }
       if (!first) results << ",";
       first = false;
@@ -282,13 +325,15 @@ int main(int argc, char** argv) {
               << ",\"compact\":" << timing_json(compact_t, n, kCompactBytesPerParam)
               << ",\"compact_roof\":" << timing_json(compact_roof_t, n, kCompactBytesPerParam)
               << ",\"compact_vs_roof\":" << compact_roof_t.median_s / compact_t.median_s
+              << ",\"compact_vs_roof_paired\":" << compact_vs_roof_paired
               << ",\"compact_vs_fp32_state\":" << ferry_t.median_s / compact_t.median_s << "}";
       ferry::log::info("  ferry ", kDeclaredBytesPerParam * n / ferry_t.median_s / 1e9, " GB/s, roof ",
                        kDeclaredBytesPerParam * n / roof_t.median_s / 1e9, " GB/s, torch fused ",
                        kDeclaredBytesPerParam * n / fused_t.median_s / 1e9, " GB/s, torch optim ",
                        kDeclaredBytesPerParam * n / optim_t.median_s / 1e9, " GB/s; compact ",
                        kCompactBytesPerParam * n / compact_t.median_s / 1e9, " GB/s, its roof ",
-                       kCompactBytesPerParam * n / compact_roof_t.median_s / 1e9, " GB/s");
+                       kCompactBytesPerParam * n / compact_roof_t.median_s / 1e9, " GB/s (paired ratio ",
+                       compact_vs_roof_paired, ")");
     }
   }
   const ferry::CpuAdam probe(ferry::AdamOptions{}, ferry::CpuAdamConfig::from(config));  // the kernel the runs used
