@@ -148,39 +148,54 @@ ferry::cpu_adam::GradStats grad_stats_loop(const void* grad, float grad_scale, i
   return {total, b != 0.0f || b != b};
 }
 
-// Loop<Ops, G, L, decoupled, decay>::run(args, b, e) for the grad type, compute-copy type and decay mode
-// `h` names: every combination instantiated, one chosen per call (the fp32 and the compact loops).
-template <template <class, ferry::cpu_adam::GradType, ferry::cpu_adam::LowpType, bool, bool> class Loop, class Ops>
-struct LoopDispatch {
-  using GradType = ferry::cpu_adam::GradType;
-  using LowpType = ferry::cpu_adam::LowpType;
+// A compile-time value passed as a function argument (no <type_traits> here: see kernel_abi.h).
+template <class T, T v>
+struct Constant {
+  static constexpr T value = v;
+};
 
-  template <GradType G, LowpType L, class Args>
-  static void by_mode(const ferry::cpu_adam::AdamKernelArgs& h, const Args& a, int64_t b, int64_t e) {
+// f(Constant<GradType, G>, Constant<LowpType, L>, Constant<bool, decoupled>, Constant<bool, decay>) for
+// the grad type, compute-copy type and decay mode `h` names: every combination instantiated, one called.
+// The one place that turns kernel arguments into template arguments, for the CPU loops (LoopDispatch)
+// and the CUDA launches (adam_cuda.cu) alike.
+template <class F>
+void for_kernel_mode(const ferry::cpu_adam::AdamKernelArgs& h, F&& f) {
+  using ferry::cpu_adam::GradType;
+  using ferry::cpu_adam::LowpType;
+  const auto with_mode = [&](auto g, auto l) {
+    using Yes = Constant<bool, true>;
+    using No = Constant<bool, false>;
     const bool decay = h.weight_decay != 0.0f || h.decay_factor != 1.0f;
     if (h.decoupled_decay) {
-      decay ? Loop<Ops, G, L, true, true>::run(a, b, e) : Loop<Ops, G, L, true, false>::run(a, b, e);
+      decay ? f(g, l, Yes{}, Yes{}) : f(g, l, Yes{}, No{});
     } else {
-      decay ? Loop<Ops, G, L, false, true>::run(a, b, e) : Loop<Ops, G, L, false, false>::run(a, b, e);
+      decay ? f(g, l, No{}, Yes{}) : f(g, l, No{}, No{});
     }
-  }
-
-  template <GradType G, class Args>
-  static void by_lowp(const ferry::cpu_adam::AdamKernelArgs& h, const Args& a, int64_t b, int64_t e) {
+  };
+  const auto with_lowp = [&](auto g) {
     switch (h.lowp_type) {
-      case LowpType::kNone: return by_mode<G, LowpType::kNone>(h, a, b, e);
-      case LowpType::kBf16: return by_mode<G, LowpType::kBf16>(h, a, b, e);
-      case LowpType::kF16: return by_mode<G, LowpType::kF16>(h, a, b, e);
+      case LowpType::kNone: return with_mode(g, Constant<LowpType, LowpType::kNone>{});
+      case LowpType::kBf16: return with_mode(g, Constant<LowpType, LowpType::kBf16>{});
+      case LowpType::kF16: return with_mode(g, Constant<LowpType, LowpType::kF16>{});
     }
+  };
+  switch (h.grad_type) {
+    case GradType::kF32: return with_lowp(Constant<GradType, GradType::kF32>{});
+    case GradType::kBf16: return with_lowp(Constant<GradType, GradType::kBf16>{});
+    case GradType::kF16: return with_lowp(Constant<GradType, GradType::kF16>{});
   }
+}
 
+// Loop<Ops, G, L, decoupled, decay>::run(args, b, e) for the mode `h` names (the fp32 and the compact
+// loops).
+template <template <class, ferry::cpu_adam::GradType, ferry::cpu_adam::LowpType, bool, bool> class Loop, class Ops>
+struct LoopDispatch {
   template <class Args>
   static void run(const ferry::cpu_adam::AdamKernelArgs& h, const Args& a, int64_t b, int64_t e) {
-    switch (h.grad_type) {
-      case GradType::kF32: return by_lowp<GradType::kF32>(h, a, b, e);
-      case GradType::kBf16: return by_lowp<GradType::kBf16>(h, a, b, e);
-      case GradType::kF16: return by_lowp<GradType::kF16>(h, a, b, e);
-    }
+    for_kernel_mode(h, [&](auto g, auto l, auto decoupled, auto decay) {
+      Loop<Ops, decltype(g)::value, decltype(l)::value, decltype(decoupled)::value, decltype(decay)::value>::run(a, b,
+                                                                                                                  e);
+    });
   }
 };
 

@@ -96,26 +96,6 @@ void launch(const AdamKernelArgs& a, int64_t n, const float* found_inf, cudaStre
       Loop::consts(a), a.param, a.grad, a.exp_avg, a.exp_avg_sq, a.param_lowp, n, found_inf);
 }
 
-template <GradType G, LowpType L>
-void by_mode(const AdamKernelArgs& a, int64_t n, const float* found_inf, cudaStream_t s, int blocks) {
-  const bool decay = a.weight_decay != 0.0f || a.decay_factor != 1.0f;  // as the CPU kernels decide
-  if (a.decoupled_decay) {
-    decay ? launch<G, L, true, true>(a, n, found_inf, s, blocks) : launch<G, L, true, false>(a, n, found_inf, s, blocks);
-  } else {
-    decay ? launch<G, L, false, true>(a, n, found_inf, s, blocks)
-          : launch<G, L, false, false>(a, n, found_inf, s, blocks);
-  }
-}
-
-template <GradType G>
-void by_lowp(const AdamKernelArgs& a, int64_t n, const float* found_inf, cudaStream_t s, int blocks) {
-  switch (a.lowp_type) {
-    case LowpType::kNone: return by_mode<G, LowpType::kNone>(a, n, found_inf, s, blocks);
-    case LowpType::kBf16: return by_mode<G, LowpType::kBf16>(a, n, found_inf, s, blocks);
-    case LowpType::kF16: return by_mode<G, LowpType::kF16>(a, n, found_inf, s, blocks);
-  }
-}
-
 // The compact update (compact_body.h): one block of threads per block of kCompactBlock elements (grid-
 // stride over blocks), one element per thread. Each thread runs CompactLoop::element; the block's new
 // scales are the maxima of |m| and u over its elements (a shared-memory reduction: maxima are exact in
@@ -194,27 +174,6 @@ void launch_compact(const CompactAdamArgs& a, int64_t n, const float* found_inf,
                                                                                     found_inf);
 }
 
-template <GradType G, LowpType L>
-void compact_by_mode(const CompactAdamArgs& a, int64_t n, const float* f, cudaStream_t s, int blocks) {
-  const AdamKernelArgs& h = a.hyper;
-  const bool decay = h.weight_decay != 0.0f || h.decay_factor != 1.0f;  // as the CPU kernels decide
-  if (h.decoupled_decay) {
-    decay ? launch_compact<G, L, true, true>(a, n, f, s, blocks) : launch_compact<G, L, true, false>(a, n, f, s, blocks);
-  } else {
-    decay ? launch_compact<G, L, false, true>(a, n, f, s, blocks)
-          : launch_compact<G, L, false, false>(a, n, f, s, blocks);
-  }
-}
-
-template <GradType G>
-void compact_by_lowp(const CompactAdamArgs& a, int64_t n, const float* f, cudaStream_t s, int blocks) {
-  switch (a.hyper.lowp_type) {
-    case LowpType::kNone: return compact_by_mode<G, LowpType::kNone>(a, n, f, s, blocks);
-    case LowpType::kBf16: return compact_by_mode<G, LowpType::kBf16>(a, n, f, s, blocks);
-    case LowpType::kF16: return compact_by_mode<G, LowpType::kF16>(a, n, f, s, blocks);
-  }
-}
-
 const char* grid_for(int64_t units, int threads, int* blocks) {
   int device = 0, sms = 0, per_sm = 0;
   cudaError_t e = cudaGetDevice(&device);
@@ -234,11 +193,10 @@ const char* launch_adam_cuda(const AdamKernelArgs& a, int64_t n, const float* fo
   int blocks = 0;
   if (const char* error = grid_for((n + kThreads - 1) / kThreads, kThreads, &blocks)) return error;
   const auto s = static_cast<cudaStream_t>(stream);
-  switch (a.grad_type) {
-    case GradType::kF32: by_lowp<GradType::kF32>(a, n, found_inf, s, blocks); break;
-    case GradType::kBf16: by_lowp<GradType::kBf16>(a, n, found_inf, s, blocks); break;
-    case GradType::kF16: by_lowp<GradType::kF16>(a, n, found_inf, s, blocks); break;
-  }
+  for_kernel_mode(a, [&](auto g, auto l, auto decoupled, auto decay) {
+    launch<decltype(g)::value, decltype(l)::value, decltype(decoupled)::value, decltype(decay)::value>(a, n, found_inf,
+                                                                                                      s, blocks);
+  });
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }
@@ -248,11 +206,10 @@ const char* launch_compact_cuda(const CompactAdamArgs& a, int64_t n, const float
   int blocks = 0;
   if (const char* error = grid_for((n + kCompactBlock - 1) / kCompactBlock, kCompactThreads, &blocks)) return error;
   const auto s = static_cast<cudaStream_t>(stream);
-  switch (a.hyper.grad_type) {
-    case GradType::kF32: compact_by_lowp<GradType::kF32>(a, n, found_inf, s, blocks); break;
-    case GradType::kBf16: compact_by_lowp<GradType::kBf16>(a, n, found_inf, s, blocks); break;
-    case GradType::kF16: compact_by_lowp<GradType::kF16>(a, n, found_inf, s, blocks); break;
-  }
+  for_kernel_mode(a.hyper, [&](auto g, auto l, auto decoupled, auto decay) {
+    launch_compact<decltype(g)::value, decltype(l)::value, decltype(decoupled)::value, decltype(decay)::value>(
+        a, n, found_inf, s, blocks);
+  });
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }

@@ -36,9 +36,7 @@
 // shift each from one widening load (Pairs below), the other's code left below. The (exponent, 3 or 4
 // mantissa bits) of a normal code then sit where fp32 keeps them, and the exponent's rebase, +112, sets
 // bits 27..29 the code's exponent (< 16) leaves clear: an or, not an add.
-constexpr uint32_t kMBias = 896;    // (127 - 15) << 3: fp32 exponent/mantissa bits >> 20, rebased
-constexpr uint32_t kUBias = 1792;   // (127 - 15) << 4: >> 19
-constexpr uint32_t kRebase = 0x38000000u;  // kMBias << 20 == kUBias << 19: the exponent's +112
+constexpr uint32_t kRebase = (127u - 15u) << 23;  // the exponent's +112, in fp32's exponent field
 constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: x + it - it rounds x in [0, 2^22) to an integer
 constexpr uint32_t kRoundMagicBits = 0x4B400000u;
 
@@ -65,15 +63,16 @@ struct CompactCodes {
     }
     return Ops::from_bits(value);
   }
-  // y = m / s_m, |y| <= 1 (+ an ulp). Rounded to the nearest 3-bit mantissa, ties away from zero:
-  // (|y|'s bits + 2^19) >> 20, which reads only bits 19 and up (a vector kernel may hand over y's top
-  // 16 bits alone), less the rebase (subtracted before the shift: exact, a multiple of 2^20, and every
-  // normal-coded |y| >= 2^-14 is above it). y's sign rides along to bit 11, from where only the 7
-  // magnitude bits are kept: the code's sign comes from bit 31 (>> 24: bit 7).
   // The rounding constants of a normal code: half its last place, less the rebase. Their low 16 bits
   // are zero, so a kernel may encode from the top 16 bits of y with these >> 16 (the same result).
   static constexpr uint32_t kMRound = 0x80000u - kRebase, kURound = 0x40000u - kRebase;
   static_assert((kMRound & 0xffffu) == 0 && (kURound & 0xffffu) == 0, "the codes read y's top 16 bits only");
+
+  // y = m / s_m, |y| <= 1 (+ an ulp). Rounded to the nearest 3-bit mantissa, ties away from zero:
+  // (|y|'s bits + 2^19) >> 20, which reads only bits 19 and up, less the rebase (subtracted before the
+  // shift: exact, a multiple of 2^20, and every normal-coded |y| >= 2^-14 is above it). y's sign rides
+  // along to bit 11, from where only the 7 magnitude bits are kept: the code's sign comes from bit 31
+  // (>> 24: bit 7).
   FERRY_HD static I encode_m(F y) {
     const I yb = Ops::bits(y);
     const I t = Ops::srli(Ops::add_i(yb, Ops::set1_i(kMRound)), 20);
