@@ -12,7 +12,11 @@
 // read master 2, grad 2, m 1, v 1; write master 2, m 1, v 1, bf16 copy 2; the blocks' two fp32 scales
 // read and written (16 B per 256): 12.0625 B per parameter. The two alternate rep by rep, and
 // `compact_vs_roof_paired` is the median of their per-rep time ratios (`compact_vs_roof`: the ratio of
-// their medians).
+// their medians). `compact_in_cache` is the same update over 64K elements per thread (786 KB of state
+// each, which stays in a core's L2): the kernel's arithmetic ceiling on this host at that thread count,
+// memory out of the way. `compact_ceiling_vs_roof` divides it by the better of the two roofs: below 1,
+// no memory system would let the kernel reach its roof here (it is bound by its instructions); above
+// 1, what it loses to the roof is lost to memory.
 //
 //   bench_cpu_adam [--sizes=16M,64M,256M] [--threads=1,2,...] [--min-time=0.5] [--commit=SHA] [--config...]
 #include <ATen/ATen.h>
@@ -33,6 +37,8 @@ namespace {
 
 constexpr double kDeclaredBytesPerParam = 28.0;
 constexpr double kCompactBytesPerParam = 12.0 + 16.0 / 256;
+constexpr int64_t kInCachePerThread = int64_t{1} << 16;  // elements: 786 KB of compact state
+constexpr int kInCacheBatch = 16;                        // updates per timed rep (each is ~50 us)
 using Clock = std::chrono::steady_clock;
 
 struct Timing {
@@ -279,8 +285,9 @@ int main(int argc, char** argv) {
         }, min_time);
       }
       // the compact state, from the same values
-      Timing compact_t, compact_roof_t;
+      Timing compact_t, compact_roof_t, in_cache_t;
       double compact_vs_roof_paired = 0;
+      const int64_t in_cache_n = std::min(n, nt * kInCachePerThread);
       {
         const int64_t blocks = ferry::compact_blocks(n);
         at::Tensor cm = at::empty({n}, at::kByte), cv = at::empty({n}, at::kByte), cmaster = at::empty({n}, at::kBFloat16);
@@ -312,7 +319,22 @@ int main(int argc, char** argv) {
         compact_t = paired.f;
         compact_roof_t = paired.g;
         compact_vs_roof_paired = paired.ratio;
+        // The arithmetic ceiling: the first in_cache_n elements (whole blocks, one range per thread),
+        // kInCacheBatch updates per rep.
+        ferry::CompactAdamSpan head = cs;
+        head.numel = in_cache_n;
+        in_cache_t = measure([&] {
+          for (int k = 0; k < kInCacheBatch; ++k) {
+            adam.advance_step(0);
+            adam.update(0, head, checked);
+          }
+        }, min_time);
+        in_cache_t.median_s /= kInCacheBatch;
+        in_cache_t.best_s /= kInCacheBatch;
       }
+      const double best_roof_gb_per_s = std::max(kDeclaredBytesPerParam * n / roof_t.median_s,
+                                                 kCompactBytesPerParam * n / compact_roof_t.median_s) / 1e9;
+      const double ceiling_gb_per_s = kCompactBytesPerParam * in_cache_n / in_cache_t.median_s / 1e9;
       if (!first) results << ",";
       first = false;
       results << "\n    {\"n\":" << n << ",\"threads\":" << nt << ",\"ferry\":" << timing_json(ferry_t, n)
@@ -326,14 +348,18 @@ int main(int argc, char** argv) {
               << ",\"compact_roof\":" << timing_json(compact_roof_t, n, kCompactBytesPerParam)
               << ",\"compact_vs_roof\":" << compact_roof_t.median_s / compact_t.median_s
               << ",\"compact_vs_roof_paired\":" << compact_vs_roof_paired
-              << ",\"compact_vs_fp32_state\":" << ferry_t.median_s / compact_t.median_s << "}";
+              << ",\"compact_vs_fp32_state\":" << ferry_t.median_s / compact_t.median_s
+              << ",\"compact_in_cache\":" << timing_json(in_cache_t, in_cache_n, kCompactBytesPerParam)
+              << ",\"compact_in_cache_n\":" << in_cache_n << ",\"best_roof_gb_per_s\":" << best_roof_gb_per_s
+              << ",\"compact_ceiling_vs_roof\":" << ceiling_gb_per_s / best_roof_gb_per_s << "}";
       ferry::log::info("  ferry ", kDeclaredBytesPerParam * n / ferry_t.median_s / 1e9, " GB/s, roof ",
                        kDeclaredBytesPerParam * n / roof_t.median_s / 1e9, " GB/s, torch fused ",
                        kDeclaredBytesPerParam * n / fused_t.median_s / 1e9, " GB/s, torch optim ",
                        kDeclaredBytesPerParam * n / optim_t.median_s / 1e9, " GB/s; compact ",
                        kCompactBytesPerParam * n / compact_t.median_s / 1e9, " GB/s, its roof ",
                        kCompactBytesPerParam * n / compact_roof_t.median_s / 1e9, " GB/s (paired ratio ",
-                       compact_vs_roof_paired, ")");
+                       compact_vs_roof_paired, "); compact in cache ", ceiling_gb_per_s, " GB/s (",
+                       ceiling_gb_per_s / best_roof_gb_per_s, " of the better roof)");
     }
   }
   const ferry::CpuAdam probe(ferry::AdamOptions{}, ferry::CpuAdamConfig::from(config));  // the kernel the runs used
