@@ -1,5 +1,6 @@
 #include "chunk_updates.h"
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
@@ -176,11 +177,14 @@ ChunkOutcome ChunkUpdates::host_norm(const at::Tensor& grads, const std::vector<
   ChunkOutcome out;
   const int64_t elem = static_cast<int64_t>(grads.element_size());
   const char* base = static_cast<const char*>(grads.data_ptr());
+  int64_t bytes = 0;
   for (const Span& s : spans) {
     const GradNorm norm = adam_.grad_norm_sq(base + s.begin * elem, grads.scalar_type(), s.end - s.begin);
     out.sum_sq += norm.sum_sq;
     out.finite = out.finite && !norm.nonfinite;
+    bytes += (s.end - s.begin) * elem;
   }
+  host_norm_bytes_ += bytes;
   // A norm that overflows counts as non-finite, as the device's fp32 norm does (D70): a chunk is then
   // skipped wherever its state lives, and the step's report agrees with what was updated.
   out.finite = out.finite && std::isfinite(out.sum_sq);
@@ -194,6 +198,26 @@ std::vector<at::Tensor> ChunkUpdates::device_norms(const at::Tensor& grads, cons
     norms.push_back(at::linalg_vector_norm(grads.slice(0, s.begin, s.end), 2, c10::nullopt, false, at::kFloat));
   }
   return norms;
+}
+
+at::Tensor ChunkUpdates::norms_before_the_trip(const at::Tensor& grads, const std::vector<Span>& spans) {
+  const at::Tensor norms = at::stack(device_norms(grads, spans)).to(at::kDouble);
+  if (!norms.is_cuda()) return norms;
+  at::Tensor host = at::empty(norms.sizes(), norms.options().device(at::kCPU).pinned_memory(true));
+  host.copy_(norms, /*non_blocking=*/true);
+  return host;
+}
+
+ChunkOutcome ChunkUpdates::outcome_of(const at::Tensor& trip_norms) {
+  ChunkOutcome out;
+  const at::Tensor t = trip_norms.contiguous();
+  const double* v = t.data_ptr<double>();
+  for (int64_t k = 0; k < t.numel(); ++k) {
+    out.finite = out.finite && std::isfinite(v[k]);
+    out.sum_sq += v[k] * v[k];
+  }
+  out.finite = out.finite && std::isfinite(out.sum_sq);
+  return out;
 }
 
 void ChunkUpdates::finish_norms(const std::vector<at::Tensor>& device_norms, const std::vector<int64_t>& device_index,

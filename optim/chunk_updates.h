@@ -12,6 +12,7 @@
 // group options, and write only the spans' memory).
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <utility>
@@ -84,6 +85,15 @@ class ChunkUpdates {
   // span, fp32 accumulation, inf/NaN if any gradient is).
   ChunkOutcome host_norm(const at::Tensor& grads, const std::vector<Span>& spans) const;
   static std::vector<at::Tensor> device_norms(const at::Tensor& grads, const std::vector<Span>& spans);
+  // Note [Norms before the trip]: the device norms of a chunk's gradients taken before it leaves for the
+  // host, on their way there: one double per span in host memory. On CUDA they are copied in the current
+  // stream's order, so they are read after the chunk's own copy to the host, started after this call
+  // from the same stream, has landed (a host job's gradients); at once on the simulated device.
+  static at::Tensor norms_before_the_trip(const at::Tensor& grads, const std::vector<Span>& spans);
+  // What those norms say, as finish_norms() reads device norms.
+  static ChunkOutcome outcome_of(const at::Tensor& trip_norms);
+  // Gradient bytes host_norm() has read since the last take (host jobs add theirs on the worker).
+  int64_t take_host_norm_bytes() { return host_norm_bytes_.exchange(0); }
   // Reads the device norms (one host sync, if any) into `norms` (device_index[k]: the chunk of norm k; n +
   // c: chunk c's late part), then totals.
   static void finish_norms(const std::vector<at::Tensor>& device_norms, const std::vector<int64_t>& device_index,
@@ -115,6 +125,7 @@ class ChunkUpdates {
   const Ownership& ownership_;
   std::function<at::Tensor(int64_t)> reduced_;
   std::vector<char> written_;  // per layout chunk (accumulation mode)
+  mutable std::atomic<int64_t> host_norm_bytes_{0};
 };
 
 }  // namespace ferry::optim

@@ -55,7 +55,8 @@ StepResult Engine::step() {
   const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   settle("step()");
   std::lock_guard<std::mutex> lock(mutex_);
-  const StepResult result = step_locked();
+  StepResult result = step_locked();
+  result.host_norm_bytes = updates_.take_host_norm_bytes();
   place_jointly_if_due_locked();
   return result;
 }
@@ -165,7 +166,15 @@ ChunkNorms Engine::grad_norms_locked(bool pipelined) {
         }
       }
     } else {
-      const ChunkOutcome o = done ? pipeline_.outcome(c) : updates_.host_norm(updates_.grad_payload(c), ledger_.spans(layout, c));
+      ChunkOutcome o;
+      if (done) {
+        o = pipeline_.outcome(c);
+      } else {
+        const std::vector<Span> spans = ledger_.spans(layout, c);
+        // A job taken back at backward's end: its norms were taken before its trip (Note [Norms before the trip]).
+        const std::optional<ChunkOutcome> trip = pipelined ? pipeline_.trip_outcome(c, spans) : std::nullopt;
+        o = trip ? *trip : updates_.host_norm(updates_.grad_payload(c), spans);
+      }
       norms.sum_sq[c] = o.sum_sq;
       norms.finite[c] = o.finite;
       if (done && pipeline_.has_late(c)) {
@@ -429,7 +438,8 @@ StepResult Engine::backward_step_at_one_rank(const at::Tensor& loss) {
   // The first calls: nothing to expect yet. Else what the pipeline did not do during backward runs now
   // (with accumulation the chunks final in backward had their accumulations and norms, eager their host
   // updates too, writing the new values into the slots), as step() runs it.
-  const StepResult result = pipelined ? finish_pipelined_locked() : step_locked();
+  StepResult result = pipelined ? finish_pipelined_locked() : step_locked();
+  result.host_norm_bytes = updates_.take_host_norm_bytes();
   place_jointly_if_due_locked();
   return result;
 }
@@ -605,6 +615,7 @@ StepResult Engine::backward_step_across_ranks(const at::Tensor& loss) {
   finality_.learn_landings(/*complete=*/true);
   pipeline_.learned();
   StepResult result = pipelined ? sharded_.finish_pipelined(loss_scale()) : step_locked();
+  result.host_norm_bytes = updates_.take_host_norm_bytes();
   sharded_.check_landings_agree(finality_);  // for the next call
   return result;
 }

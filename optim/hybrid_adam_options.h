@@ -115,6 +115,10 @@ struct StepResult {
   // Host synchronizations by the optimizer on the calling thread (reading device norms): at most 1.
   int64_t device_syncs = 0;
   int64_t comm_ns = 0;  // data parallelism: time in collectives (reduce-scatter, norm, all-gather)
+  // Gradient bytes the host read to take norms, a pass of its own before the update reads them again;
+  // backward_step leaves out the chunks whose norms were taken on the device before their trip to the
+  // host (Note [Norms before the trip], optim/pipelined_step.h).
+  int64_t host_norm_bytes = 0;
 };
 
 }  // namespace ferry

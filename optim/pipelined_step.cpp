@@ -50,6 +50,18 @@ void PipelinedStep::start(Kind kind, bool cancellable) {
   active_ = true;
   outcomes_.assign(n, ChunkOutcome{});
   device_norms_.assign(n, {});
+  trip_norms_.assign(n, {});
+}
+
+std::optional<ChunkOutcome> PipelinedStep::trip_outcome(int64_t chunk, const std::vector<Span>& spans) const {
+  if (chunk >= static_cast<int64_t>(trip_norms_.size()) || !trip_norms_[chunk].norms.defined()) return std::nullopt;
+  const std::vector<Span>& taken = trip_norms_[chunk].spans;
+  const bool same = taken.size() == spans.size() &&
+                    std::equal(taken.begin(), taken.end(), spans.begin(), [](const Span& a, const Span& b) {
+                      return a.group == b.group && a.begin == b.begin && a.end == b.end && a.lag == b.lag;
+                    });
+  if (!same) return std::nullopt;
+  return ChunkUpdates::outcome_of(trip_norms_[chunk].norms);
 }
 
 void PipelinedStep::unlaunch(int64_t chunk) {
@@ -94,8 +106,15 @@ void PipelinedStep::launch(int64_t c) {
     return;
   }
   const HostState state = parts_.placement.host_state(c, parts_.ownership.owned(c), /*moments=*/true, parts_.model.layout());
-  auto work = [this, c, spans = std::move(spans), eager = eager(), state](const at::Tensor& g) {
-    const ChunkOutcome out = parts_.updates.host_norm(g, spans);
+  // Note [Norms before the trip]: eager, a chunk still on the device has its norms taken there, before
+  // its move below, so that its job reads its gradients once, in the update.
+  at::Tensor trip;
+  if (eager() && !spans.empty() && params.location(pc) == Location::kDevice) {
+    trip = ChunkUpdates::norms_before_the_trip(params.payload(pc), spans);
+    trip_norms_[c] = TripNorms{trip, spans};
+  }
+  auto work = [this, c, spans = std::move(spans), eager = eager(), state, trip](const at::Tensor& g) {
+    const ChunkOutcome out = trip.defined() ? ChunkUpdates::outcome_of(trip) : parts_.updates.host_norm(g, spans);
     if (eager) {
       if (out.finite) {
         parts_.updates.run_host(parts_.updates.adam_spans(spans, state, g),

@@ -11,9 +11,10 @@
 // only record them and run unpipelined). When a chunk becomes final, on autograd's thread:
 //  - host state: its parameter chunk (holding the gradients) starts its move to the host on the copy
 //    stream, one transfer per chunk, and is locked there (ChunkStore::lock_on_host); a job on CpuAdam's
-//    worker waits for that copy, computes the chunk's gradient norm and, unless the step needs every
-//    gradient first, runs the host Adam, writing the new compute-dtype values over the gradients. The
-//    chunk stays on the host until the next forward brings it back (prefetched from the trace).
+//    worker waits for that copy, computes the chunk's gradient norm (eager: taken on the device before
+//    the move, Note [Norms before the trip]) and, unless the step needs every gradient first, runs the
+//    host Adam, writing the new compute-dtype values over the gradients. The chunk stays on the host
+//    until the next forward brings it back (prefetched from the trace).
 //  - device state: its parameter chunk is brought to the device if evicted (no host stall), its
 //    norm is reduced on the device (no host sync) and the device Adam runs on the compute stream, told
 //    to skip by a device flag if the chunk's gradients are not finite.
@@ -36,6 +37,24 @@
 //    bit. Cost against eager: the host Adam is no longer hidden behind backward (it runs after it,
 //    beside the next forward: Note [Update behind the next forward]), while the gradients' transfers
 //    still are.
+//
+// Note [Norms before the trip]
+// A host job's norm was a pass of its own over the chunk's gradients before the update read them again:
+// 2 of the 30 bytes per parameter that the host's memory moves for a host-state parameter (fp32 state:
+// 28 for the update, 2 for the norm; compact: 12 and 2), in the resource that bounds the 12b and 20b
+// steps. In the eager step a chunk that is still on the device when it becomes final (where backward
+// left it, unless evicted since) has its norms reduced there first, as a device-state chunk's are
+// (ChunkUpdates::device_norms: fp32 accumulation, inf/NaN if any gradient is), and copied to pinned host
+// memory on the same stream before the chunk's own copy to the host is started behind them: once that
+// copy has landed, which is what the job waits for, so have the norms. The job then reads its gradients
+// once, in the update; the norms serve the step's end too for a job taken back there (Note [Host updates
+// carried over behind the next forward]) if the chunk's landed spans are still those they cover. A
+// chunk already on the host, the two-phase step (whose global norm decides the bits and must be
+// step()'s) and accumulation take the host's norm as before. What changes: a host-state chunk's skip is
+// then decided as a device-state chunk's is (the two differ only for a finite gradient whose fp32 sum
+// of squares overflows over a whole span but not over the host's blocks), and the norm the result
+// reports agrees with step()'s to fp32's accumulation, not to the bit. StepResult::host_norm_bytes
+// counts what the host still read.
 //
 // Note [A gradient after its chunk's update]
 // A parameter's gradient can land after its chunk became final: a layer that no earlier backward reached
@@ -69,6 +88,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include "hybrid_adam_options.h"
@@ -125,7 +145,14 @@ class PipelinedStep {
   void set_device_norms(int64_t chunk, std::vector<at::Tensor> norms) { device_norms_[chunk] = std::move(norms); }
   std::vector<at::Tensor>& device_norms(int64_t chunk) { return device_norms_[chunk]; }
   // Forgets the device norms (once read, or when the step fails).
-  void clear_device_norms() { device_norms_.clear(); }
+  void clear_device_norms() {
+    device_norms_.clear();
+    trip_norms_.clear();
+  }
+  // Note [Norms before the trip]: the outcome of host-state chunk c's norms as taken on the device when
+  // it was launched, if they cover exactly `spans` (its landed spans now: a job taken back at backward's
+  // end, whose chunk no gradient reached since); nullopt otherwise.
+  std::optional<ChunkOutcome> trip_outcome(int64_t chunk, const std::vector<Span>& spans) const;
 
   // Late parameters (Note [A gradient after its chunk's update]).
   bool late(int64_t param) const { return param < static_cast<int64_t>(late_.size()) && late_[param]; }
@@ -153,6 +180,11 @@ class PipelinedStep {
   std::vector<char> launched_;                      // per layout chunk: its host update (or norm) is queued
   std::vector<ChunkOutcome> outcomes_;              // per layout chunk, what its host job found
   std::vector<std::vector<at::Tensor>> device_norms_;  // per layout chunk, its norms taken on the device
+  struct TripNorms {
+    at::Tensor norms;  // ChunkUpdates::norms_before_the_trip
+    std::vector<Span> spans;
+  };
+  std::vector<TripNorms> trip_norms_;  // per layout chunk: a host-state chunk's, taken at its launch
   // Eager, N = 1: per parameter, its first gradient of this backward landed after its chunk's job had
   // started (so the job left it alone); per layout chunk, whether it has such a parameter.
   std::vector<char> late_, late_chunks_;

@@ -188,6 +188,7 @@ struct FerryResult {
   double overlapped_chunks = 0;
   double written_back_chunks = 0;  // accumulation: chunks whose new values a copy wrote after the update
   double deferred_chunks = 0;      // host updates left running behind the step (Note [Update behind the next forward])
+  double host_norm_bytes = 0;      // gradient bytes the host read for norms (Note [Norms before the trip])
   double host_state_params = 0;  // parameters whose optimizer state is on the host (host Adam)
   std::string plan_json;         // Config::activations and the activation plan that applied at the end
   // Data parallelism (world size > 1), per measured step: bytes this rank sent as the ring algorithm
@@ -437,6 +438,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     r.d2h_bytes += static_cast<double>(moves.d2h_bytes - moves_before.d2h_bytes) / a.steps;
     r.overlapped_chunks += static_cast<double>(step.overlapped_chunks) / a.steps;
     r.deferred_chunks += static_cast<double>(step.deferred_chunks) / a.steps;
+    r.host_norm_bytes += static_cast<double>(step.host_norm_bytes) / a.steps;
     r.written_back_chunks += static_cast<double>(step.written_back_chunks) / a.steps;
     if (comm) {
       const ferry::dist::CommStats cs = comm->stats();
@@ -848,7 +850,7 @@ int run(int argc, char** argv) {
       << ", \"transfers_per_step\": " << f.transfers << ", \"h2d_bytes_per_step\": " << f.h2d_bytes
       << ", \"d2h_bytes_per_step\": " << f.d2h_bytes << ", \"overlapped_chunks_per_step\": " << f.overlapped_chunks
       << ", \"written_back_chunks_per_step\": " << f.written_back_chunks
-      << ", \"deferred_chunks_per_step\": " << f.deferred_chunks
+      << ", \"deferred_chunks_per_step\": " << f.deferred_chunks << ", \"host_norm_bytes_per_step\": " << f.host_norm_bytes
       << ", \"host_state_params\": " << f.host_state_params << ",\n    \"plan\": " << f.plan_json << "}";
   if (comm) {
     // The floor of data parallelism: each parameter byte all-gathered and reduce-scattered once per step.

@@ -161,7 +161,12 @@ void expect_pipeline_equals_step(DeviceKind device, double max_grad_norm, int mi
     a_adam.zero_grad();
     b_adam.zero_grad();
     ASSERT_TRUE(ra.applied && rb.applied) << "step " << step;
-    EXPECT_EQ(ra.grad_norm, rb.grad_norm) << "step " << step;
+    if (max_grad_norm == 0.0 && micro_batches == 1) {
+      // Note [Norms before the trip]: the host-state chunks' norms taken on the device (fp32).
+      EXPECT_NEAR(ra.grad_norm, rb.grad_norm, 1e-5 * ra.grad_norm) << "step " << step;
+    } else {
+      EXPECT_EQ(ra.grad_norm, rb.grad_norm) << "step " << step;
+    }
     EXPECT_EQ(ra.clip_coef, rb.clip_coef) << "step " << step;
     EXPECT_LE(rb.device_syncs, 1) << "step " << step << ": no per-parameter synchronisation";
     evictions += b.last_iteration().evictions;
@@ -370,6 +375,9 @@ TEST_P(HybridAdamOnDevice, ANonFiniteGradientSkipsItsChunkWhereverItsStateLives)
       b_adam.zero_grad();
       EXPECT_EQ(ra.overflow, poison) << when;
       EXPECT_EQ(rb.overflow, poison) << when;
+      // Note [Norms before the trip]: the host-state twin's chunks are on the device when final, so their
+      // norms (and skips) were taken there, by the jobs or, for those taken back, at the step's end.
+      if (step > 0 && device == DeviceKind::kSimulated) EXPECT_EQ(rb.host_norm_bytes, 0) << when;
       if (step < 2) continue;  // placed and pipelined from step 2 on (the first steps trace and place)
       ASSERT_EQ(ra.device_chunks, chunks) << when;
       ASSERT_EQ(rb.host_chunks, chunks) << when;

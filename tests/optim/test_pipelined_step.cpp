@@ -10,6 +10,8 @@
 
 #include <cmath>
 #include <cstdio>
+#include <future>
+#include <limits>
 #include <memory>
 #include <string>
 
@@ -270,6 +272,69 @@ TEST(PipelinedStep, SyncsOnceAndMovesWholeChunks) {
               static_cast<long long>(plain.syncs), static_cast<long long>(plain.transfers),
               static_cast<long long>(piped.syncs), static_cast<long long>(piped.background_syncs),
               static_cast<long long>(piped.transfers), static_cast<long long>(piped.host_chunks));
+}
+
+// Note [Norms before the trip]: with every host-state chunk still on the device when it is final, the
+// eager pipelined step takes their norms there, so the host reads each gradient once, in the update
+// (host_norm_bytes 0), where backward() + step() reads them twice; the same bits. Jobs that run in
+// backward use them (without the carry-over, which lets backward's end take back the jobs not started),
+// and so does the step's end for those taken back and carried over behind the next forward (the worker
+// held until backward_step returns: all of them). Skips by those norms are
+// compared with the device's in HybridAdamOnDevice.ANonFiniteGradientSkipsItsChunkWhereverItsStateLives.
+TEST(PipelinedStep, NormsBeforeTheTripSpareTheHostItsNormPass) {
+  for (const bool stall : {false, true}) {
+    SCOPED_TRACE(stall ? "worker held: every job taken back" : "no carry-over: every job runs");
+    HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+    options.device_state_chunks = 0;
+    options.carry_over_host_updates = stall;  // without it the jobs cannot be taken back: they run
+    torch::manual_seed(53);
+    TinyLm a_net(kVocab, kDim);
+    torch::manual_seed(53);
+    TinyLm b_net(kVocab, kDim);
+    // Room for every parameter chunk: nothing is evicted, so every chunk is on the device when final.
+    ChunkedModel a(a_net.ptr(), sim_config(budget_for(16, 0), Precision::kBf16));
+    ChunkedModel b(b_net.ptr(), sim_config(budget_for(16, 0), Precision::kBf16));
+    HybridAdam a_adam(a, options), b_adam(b, options);
+    int64_t host_bytes = 0, carried = 0, overlapped = 0;
+    for (int step = 0; step < 6; ++step) {
+      const std::string when = "step " + std::to_string(step);
+      const Batch x = batch(step);
+      a.backward(forward_loss(a, a_net, x));
+      const StepResult ra = a_adam.step();
+      std::promise<void> gate;
+      if (stall) b_adam.run_on_worker([opened = gate.get_future().share()] { opened.wait(); });
+      StepResult rb;
+      {
+        struct Open {  // after the step has returned, also when it throws
+          std::promise<void>& gate;
+          bool stall;
+          ~Open() {
+            if (stall) gate.set_value();
+          }
+        } open{gate, stall};
+        rb = b_adam.backward_step(forward_loss(b, b_net, x));
+      }
+      a_adam.zero_grad();
+      b_adam.zero_grad();
+      ASSERT_TRUE(ra.applied && rb.applied) << when;
+      ASSERT_GE(ra.host_chunks, 3) << when;
+      EXPECT_GT(ra.host_norm_bytes, 0) << when << ": step() reads the gradients for their norms";
+      if (step > 0) {
+        EXPECT_EQ(rb.host_norm_bytes, 0) << when << ": the pipeline took every host chunk's norm on the device";
+        EXPECT_NEAR(ra.grad_norm, rb.grad_norm, 1e-5 * ra.grad_norm) << when;
+        host_bytes += ra.host_norm_bytes;
+        carried += rb.deferred_chunks;
+        overlapped += rb.overlapped_chunks;
+      }
+      ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, when));
+    }
+    if (stall) EXPECT_GT(carried, 0) << "jobs must be taken back for that path to be tested";
+    if (!stall) EXPECT_GT(overlapped, 0) << "jobs must run for that path to be tested";
+    std::printf("%s: over 5 steps step() read %lld gradient bytes for norms, backward_step 0 (%lld jobs ran in "
+                "backward, %lld carried over)\n",
+                stall ? "worker held" : "no carry-over", static_cast<long long>(host_bytes),
+                static_cast<long long>(overlapped), static_cast<long long>(carried));
+  }
 }
 
 // The host Adam of a chunk whose gradients are final starts while backward goes on: the gate after the
