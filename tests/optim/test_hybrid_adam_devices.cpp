@@ -377,7 +377,9 @@ TEST_P(HybridAdamOnDevice, ANonFiniteGradientSkipsItsChunkWhereverItsStateLives)
       EXPECT_EQ(rb.overflow, poison) << when;
       // Note [Norms before the trip]: the host-state twin's chunks are on the device when final, so their
       // norms (and skips) were taken there, by the jobs or, for those taken back, at the step's end.
-      if (step > 0 && device == DeviceKind::kSimulated) EXPECT_EQ(rb.host_norm_bytes, 0) << when;
+      if (step > 0 && device == DeviceKind::kSimulated) {
+        EXPECT_EQ(rb.host_norm_bytes, 0) << when;
+      }
       if (step < 2) continue;  // placed and pipelined from step 2 on (the first steps trace and place)
       ASSERT_EQ(ra.device_chunks, chunks) << when;
       ASSERT_EQ(rb.host_chunks, chunks) << when;

@@ -328,8 +328,11 @@ TEST(PipelinedStep, NormsBeforeTheTripSpareTheHostItsNormPass) {
       }
       ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, when));
     }
-    if (stall) EXPECT_GT(carried, 0) << "jobs must be taken back for that path to be tested";
-    if (!stall) EXPECT_GT(overlapped, 0) << "jobs must run for that path to be tested";
+    if (stall) {
+      EXPECT_GT(carried, 0) << "jobs must be taken back for that path to be tested";
+    } else {
+      EXPECT_GT(overlapped, 0) << "jobs must run for that path to be tested";
+    }
     std::printf("%s: over 5 steps step() read %lld gradient bytes for norms, backward_step 0 (%lld jobs ran in "
                 "backward, %lld carried over)\n",
                 stall ? "worker held" : "no carry-over", static_cast<long long>(host_bytes),
