@@ -57,6 +57,10 @@ struct CompactStateBytes {
   int64_t master = 0, exp_avg = 0, exp_avg_sq = 0, scales = 0;
   int64_t total() const { return master + exp_avg + exp_avg_sq + scales; }
 };
+// Bytes the compact update moves per parameter with 16-bit gradients, read + written: the gradient 2,
+// master 2 + 2, codes 2 + 2, the new value 2 (over the gradient), the block's two fp32 scales read and
+// written: 12.0625. The benchmarks' floors (bench_cpu_adam, bench_device_adam, bench_gpt) divide by it.
+constexpr double kCompactUpdateBytesPerParam = 12.0 + 2.0 * 2 * 4 / kCompactStateBlock;
 inline int64_t compact_blocks(int64_t numel) { return (numel + kCompactStateBlock - 1) / kCompactStateBlock; }
 inline CompactStateBytes compact_state_bytes(int64_t numel) {
   return {2 * numel, numel, numel, 2 * 4 * compact_blocks(numel)};

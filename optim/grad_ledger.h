@@ -21,6 +21,7 @@ struct Span {
   int group = 0;
   int64_t begin = 0, end = 0;
   int64_t lag = 0;
+  bool operator==(const Span& o) const { return group == o.group && begin == o.begin && end == o.end && lag == o.lag; }
 };
 
 class GradLedger {

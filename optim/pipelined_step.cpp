@@ -55,12 +55,7 @@ void PipelinedStep::start(Kind kind, bool cancellable) {
 
 std::optional<ChunkOutcome> PipelinedStep::trip_outcome(int64_t chunk, const std::vector<Span>& spans) const {
   if (chunk >= static_cast<int64_t>(trip_norms_.size()) || !trip_norms_[chunk].norms.defined()) return std::nullopt;
-  const std::vector<Span>& taken = trip_norms_[chunk].spans;
-  const bool same = taken.size() == spans.size() &&
-                    std::equal(taken.begin(), taken.end(), spans.begin(), [](const Span& a, const Span& b) {
-                      return a.group == b.group && a.begin == b.begin && a.end == b.end && a.lag == b.lag;
-                    });
-  if (!same) return std::nullopt;
+  if (trip_norms_[chunk].spans != spans) return std::nullopt;
   return ChunkUpdates::outcome_of(trip_norms_[chunk].norms);
 }
 

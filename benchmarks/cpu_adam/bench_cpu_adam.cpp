@@ -36,7 +36,7 @@
 namespace {
 
 constexpr double kDeclaredBytesPerParam = 28.0;
-constexpr double kCompactBytesPerParam = 12.0 + 16.0 / 256;
+constexpr double kCompactBytesPerParam = ferry::kCompactUpdateBytesPerParam;
 constexpr int64_t kInCachePerThread = int64_t{1} << 16;  // elements: 786 KB of compact state
 constexpr int kInCacheBatch = 16;                        // updates per timed rep (each is ~50 us)
 using Clock = std::chrono::steady_clock;

@@ -31,7 +31,7 @@
 namespace {
 
 constexpr double kDeclaredBytesPerParam = 28.0;
-constexpr double kCompactBytesPerParam = 2 + 2 * 2 + 2 * 1 + 2 * 1 + 2 + 2 * 4 / 256.0;  // 12.0625
+constexpr double kCompactBytesPerParam = ferry::kCompactUpdateBytesPerParam;
 using Clock = std::chrono::steady_clock;
 
 void sync(const at::Device& d) {

@@ -112,7 +112,7 @@ class StepProfile {
 // 2, master and moments 12 read and 12 written, the new value 2); compact 12.06 (the grad 2, master 2 +
 // 2, codes 2 + 2, the new value 2, two fp32 scales per 256 read and written).
 double host_adam_bytes_per_param(const Args& a) {
-  return a.format == ferry::StateFormat::kCompact ? 12.0 + 16.0 / 256.0 : 28.0;
+  return a.format == ferry::StateFormat::kCompact ? ferry::kCompactUpdateBytesPerParam : 28.0;
 }
 
 bool behind_forward_option(const Args& a, int world) { return !a.sync_update && (world == 1 || !a.replicate_params); }
