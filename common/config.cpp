@@ -45,6 +45,13 @@ ActivationPolicy parse_activations(std::string_view text) {
   TORCH_CHECK(false, "ferry config: expected activations recompute|keep|auto, got '", text, "'");
 }
 
+CpuSplit parse_cpu_split(std::string_view text) {
+  const std::string s = lower(text);
+  if (s == "dynamic") return CpuSplit::kDynamic;
+  if (s == "static") return CpuSplit::kStatic;
+  TORCH_CHECK(false, "ferry config: expected cpu-split dynamic|static, got '", text, "'");
+}
+
 Precision parse_precision(std::string_view text) {
   const std::string s = lower(text);
   if (s == "fp32" || s == "float32") return Precision::kFp32;
@@ -147,6 +154,14 @@ const char* to_string(ActivationPolicy policy) {
   return "?";
 }
 
+const char* to_string(CpuSplit split) {
+  switch (split) {
+    case CpuSplit::kDynamic: return "dynamic";
+    case CpuSplit::kStatic: return "static";
+  }
+  return "?";
+}
+
 const char* to_string(Precision precision) {
   switch (precision) {
     case Precision::kFp32: return "fp32";
@@ -179,6 +194,7 @@ void Config::set(std::string_view key, std::string_view value) {
   else if (k == "host-budget" || k == "host_budget") host_budget_bytes = parse_bytes(value);
   else if (k == "cpu-threads" || k == "cpu_threads") cpu_threads = parse_int(key, value);
   else if (k == "cpu-isa" || k == "cpu_isa") cpu_isa = lower(value);
+  else if (k == "cpu-split" || k == "cpu_split") cpu_split = parse_cpu_split(value);
   else if (k == "log-level" || k == "log_level") log_level = parse_log_level(value);
   else if (k == "rank") rank = parse_int(key, value);
   else if (k == "world-size" || k == "world_size") world_size = parse_int(key, value);
@@ -281,7 +297,8 @@ std::string Config::to_string() const {
      << " device-budget=" << (device_budget_bytes ? format_bytes(device_budget_bytes) : "unlimited")
      << " device-capacity=" << (device_capacity_bytes ? format_bytes(device_capacity_bytes) : "auto")
      << " host-budget=" << (host_budget_bytes ? format_bytes(host_budget_bytes) : "unlimited")
-     << " cpu-threads=" << cpu_threads << " cpu-isa=" << cpu_isa << " log-level=" << log::to_string(log_level)
+     << " cpu-threads=" << cpu_threads << " cpu-isa=" << cpu_isa << " cpu-split=" << ferry::to_string(cpu_split)
+     << " log-level=" << log::to_string(log_level)
      << " rank=" << rank << "/" << world_size << " local-rank=" << local_rank;
   if (world_size > 1) {
     os << " master=" << master_addr << ":" << master_port << (agent_store ? " (agent store)" : "")
@@ -301,6 +318,7 @@ std::string Config::help() {
          "  --host-budget=SIZE             host bytes for chunks, 0 = no limit\n"
          "  --cpu-threads=N                CPU Adam threads, 0 = all\n"
          "  --cpu-isa=auto|scalar|avx2|avx512|avx512_bf16   CPU Adam kernel\n"
+         "  --cpu-split=dynamic|static     CPU Adam threads claim grains as they go (default) or split evenly\n"
          "  --log-level=trace|debug|info|warn|error|off\n"
          "  --rank=N --world-size=N --local-rank=N   (normally from RANK/WORLD_SIZE/LOCAL_RANK or SLURM_*)\n"
          "  --master-addr=HOST --master-port=N   rendezvous of rank 0 (normally MASTER_ADDR/MASTER_PORT)\n"

@@ -32,6 +32,11 @@ enum class Precision { kFp32, kBf16, kFp16 };
 // state's placement (scheduler/memory_plan.h).
 enum class ActivationPolicy { kRecompute, kKeep, kAuto };
 
+// How the CPU Adam shares a span among its threads (cpu_adam/thread_split.h): dynamic, the threads
+// claim fixed grains as they go, so one slowed by another thread on its core does less of the span;
+// static, each thread gets an equal run of grains up front. The same bits either way.
+enum class CpuSplit { kDynamic, kStatic };
+
 struct Config {
   DeviceKind device = DeviceKind::kAuto;
   Precision precision = Precision::kFp32;
@@ -47,6 +52,7 @@ struct Config {
   int64_t host_budget_bytes = 0;                 // bytes for chunks on the host; 0 = no limit
   int cpu_threads = 0;                           // CPU Adam threads; 0 = all of OpenMP's
   std::string cpu_isa = "auto";                  // CPU Adam kernel: auto|scalar|avx2|avx512|avx512_bf16
+  CpuSplit cpu_split = CpuSplit::kDynamic;       // how a CPU Adam update is shared among its threads
   log::Level log_level = log::Level::kInfo;
 
   // Launch (read from the environment; overridable on the command line).
@@ -98,5 +104,6 @@ log::Level parse_log_level(std::string_view text);
 const char* to_string(DeviceKind kind);
 const char* to_string(Precision precision);
 const char* to_string(ActivationPolicy policy);
+const char* to_string(CpuSplit split);
 
 }  // namespace ferry

@@ -1,9 +1,8 @@
 // CpuAdam: argument checks, the OpenMP split, the async worker. The arithmetic lives in kernels/.
 //
-// Threads: one `omp parallel` region per update() covering the whole span, split statically into
-// one contiguous range per thread whose boundaries are multiples of 16 elements (64 bytes of fp32), so
-// no two threads write the same cache line. Spans shorter than kMinPerThread per thread use fewer
-// threads (a fork/join costs more than it saves on small spans).
+// Threads: one `omp parallel` region per update() covering the whole span, in the grains of
+// thread_split.h (claimed as threads go, or split evenly: CpuAdamConfig::split). Spans of fewer grains
+// than threads use fewer threads (a fork/join costs more than it saves on small spans).
 #include "cpu_adam.h"
 
 #include <c10/util/Exception.h>
@@ -18,12 +17,10 @@
 
 #include "../common/logging.h"
 #include "kernels/kernel_abi.h"
+#include "thread_split.h"
 
 namespace ferry {
 namespace {
-
-constexpr int64_t kAlignElems = 16;
-constexpr int64_t kMinPerThread = int64_t{1} << 15;
 
 const cpu_adam::KernelTable& kernels_for(CpuIsa isa) {
   switch (isa) {
@@ -79,28 +76,6 @@ void check_grad_scale(double grad_scale) {
               grad_scale);
 }
 
-// Calls f(begin, end) on disjoint, `align`-element-aligned ranges covering [0, n), on up to `threads`
-// OpenMP threads; f must not throw.
-template <class F>
-void parallel_ranges(int64_t n, int threads, F&& f, int64_t align = kAlignElems) {
-  const int64_t useful = (n + kMinPerThread - 1) / kMinPerThread;
-  const int t = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, useful)));
-  if (t <= 1) {
-    f(0, n, 0);
-    return;
-  }
-#pragma omp parallel num_threads(t)
-  {
-    const int64_t nt = omp_get_num_threads();
-    const int64_t id = omp_get_thread_num();
-    int64_t per = (n + nt - 1) / nt;
-    per = (per + align - 1) / align * align;
-    const int64_t b = std::min(n, id * per);
-    const int64_t e = std::min(n, b + per);
-    if (b < e) f(b, e, static_cast<int>(id));
-  }
-}
-
 }  // namespace
 
 // ---- async worker ------------------------------------------------------------------------------
@@ -153,6 +128,7 @@ struct CpuAdam::Async {
 CpuAdamConfig CpuAdamConfig::from(const Config& config) {
   CpuAdamConfig c;
   c.threads = config.cpu_threads;
+  c.split = config.cpu_split;
   if (config.cpu_isa != "auto") c.isa = parse_cpu_isa(config.cpu_isa);
   return c;
 }
@@ -162,6 +138,7 @@ CpuAdamConfig CpuAdamConfig::from(const Config& config) {
 CpuAdam::CpuAdam(const AdamOptions& defaults, const CpuAdamConfig& config)
     : isa_(config.isa.value_or(best_cpu_isa())),
       threads_(config.threads > 0 ? config.threads : omp_get_max_threads()),
+      split_(config.split),
       kernels_(nullptr),
       async_(std::make_unique<Async>()) {
   TORCH_CHECK(config.threads >= 0, "CpuAdam: expected threads >= 0 (0 = all), got ", config.threads);
@@ -222,10 +199,11 @@ GradNorm CpuAdam::grad_norm_sq(const void* grad, at::ScalarType dtype, int64_t n
   TORCH_CHECK(numel >= 0, "CpuAdam: expected numel >= 0, got ", numel);
   TORCH_CHECK(numel == 0 || grad, "CpuAdam: expected a non-null grad for ", numel, " elements");
   check_grad_scale(grad_scale);
-  std::vector<cpu_adam::GradStats> parts(threads_);
+  // One part per grain, summed in grain order: the same bits whatever the threads (thread_split.h).
+  std::vector<cpu_adam::GradStats> parts(static_cast<size_t>(grain_count(numel)));
   const float scale = static_cast<float>(grad_scale);
-  parallel_ranges(numel, threads_, [&](int64_t b, int64_t e, int id) {
-    parts[id] = kernels_->grad_stats(grad, type, scale, b, e);
+  for_each_grain(numel, threads_, split_, [&](int64_t b, int64_t e, int64_t g) {
+    parts[static_cast<size_t>(g)] = kernels_->grad_stats(grad, type, scale, b, e);
   });
   GradNorm out;
   for (const auto& p : parts) {
@@ -293,7 +271,7 @@ UpdateResult CpuAdam::run_update(const AdamOptions& o, int64_t step, const AdamS
   }
   const cpu_adam::AdamKernelArgs a = make_kernel_args(o, step, s, u.grad_scale);
   const cpu_adam::AdamFn fn = kernels_->adam;
-  parallel_ranges(s.numel, threads_, [&](int64_t b, int64_t e, int) { fn(a, b, e); });
+  for_each_grain(s.numel, threads_, split_, [&](int64_t b, int64_t e, int64_t) { fn(a, b, e); });
   return {true, false};
 }
 
@@ -367,7 +345,7 @@ UpdateResult CpuAdam::run_compact(const FrozenGroup& group, const CompactAdamSpa
     if (grad_norm_sq(s.grad, s.grad_dtype, s.numel, u.grad_scale).nonfinite) return {false, true};
   }
   const cpu_adam::CompactAdamFn fn = kernels_->compact_adam;
-  parallel_ranges(s.numel, threads_, [&](int64_t b, int64_t e, int) { fn(a, b, e); }, cpu_adam::kCompactBlock);
+  for_each_grain(s.numel, threads_, split_, [&](int64_t b, int64_t e, int64_t) { fn(a, b, e); });
   return {true, false};
 }
 

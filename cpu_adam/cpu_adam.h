@@ -72,9 +72,10 @@ struct GradNorm {
 
 struct CpuAdamConfig {
   int threads = 0;              // OpenMP threads per update; 0 = omp_get_max_threads()
+  CpuSplit split = CpuSplit::kDynamic;  // how an update is shared among them (thread_split.h)
   std::optional<CpuIsa> isa;    // force a kernel (tests, benchmarks); must be supported by this CPU
 
-  // threads and isa from ferry's Config (cpu_threads, cpu_isa).
+  // threads, split and isa from ferry's Config (cpu_threads, cpu_split, cpu_isa).
   static CpuAdamConfig from(const Config& config);
 };
 
@@ -145,6 +146,7 @@ class CpuAdam {
 
   CpuIsa isa() const { return isa_; }
   int threads() const { return threads_; }
+  CpuSplit split() const { return split_; }
 
  private:
   struct Group {
@@ -162,6 +164,7 @@ class CpuAdam {
   std::vector<Group> groups_;
   CpuIsa isa_;
   int threads_;
+  CpuSplit split_;
   const cpu_adam::KernelTable* kernels_;
   std::unique_ptr<Async> async_;
 };

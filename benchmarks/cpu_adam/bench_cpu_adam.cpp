@@ -17,8 +17,14 @@
 // memory out of the way. `compact_ceiling_vs_roof` divides it by the better of the two roofs: below 1,
 // no memory system would let the kernel reach its roof here (it is bound by its instructions); above
 // 1, what it loses to the roof is lost to memory.
+// `--split-ab` adds `split_ab` to each row: the fp32 update with its threads' split dynamic and static
+// (cpu_adam/thread_split.h; the same bits) alternated rep by rep, while `--contend=K` threads spin
+// beside it (K = 0: alone), as autograd's, the training thread's and the copy engine's threads run
+// beside the host Adam inside a step; `dynamic_speedup_paired` is the median per-rep time ratio
+// static / dynamic.
 //
-//   bench_cpu_adam [--sizes=16M,64M,256M] [--threads=1,2,...] [--min-time=0.5] [--commit=SHA] [--config...]
+//   bench_cpu_adam [--sizes=16M,64M,256M] [--threads=1,2,...] [--min-time=0.5] [--split-ab] [--contend=K]
+//                  [--commit=SHA] [--config...]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/_fused_adamw.h>
@@ -26,10 +32,12 @@
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <thread>
 
 #include "../../ferry.h"
 
@@ -192,6 +200,29 @@ int64_t available_memory_bytes() {
   return int64_t{8} << 30;
 }
 
+// K threads that keep a core busy each (plain arithmetic, no memory traffic) while it lives.
+class Spinners {
+ public:
+  explicit Spinners(int k) {
+    for (int i = 0; i < k; ++i) {
+      threads_.emplace_back([this] {
+        volatile double x = 1.0;
+        while (!stop_.load(std::memory_order_relaxed)) x = x * 1.0000001 + 1e-9;
+      });
+    }
+  }
+  ~Spinners() {
+    stop_ = true;
+    for (auto& t : threads_) t.join();
+  }
+  Spinners(const Spinners&) = delete;
+  Spinners& operator=(const Spinners&) = delete;
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::vector<std::thread> threads_;
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -201,6 +232,8 @@ int main(int argc, char** argv) {
   std::vector<int64_t> sizes = {int64_t{16} << 20, int64_t{64} << 20, int64_t{256} << 20};
   std::vector<int64_t> threads;
   double min_time = 0.5;
+  bool split_ab = false;
+  int contenders = 0;
   std::string commit = "unknown";
   for (const std::string& a : rest) {
     auto value = [&](const char* key) -> const char* {
@@ -210,10 +243,13 @@ int main(int argc, char** argv) {
     if (auto v = value("sizes")) sizes = parse_list(v, false);
     else if (auto v = value("threads")) threads = parse_list(v, false);
     else if (auto v = value("min-time")) min_time = std::stod(v);
+    else if (a == "--split-ab") split_ab = true;
+    else if (auto v = value("contend")) contenders = std::stoi(v);
     else if (auto v = value("commit")) commit = v;
     else {
       std::cerr << "bench_cpu_adam: unknown argument " << a << "\n"
-                << "usage: bench_cpu_adam [--sizes=16M,64M] [--threads=1,2] [--min-time=S] [--commit=SHA]\n";
+                << "usage: bench_cpu_adam [--sizes=16M,64M] [--threads=1,2] [--min-time=S] [--split-ab] [--contend=K]"
+                   " [--commit=SHA]\n";
       return 2;
     }
   }
@@ -255,6 +291,25 @@ int main(int argc, char** argv) {
       checked.grads_checked = true;
       const Timing ferry_t = measure([&] { adam.advance_step(0); adam.update(0, span, checked); }, min_time);
       const Timing ferry_checked_t = measure([&] { adam.advance_step(0); adam.update(0, span); }, min_time);
+      std::string split_json;
+      if (split_ab) {
+        ferry::CpuAdamConfig dc = cc, sc = cc;
+        dc.split = ferry::CpuSplit::kDynamic;
+        sc.split = ferry::CpuSplit::kStatic;
+        ferry::CpuAdam dynamic_adam(o, dc), static_adam(o, sc);
+        PairedTiming ab;
+        {
+          const Spinners spin(contenders);
+          ab = measure_paired([&] { dynamic_adam.advance_step(0); dynamic_adam.update(0, span, checked); },
+                              [&] { static_adam.advance_step(0); static_adam.update(0, span, checked); }, min_time);
+        }
+        split_json = ",\"split_ab\":{\"contenders\":" + std::to_string(contenders) + ",\"dynamic\":" +
+                     timing_json(ab.f, n) + ",\"static\":" + timing_json(ab.g, n) +
+                     ",\"dynamic_speedup_paired\":" + std::to_string(ab.ratio) + "}";
+        ferry::log::info("  split: dynamic ", kDeclaredBytesPerParam * n / ab.f.median_s / 1e9, " GB/s, static ",
+                         kDeclaredBytesPerParam * n / ab.g.median_s / 1e9, " GB/s with ", contenders,
+                         " spinning threads beside them (paired static/dynamic ", ab.ratio, ")");
+      }
       // roof
       const Timing roof_t = measure([&] {
         roof(p.data_ptr<float>(), reinterpret_cast<const uint16_t*>(g16.data_ptr()), m.data_ptr<float>(),
@@ -351,7 +406,7 @@ int main(int argc, char** argv) {
               << ",\"compact_vs_fp32_state\":" << ferry_t.median_s / compact_t.median_s
               << ",\"compact_in_cache\":" << timing_json(in_cache_t, in_cache_n, kCompactBytesPerParam)
               << ",\"compact_in_cache_n\":" << in_cache_n << ",\"best_roof_gb_per_s\":" << best_roof_gb_per_s
-              << ",\"compact_ceiling_vs_roof\":" << ceiling_gb_per_s / best_roof_gb_per_s << "}";
+              << ",\"compact_ceiling_vs_roof\":" << ceiling_gb_per_s / best_roof_gb_per_s << split_json << "}";
       ferry::log::info("  ferry ", kDeclaredBytesPerParam * n / ferry_t.median_s / 1e9, " GB/s, roof ",
                        kDeclaredBytesPerParam * n / roof_t.median_s / 1e9, " GB/s, torch fused ",
                        kDeclaredBytesPerParam * n / fused_t.median_s / 1e9, " GB/s, torch optim ",

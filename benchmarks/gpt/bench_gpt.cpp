@@ -764,7 +764,8 @@ int run(int argc, char** argv) {
       << ", \"trace\": \"" << a.trace << "\", \"step\": \"" << (a.unpipelined ? "unpipelined" : "pipelined")
       << "\", \"max_grad_norm\": " << a.max_grad_norm << ", \"micro_batches\": " << a.micro_batches
       << ", \"update_behind_forward\": " << (behind_forward_option(a, world) ? "true" : "false")
-      << ", \"copies\": \"" << (cuda ? "cuda" : a.copies) << "\"},\n";
+      << ", \"copies\": \"" << (cuda ? "cuda" : a.copies) << "\", \"cpu_threads\": " << config.cpu_threads
+      << ", \"cpu_split\": \"" << ferry::to_string(config.cpu_split) << "\"},\n";
 
   if (a.find_max) {
     std::vector<gpt::GptConfig> presets;

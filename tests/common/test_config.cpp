@@ -97,8 +97,9 @@ TEST(Config, EnvironmentInconsistentRankFails) {
 
 TEST(Config, ArgumentsOverrideAndValidate) {
   const char* argv[] = {"prog", "--chunk-size=32MiB", "--device=simulated", "--precision=bf16",
-                        "--device-budget=1GiB", "--cpu-isa=avx2", "--log-level=error", "--cpu-threads=3"};
-  Config c = Config::from_args(8, argv);
+                        "--device-budget=1GiB", "--cpu-isa=avx2", "--log-level=error", "--cpu-threads=3",
+                        "--cpu-split=static"};
+  Config c = Config::from_args(9, argv);
   EXPECT_EQ(c.chunk_size_bytes, int64_t{32} << 20);
   EXPECT_EQ(c.device, DeviceKind::kSimulated);
   EXPECT_EQ(c.precision, Precision::kBf16);
@@ -106,6 +107,8 @@ TEST(Config, ArgumentsOverrideAndValidate) {
   EXPECT_EQ(c.cpu_isa, "avx2");
   EXPECT_EQ(c.log_level, log::Level::kError);
   EXPECT_EQ(c.cpu_threads, 3);
+  EXPECT_EQ(c.cpu_split, CpuSplit::kStatic);
+  EXPECT_EQ(Config{}.cpu_split, CpuSplit::kDynamic);
 }
 
 TEST(Config, BadArgumentsNameWhatWasExpected) {
@@ -125,6 +128,7 @@ TEST(Config, BadArgumentsNameWhatWasExpected) {
   fails_with({"--cpu-isa=neon"}, "got 'neon'");
   fails_with({"--cpu-threads=-1"}, "cpu-threads in [0, 1024]");
   fails_with({"--cpu-threads=1000000"}, "cpu-threads in [0, 1024]");
+  fails_with({"--cpu-split=guided"}, "cpu-split dynamic|static, got 'guided'");
   fails_with({"--no-such-option=1"}, "unknown option 'no-such-option'");
   fails_with({"positional"}, "expected --key=value, got 'positional'");
 }
@@ -143,7 +147,7 @@ TEST(Config, UnknownArgumentsGoToRestWhenAsked) {
 TEST(Config, ToStringNamesEveryField) {
   const std::string s = Config{}.to_string();
   for (const char* key : {"device=", "precision=", "chunk-size=", "device-budget=", "host-budget=", "cpu-threads=",
-                          "cpu-isa=", "log-level=", "rank="}) {
+                          "cpu-isa=", "cpu-split=", "log-level=", "rank="}) {
     EXPECT_NE(s.find(key), std::string::npos) << key;
   }
 }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../../cpu_adam/cpu_adam.h"
+#include "../../cpu_adam/thread_split.h"
 #include "../../cpu_adam/kernels/kernel_abi.h"
 #include "../test_util.h"
 #include "adam_reference.h"
@@ -137,7 +138,9 @@ TEST(CompactState, CodesRoundWithinTheirBounds) {
     for (int64_t i = 0; i < n; ++i) {
       const double em = std::fabs(static_cast<double>(d.m[i]) - m[i]);
       EXPECT_LE(em, std::max(std::ldexp(std::fabs(static_cast<double>(m[i])), -4), std::ldexp(1.0, -18))) << "m " << m[i];
-      if (d.m[i] != 0) EXPECT_EQ(std::signbit(d.m[i]), std::signbit(m[i])) << "m keeps its sign";
+      if (d.m[i] != 0) {
+        EXPECT_EQ(std::signbit(d.m[i]), std::signbit(m[i])) << "m keeps its sign";
+      }
       const double u = std::sqrt(static_cast<double>(v[i])), uq = std::sqrt(static_cast<double>(d.v[i]));
       EXPECT_LE(std::fabs(uq - u), std::max(std::ldexp(u, -5), std::ldexp(1.0, -18)) * (1 + 1e-6)) << "u " << u;
       EXPECT_GT(d.v[i], 0.f) << "a v > 0 is never stored as 0 (u " << u << ")";
@@ -253,6 +256,32 @@ TEST(CompactState, EveryKernelGivesTheScalarKernelsBits) {
           }
         }
       }
+    }
+  }
+}
+
+// The threads' split (cpu_adam/thread_split.h) changes no bit: dynamic or static, any thread count,
+// over whole grains and a short last one that ends inside a block.
+TEST(CompactState, EveryThreadSplitGivesTheSameBits) {
+  const int64_t n = 5 * kGrainElements + 300;
+  Compact start(n, at::kBFloat16, at::kBFloat16);
+  start.fill(77);
+  CpuAdamConfig one;
+  one.threads = 1;
+  CpuAdam ref_adam({}, one);
+  ref_adam.advance_step(0);
+  Compact ref = start;
+  ASSERT_TRUE(ref_adam.update(0, ref.span(99)).applied);
+  for (const CpuSplit split : {CpuSplit::kDynamic, CpuSplit::kStatic}) {
+    for (const int threads : {2, 5}) {
+      CpuAdamConfig config;
+      config.threads = threads;
+      config.split = split;
+      CpuAdam adam({}, config);
+      adam.advance_step(0);
+      Compact c = start;
+      ASSERT_TRUE(adam.update(0, c.span(99)).applied);
+      EXPECT_TRUE(c.same_bits(ref)) << threads << " threads, " << to_string(split);
     }
   }
 }

@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "../../cpu_adam/cpu_adam.h"
+#include "../../cpu_adam/thread_split.h"
 
 namespace ferry {
 namespace {
@@ -301,19 +302,33 @@ TEST_P(CpuAdamIsa, GradNormMatchesFp64) {
   }
 }
 
+// Every thread count and split (cpu_adam/thread_split.h) gives the same update and the same gradient
+// norm, to the bit: the norm is summed per grain, in grain order, whoever ran each grain.
 TEST_P(CpuAdamIsa, ThreadSplitDoesNotChangeBits) {
-  const int64_t n = 300007;  // several threads' worth above the minimum span per thread
-  Buffers one(n, 0, at::kBFloat16, at::kBFloat16, 21);
-  for (int threads : {2, 3, 7}) {
-    Buffers many = one;
-    Buffers single = one;
-    CpuAdam a({}, config(1)), b({}, config(threads));
-    a.advance_step(0);
-    b.advance_step(0);
-    a.update(0, single.span());
-    b.update(0, many.span());
-    ASSERT_TRUE(same_bits(single.p, many.p)) << threads << " threads";
-    ASSERT_TRUE(same_bits(single.lowp, many.lowp)) << threads << " threads";
+  const int64_t n = 10 * kGrainElements + 7;  // ten whole grains and a short one
+  const Buffers start(n, 0, at::kBFloat16, at::kBFloat16, 21);
+  Buffers single = start;
+  CpuAdam a({}, config(1));
+  a.advance_step(0);
+  a.update(0, single.span());
+  const GradNorm norm = a.grad_norm_sq(single.span().grad, at::kBFloat16, n, 0.5);
+  for (const CpuSplit split : {CpuSplit::kDynamic, CpuSplit::kStatic}) {
+    for (int threads : {2, 3, 7}) {
+      Buffers many = start;
+      CpuAdamConfig c = config(threads);
+      c.split = split;
+      CpuAdam b({}, c);
+      b.advance_step(0);
+      b.update(0, many.span());
+      const std::string where = std::to_string(threads) + " threads, " + to_string(split);
+      ASSERT_TRUE(same_bits(single.p, many.p)) << where;
+      ASSERT_TRUE(same_bits(single.m, many.m)) << where;
+      ASSERT_TRUE(same_bits(single.v, many.v)) << where;
+      ASSERT_TRUE(same_bits(single.lowp, many.lowp)) << where;
+      const GradNorm got = b.grad_norm_sq(many.span().grad, at::kBFloat16, n, 0.5);
+      EXPECT_EQ(std::memcmp(&got.sum_sq, &norm.sum_sq, sizeof(double)), 0)
+          << where << ": " << got.sum_sq << " vs " << norm.sum_sq;
+    }
   }
 }
 
