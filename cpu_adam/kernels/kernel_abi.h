@@ -2,7 +2,8 @@
 // The interface between cpu_adam.cpp (validation, threads) and the per-ISA kernel files.
 //
 // Kernel files are compiled with ISA flags (-mavx2, -mavx512f, ...). They include only this header,
-// host_device.h, float16.h, adam_body.h, compact_body.h and <immintrin.h>: no torch or other C++ headers with inline functions whose
+// host_device.h, float16.h, adam_body.h, compact_body.h and <immintrin.h> (the CUDA file also
+// cuda_ops.h and compact_cuda_block.h): no torch or other C++ headers with inline functions whose
 // ISA-flagged copies the linker could pick for the whole program (ODR), which would put AVX-512 code
 // on CPUs without it. Everything they define has internal linkage except their KernelTable.
 #include <cstdint>

@@ -1,0 +1,238 @@
+// The device kernels' logic (adam_cuda.cu) run on the host: CudaOps (cuda_ops.h) compiled by the host
+// compiler is the same IEEE arithmetic as the intrinsics, and the compact kernel's block steps
+// (compact_cuda_block.h) run one thread after another. Both must give the scalar CPU kernel's bits,
+// for every gradient and compute-copy dtype, Adam and AdamW, with and without decay, partial blocks,
+// grad scales, and the skipped update of a non-finite step. What is left to a GPU (test_device_adam_gpu,
+// test_hybrid_adam_gpu) is whether the intrinsics and the barriers do what they say.
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <vector>
+
+#include "../../cpu_adam/compact_state.h"
+#include "../../cpu_adam/cpu_adam.h"
+#include "../../cpu_adam/kernels/float16.h"
+#include "../../cpu_adam/kernels/kernel_abi.h"
+
+namespace ferry::cpu_adam {
+namespace {
+#include "../../cpu_adam/kernels/adam_body.h"
+#include "../../cpu_adam/kernels/compact_body.h"
+#include "../../cpu_adam/kernels/cuda_ops.h"
+#include "../../cpu_adam/kernels/compact_cuda_block.h"
+}  // namespace
+
+namespace {
+
+// What the device's compact kernel writes for these arguments (skip: a non-finite step's).
+void compact_as_the_device_does(const CompactAdamArgs& a, int64_t n, bool skip) {
+  for_kernel_mode(a.hyper, [&](auto g, auto l, auto decoupled, auto decay) {
+    CompactBlockSteps<decltype(g)::value, decltype(l)::value, decltype(decoupled)::value,
+                      decltype(decay)::value>::run_on_host(a, n, skip);
+  });
+}
+
+// What the device's fp32 kernel (adam_kernel) writes: AdamLoop::one per element, or on a skipped step
+// the compute copy from the master.
+void fp32_as_the_device_does(const AdamKernelArgs& a, int64_t n, bool skip) {
+  for_kernel_mode(a, [&](auto g, auto l, auto decoupled, auto decay) {
+    using Loop = AdamLoop<CudaOps, decltype(g)::value, decltype(l)::value, decltype(decoupled)::value,
+                          decltype(decay)::value>;
+    const typename Loop::Consts c = Loop::consts(a);
+    for (int64_t i = 0; i < n; ++i) {
+      if (skip) {
+        store_lowp<CudaOps, decltype(l)::value>(a.param_lowp, i, a.param[i]);
+      } else {
+        Loop::one(c, a.param + i, a.grad, i, a.exp_avg + i, a.exp_avg_sq + i, a.param_lowp, i);
+      }
+    }
+  });
+}
+
+}  // namespace
+}  // namespace ferry::cpu_adam
+
+namespace ferry {
+namespace {
+
+const at::ScalarType kGradTypes[] = {at::kFloat, at::kBFloat16, at::kHalf};
+const at::ScalarType kLowpTypes[] = {at::ScalarType::Undefined, at::kBFloat16, at::kHalf};
+
+uint16_t narrow(float x, at::ScalarType t) { return t == at::kBFloat16 ? c10::BFloat16(x).x : c10::Half(x).x; }
+
+struct Grads {
+  std::vector<float> f32;
+  std::vector<uint16_t> h16;
+  at::ScalarType dtype;
+  Grads(int64_t n, at::ScalarType t, std::mt19937& rng) : f32(n), h16(n), dtype(t) {
+    std::normal_distribution<float> normal(0.f, 1.f);
+    for (int64_t i = 0; i < n; ++i) {
+      f32[i] = 1e-3f * normal(rng) * (i % 61 == 3 ? 1e-4f : 1.f);  // some tiny ones: subnormal codes
+      if (t != at::kFloat) h16[i] = narrow(f32[i], t);
+    }
+  }
+  const void* data() const { return dtype == at::kFloat ? static_cast<const void*>(f32.data()) : h16.data(); }
+};
+
+struct CompactState {
+  std::vector<uint16_t> master, lowp;
+  std::vector<uint8_t> m, u;
+  std::vector<float> m_scale, u_scale;
+  CompactState(int64_t n, std::mt19937& rng)
+      : master(n), lowp(n, 0xdead), m(n), u(n), m_scale(compact_blocks(n)), u_scale(compact_blocks(n)) {
+    std::normal_distribution<float> normal(0.f, 1.f);
+    std::uniform_real_distribution<float> decades(-6.f, 0.f);
+    std::vector<float> p(n), mm(n), vv(n);
+    for (int64_t i = 0; i < n; ++i) {
+      p[i] = 0.05f * normal(rng);
+      mm[i] = 1e-3f * std::pow(10.f, decades(rng)) * (normal(rng) < 0 ? -1.f : 1.f);
+      vv[i] = i % 89 == 5 ? 0.f : 1e-6f * std::pow(10.f, 2 * decades(rng));
+    }
+    compact_from_fp32(span(Grads(0, at::kFloat, rng), at::ScalarType::Undefined, 0), p.data(), mm.data(), vv.data());
+  }
+  CompactAdamSpan span(const Grads& g, at::ScalarType lowp_dtype, uint64_t offset) {
+    CompactAdamSpan s;
+    s.master = master.data();
+    s.grad = g.data();
+    s.grad_dtype = g.dtype;
+    s.exp_avg = m.data();
+    s.exp_avg_scale = m_scale.data();
+    s.exp_avg_sq = u.data();
+    s.exp_avg_sq_scale = u_scale.data();
+    if (lowp_dtype != at::ScalarType::Undefined) {
+      s.param_lowp = lowp.data();
+      s.lowp_dtype = lowp_dtype;
+    }
+    s.numel = static_cast<int64_t>(master.size());
+    s.element_offset = offset;
+    return s;
+  }
+  bool operator==(const CompactState& o) const {
+    return master == o.master && lowp == o.lowp && m == o.m && u == o.u &&
+           std::memcmp(m_scale.data(), o.m_scale.data(), m_scale.size() * 4) == 0 &&
+           std::memcmp(u_scale.data(), o.u_scale.data(), u_scale.size() * 4) == 0;
+  }
+};
+
+CpuAdam scalar_adam(const AdamOptions& o) {
+  CpuAdamConfig c;
+  c.isa = CpuIsa::kScalar;
+  c.threads = 1;
+  return CpuAdam(o, c);
+}
+
+std::string where(at::ScalarType g, at::ScalarType l, const AdamOptions& o, int64_t n, double scale) {
+  std::ostringstream os;
+  os << "grad " << g << ", copy " << (l == at::ScalarType::Undefined ? "none" : c10::toString(l)) << ", "
+     << to_string(o.mode) << ", wd " << o.weight_decay << ", n " << n << ", grad scale " << scale;
+  return os.str();
+}
+
+TEST(CudaKernelsOnHost, TheCompactKernelGivesTheCpuKernelsBits) {
+  std::mt19937 rng(5);
+  for (const int64_t n : {int64_t{1}, int64_t{255}, int64_t{256}, int64_t{257}, int64_t{2000}}) {
+    for (const at::ScalarType gd : kGradTypes) {
+      for (const at::ScalarType ld : kLowpTypes) {
+        for (const AdamMode mode : {AdamMode::kAdamW, AdamMode::kAdam}) {
+          for (const double wd : {0.0, 0.01}) {
+            const double scale = n % 2 ? 0.37 : 1.0;
+            AdamOptions o;
+            o.mode = mode;
+            o.weight_decay = wd;
+            o.lr = 1e-3;
+            CpuAdam adam = scalar_adam(o);
+            CompactState cpu(n, rng);
+            CompactState device = cpu;
+            for (int step = 0; step < 3; ++step) {  // from the codes the step before wrote
+              const Grads g(n, gd, rng);
+              adam.advance_step(0);
+              const cpu_adam::CompactAdamArgs args =
+                  adam.compact_kernel_args(adam.freeze(0), device.span(g, ld, 777), scale);
+              cpu_adam::compact_as_the_device_does(args, n, /*skip=*/false);
+              UpdateOptions u;
+              u.grad_scale = scale;
+              ASSERT_TRUE(adam.update(0, cpu.span(g, ld, 777), u).applied);
+              ASSERT_TRUE(device == cpu) << where(gd, ld, o, n, scale) << ", step " << step + 1;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaKernelsOnHost, ASkippedCompactStepOnlyGivesTheCopyTheMastersValue) {
+  std::mt19937 rng(6);
+  const int64_t n = 600;
+  for (const at::ScalarType ld : {at::kBFloat16, at::kHalf}) {
+    CpuAdam adam = scalar_adam({});
+    CompactState before(n, rng);
+    CompactState device = before;
+    const Grads g(n, at::kBFloat16, rng);
+    adam.advance_step(0);
+    cpu_adam::compact_as_the_device_does(adam.compact_kernel_args(adam.freeze(0), device.span(g, ld, 0), 1.0), n, true);
+    CompactState want = before;
+    for (int64_t i = 0; i < n; ++i) {
+      const float master = static_cast<float>(c10::BFloat16(before.master[i], c10::BFloat16::from_bits()));
+      want.lowp[i] = ld == at::kBFloat16 ? before.master[i] : narrow(master, at::kHalf);
+    }
+    EXPECT_TRUE(device == want) << ld;
+  }
+}
+
+TEST(CudaKernelsOnHost, TheFp32KernelGivesTheCpuKernelsBits) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (const int64_t n : {int64_t{1}, int64_t{17}, int64_t{1000}}) {
+    for (const at::ScalarType gd : kGradTypes) {
+      for (const at::ScalarType ld : kLowpTypes) {
+        for (const AdamMode mode : {AdamMode::kAdamW, AdamMode::kAdam}) {
+          for (const double wd : {0.0, 0.1}) {
+            for (const bool skip : {false, true}) {
+              const double scale = n % 2 ? 0.5 : 1.0;
+              AdamOptions o;
+              o.mode = mode;
+              o.weight_decay = wd;
+              CpuAdam adam = scalar_adam(o);
+              std::vector<float> p(n), m(n), v(n);
+              std::vector<uint16_t> lowp(n, 0xdead);
+              for (int64_t i = 0; i < n; ++i) {
+                p[i] = normal(rng);
+                m[i] = 1e-3f * normal(rng);
+                v[i] = 1e-6f * std::fabs(normal(rng));
+              }
+              std::vector<float> dp = p, dm = m, dv = v;
+              std::vector<uint16_t> dlowp = lowp;
+              const Grads g(n, gd, rng);
+              const bool copy = ld != at::ScalarType::Undefined;
+              AdamSpan cpu{p.data(), g.data(), gd, m.data(), v.data(), copy ? lowp.data() : nullptr, ld, n};
+              AdamSpan device{dp.data(), g.data(), gd, dm.data(), dv.data(), copy ? dlowp.data() : nullptr, ld, n};
+              adam.advance_step(0);
+              cpu_adam::fp32_as_the_device_does(adam.kernel_args(0, device, scale), n, skip);
+              if (skip) {  // the CPU's skipped update writes nothing; the device's writes the copy
+                for (int64_t i = 0; i < n && copy; ++i) lowp[i] = narrow(p[i], ld);
+              } else {
+                UpdateOptions u;
+                u.grad_scale = scale;
+                ASSERT_TRUE(adam.update(0, cpu, u).applied);
+              }
+              const std::string w = where(gd, ld, o, n, scale) + (skip ? ", skipped" : "");
+              ASSERT_EQ(std::memcmp(p.data(), dp.data(), n * 4), 0) << w;
+              ASSERT_EQ(std::memcmp(m.data(), dm.data(), n * 4), 0) << w;
+              ASSERT_EQ(std::memcmp(v.data(), dv.data(), n * 4), 0) << w;
+              ASSERT_EQ(lowp, dlowp) << w;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ferry
