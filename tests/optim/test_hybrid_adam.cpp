@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
@@ -369,6 +370,53 @@ TEST(HybridAdam, ClippingMatchesClipGradNorm) {
       expect_first_step_matches_torch(adam, model, ref, pre, r);
     }
     adam.zero_grad();
+  }
+}
+
+TEST(HybridAdam, ClippingGivesTheSameBitsWhateverTheCpuThreads) {
+  // The host's gradient norm is summed per fixed grain of 32K elements (cpu_adam/thread_split.h), so
+  // the clipping coefficient, and every update after it, is the same to the bit on 1 thread or 3, split
+  // dynamically or statically: a run resumed on a machine with other cores goes on as it would have.
+  // Host state only (the host's norm decides), and tensors of several grains (fc: 128 x 512).
+  const int64_t dim = 128;
+  struct Run {
+    std::vector<double> norms;
+    std::vector<at::Tensor> masters;
+  };
+  auto run = [&](int threads, CpuSplit split) {
+    torch::manual_seed(17);
+    TinyLm net(kVocab, dim);
+    Config config = sim_config(0);
+    config.chunk_size_bytes = 0;  // auto: the 256 KiB tensors need chunks of their own size
+    config.cpu_threads = threads;
+    config.cpu_split = split;
+    ChunkedModel model(net.ptr(), config);
+    HybridAdam adam(model, HybridAdamOptions::no_decay_for_bias_and_norm(adamw()).with_max_grad_norm(0.05)
+                               .with_device_state_chunks(0));
+    Run r;
+    for (int step = 0; step < 3; ++step) {
+      model.backward(forward_loss(model, net, batch(step)));
+      const StepResult s = adam.step();
+      EXPECT_TRUE(s.applied);
+      EXPECT_LT(s.clip_coef, 1.0) << "the threshold must actually clip";
+      r.norms.push_back(s.grad_norm);
+      adam.zero_grad();
+    }
+    for (int64_t i = 0; i < model.num_params(); ++i) r.masters.push_back(adam.master(i));
+    return r;
+  };
+  const Run one = run(1, CpuSplit::kStatic);
+  for (const auto& [threads, split] : {std::pair{3, CpuSplit::kDynamic}, std::pair{3, CpuSplit::kStatic}}) {
+    const Run many = run(threads, split);
+    const std::string where = std::to_string(threads) + " threads, " + to_string(split);
+    for (size_t k = 0; k < one.norms.size(); ++k) {
+      EXPECT_EQ(std::memcmp(&one.norms[k], &many.norms[k], sizeof(double)), 0)
+          << where << ", step " << k + 1 << ": " << one.norms[k] << " vs " << many.norms[k];
+    }
+    ASSERT_EQ(one.masters.size(), many.masters.size());
+    for (size_t i = 0; i < one.masters.size(); ++i) {
+      EXPECT_TRUE(torch::equal(one.masters[i], many.masters[i])) << where << ", parameter " << i;
+    }
   }
 }
 
