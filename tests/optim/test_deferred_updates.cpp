@@ -229,8 +229,12 @@ void expect_update_behind_forward_exact(const BehindCase& bc) {
   // (Eager with the worker free, how many jobs backward's end finds not started depends on the
   // machine's speed: only the first, unpipelined, step's updates are sure to be left running.)
   EXPECT_GE(deferred, !bc.clipping && !bc.stall_worker ? 1 : 8) << "host updates must be left running";
-  if (bc.clipping) EXPECT_GT(clipped, 2) << "the clipping path must be exercised";
-  if (bc.stall_worker && !bc.unpipelined) EXPECT_GT(carried, 2) << "eager host updates must be taken back";
+  if (bc.clipping) {
+    EXPECT_GT(clipped, 2) << "the clipping path must be exercised";
+  }
+  if (bc.stall_worker && !bc.unpipelined) {
+    EXPECT_GT(carried, 2) << "eager host updates must be taken back";
+  }
   EXPECT_GE(evictions, 5);
   EXPECT_EQ(a_adam.step_count(0), b_adam.step_count(0));
 }
