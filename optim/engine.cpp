@@ -119,7 +119,7 @@ Engine::Engine(ChunkedModel& wrapped, HybridAdamOptions options)
             options_.state_format == StateFormat::kCompact ? "compact: bf16 master, 8-bit exp_avg and exp_avg_sq"
                                                            : "fp32 master, exp_avg, exp_avg_sq",
             options_.accumulate_grads ? ", grad accumulation" : "; grads in the parameter chunks", "), CPU kernel ",
-            to_string(cpu_adam_.isa()), " x", cpu_adam_.threads(), " threads",
+            to_string(cpu_adam_.isa()), " x", cpu_adam_.threads(), " threads (", to_string(cpu_adam_.split()), " split)",
             scaling_ ? ", fp16 dynamic loss scaling" : "",
             sharded_.active() ? ", rank " + std::to_string(ownership_.rank()) + " of " +
                                     std::to_string(ownership_.world()) + " (state sharded at the first step)"

@@ -18,6 +18,7 @@
 #include "../../cpu_adam/cpu_adam.h"
 #include "../../cpu_adam/kernels/float16.h"
 #include "../../cpu_adam/kernels/kernel_abi.h"
+#include "compact_buffers.h"
 
 namespace ferry::cpu_adam {
 namespace {
@@ -72,51 +73,11 @@ struct Grads {
   Grads(int64_t n, at::ScalarType t, std::mt19937& rng) : f32(n), h16(n), dtype(t) {
     std::normal_distribution<float> normal(0.f, 1.f);
     for (int64_t i = 0; i < n; ++i) {
-      f32[i] = 1e-3f * normal(rng) * (i % 61 == 3 ? 1e-4f : 1.f);  // some tiny ones: subnormal codes
+      f32[i] = 1e-3f * normal(rng);
       if (t != at::kFloat) h16[i] = narrow(f32[i], t);
     }
   }
   const void* data() const { return dtype == at::kFloat ? static_cast<const void*>(f32.data()) : h16.data(); }
-};
-
-struct CompactState {
-  std::vector<uint16_t> master, lowp;
-  std::vector<uint8_t> m, u;
-  std::vector<float> m_scale, u_scale;
-  CompactState(int64_t n, std::mt19937& rng)
-      : master(n), lowp(n, 0xdead), m(n), u(n), m_scale(compact_blocks(n)), u_scale(compact_blocks(n)) {
-    std::normal_distribution<float> normal(0.f, 1.f);
-    std::uniform_real_distribution<float> decades(-6.f, 0.f);
-    std::vector<float> p(n), mm(n), vv(n);
-    for (int64_t i = 0; i < n; ++i) {
-      p[i] = 0.05f * normal(rng);
-      mm[i] = 1e-3f * std::pow(10.f, decades(rng)) * (normal(rng) < 0 ? -1.f : 1.f);
-      vv[i] = i % 89 == 5 ? 0.f : 1e-6f * std::pow(10.f, 2 * decades(rng));
-    }
-    compact_from_fp32(span(Grads(0, at::kFloat, rng), at::ScalarType::Undefined, 0), p.data(), mm.data(), vv.data());
-  }
-  CompactAdamSpan span(const Grads& g, at::ScalarType lowp_dtype, uint64_t offset) {
-    CompactAdamSpan s;
-    s.master = master.data();
-    s.grad = g.data();
-    s.grad_dtype = g.dtype;
-    s.exp_avg = m.data();
-    s.exp_avg_scale = m_scale.data();
-    s.exp_avg_sq = u.data();
-    s.exp_avg_sq_scale = u_scale.data();
-    if (lowp_dtype != at::ScalarType::Undefined) {
-      s.param_lowp = lowp.data();
-      s.lowp_dtype = lowp_dtype;
-    }
-    s.numel = static_cast<int64_t>(master.size());
-    s.element_offset = offset;
-    return s;
-  }
-  bool operator==(const CompactState& o) const {
-    return master == o.master && lowp == o.lowp && m == o.m && u == o.u &&
-           std::memcmp(m_scale.data(), o.m_scale.data(), m_scale.size() * 4) == 0 &&
-           std::memcmp(u_scale.data(), o.u_scale.data(), u_scale.size() * 4) == 0;
-  }
 };
 
 CpuAdam scalar_adam(const AdamOptions& o) {
@@ -135,6 +96,7 @@ std::string where(at::ScalarType g, at::ScalarType l, const AdamOptions& o, int6
 
 TEST(CudaKernelsOnHost, TheCompactKernelGivesTheCpuKernelsBits) {
   std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.f, 1.f);
   for (const int64_t n : {int64_t{1}, int64_t{255}, int64_t{256}, int64_t{257}, int64_t{2000}}) {
     for (const at::ScalarType gd : kGradTypes) {
       for (const at::ScalarType ld : kLowpTypes) {
@@ -146,18 +108,22 @@ TEST(CudaKernelsOnHost, TheCompactKernelGivesTheCpuKernelsBits) {
             o.weight_decay = wd;
             o.lr = 1e-3;
             CpuAdam adam = scalar_adam(o);
-            CompactState cpu(n, rng);
-            CompactState device = cpu;
+            test::Compact cpu(n, gd, ld);
+            cpu.fill(static_cast<uint32_t>(rng()));  // moments over five decades: subnormal codes too
+            test::Compact device = cpu;
             for (int step = 0; step < 3; ++step) {  // from the codes the step before wrote
-              const Grads g(n, gd, rng);
+              if (step > 0) {
+                for (int64_t i = 0; i < n; ++i) cpu.set_grad(i, 1e-3f * normal(rng) * (i % 61 == 3 ? 1e-4f : 1.f));
+                device.g16 = cpu.g16;
+                device.g32 = cpu.g32;
+              }
               adam.advance_step(0);
-              const cpu_adam::CompactAdamArgs args =
-                  adam.compact_kernel_args(adam.freeze(0), device.span(g, ld, 777), scale);
+              const cpu_adam::CompactAdamArgs args = adam.compact_kernel_args(adam.freeze(0), device.span(777), scale);
               cpu_adam::compact_as_the_device_does(args, n, /*skip=*/false);
               UpdateOptions u;
               u.grad_scale = scale;
-              ASSERT_TRUE(adam.update(0, cpu.span(g, ld, 777), u).applied);
-              ASSERT_TRUE(device == cpu) << where(gd, ld, o, n, scale) << ", step " << step + 1;
+              ASSERT_TRUE(adam.update(0, cpu.span(777), u).applied);
+              ASSERT_TRUE(device.same_bits(cpu)) << where(gd, ld, o, n, scale) << ", step " << step + 1;
             }
           }
         }
@@ -167,21 +133,20 @@ TEST(CudaKernelsOnHost, TheCompactKernelGivesTheCpuKernelsBits) {
 }
 
 TEST(CudaKernelsOnHost, ASkippedCompactStepOnlyGivesTheCopyTheMastersValue) {
-  std::mt19937 rng(6);
   const int64_t n = 600;
   for (const at::ScalarType ld : {at::kBFloat16, at::kHalf}) {
     CpuAdam adam = scalar_adam({});
-    CompactState before(n, rng);
-    CompactState device = before;
-    const Grads g(n, at::kBFloat16, rng);
+    test::Compact before(n, at::kBFloat16, ld);
+    before.fill(6);
+    test::Compact device = before;
     adam.advance_step(0);
-    cpu_adam::compact_as_the_device_does(adam.compact_kernel_args(adam.freeze(0), device.span(g, ld, 0), 1.0), n, true);
-    CompactState want = before;
+    cpu_adam::compact_as_the_device_does(adam.compact_kernel_args(adam.freeze(0), device.span(0), 1.0), n, true);
+    test::Compact want = before;
     for (int64_t i = 0; i < n; ++i) {
       const float master = static_cast<float>(c10::BFloat16(before.master[i], c10::BFloat16::from_bits()));
       want.lowp[i] = ld == at::kBFloat16 ? before.master[i] : narrow(master, at::kHalf);
     }
-    EXPECT_TRUE(device == want) << ld;
+    EXPECT_TRUE(device.same_bits(want)) << ld;
   }
 }
 
