@@ -8,9 +8,7 @@
 #include <iostream>
 
 #include "../../chunk/layout.h"
-#include "../../chunk/state_chunks.h"
-#include "../../cpu_adam/compact_state.h"
-#include "../../scheduler/placement_policy.h"
+#include "../../optim/capacity_estimate.h"
 #include "../../examples/gpt/gpt.h"
 
 namespace ferry {
@@ -55,51 +53,32 @@ TEST(GptLayout, AutoChunkSizeWastesAtMostFivePercentOnEveryPreset) {
 }
 
 // Issue 48 on paper: a preset on one H100 (78 GiB usable) and its 125 GiB host, by the accountant's
-// numbers (StateChunks::group_bytes_for, the default placement policy and its round-trip buffers),
-// nothing allocated. Assumptions, written here because nothing measures them: 16 GiB of the device for
-// activations and workspace (batch 8 x 1024, every block checkpointed), so 62 GiB of room for chunks;
-// 8 GiB of the host for the OS and the process's own (libtorch, the CUDA context), so 117 GiB for
-// chunks. A parameter chunk's payload is in one place at a time: the device keeps what the room left
-// after the device state holds, the host the rest, plus the pinned buffers the travelling chunks' round
-// trips reuse (one per chunk whose state is on the host, host_cache_bytes_for).
+// numbers (estimate_capacity, optim/capacity_estimate.h: the chunks' real bytes, the default placement
+// policy and its round-trip buffers), nothing allocated. Assumptions, written here because nothing
+// measures them: 16 GiB of the device for activations and workspace (batch 8 x 1024, every block
+// checkpointed), so 62 GiB of room for chunks; 8 GiB of the host for the OS and the process's own
+// (libtorch, the CUDA context), so 117 GiB for chunks.
 struct OnPaper {
   double bytes_per_param = 0;  // state only, beyond the bf16 compute copy
   int64_t host_bytes = 0;
 };
 OnPaper on_paper(const std::string& preset, bool compact) {
   const gpt::GptConfig c = gpt::preset(preset);
-  const std::vector<int64_t> numels = c.param_numels();
-  const AutoChunkSize choice = auto_chunk_size(numels, {}, 2);
-  const ChunkLayout layout = ChunkLayout::pack(numels, {}, PackOptions::from_bytes(choice.chunk_bytes, at::kBFloat16));
-  const int64_t GiB = int64_t{1} << 30, room = 62 * GiB;
-  const std::vector<StateRoleSpec> specs =
-      compact ? std::vector<StateRoleSpec>{{ChunkRole::kMaster, at::kBFloat16},
-                                           {ChunkRole::kExpAvg, at::kByte, true},
-                                           {ChunkRole::kExpAvgSq, at::kByte, true},
-                                           {ChunkRole::kScales, at::kFloat, false, kCompactStateBlock, 2}}
-              : std::vector<StateRoleSpec>{{ChunkRole::kMaster}, {ChunkRole::kExpAvg}, {ChunkRole::kExpAvgSq}};
-  const std::vector<int64_t> state = StateChunks::group_bytes_for(layout, specs);
-  PlacementInput input;
-  input.room_bytes = room;
-  int64_t params = 0, all_state = 0;
-  for (int64_t g = 0; g < layout.num_chunks(); ++g) {
-    input.groups.push_back({layout.chunks()[g].numel * 2, state[g], true});
-    params += layout.chunks()[g].numel * 2;
-    all_state += state[g];
-  }
-  const Placement placement = make_first_chunks_first_policy()->place(input);
-  EXPECT_LE(placement.device_bytes, room);
-  const int64_t cache = host_cache_bytes_for(input, placement);
-  const int64_t host_params = std::max<int64_t>(0, params - (room - placement.device_bytes));
-  const int64_t host = host_params + all_state - placement.device_bytes + cache;
-  std::cout << preset << " (" << c.num_params() / 1e9 << "B parameters, " << layout.num_chunks() << " chunks of "
-            << choice.chunk_bytes / double(GiB) << " GiB, " << params / double(GiB) << " GiB in bf16), "
-            << (compact ? "compact" : "fp32") << " state: " << all_state / double(c.num_params()) << " B/param; "
-            << placement.count() << " groups' state on the device (" << placement.device_bytes / double(GiB)
-            << " GiB); host " << host / double(GiB) << " GiB = parameter chunks the device has no room for "
-            << host_params / double(GiB) << " + host state " << (all_state - placement.device_bytes) / double(GiB)
-            << " + round-trip buffers " << cache / double(GiB) << "\n";
-  return {all_state / double(c.num_params()), host};
+  const int64_t GiB = int64_t{1} << 30;
+  CapacityQuery q;
+  q.param_numels = c.param_numels();
+  q.device_room_bytes = 62 * GiB;
+  q.state_format = compact ? StateFormat::kCompact : StateFormat::kFp32;
+  const CapacityEstimate e = estimate_capacity(q);
+  EXPECT_LE(e.device_bytes(), q.device_room_bytes);
+  std::cout << preset << " (" << c.num_params() / 1e9 << "B parameters, " << e.num_chunks << " chunks of "
+            << e.chunk_bytes / double(GiB) << " GiB, " << e.param_bytes / double(GiB) << " GiB in bf16), "
+            << (compact ? "compact" : "fp32") << " state: " << e.state_bytes_per_param() << " B/param; "
+            << e.device_state_groups << " groups' state on the device (" << e.device_state_bytes / double(GiB)
+            << " GiB); host " << e.host_bytes() / double(GiB) << " GiB = parameter chunks the device has no room for "
+            << e.host_param_bytes / double(GiB) << " + host state " << e.host_state_bytes / double(GiB)
+            << " + round-trip buffers " << e.round_trip_bytes / double(GiB) << "\n";
+  return {e.state_bytes_per_param(), e.host_bytes()};
 }
 constexpr int64_t kHostBudget = int64_t{117} << 30;
 
