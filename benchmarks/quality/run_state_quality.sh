@@ -6,8 +6,9 @@
 # ChunkedModel + HybridAdam). PYTHON: an interpreter with matplotlib for the PNG (default python3).
 # The corpus: the Python standard library's top-level modules on this machine (STDLIB, default
 # /usr/lib/python3.11/*.py), sorted by name; every 10th file is held out (the held-out split), the rest
-# are the training text. Results: benchmarks/results/state_quality-TAG-{torch,fp32,compact}.json and
-# state_quality-TAG.png (TAG default cpu<cores>-<date>).
+# are the training text. Results: benchmarks/results/state_quality-TAG-{torch,fp32,compact}.json,
+# state_quality-TAG.png and the final losses against the first run, state_quality-TAG-summary.json (TAG
+# default cpu<cores>-<date>).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build=${BUILD_DIR:-$root/build}
@@ -32,4 +33,5 @@ for opt in "${optimizers[@]}"; do
     --commit="$commit" "$@" > "$out/state_quality-$tag-$opt.json"
   jsons+=("$out/state_quality-$tag-$opt.json")
 done
-"${PYTHON:-python3}" "$root/benchmarks/quality/plot_state_quality.py" "$out/state_quality-$tag.png" "${jsons[@]}"
+"${PYTHON:-python3}" "$root/benchmarks/quality/plot_state_quality.py" "$out/state_quality-$tag.png" "${jsons[@]}" \
+  | tee "$out/state_quality-$tag-summary.json"
