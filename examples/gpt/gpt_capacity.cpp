@@ -32,33 +32,30 @@ std::vector<std::string> split_commas(const std::string& text) {
 
 int main(int argc, char** argv) {
   return ferry::cli::run_main("gpt_capacity", [&] {
-    std::string device_room = "62GiB", host = "117GiB", precision = "bf16", state_format = "fp32", presets;
+    // --precision is ferry's own option (Config, parsed as every program parses it); bf16 unless given.
+    std::vector<std::string> rest;
+    ferry::Config config = ferry::Config::from_args(argc, argv, &rest);
+    if (!ferry::cli::option_given(argc, argv, "precision")) config.precision = ferry::Precision::kBf16;
+    std::string device_room = "62GiB", host = "117GiB", state_format = "fp32", presets;
     bool accumulate = false, help = false;
     ferry::cli::Options o("gpt_capacity");
     o.add("device-room", &device_room, "GPU bytes for chunks (default 62GiB)")
         .add("host", &host, "host bytes for chunks (default 117GiB)")
-        .add("precision", &precision, "compute copy: bf16, fp16 or fp32 (default bf16)")
         .add("state-format", &state_format, "optimizer state: fp32 or compact (default fp32)")
         .add_flag("accumulate-grads", &accumulate, "fp32 gradient accumulation in the state")
         .add("presets", &presets, "comma-separated preset names (default: every preset)")
         .add_flag("help", &help, "this text");
-    o.parse(std::vector<std::string>(argv + 1, argv + argc));
+    o.parse(rest);
     if (help) {
-      std::cout << "usage: gpt_capacity [options]\n" << o.help();
+      std::cout << "usage: gpt_capacity [options] [--precision=bf16|fp16|fp32]\n" << o.help();
       return 0;
     }
     ferry::CapacityQuery q;
     q.device_room_bytes = ferry::parse_bytes(device_room);
     const int64_t host_bytes = ferry::parse_bytes(host);
-    if (precision == "bf16") {
-      q.compute_dtype = at::kBFloat16;
-    } else if (precision == "fp16") {
-      q.compute_dtype = at::kHalf;
-    } else if (precision == "fp32") {
-      q.compute_dtype = at::kFloat;
-    } else {
-      throw ferry::cli::UsageError("--precision: expected bf16, fp16 or fp32, got '" + precision + "'");
-    }
+    q.compute_dtype = config.precision == ferry::Precision::kBf16   ? at::kBFloat16
+                      : config.precision == ferry::Precision::kFp16 ? at::kHalf
+                                                                    : at::kFloat;
     q.state_format = ferry::state_format_from_string(state_format);
     q.accumulate_grads = accumulate;
     std::vector<std::string> names = presets.empty() ? gpt::preset_names() : split_commas(presets);
@@ -70,7 +67,7 @@ int main(int argc, char** argv) {
 
     std::ostringstream out;
     out << "{\"device_room_bytes\": " << q.device_room_bytes << ", \"host_bytes_for_chunks\": " << host_bytes
-        << ", \"precision\": \"" << precision << "\", \"state_format\": \"" << ferry::to_string(q.state_format)
+        << ", \"precision\": \"" << ferry::to_string(config.precision) << "\", \"state_format\": \"" << ferry::to_string(q.state_format)
         << "\", \"accumulate_grads\": " << (accumulate ? "true" : "false") << ",\n \"presets\": [";
     std::string largest;
     int64_t largest_params = 0;
