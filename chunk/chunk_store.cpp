@@ -296,6 +296,25 @@ void ChunkStore::unlock_on_host(ChunkId id) {
   --chunk.host_locks;
 }
 
+void ChunkStore::bring_to_host_and_lock(ChunkId id, const StreamMark* after) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reap_completed();
+  Chunk& chunk = chunk_at(id);
+  if (chunk.location() == Location::kDevice) start_move(chunk, Location::kHost, /*must=*/true, after);
+  TORCH_CHECK(chunk.location() == Location::kHost, "ferry: bring_to_host_and_lock: ", describe(chunk),
+              " must be on the device or the host, it is on ", to_string(chunk.location()));
+  ++chunk.host_locks;
+}
+
+bool ChunkStore::send_to_host(ChunkId id, const StreamMark* after) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reap_completed();
+  Chunk& chunk = chunk_at(id);
+  if (chunk.location() == Location::kHost) return true;
+  if (chunk.location() != Location::kDevice || chunk.state() == ChunkState::kCompute) return false;
+  return start_move(chunk, Location::kHost, /*must=*/false, after);
+}
+
 bool ChunkStore::locked_on_host(ChunkId id) const {
   std::lock_guard<std::mutex> lock(mutex_);
   return chunk_at(id).host_locks > 0;

@@ -209,6 +209,17 @@ class ChunkStore {
   // be pending: the locker waits for it).
   void lock_on_host(ChunkId id);
   void unlock_on_host(ChunkId id);
+  // For a job on the chunk's host payload started later than the compute that wrote the chunk (a round
+  // trip, Note [Round trips through K buffers] in optim/round_trips.h): moves the chunk to the host if
+  // it is on the device, the copy ordered after `after` (a recorded mark of this store's engine,
+  // CopyEngine::copy_after; null: after the caller's current stream), and locks it there in the same
+  // step, so that no other thread moves it back between the two. Fails as move_async() and
+  // lock_on_host() fail (a chunk in COMPUTE or without payload, no room on the host).
+  void bring_to_host_and_lock(ChunkId id, const StreamMark* after);
+  // Starts the chunk's move to the host, ordered as above, where it may go now: on the device, not in
+  // COMPUTE, room on the host. Returns whether it is on the host now (or on its way). Never throws
+  // OutOfMemoryError.
+  bool send_to_host(ChunkId id, const StreamMark* after);
   bool locked_on_host(ChunkId id) const;
   // Blocks until every pending copy has completed.
   void synchronize();
@@ -313,7 +324,8 @@ class ChunkStore {
   static bool evictable(const Chunk& chunk);
   TierShortfall shortfall(Tier t, int64_t bytes, ChunkId incoming) const;
   // Starts a move; returns false only when !must and room could not be made.
-  bool start_move(Chunk& chunk, Location to, bool must);
+  // `after`: the copy waits for the work before this mark instead of the caller's current stream.
+  bool start_move(Chunk& chunk, Location to, bool must, const StreamMark* after = nullptr);
   // Completes (or, !block, polls) its pending copy; a blocking wait counts as a sync of `from`.
   enum class Count { kCaller, kBackground, kNone };
   void finish_pending(Chunk& chunk, bool block, Count count = Count::kCaller);

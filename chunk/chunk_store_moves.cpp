@@ -210,7 +210,7 @@ void ChunkStore::set_device_budget(int64_t bytes) {
 // ---------------------------------------------------------------------------------------------------
 // Copies
 
-bool ChunkStore::start_move(Chunk& chunk, Location to, bool must) {
+bool ChunkStore::start_move(Chunk& chunk, Location to, bool must, const StreamMark* after) {
   if (chunk.location() == to) return true;
   TORCH_CHECK(to != Location::kNone, "ferry: a chunk moves to the device or the host; use "
               "release_payload() to drop it");
@@ -249,7 +249,8 @@ bool ChunkStore::start_move(Chunk& chunk, Location to, bool must) {
     if (!give_device_memory(chunk, must)) return false;
     // Runs after any pending device->host copy into the host buffer (same copy stream).
     supersede();
-    chunk.pending() = engine_->copy(chunk.device_flat(), chunk.host_flat(), timing);
+    chunk.pending() = after ? engine_->copy_after(chunk.device_flat(), chunk.host_flat(), timing, *after)
+                            : engine_->copy(chunk.device_flat(), chunk.host_flat(), timing);
     chunk.set_location(Location::kDevice);
     ++moves_.h2d_count;
     moves_.h2d_bytes += n;
@@ -258,7 +259,8 @@ bool ChunkStore::start_move(Chunk& chunk, Location to, bool must) {
     // A host buffer still attached is the source of a pending host->device copy: this copy runs after
     // it on the copy stream, so it may overwrite it.
     supersede();
-    chunk.pending() = engine_->copy(chunk.host_flat(), chunk.device_flat(), timing);
+    chunk.pending() = after ? engine_->copy_after(chunk.host_flat(), chunk.device_flat(), timing, *after)
+                            : engine_->copy(chunk.host_flat(), chunk.device_flat(), timing);
     chunk.free_device_memory();
     discharge(Tier::kDevice, chunk);
     chunk.set_location(Location::kHost);

@@ -34,6 +34,12 @@ class CudaMark final : public StreamMark {
   explicit CudaMark(c10::DeviceIndex device) : device_(device), event_(cudaEventDefault) {}
   void record() override { event_.record(c10::cuda::getCurrentCUDAStream(device_)); }
   bool recorded() const override { return event_.isCreated(); }  // created by its first record
+  // Makes `stream` wait (on the GPU) for the work before this mark.
+  void block(const c10::cuda::CUDAStream& stream) const {
+    TORCH_CHECK(recorded(), "ferry: CopyEngine::copy_after: the mark was never recorded");
+    event_.block(stream);
+  }
+  c10::DeviceIndex device() const { return device_; }
   double seconds_since(const StreamMark& earlier) const override {
     const auto* e = dynamic_cast<const CudaMark*>(&earlier);
     TORCH_CHECK(e != nullptr, "ferry: StreamMark::seconds_since: the earlier mark is of another device's kind");
@@ -47,7 +53,7 @@ class CudaMark final : public StreamMark {
 
  private:
   c10::DeviceIndex device_;
-  at::cuda::CUDAEvent event_;  // with timing (the default CUDAEvent has none)
+  mutable at::cuda::CUDAEvent event_;  // with timing (the default CUDAEvent has none); block() is not const
 };
 
 // CUDA's lazy initialisation (the caching allocator's per-device state among it) runs on the first
@@ -71,13 +77,31 @@ class CudaCopyEngine final : public CopyEngine {
   bool pinned_host() const override { return true; }
 
   std::unique_ptr<CopyTicket> copy(const at::Tensor& dst, const at::Tensor& src, CopyTiming timing) override {
-    TORCH_INTERNAL_ASSERT(dst.numel() == src.numel() && dst.scalar_type() == src.scalar_type());
     c10::cuda::CUDAGuard device_guard(device_);
-    const c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream(device_);
     // The copy must see everything the compute stream wrote so far.
     at::cuda::CUDAEvent ready;
-    ready.record(compute);
+    ready.record(c10::cuda::getCurrentCUDAStream(device_));
     ready.block(copy_stream_);
+    return issue(dst, src, timing);
+  }
+
+  std::unique_ptr<CopyTicket> copy_after(const at::Tensor& dst, const at::Tensor& src, CopyTiming timing,
+                                         const StreamMark& after) override {
+    const auto* mark = dynamic_cast<const CudaMark*>(&after);
+    TORCH_CHECK(mark != nullptr, "ferry: CopyEngine::copy_after: the mark is not a CUDA one");
+    TORCH_CHECK(mark->device() == device_, "ferry: CopyEngine::copy_after: a mark on cuda:", int(mark->device()),
+                " for a copy on cuda:", int(device_));
+    c10::cuda::CUDAGuard device_guard(device_);
+    mark->block(copy_stream_);  // what was written before the mark, not what was queued since
+    return issue(dst, src, timing);
+  }
+
+  std::unique_ptr<StreamMark> make_mark() const override { return std::make_unique<CudaMark>(device_); }
+
+ private:
+  // The copy on the copy stream, which was made to wait for what it must see.
+  std::unique_ptr<CopyTicket> issue(const at::Tensor& dst, const at::Tensor& src, CopyTiming timing) {
+    TORCH_INTERNAL_ASSERT(dst.numel() == src.numel() && dst.scalar_type() == src.scalar_type());
     auto ticket = std::make_unique<CudaTicket>(dst, src, device_);
     {
       c10::cuda::CUDAStreamGuard stream_guard(copy_stream_);  // marks record on the current stream: this one
@@ -96,9 +120,6 @@ class CudaCopyEngine final : public CopyEngine {
     return ticket;
   }
 
-  std::unique_ptr<StreamMark> make_mark() const override { return std::make_unique<CudaMark>(device_); }
-
- private:
   c10::DeviceIndex device_;
   c10::cuda::CUDAStream copy_stream_;
 };
