@@ -105,6 +105,16 @@ Engine::Engine(ChunkedModel& wrapped, HybridAdamOptions options)
                options_.communicator, options_.accumulate_grads, options_.shard_params, pipeline_) {
   const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   model().set_loss_scale(scaling_ ? scaler_.scale() : 1.0);
+  // Note [Round trips through K buffers]: at one rank, where the host updates run in the default mode
+  // behind the next forward (so that every host update can be a job that brings its chunk).
+  if (ownership_.world() == 1 && !options_.accumulate_grads && options_.update_behind_forward) {
+    jobs_.set_round_trip_slots(options_.round_trip_slots);
+  } else if (options_.round_trip_slots > 0) {
+    log::warn("ferry: HybridAdam: round_trip_slots is ", options_.round_trip_slots, " but the host updates take no round "
+              "trips ", ownership_.world() > 1 ? "across ranks" : options_.accumulate_grads ? "with accumulate_grads"
+              : "without update_behind_forward", ": every host-state parameter chunk waits on the host from backward to "
+              "the next forward");
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     follow_layout_locked();
@@ -191,6 +201,7 @@ std::function<bool(int64_t)> Engine::owned_fn() const {
 void Engine::follow_layout_locked() {
   // The model waits for updates left running before it ends an iteration, where it repacks.
   TORCH_INTERNAL_ASSERT(!deferred_.pending(), "a layout change with host updates still running");
+  jobs_.forget_returns();  // the old store waited for its copies as it went
   placement_.follow_layout(model().layout_version(), model().layout().num_chunks());
   finality_.follow_layout(model().num_params());  // per parameter: kept across a repack
 }

@@ -61,6 +61,7 @@ class Engine final : private GradSink, private LayoutListener, private PlanAgree
   void synchronize() { await_params(); }
   std::future<void> run_on_worker(std::function<void()> job) { return cpu_adam_.run_async(std::move(job)); }
   int64_t pipelined_jobs_started() const { return jobs_.started(); }
+  RoundTrips::Stats round_trip_stats() const { return jobs_.round_trip_stats(); }
   int64_t values_from_owners() const;
   std::shared_ptr<const dist::ParamShards> param_shards() const { return sharded_.param_shards(); }
 

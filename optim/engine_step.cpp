@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -166,6 +167,19 @@ ChunkNorms Engine::grad_norms_locked(bool pipelined) {
         }
       }
     } else {
+      // Note [Round trips through K buffers]: a host-state chunk on the device has its norms taken there
+      // (the two-phase step's at its launch), with the device chunks'; one taken back at the eager step's
+      // end has them from before its trip.
+      const bool here = jobs_.round_trips() && model().store().location(model().param_chunk(c)) == Location::kDevice;
+      const bool before_trip = here && !done && pipelined && pipeline_.trip_outcome(c, ledger_.spans(layout, c));
+      if ((done && !pipeline_.device_norms(c).empty()) || (here && !done && !before_trip)) {
+        for (at::Tensor& t : done ? std::move(pipeline_.device_norms(c))
+                                  : ChunkUpdates::device_norms(updates_.grad_payload(c), ledger_.spans(layout, c))) {
+          device.push_back(std::move(t));
+          device_index.push_back(c);
+        }
+        continue;
+      }
       ChunkOutcome o;
       if (done) {
         o = pipeline_.outcome(c);
@@ -197,17 +211,42 @@ void Engine::stage_param_chunks_locked(bool skip_launched) {
   auto skipped = [&](int64_t c) {
     return (skip_launched && pipeline_.launched(c) && !pipeline_.has_late(c)) || !ownership_.owned(c);
   };
+  // Note [Round trips through K buffers]: a host-state chunk stays where it is, its norms are taken
+  // there and its update's job brings it; but for the late part of a chunk whose job ran in backward,
+  // updated on this thread.
+  auto stays = [&](int64_t c) {
+    const bool late_part = skip_launched && pipeline_.launched(c) && pipeline_.has_late(c);
+    return !placement_.on_device(c) && !late_part;
+  };
   // Host-bound chunks first: they must leave anyway, and the room they free is what the device-bound
   // ones are moved into. (Device-bound first let the eviction policy, which knows nothing of the step,
   // evict a device-bound chunk staged a moment before to make room for the next one: seen on a GPU,
   // where the device norms then met a gradient on the host.)
-  for (int pass = 0; pass < 2; ++pass) {
-    const bool device = pass == 1;
-    for (int64_t c = 0; c < n; ++c) {
-      if (placement_.on_device(c) != device || skipped(c)) continue;
-      const Location want = device ? Location::kDevice : Location::kHost;
-      if (params.location(model().param_chunk(c)) != want) params.move(model().param_chunk(c), want);
+  auto stage = [&](bool round_trips) {
+    for (int pass = 0; pass < 2; ++pass) {
+      const bool device = pass == 1;
+      for (int64_t c = 0; c < n; ++c) {
+        if (placement_.on_device(c) != device || skipped(c) || (round_trips && stays(c))) continue;
+        const Location want = device ? Location::kDevice : Location::kHost;
+        if (params.location(model().param_chunk(c)) != want) params.move(model().param_chunk(c), want);
+      }
     }
+  };
+  auto staged = [&] {
+    for (int64_t c = 0; c < n; ++c) {
+      if (placement_.on_device(c) && !skipped(c) && params.location(model().param_chunk(c)) != Location::kDevice) {
+        return false;
+      }
+    }
+    return true;
+  };
+  stage(jobs_.round_trips());
+  if (jobs_.round_trips() && !staged()) {
+    // The parameter chunks do not all fit the device (the premise of the bound): the host-state ones
+    // leave first, as without round trips, and their updates' jobs find them on the host.
+    log::debug("ferry: HybridAdam: the device holds fewer parameter chunks than the step needs; the host-state ones "
+               "are staged on the host");
+    stage(false);
   }
   const int64_t on_device = placement_.num_on_device();
   for (int64_t c = 0; c < n; ++c) {
@@ -299,9 +338,11 @@ Engine::FrozenGroups Engine::frozen_groups_locked() const {
 bool Engine::defer_host_update_locked(int64_t c, const UpdateOptions& options, const FrozenGroups& frozen) {
   ChunkStore& params = model().store();
   const ChunkId pc = model().param_chunk(c);
-  // Default mode: staged on the host with the gradients. With accumulate_grads where the scheduler left
-  // it: a parameter chunk on the device keeps the update here and the copy after it (write_back).
-  if (params.location(pc) != Location::kHost) return false;
+  // Default mode: staged on the host with the gradients, or where it is for a round trip (Note [Round
+  // trips through K buffers]: the job brings it). With accumulate_grads where the scheduler left it: a
+  // parameter chunk on the device keeps the update here and the copy after it (write_back).
+  const bool round_trip = jobs_.round_trips() && !options_.accumulate_grads;
+  if (params.location(pc) != Location::kHost && !(round_trip && params.location(pc) == Location::kDevice)) return false;
   std::vector<Span> spans = ledger_.spans(model().layout(), c);
   if (spans.empty()) return false;
   at::Tensor acc;  // accumulate_grads: the gradients; the job writes the new values into the parameter chunk
@@ -325,7 +366,7 @@ bool Engine::defer_host_update_locked(int64_t c, const UpdateOptions& options, c
                          // fp32 compute: the master is the value, as the write-back copies it
                          if (!lowp) g.copy_(state.master_tensor);
                        },
-                       /*background_write=*/true));
+                       /*background_write=*/true, round_trip ? Trip::kRoundTrip : Trip::kStay));
   return true;
 }
 

@@ -9,17 +9,24 @@
 
 namespace ferry::optim {
 
+void HostJobs::set_round_trip_slots(int64_t slots) {
+  TORCH_CHECK(slots >= 0, "ferry: HostJobs: round trip slots must be >= 0 (0: none), got ", slots);
+  if (slots == (trips_ ? trips_->slots() : 0)) return;
+  trips_ = slots > 0 ? std::make_unique<RoundTrips>(slots) : nullptr;
+}
+
 std::future<void> HostJobs::launch(ChunkStore& params, ChunkId pc, int64_t chunk, const char* what,
-                                   std::function<void(const at::Tensor& grads)> work, bool background_write) {
-  return queue(params, pc, chunk, what, std::move(work), background_write, nullptr);
+                                   std::function<void(const at::Tensor& grads)> work, bool background_write,
+                                   Trip trip) {
+  return queue(params, pc, chunk, what, std::move(work), background_write, nullptr, trip);
 }
 
 void HostJobs::launch_cancellable(ChunkStore& params, ChunkId pc, int64_t chunk, const char* what,
-                                  std::function<void(const at::Tensor& grads)> work) {
+                                  std::function<void(const at::Tensor& grads)> work, Trip trip) {
   auto claim = std::make_shared<Claim>();
   claim->store = &params;
   claim->pc = pc;
-  put(chunk, queue(params, pc, chunk, what, std::move(work), /*background_write=*/false, claim));
+  put(chunk, queue(params, pc, chunk, what, std::move(work), /*background_write=*/false, claim, trip));
   jobs_[chunk].claim = std::move(claim);
 }
 
@@ -30,9 +37,14 @@ std::vector<int64_t> HostJobs::cancel_queued() {
     if (!job.claim) continue;
     int queued = Claim::kQueued;
     if (job.claim->state.compare_exchange_strong(queued, Claim::kCancelled)) {
-      // The worker will skip the job: its lock and its copy are this thread's to settle.
-      job.claim->store->unlock_on_host(job.claim->pc);
-      job.claim->store->wait(job.claim->pc);
+      // The worker will skip the job: its lock and its copy are this thread's to settle (a round trip's
+      // chunk was neither moved nor locked).
+      if (job.claim->trip) {
+        trips_->cancel(job.claim->trip);
+      } else {
+        job.claim->store->unlock_on_host(job.claim->pc);
+        job.claim->store->wait(job.claim->pc);
+      }
       job.done = std::future<void>();  // never made ready before the worker pops it: not waited for
       cancelled.push_back(static_cast<int64_t>(c));
     }
@@ -43,16 +55,23 @@ std::vector<int64_t> HostJobs::cancel_queued() {
 
 std::future<void> HostJobs::queue(ChunkStore& params, ChunkId pc, int64_t chunk, const char* what,
                                   std::function<void(const at::Tensor& grads)> work, bool background_write,
-                                  std::shared_ptr<Claim> claim) {
-  if (params.location(pc) != Location::kHost) params.move_async(pc, Location::kHost);  // one transfer
-  params.lock_on_host(pc);
+                                  std::shared_ptr<Claim> claim, Trip trip) {
+  // A round trip leaves the chunk where it is: its job brings it (Note [Round trips through K buffers]).
+  std::shared_ptr<RoundTrips::Trip> round_trip;
+  if (trip == Trip::kRoundTrip && trips_) {
+    round_trip = trips_->queue(params, pc);
+    if (claim) claim->trip = round_trip;
+  } else {
+    if (params.location(pc) != Location::kHost) params.move_async(pc, Location::kHost);  // one transfer
+    params.lock_on_host(pc);
+  }
   // Note [Ops outside the scopes] (hooks/interceptor.h): announced before the job is queued, over when it is
   // (failed or not), so that ops between iterations wait for it.
   if (background_write) outside_hazard_begin();
   try {
     return worker_.run_async([this, chunk, pc, store = &params, what, work = std::move(work), background_write,
-                              claim = std::move(claim)] {
-      if (claim) {  // cancel_queued() took it back first: it unlocked the chunk
+                              claim = std::move(claim), round_trip] {
+      if (claim) {  // cancel_queued() took it back first: it unlocked the chunk (or took its trip back)
         int queued = Claim::kQueued;
         if (!claim->state.compare_exchange_strong(queued, Claim::kStarted)) return;
       }
@@ -62,17 +81,24 @@ std::future<void> HostJobs::queue(ChunkStore& params, ChunkId pc, int64_t chunk,
           if (announce) outside_hazard_end();
         }
       } finished{background_write};
-      struct Unlock {
+      if (round_trip) trips_->begin(round_trip);  // the chunk on the host and locked, or it threw
+      struct Unlock {  // a round trip's also starts back to the device
         ChunkStore* store;
         ChunkId id;
+        RoundTrips* trips;
+        const std::shared_ptr<RoundTrips::Trip>& trip;
         ~Unlock() {
           try {
-            store->unlock_on_host(id);
+            if (trip) {
+              trips->end(trip);
+            } else {
+              store->unlock_on_host(id);
+            }
           } catch (const std::exception& e) {
             log::error("ferry: HybridAdam could not unlock chunk ", id, ": ", e.what());
           }
         }
-      } unlock{store, pc};
+      } unlock{store, pc, trips_.get(), round_trip};
       ++started_;
       trace::Span span("adam", trace::enabled() ? what + std::to_string(chunk) : std::string());
       store->wait(pc, WaitFrom::kBackground);  // its gradients' copy to the host
@@ -80,7 +106,11 @@ std::future<void> HostJobs::queue(ChunkStore& params, ChunkId pc, int64_t chunk,
     });
   } catch (...) {
     if (background_write) outside_hazard_end();
-    params.unlock_on_host(pc);
+    if (round_trip) {
+      trips_->cancel(round_trip);
+    } else {
+      params.unlock_on_host(pc);
+    }
     throw;
   }
 }

@@ -5,6 +5,11 @@
 // transfer), is locked there, and the job runs once the copy has landed; the chunk is unlocked when the
 // job ends, whatever happens.
 //
+// A job may instead take its chunk on a round trip (Trip::kRoundTrip, with round trip slots set): the
+// chunk stays where it is until the job starts, moves to the host then, and starts back to the device
+// when the job ends, at most `slots` such chunks on the host at once (Note [Round trips through K
+// buffers], optim/round_trips.h).
+//
 // Contract: put/wait/join and the rest are called under HybridAdam's mutex; in_backward() and
 // started() are atomic, read without it (a parameter use inside backward asks in_backward() first).
 // A job's error surfaces where the jobs are joined (join()), also when another job superseded it.
@@ -20,27 +25,49 @@
 
 #include "../chunk/chunk_store.h"
 #include "../cpu_adam/cpu_adam.h"
+#include "round_trips.h"
 
 namespace ferry::optim {
+
+// How a job's parameter chunk travels (HostJobs::launch).
+enum class Trip {
+  kStay,       // to the host when the job is launched, and there until something else moves it
+  kRoundTrip,  // where round trip slots are set: to the host when the job starts, back when it ends
+};
 
 class HostJobs {
  public:
   explicit HostJobs(CpuAdam& worker) : worker_(worker) {}
+
+  // Round trips through at most `slots` host buffers (0: none; Trip::kRoundTrip jobs then stay, as
+  // kStay). Not while jobs are queued.
+  void set_round_trip_slots(int64_t slots);
+  // Whether Trip::kRoundTrip jobs take round trips.
+  bool round_trips() const { return trips_ != nullptr; }
+  // Their counts (slots 0 and all zero without them).
+  RoundTrips::Stats round_trip_stats() const { return trips_ ? trips_->stats() : RoundTrips::Stats{}; }
+  // After a repack: the old store's returns are forgotten (RoundTrips::forget_returns).
+  void forget_returns() {
+    if (trips_) trips_->forget_returns();
+  }
 
   // Queues `work(grads)` on the worker, to run once parameter chunk `pc` (layout chunk `chunk`) is on the
   // host: its move is started here (one transfer on the copy stream), and the chunk is locked on the
   // host until the job has ended. `grads`: the chunk's host payload. `background_write`: the job writes
   // parameters after the step returns (Note [Ops outside the scopes], hooks/interceptor.h): ops between
   // iterations wait for it. `what` names the job in the event trace.
+  // `trip`: kRoundTrip (with slots set) instead leaves the chunk where it is until the job starts.
   std::future<void> launch(ChunkStore& params, ChunkId pc, int64_t chunk, const char* what,
-                           std::function<void(const at::Tensor& grads)> work, bool background_write = false);
+                           std::function<void(const at::Tensor& grads)> work, bool background_write = false,
+                           Trip trip = Trip::kStay);
   // launch() and put() in one, for a job that cancel_queued() may take back before it starts (Note
   // [Host updates carried over behind the next forward], optim/engine_step.cpp).
   void launch_cancellable(ChunkStore& params, ChunkId pc, int64_t chunk, const char* what,
-                          std::function<void(const at::Tensor& grads)> work);
+                          std::function<void(const at::Tensor& grads)> work, Trip trip = Trip::kStay);
   // Takes back every cancellable job of this backward that has not started: it will not run (the worker
-  // skips it), its chunk is unlocked and its copy to the host waited for, and it is forgotten. Returns
-  // those chunks, ascending. A job that started runs to its end.
+  // skips it), its chunk is unlocked and its copy to the host waited for (a round trip's never moved:
+  // it is where it was), and it is forgotten. Returns those chunks, ascending. A job that started runs
+  // to its end.
   std::vector<int64_t> cancel_queued();
 
   // Backward's jobs, per layout chunk. reset(): none, room for `num_chunks`.
@@ -76,10 +103,11 @@ class HostJobs {
     std::atomic<int> state{kQueued};
     ChunkStore* store = nullptr;
     ChunkId pc{};
+    std::shared_ptr<RoundTrips::Trip> trip;  // a round trip's (null: the chunk was moved and locked at launch)
   };
   std::future<void> queue(ChunkStore& params, ChunkId pc, int64_t chunk, const char* what,
                           std::function<void(const at::Tensor& grads)> work, bool background_write,
-                          std::shared_ptr<Claim> claim);
+                          std::shared_ptr<Claim> claim, Trip trip);
 
   // A layout chunk's job of this backward: its future, and its claim if cancel_queued() may take it back.
   struct Job {
@@ -88,6 +116,7 @@ class HostJobs {
   };
 
   CpuAdam& worker_;
+  std::unique_ptr<RoundTrips> trips_;  // null: no round trips
   std::vector<Job> jobs_;  // per layout chunk
   std::exception_ptr superseded_error_;  // of a job superseded in jobs_
   std::atomic<bool> in_backward_{false};

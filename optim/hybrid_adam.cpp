@@ -21,6 +21,7 @@ void HybridAdam::zero_grad() { engine_->zero_grad(); }
 void HybridAdam::synchronize() { engine_->synchronize(); }
 std::future<void> HybridAdam::run_on_worker(std::function<void()> job) { return engine_->run_on_worker(std::move(job)); }
 int64_t HybridAdam::pipelined_jobs_started() const { return engine_->pipelined_jobs_started(); }
+optim::RoundTrips::Stats HybridAdam::round_trip_stats() const { return engine_->round_trip_stats(); }
 int64_t HybridAdam::values_from_owners() const { return engine_->values_from_owners(); }
 std::shared_ptr<const dist::ParamShards> HybridAdam::param_shards() const { return engine_->param_shards(); }
 

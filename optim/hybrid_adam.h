@@ -71,6 +71,7 @@
 #include "../hooks/chunked_model.h"
 #include "hybrid_adam_options.h"
 #include "loss_scaler.h"
+#include "round_trips.h"
 
 namespace ferry {
 
@@ -112,6 +113,10 @@ class HybridAdam final {
   std::future<void> run_on_worker(std::function<void()> job);
   // Host Adam jobs of the pipeline that have started running, since construction (tests, reports).
   int64_t pipelined_jobs_started() const;
+  // The host updates' round trips (HybridAdamOptions::round_trip_slots; slots 0 where there are none):
+  // trips taken, chunks sent ahead, returns left on the host for want of device room, most host
+  // buffers held at once (Note [Round trips through K buffers]; since construction).
+  optim::RoundTrips::Stats round_trip_stats() const;
   // At N > 1 with accumulate_grads: how many backwards ended by bringing back the values of the chunks
   // other ranks own (Note [Accumulation per chunk]).
   int64_t values_from_owners() const;

@@ -42,6 +42,7 @@ void HybridAdamOptions::validate() const {
   loss_scaler.validate();
   TORCH_CHECK(state_format == StateFormat::kFp32 || state_format == StateFormat::kCompact,
               "ferry: unknown state format ", static_cast<int>(state_format));
+  TORCH_CHECK(round_trip_slots >= 0, "ferry: round_trip_slots must be >= 0 (0: no bound), got ", round_trip_slots);
 }
 
 }  // namespace ferry

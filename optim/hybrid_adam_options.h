@@ -70,6 +70,13 @@ struct HybridAdamOptions {
   // The state's format (above). Checkpoints hold fp32 values either way (the compact state decoded,
   // exactly), so a checkpoint loads into either format.
   StateFormat state_format = StateFormat::kFp32;
+  // Host updates at one rank without accumulate_grads: a host-state parameter chunk stays on the device
+  // until its update starts, goes to the host then and starts back when it ends, at most this many on
+  // the host at once (Note [Round trips through K buffers], optim/round_trips.h), so that the pinned
+  // buffers they need are this many chunks' instead of one per host-state chunk (30b: 54 GiB). Bounded
+  // where the step is eager (no clipping, no fp16 loss scaling) and the parameter chunks fit the device.
+  // 0 (the default): no bound; each such chunk waits on the host from backward to the next forward.
+  int64_t round_trip_slots = 0;
 
   // `defaults` for matrices; biases and norm weights (tensors of dim <= 1) in group 1 without decay.
   static HybridAdamOptions no_decay_for_bias_and_norm(const AdamOptions& defaults);
@@ -88,6 +95,7 @@ struct HybridAdamOptions {
   HybridAdamOptions& with_carry_over_host_updates(bool v = true) { carry_over_host_updates = v; return *this; }
   HybridAdamOptions& with_plan_state_with_activations(bool v = true) { plan_state_with_activations = v; return *this; }
   HybridAdamOptions& with_state_format(StateFormat v) { state_format = v; return *this; }
+  HybridAdamOptions& with_round_trip_slots(int64_t v) { round_trip_slots = v; return *this; }
   void validate() const;
 };
 

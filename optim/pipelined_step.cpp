@@ -100,6 +100,12 @@ void PipelinedStep::launch(int64_t c) {
     }
     return;
   }
+  if (!eager() && parts_.jobs.round_trips() && params.location(pc) == Location::kDevice) {
+    // Note [Round trips through K buffers]: the two-phase step's norms on the device, as a device-state
+    // chunk's, and no job: the chunk's one trip is its update's, queued after backward.
+    device_norms_[c] = ChunkUpdates::device_norms(params.payload(pc), spans);
+    return;
+  }
   const HostState state = parts_.placement.host_state(c, parts_.ownership.owned(c), /*moments=*/true, parts_.model.layout());
   // Note [Norms before the trip]: eager, a chunk still on the device has its norms taken there, before
   // its move below, so that its job reads its gradients once, in the update.
@@ -120,10 +126,14 @@ void PipelinedStep::launch(int64_t c) {
     }
     outcomes_[c] = out;
   };
+  // Eager, the job is the chunk's last work in the step: it may take the chunk on a round trip (Note
+  // [Round trips through K buffers]); the two-phase step's chunk waits on the host for its update.
+  const Trip travel = kind_ == Kind::kEager ? Trip::kRoundTrip : Trip::kStay;
   if (cancellable_) {
-    parts_.jobs.launch_cancellable(params, pc, c, "pipelined host adam chunk ", std::move(work));
+    parts_.jobs.launch_cancellable(params, pc, c, "pipelined host adam chunk ", std::move(work), travel);
   } else {
-    parts_.jobs.put(c, parts_.jobs.launch(params, pc, c, "pipelined host adam chunk ", std::move(work)));
+    parts_.jobs.put(c, parts_.jobs.launch(params, pc, c, "pipelined host adam chunk ", std::move(work),
+                                          /*background_write=*/false, travel));
   }
 }
 

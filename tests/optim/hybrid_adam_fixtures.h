@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
+#include <future>
 #include <string>
 #include <thread>
 #include <utility>
@@ -128,6 +129,23 @@ inline HybridAdamOptions split_state(bool accumulate) {
   options.device_state_chunks = 2;
   options.accumulate_grads = accumulate;
   return options;
+}
+
+// `step()` (a backward_step) with `adam`'s worker held, when `hold`, by a job of the test's until it has
+// returned or thrown: every host job the step queues in backward is still queued when backward ends, so
+// that it is taken back and carried over behind the next forward (Note [Host updates carried over behind
+// the next forward]).
+inline StepResult with_worker_held(HybridAdam& adam, bool hold, const std::function<StepResult()>& step) {
+  std::promise<void> gate;
+  if (hold) adam.run_on_worker([opened = gate.get_future().share()] { opened.wait(); });
+  struct Open {  // after the step has returned, also when it throws
+    std::promise<void>& gate;
+    bool held;
+    ~Open() {
+      if (held) gate.set_value();
+    }
+  } open{gate, hold};
+  return step();
 }
 
 // Two TinyLms with the same initial values.

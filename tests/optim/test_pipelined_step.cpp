@@ -301,19 +301,7 @@ TEST(PipelinedStep, NormsBeforeTheTripSpareTheHostItsNormPass) {
       const Batch x = batch(step);
       a.backward(forward_loss(a, a_net, x));
       const StepResult ra = a_adam.step();
-      std::promise<void> gate;
-      if (stall) b_adam.run_on_worker([opened = gate.get_future().share()] { opened.wait(); });
-      StepResult rb;
-      {
-        struct Open {  // after the step has returned, also when it throws
-          std::promise<void>& gate;
-          bool stall;
-          ~Open() {
-            if (stall) gate.set_value();
-          }
-        } open{gate, stall};
-        rb = b_adam.backward_step(forward_loss(b, b_net, x));
-      }
+      const StepResult rb = with_worker_held(b_adam, stall, [&] { return b_adam.backward_step(forward_loss(b, b_net, x)); });
       a_adam.zero_grad();
       b_adam.zero_grad();
       ASSERT_TRUE(ra.applied && rb.applied) << when;
