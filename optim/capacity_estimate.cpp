@@ -24,6 +24,7 @@ std::string CapacityEstimate::to_json() const {
     << ", \"device_state_bytes\": " << device_state_bytes << ", \"device_param_bytes\": " << device_param_bytes
     << ", \"device_bytes\": " << device_bytes() << ", \"host_param_bytes\": " << host_param_bytes
     << ", \"host_state_bytes\": " << host_state_bytes << ", \"round_trip_bytes\": " << round_trip_bytes
+    << ", \"round_trip_slots\": " << round_trip_slots
     << ", \"host_bytes\": " << host_bytes() << "}";
   return o.str();
 }
@@ -42,6 +43,8 @@ CapacityEstimate estimate_capacity(const CapacityQuery& q) {
               "ferry: estimate_capacity: the compact state needs a 16-bit compute copy (bf16 or fp16), got fp32 "
               "(HybridAdam refuses it: its bf16 master would be coarser than the copy made from it)");
   TORCH_CHECK(q.chunk_bytes >= 0, "ferry: estimate_capacity: chunk_bytes must be >= 0 (0: auto), got ", q.chunk_bytes);
+  TORCH_CHECK(q.round_trip_slots >= 0, "ferry: estimate_capacity: round_trip_slots must be >= 0 (0: no bound), got ",
+              q.round_trip_slots);
 
   const int64_t elem = static_cast<int64_t>(c10::elementSize(q.compute_dtype));
   CapacityEstimate e;
@@ -71,6 +74,12 @@ CapacityEstimate estimate_capacity(const CapacityQuery& q) {
   e.host_param_bytes = std::max<int64_t>(0, e.param_bytes - (q.device_room_bytes - e.device_state_bytes));
   e.device_param_bytes = e.param_bytes - e.host_param_bytes;
   e.round_trip_bytes = host_cache_bytes_for(input, placement);
+  e.round_trip_slots = q.accumulate_grads ? 0 : q.round_trip_slots;  // HybridAdam bounds only the default mode's
+  if (e.round_trip_slots > 0) {
+    int64_t largest = 0;
+    for (const StateGroup& g : input.groups) largest = std::max(largest, g.param_bytes);
+    e.round_trip_bytes = std::min(e.round_trip_bytes, e.round_trip_slots * largest);
+  }
   return e;
 }
 

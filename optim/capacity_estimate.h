@@ -9,7 +9,9 @@
 // at its real bytes for the format (StateChunks::group_bytes_for: chunk padding and the compact scales
 // in); the default placement policy (first chunks first) deciding which groups' state the device's room
 // holds beside every parameter chunk; the parameter chunks the room then has no space for on the host;
-// and the pinned buffers the host-state groups' parameter round trips keep (host_cache_bytes_for).
+// and the pinned buffers the host-state groups' parameter round trips keep (host_cache_bytes_for; with
+// round_trip_slots, that many of the largest parameter chunk at most: Note [Round trips through K
+// buffers], optim/round_trips.h).
 // Where the device's room is short of the parameters, a chunk that both lives on the host and travels
 // is counted in host_param_bytes and in round_trip_bytes: the host sum is then an upper bound (exact
 // where the parameter chunks fit the device, as at 20b and 30b on an H100).
@@ -36,6 +38,7 @@ struct CapacityQuery {
   StateFormat state_format = StateFormat::kFp32;
   bool accumulate_grads = false;  // fp32 gradient accumulation in the state (no parameter round trips)
   int64_t chunk_bytes = 0;        // 0: auto_chunk_size's choice, as ChunkedModel makes it
+  int64_t round_trip_slots = 0;   // HybridAdamOptions::round_trip_slots (0: no bound)
 };
 
 struct CapacityEstimate {
@@ -50,6 +53,7 @@ struct CapacityEstimate {
   int64_t host_param_bytes = 0;     // parameter chunks the device has no room for
   int64_t host_state_bytes = 0;
   int64_t round_trip_bytes = 0;     // pinned buffers for the host-state groups' parameter round trips
+  int64_t round_trip_slots = 0;     // the query's bound on them (0: none)
 
   int64_t device_bytes() const { return device_param_bytes + device_state_bytes; }
   int64_t host_bytes() const { return host_param_bytes + host_state_bytes + round_trip_bytes; }

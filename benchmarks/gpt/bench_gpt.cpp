@@ -61,6 +61,7 @@ struct Args {
   bool checkpoint = false, baseline = true, find_max = false, init_scope = false, unpipelined = false;
   bool sync_update = false;  // HybridAdamOptions::update_behind_forward off
   bool joint_placement = false;  // HybridAdamOptions::plan_state_with_activations
+  int64_t round_trip_slots = 0;  // HybridAdamOptions::round_trip_slots
   std::string state_format = "fp32";  // --state-format, parsed into `format` once
   ferry::StateFormat format = ferry::StateFormat::kFp32;  // HybridAdamOptions::state_format
   bool replicate_params = false, keep_gathered = false;  // world size > 1: Note [Sharded parameters] off / no reshard
@@ -173,6 +174,8 @@ struct FerryResult {
   // both stores (parameter chunks + optimizer state; packing waste included).
   double host_bytes_per_param = 0, device_bytes_per_param = 0, waste = 0, chunk_size_bytes = 0;
   std::string by_role_json;  // bytes per parameter of each chunk role, host + device
+  ferry::optim::RoundTrips::Stats round_trips;  // Note [Round trips through K buffers], over the whole run
+  double param_host_peak_in_steps = 0;  // the parameter chunks' host bytes at most, in the measured steps
   double param_pool_peak = 0;         // peak of the parameter chunks' host buffers: pinned on CUDA
   double state_pool_peak = 0;         // the optimizer state's host buffers (never pinned)
   double rss_after_construction = 0;  // process RSS peak once model and optimizer are built
@@ -286,6 +289,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   adam_options.update_behind_forward = !a.sync_update;
   adam_options.plan_state_with_activations = a.joint_placement;
   adam_options.state_format = a.format;
+  adam_options.round_trip_slots = a.round_trip_slots;
   ferry::HybridAdam adam(model, adam_options);
   const c10::Device device = model.store().device();
   std::mt19937_64 rng(7 + config.rank);  // each rank its own batches
@@ -462,6 +466,8 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
 #endif
   r.host_peak = static_cast<double>(ms.host.peak_bytes + ss.host.peak_bytes);
   r.pinned_peak = cuda ? static_cast<double>(ms.host_buffers.peak_reserved_bytes) : 0;  // state: never pinned
+  r.round_trips = adam.round_trip_stats();
+  r.param_host_peak_in_steps = static_cast<double>(ms.host.peak_bytes);
   const double params = static_cast<double>(gc.num_params());
   r.host_bytes_per_param = static_cast<double>(ms.host.current_bytes + ss.host.current_bytes) / params;
   r.device_bytes_per_param = static_cast<double>(ms.device.current_bytes + ss.device.current_bytes) / params;
@@ -709,6 +715,8 @@ int run(int argc, char** argv) {
            "moments: Note [The compact state format])")
       .add_flag("joint-placement", &a.joint_placement, "activations=auto: the state placed again with the "
                 "activation plan after a steady iteration (HybridAdamOptions::plan_state_with_activations)")
+      .add("round-trip-slots", &a.round_trip_slots, "host buffers the parameter round trips of the host updates "
+           "hold at most (HybridAdamOptions::round_trip_slots; default 0: one per host-state chunk)", int64_t{0})
       .add_flag("find-max", &a.find_max, "find the largest preset that trains")
       .add_flag("replicate-params", &a.replicate_params, "world size > 1: every rank keeps every parameter chunk")
       .add_flag("keep-gathered", &a.keep_gathered, "world size > 1: keep gathered groups from forward to the step")
@@ -760,7 +768,7 @@ int run(int argc, char** argv) {
       << ", \"steps\": " << a.steps << ", \"checkpoint_activations\": " << (a.checkpoint ? "true" : "false")
       << ", \"activations\": \"" << ferry::to_string(config.activations) << "\""
       << ", \"joint_placement\": " << (a.joint_placement ? "true" : "false")
-      << ", \"state_format\": \"" << ferry::to_string(a.format) << "\""
+      << ", \"state_format\": \"" << ferry::to_string(a.format) << "\"" << ", \"round_trip_slots\": " << a.round_trip_slots
       << ", \"trace\": \"" << a.trace << "\", \"step\": \"" << (a.unpipelined ? "unpipelined" : "pipelined")
       << "\", \"max_grad_norm\": " << a.max_grad_norm << ", \"micro_batches\": " << a.micro_batches
       << ", \"update_behind_forward\": " << (behind_forward_option(a, world) ? "true" : "false")
@@ -830,6 +838,10 @@ int run(int argc, char** argv) {
       << ", \"tflops_6n\": " << 6 * n * tokens / f.mean.total / 1e12 << ", \"tflops_8n\": "
       << 8 * n * tokens / f.mean.total / 1e12 << ", \"device_peak_bytes\": " << f.device_peak
       << ", \"host_peak_bytes\": " << f.host_peak << ", \"pinned_peak_bytes\": " << f.pinned_peak
+      << ", \"round_trips\": {\"slots\": " << f.round_trips.slots << ", \"trips\": " << f.round_trips.trips
+      << ", \"sent_ahead\": " << f.round_trips.sent_ahead << ", \"left_on_host\": " << f.round_trips.left_on_host
+      << ", \"peak_held\": " << f.round_trips.peak_held << ", \"param_host_peak_bytes_in_steps\": "
+      << f.param_host_peak_in_steps << "}"
       << ", \"optimizer_state_device_bytes\": " << f.state_device << ", \"optimizer_state_host_bytes\": " << f.state_host
       << ", \"moved_bytes_per_step\": " << f.moved_bytes << ", \"moved_over_optimal\": " << f.moved_over_optimal
       << ", \"activation_bytes\": " << f.activation_bytes << ", \"evictions\": " << f.evictions << ", \"chunks\": " << f.chunks << ", \"device_state_chunks\": "

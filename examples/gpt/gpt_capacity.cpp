@@ -4,7 +4,8 @@
 // then the largest preset that fits. Presets smallest first.
 //
 //   gpt_capacity [--device-room=62GiB] [--host=117GiB] [--precision=bf16|fp16|fp32]
-//                [--state-format=fp32|compact] [--accumulate-grads] [--presets=tiny,...,30b]
+//                [--state-format=fp32|compact] [--accumulate-grads] [--round-trip-slots=K]
+//                [--presets=tiny,...,30b]
 //
 // --device-room: the GPU's bytes for chunks once activations, workspace and the CUDA context have theirs
 // (the default assumes an 80 GB H100, 78 GiB usable, 16 GiB of it for batch 8 x 1024 with every block
@@ -38,11 +39,14 @@ int main(int argc, char** argv) {
     if (!ferry::cli::option_given(argc, argv, "precision")) config.precision = ferry::Precision::kBf16;
     std::string device_room = "62GiB", host = "117GiB", state_format = "fp32", presets;
     bool accumulate = false, help = false;
+    int64_t round_trip_slots = 0;
     ferry::cli::Options o("gpt_capacity");
     o.add("device-room", &device_room, "GPU bytes for chunks (default 62GiB)")
         .add("host", &host, "host bytes for chunks (default 117GiB)")
         .add("state-format", &state_format, "optimizer state: fp32 or compact (default fp32)")
         .add_flag("accumulate-grads", &accumulate, "fp32 gradient accumulation in the state")
+        .add("round-trip-slots", &round_trip_slots, "HybridAdamOptions::round_trip_slots: host buffers for the "
+             "parameter round trips, at most (default 0: one per host-state chunk)", int64_t{0})
         .add("presets", &presets, "comma-separated preset names (default: every preset)")
         .add_flag("help", &help, "this text");
     o.parse(rest);
@@ -58,6 +62,7 @@ int main(int argc, char** argv) {
                                                                     : at::kFloat;
     q.state_format = ferry::state_format_from_string(state_format);
     q.accumulate_grads = accumulate;
+    q.round_trip_slots = round_trip_slots;
     std::vector<std::string> names = presets.empty() ? gpt::preset_names() : split_commas(presets);
     if (presets.empty()) {  // smallest first
       std::stable_sort(names.begin(), names.end(), [](const std::string& a, const std::string& b) {
@@ -68,7 +73,8 @@ int main(int argc, char** argv) {
     std::ostringstream out;
     out << "{\"device_room_bytes\": " << q.device_room_bytes << ", \"host_bytes_for_chunks\": " << host_bytes
         << ", \"precision\": \"" << ferry::to_string(config.precision) << "\", \"state_format\": \"" << ferry::to_string(q.state_format)
-        << "\", \"accumulate_grads\": " << (accumulate ? "true" : "false") << ",\n \"presets\": [";
+        << "\", \"accumulate_grads\": " << (accumulate ? "true" : "false") << ", \"round_trip_slots\": " << round_trip_slots
+        << ",\n \"presets\": [";
     std::string largest;
     int64_t largest_params = 0;
     for (size_t i = 0; i < names.size(); ++i) {

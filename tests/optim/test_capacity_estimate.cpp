@@ -105,6 +105,15 @@ TEST(CapacityEstimate, PlacesTheStateAsTheDefaultPolicyDoes) {
   EXPECT_EQ(e.host_bytes(), 18 * P + 4 * P);
   EXPECT_TRUE(e.fits_host(22 * P));
   EXPECT_FALSE(e.fits_host(22 * P - 1));
+  // Round trips through K buffers (Note [Round trips through K buffers]): K of the largest chunk at most.
+  q.round_trip_slots = 2;
+  e = estimate_capacity(q);
+  EXPECT_EQ(e.round_trip_slots, 2);
+  EXPECT_EQ(e.round_trip_bytes, 2 * P);
+  EXPECT_EQ(e.host_bytes(), 18 * P + 2 * P);
+  q.round_trip_slots = 9;  // more slots than chunks travel: the unbounded sum
+  EXPECT_EQ(estimate_capacity(q).round_trip_bytes, 3 * P + P);
+  q.round_trip_slots = 0;
 
   // Room for three parameter chunks only: no state on the device, one parameter chunk on the host.
   q.device_room_bytes = 3 * P;
@@ -123,6 +132,8 @@ TEST(CapacityEstimate, PlacesTheStateAsTheDefaultPolicyDoes) {
   EXPECT_EQ(e.state_bytes, 4 * 8 * P);
   EXPECT_EQ(e.device_state_groups, 1);
   EXPECT_EQ(e.round_trip_bytes, 0);
+  q.round_trip_slots = 2;  // HybridAdam bounds only the default mode's trips; there are none here
+  EXPECT_EQ(estimate_capacity(q).round_trip_slots, 0);
 }
 
 // The compact format: a bf16 master, two 1-byte codes and 8 bytes of scales per 256 elements.
@@ -158,6 +169,9 @@ TEST(CapacityEstimate, RefusesBadInputByName) {
   q.state_format = StateFormat::kFp32;
   q.chunk_bytes = -1;
   EXPECT_ERROR_HAS(estimate_capacity(q), "chunk_bytes must be >= 0");
+  q.chunk_bytes = 0;
+  q.round_trip_slots = -1;
+  EXPECT_ERROR_HAS(estimate_capacity(q), "round_trip_slots must be >= 0 (0: no bound), got -1");
 }
 
 }  // namespace
