@@ -73,13 +73,9 @@ CapacityEstimate estimate_capacity(const CapacityQuery& q) {
   // the device state, the host the rest.
   e.host_param_bytes = std::max<int64_t>(0, e.param_bytes - (q.device_room_bytes - e.device_state_bytes));
   e.device_param_bytes = e.param_bytes - e.host_param_bytes;
-  e.round_trip_bytes = host_cache_bytes_for(input, placement);
   e.round_trip_slots = q.accumulate_grads ? 0 : q.round_trip_slots;  // HybridAdam bounds only the default mode's
-  if (e.round_trip_slots > 0) {
-    int64_t largest = 0;
-    for (const StateGroup& g : input.groups) largest = std::max(largest, g.param_bytes);
-    e.round_trip_bytes = std::min(e.round_trip_bytes, e.round_trip_slots * largest);
-  }
+  input.round_trip_slots = e.round_trip_slots;
+  e.round_trip_bytes = host_cache_bytes_for(input, placement);
   return e;
 }
 

@@ -109,6 +109,7 @@ Engine::Engine(ChunkedModel& wrapped, HybridAdamOptions options)
   // behind the next forward (so that every host update can be a job that brings its chunk).
   if (ownership_.world() == 1 && !options_.accumulate_grads && options_.update_behind_forward) {
     jobs_.set_round_trip_slots(options_.round_trip_slots);
+    placement_.set_round_trip_slots(options_.round_trip_slots);  // the host cache: K buffers
   } else if (options_.round_trip_slots > 0) {
     log::warn("ferry: HybridAdam: round_trip_slots is ", options_.round_trip_slots, " but the host updates take no round "
               "trips ", ownership_.world() > 1 ? "across ranks" : options_.accumulate_grads ? "with accumulate_grads"

@@ -78,6 +78,7 @@ PlacementInput StatePlacement::input_of(ChunkedModel& model, const Ownership& ow
                                         bool remote_params, int64_t* held) const {
   PlacementInput input;
   input.params_travel = params_travel;
+  input.round_trip_slots = round_trip_slots_;
   input.remote_params = remote_params;
   *held = 0;
   for (int64_t c = 0; c < num_chunks(); ++c) {

@@ -78,6 +78,9 @@ class StatePlacement {
   void place(ChunkedModel& model, const PlacementPolicy& policy, const Ownership& ownership, bool params_travel,
              bool remote_params);
   bool placed() const { return placed_; }
+  // Round trips through K buffers (HostJobs::set_round_trip_slots): the host cache place() grows keeps
+  // K of the largest parameter chunk at most (PlacementInput::round_trip_slots). 0: none.
+  void set_round_trip_slots(int64_t slots) { round_trip_slots_ = slots; }
   // Decides again with `policy` (once per layout, after place(); between iterations, with no host
   // update running) and moves the groups whose place changed: those leaving the device first, then
   // room for the arriving ones (Scheduler::admit_device_bytes; it throws if they cannot fit, with the
@@ -96,6 +99,7 @@ class StatePlacement {
   std::vector<char> on_device_;  // per layout chunk
   bool placed_ = false;
   bool replaced_ = false;
+  int64_t round_trip_slots_ = 0;
   PlacementInput input_of(ChunkedModel& model, const Ownership& ownership, bool params_travel, bool remote_params,
                           int64_t* held) const;
   void grow_host_cache(ChunkedModel& model, int64_t bytes) const;

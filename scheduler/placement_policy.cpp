@@ -81,7 +81,9 @@ int64_t host_cache_bytes_for(const PlacementInput& input, const Placement& place
     if (!placement.on_device[g] && group.held) travelling += group.param_bytes;
     if (input.remote_params && !group.held) travelling += group.param_bytes;  // fetched into host buffers every step
   }
-  return travelling > 0 ? travelling + largest : 0;
+  if (travelling == 0) return 0;
+  const int64_t unbounded = travelling + largest;
+  return input.round_trip_slots > 0 ? std::min(unbounded, input.round_trip_slots * largest) : unbounded;
 }
 
 Placement decide_state_placement(const Scheduler& scheduler, const PlacementPolicy& policy, PlacementInput input) {

@@ -44,6 +44,9 @@ struct PlacementInput {
   // (their new values): the host cache keeps that many buffers for reuse (default mode; accumulation
   // keeps its gradients in state chunks instead).
   bool params_travel = true;
+  // Of those buffers at most this many of the largest parameter chunk (HybridAdamOptions::
+  // round_trip_slots, Note [Round trips through K buffers] in optim/round_trips.h); 0: one per chunk.
+  int64_t round_trip_slots = 0;
   // Sharded parameters: the chunks of groups not held here are fetched into host buffers every step.
   bool remote_params = false;
   // Measured rates, for planners that weigh host work against transfers (0: not measured).

@@ -1,9 +1,9 @@
 // PlacementPolicy (scheduler/placement_policy.h): first-chunks-first against placements worked out by hand
 // for several rooms (no limit, room for all, a group that does not fit ending the placement, a negative
 // margin) and against a brute force over every prefix of random inputs; groups not held here skipped; the
-// fixed count; host_cache_bytes_for with and without travelling and remote parameters; and place_state()
-// with a real Scheduler on the simulated device, which fills in the room and makes it on the device, or
-// throws changing nothing.
+// fixed count; host_cache_bytes_for with and without travelling and remote parameters and round-trip
+// slots; and place_state() with a real Scheduler on the simulated device, which fills in the room and
+// makes it on the device, or throws changing nothing.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -137,6 +137,14 @@ TEST(PlacementPolicy, HostCacheBytesForTheTravellingParameterChunks) {
   EXPECT_EQ(host_cache_bytes_for(in, p), 50 + 200) << "without remote parameters: group 2 only";
   in.remote_params = true;
   EXPECT_EQ(host_cache_bytes_for(in, p), 50 + 200 + 200) << "with them: group 1's too";
+  // Round trips through K buffers (D84): K of the largest parameter chunk at most.
+  in = input({{100, 300}, {200, 600}, {50, 150}, {100, 300}}, 0);
+  p.on_device = {0, 0, 0, 0};
+  EXPECT_EQ(host_cache_bytes_for(in, p), 450 + 200);
+  in.round_trip_slots = 2;
+  EXPECT_EQ(host_cache_bytes_for(in, p), 2 * 200);
+  in.round_trip_slots = 8;
+  EXPECT_EQ(host_cache_bytes_for(in, p), 450 + 200) << "more slots than travel: as without them";
 }
 
 // A policy that answers as first-chunks-first and keeps the input it was asked with.
