@@ -1,10 +1,11 @@
 // ChunkStore on the simulated device: binding keeps tensor identity, views alias chunk memory, round
 // trips preserve bytes, budgets force evictions, COMPUTE chunks never move, out-of-memory and bad
-// input give clear errors.
+// input give clear errors; the moves a round trip's job makes (bring_to_host_and_lock, send_to_host).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <chrono>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -473,6 +474,43 @@ TEST(ChunkStore, HostLockKeepsAChunkOnTheHostAndSyncsAreCounted) {
   store.move(c, Location::kHost);  // synchronous: one sync of the caller
   EXPECT_EQ(store.stats().moves.sync_count, 1);
   EXPECT_EQ(store.location(c), Location::kHost);
+}
+
+// The moves a round trip's job makes (optim/round_trips.h): bring_to_host_and_lock moves a chunk on the
+// device to the host after a mark and locks it in one step (counted as lock_on_host is; on the host
+// already: no move), refuses a chunk without payload or in COMPUTE; send_to_host starts the move where
+// it may and says no, never throwing, where it may not.
+TEST(ChunkStore, BringToHostAndLockAndSendToHost) {
+  ChunkStore store(simulated(), std::make_unique<StreamModelCopyEngine>());
+  const ChunkId c = store.add_chunk(ChunkRole::kParam, at::kFloat, 256, Location::kDevice);
+  const TensorId t = store.add_tensor(c, 0, {256});
+  store.payload(c).copy_(torch::arange(256, torch::kFloat));
+  std::unique_ptr<StreamMark> mark = store.make_mark();
+  mark->record();
+  store.bring_to_host_and_lock(c, mark.get());
+  EXPECT_EQ(store.location(c), Location::kHost);
+  EXPECT_TRUE(store.locked_on_host(c));
+  EXPECT_EQ(store.stats().moves.d2h_count, 1);
+  store.bring_to_host_and_lock(c, nullptr);  // there already: a second lock, no move
+  EXPECT_EQ(store.stats().moves.d2h_count, 1);
+  store.wait(c, WaitFrom::kBackground);
+  EXPECT_TRUE(torch::equal(store.payload(c), torch::arange(256, torch::kFloat))) << "the bytes crossed after the mark";
+  store.unlock_on_host(c);
+  EXPECT_TRUE(store.locked_on_host(c));
+  store.unlock_on_host(c);
+  EXPECT_TRUE(store.send_to_host(c, nullptr)) << "on the host already";
+  EXPECT_TRUE(store.prefetch(c));
+  store.access(t);  // in COMPUTE: neither may move it
+  EXPECT_FALSE(store.send_to_host(c, mark.get()));
+  EXPECT_NE(error_of([&] { store.bring_to_host_and_lock(c, mark.get()); }).find("COMPUTE"), std::string::npos);
+  EXPECT_FALSE(store.locked_on_host(c)) << "the failed call locked nothing";
+  store.release(t, TensorState::kHold);
+  EXPECT_TRUE(store.send_to_host(c, mark.get()));
+  EXPECT_EQ(store.location(c), Location::kHost);
+  EXPECT_FALSE(store.locked_on_host(c)) << "send_to_host does not lock";
+  const ChunkId released = store.add_chunk(ChunkRole::kParam, at::kFloat, 64, Location::kNone);
+  EXPECT_FALSE(store.send_to_host(released, nullptr));
+  EXPECT_NE(error_of([&] { store.bring_to_host_and_lock(released, nullptr); }).find("must be on the device or the host"), std::string::npos);
 }
 
 // Two stores sharing one DeviceAccountant: each store's device bytes are charged to it by role, each
