@@ -98,7 +98,7 @@ class CopyEngine {
   // The same, ordered after the work before `after` (a recorded mark of this engine's kind) instead of
   // the work queued so far on the caller's current stream: for a copy issued later, or from another
   // thread, than the compute that wrote its source (a chunk's trip to the host started by the optimizer's
-  // worker, Note [Round trips through K buffers] in optim/host_jobs.h), which must not wait for whatever
+  // worker, Note [Round trips through K buffers] in optim/round_trips.h), which must not wait for whatever
   // has been queued since. The default is copy(): right where every copy already sees all compute before
   // it (the simulated engines, whose compute is done when its call returns).
   virtual std::unique_ptr<CopyTicket> copy_after(const at::Tensor& dst, const at::Tensor& src, CopyTiming timing,

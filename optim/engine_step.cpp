@@ -167,17 +167,16 @@ ChunkNorms Engine::grad_norms_locked(bool pipelined) {
         }
       }
     } else {
-      // Note [Round trips through K buffers]: a host-state chunk on the device has its norms taken there
-      // (the two-phase step's at its launch), with the device chunks'; one taken back at the eager step's
-      // end has them from before its trip.
-      const bool here = jobs_.round_trips() && model().store().location(model().param_chunk(c)) == Location::kDevice;
-      const bool before_trip = here && !done && pipelined && pipeline_.trip_outcome(c, ledger_.spans(layout, c));
-      if ((done && !pipeline_.device_norms(c).empty()) || (here && !done && !before_trip)) {
-        for (at::Tensor& t : done ? std::move(pipeline_.device_norms(c))
-                                  : ChunkUpdates::device_norms(updates_.grad_payload(c), ledger_.spans(layout, c))) {
+      // Note [Round trips through K buffers]: a host-state chunk left on the device has its norms taken
+      // there, with the device chunks' (the two-phase step's at its launch).
+      auto on_the_device = [&](std::vector<at::Tensor> d) {
+        for (at::Tensor& t : d) {
           device.push_back(std::move(t));
           device_index.push_back(c);
         }
+      };
+      if (done && !pipeline_.device_norms(c).empty()) {
+        on_the_device(std::move(pipeline_.device_norms(c)));
         continue;
       }
       ChunkOutcome o;
@@ -187,6 +186,10 @@ ChunkNorms Engine::grad_norms_locked(bool pipelined) {
         const std::vector<Span> spans = ledger_.spans(layout, c);
         // A job taken back at backward's end: its norms were taken before its trip (Note [Norms before the trip]).
         const std::optional<ChunkOutcome> trip = pipelined ? pipeline_.trip_outcome(c, spans) : std::nullopt;
+        if (!trip && jobs_.round_trips() && model().store().location(model().param_chunk(c)) == Location::kDevice) {
+          on_the_device(ChunkUpdates::device_norms(updates_.grad_payload(c), spans));
+          continue;
+        }
         o = trip ? *trip : updates_.host_norm(updates_.grad_payload(c), spans);
       }
       norms.sum_sq[c] = o.sum_sq;
@@ -341,8 +344,9 @@ bool Engine::defer_host_update_locked(int64_t c, const UpdateOptions& options, c
   // Default mode: staged on the host with the gradients, or where it is for a round trip (Note [Round
   // trips through K buffers]: the job brings it). With accumulate_grads where the scheduler left it: a
   // parameter chunk on the device keeps the update here and the copy after it (write_back).
-  const bool round_trip = jobs_.round_trips() && !options_.accumulate_grads;
-  if (params.location(pc) != Location::kHost && !(round_trip && params.location(pc) == Location::kDevice)) return false;
+  const bool round_trip = jobs_.round_trips();  // never with accumulate_grads (the constructor)
+  const Location where = params.location(pc);
+  if (where != Location::kHost && !(round_trip && where == Location::kDevice)) return false;
   std::vector<Span> spans = ledger_.spans(model().layout(), c);
   if (spans.empty()) return false;
   at::Tensor acc;  // accumulate_grads: the gradients; the job writes the new values into the parameter chunk
