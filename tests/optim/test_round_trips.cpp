@@ -10,7 +10,9 @@
 // or carried over behind the next forward, and at most K parameter chunks on the host at once, where the
 // unbounded step holds every host-state chunk's; with clipping and fp16 loss scaling backward_step equals
 // step() with the same slots, both bounded; where the parameter chunks do not fit the device the step
-// stages the host-state chunks on the host as before (correct, not bounded).
+// stages the host-state chunks on the host as before (correct, not bounded). Both state formats (the
+// compact one, D76, is what the bound is for); a checkpoint saved with every host job carried over
+// resumes with the same bits.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -242,6 +244,7 @@ struct TripCase {
   Precision precision = Precision::kBf16;
   int64_t budget_param_chunks = 16;  // the device budget: room for this many parameter chunks ...
   int64_t device_state_groups = 0;   // ... and this many state groups on the device
+  StateFormat format = StateFormat::kFp32;
 };
 struct TripRun {
   int64_t host_peak = 0;  // backward_step's model
@@ -260,6 +263,7 @@ TripRun train_with_round_trips(const TripCase& tc) {
   options.carry_over_host_updates = tc.carry_over;
   options.round_trip_slots = tc.slots;
   options.max_grad_norm = tc.max_grad_norm;
+  options.state_format = tc.format;
   options.loss_scaler.initial_scale = 65536.0;  // fp16: overflows first, then steps
   options.loss_scaler.hysteresis = 1;
   const bool eager = tc.max_grad_norm == 0.0 && tc.precision != Precision::kFp16;
@@ -311,31 +315,102 @@ TripRun train_with_round_trips(const TripCase& tc) {
   return run;
 }
 
-TEST(RoundTrips, HybridAdamHoldsAtMostKChunksOnTheHostWithTheSameBits) {
+// Both state formats: the compact one (D76) is the bound's case (30b), the fp32 one the default.
+class RoundTripsByFormat : public ::testing::TestWithParam<StateFormat> {};
+
+TEST_P(RoundTripsByFormat, HybridAdamHoldsAtMostKChunksOnTheHostWithTheSameBits) {
   for (const bool carry_over : {false, true}) {
     SCOPED_TRACE(carry_over ? "jobs carried over behind the next forward" : "jobs in backward");
-    const TripRun unbounded = train_with_round_trips({0, carry_over});
+    TripCase tc;
+    tc.carry_over = carry_over;
+    tc.format = GetParam();
+    const TripRun unbounded = train_with_round_trips(tc);
     ASSERT_GE(unbounded.host_chunks, 3);
     EXPECT_GE(unbounded.host_peak, unbounded.host_chunks * unbounded.chunk_bytes)
         << "without the bound every host-state chunk waits on the host";
     EXPECT_EQ(unbounded.stats.trips, 0);
     for (const int64_t k : {1, 2}) {
       SCOPED_TRACE("slots " + std::to_string(k));
-      const TripRun bounded = train_with_round_trips({k, carry_over});
+      tc.slots = k;
+      const TripRun bounded = train_with_round_trips(tc);
       EXPECT_LE(bounded.host_peak, k * bounded.chunk_bytes);
       EXPECT_GT(bounded.stats.trips, 0);
       EXPECT_LE(bounded.stats.peak_held, k);
       EXPECT_EQ(bounded.stats.left_on_host, 0);
-      if (carry_over) EXPECT_GT(bounded.carried, 0) << "the carried-over path must be taken to be tested";
-      std::printf("%s, %lld slot(s): host peak %lld B of parameter chunks (unbounded %lld), %lld trips, %lld sent "
+      if (carry_over) {
+        EXPECT_GT(bounded.carried, 0) << "the carried-over path must be taken to be tested";
+      }
+      std::printf("%s state, %s, %lld slot(s): host peak %lld B of parameter chunks (unbounded %lld), %lld trips, %lld sent "
                   "ahead, %lld carried over\n",
-                  carry_over ? "carry-over" : "in backward", static_cast<long long>(k),
+                  tc.format == StateFormat::kFp32 ? "fp32" : "compact", carry_over ? "carry-over" : "in backward",
+                  static_cast<long long>(k),
                   static_cast<long long>(bounded.host_peak), static_cast<long long>(unbounded.host_peak),
                   static_cast<long long>(bounded.stats.trips), static_cast<long long>(bounded.stats.sent_ahead),
                   static_cast<long long>(bounded.carried));
     }
   }
 }
+
+// A checkpoint taken right after a bounded backward_step whose host jobs were all carried over (none had
+// run when save() was called: it settles them, their round trips included), loaded into a model and an
+// optimizer built afresh from other initial values: the resumed run ends with the bits of the run that
+// never stopped, and the run that saved goes on unchanged.
+TEST_P(RoundTripsByFormat, ACheckpointTakenWithUpdatesCarriedOverResumesWithTheSameBits) {
+  using namespace test;  // NOLINT: the fixtures
+  HybridAdamOptions options = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
+  options.carry_over_host_updates = true;
+  options.round_trip_slots = 2;
+  options.state_format = GetParam();
+  options.device_state_chunks = 0;  // the state on the host: every chunk's update a round trip
+  const int64_t budget = budget_for(16, 0);
+  const auto lagging = [] {
+    ChunkedModelOptions o;  // copies pending until waited for, as on a CUDA copy stream
+    o.copy_engine = [] { return std::make_unique<StreamModelCopyEngine>(); };
+    return o;
+  };
+  auto [a_net, b_net] = twins(61);
+  ChunkedModel a(a_net.ptr(), sim_config(budget, Precision::kBf16), lagging());
+  ChunkedModel b(b_net.ptr(), sim_config(budget, Precision::kBf16), lagging());
+  HybridAdam a_adam(a, options), b_adam(b, options);
+  // One step with every host job carried over; returns how many were.
+  const auto train = [](ChunkedModel& model, TinyLm& net, HybridAdam& adam, int step) {
+    const StepResult r = with_worker_held(adam, true, [&] { return adam.backward_step(forward_loss(model, net, batch(step))); });
+    EXPECT_TRUE(r.applied) << "step " << step;
+    adam.zero_grad();
+    return r.deferred_chunks;
+  };
+  const std::string dir = temp_dir("round-trips-resume");
+  for (int step = 0; step < 3; ++step) {
+    train(a, a_net, a_adam, step);
+    const int64_t carried = train(b, b_net, b_adam, step);
+    if (step == 2) {
+      ASSERT_GT(carried, 0) << "the save must find updates carried over";
+      b_adam.save(dir);
+    }
+  }
+  torch::manual_seed(62);
+  TinyLm c_net(kVocab, kDim);
+  ChunkedModel c(c_net.ptr(), sim_config(budget, Precision::kBf16), lagging());
+  HybridAdam c_adam(c, options);
+  c_adam.load(dir);
+  for (int step = 3; step < 6; ++step) {
+    train(a, a_net, a_adam, step);
+    train(b, b_net, b_adam, step);
+    train(c, c_net, c_adam, step);
+  }
+  a_adam.synchronize();
+  b_adam.synchronize();
+  c_adam.synchronize();
+  ASSERT_NO_FATAL_FAILURE(expect_same_state(a_adam, b_adam, a, b, "the run that saved"));
+  ASSERT_NO_FATAL_FAILURE(expect_same_state(a_adam, c_adam, a, c, "the resumed run"));
+  EXPECT_GT(c_adam.round_trip_stats().trips, 0);
+  remove_checkpoint(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, RoundTripsByFormat, ::testing::Values(StateFormat::kFp32, StateFormat::kCompact),
+                         [](const ::testing::TestParamInfo<StateFormat>& info) {
+                           return std::string(info.param == StateFormat::kFp32 ? "Fp32" : "Compact");
+                         });
 
 // The two-phase step (clipping; fp16 loss scaling, whose first steps overflow and are skipped): the
 // norms on the device, the update's trip the only one; step() bounded too.
@@ -355,7 +430,9 @@ TEST(RoundTrips, TheTwoPhaseStepAndStepAreBoundedToo) {
     EXPECT_LE(bounded.host_peak, n.tc.slots * bounded.chunk_bytes) << "backward_step";
     EXPECT_LE(bounded.step_host_peak, n.tc.slots * bounded.chunk_bytes) << "step()";
     EXPECT_GT(bounded.stats.trips, 0);
-    if (n.tc.precision == Precision::kFp16) EXPECT_GT(bounded.overflows, 0) << "the skipped steps must be tested";
+    if (n.tc.precision == Precision::kFp16) {
+      EXPECT_GT(bounded.overflows, 0) << "the skipped steps must be tested";
+    }
   }
 }
 
