@@ -145,6 +145,9 @@ class CpuAdam {
   GradNorm grad_norm_sq(const at::Tensor& grad, double grad_scale = 1.0) const;
 
   CpuIsa isa() const { return isa_; }
+  // The kernels of isa() (cpu_adam/kernels/kernel_abi.h): for benchmarks and tests that call them with
+  // arguments of their own (compact_kernel_args and a field changed).
+  const cpu_adam::KernelTable& kernels() const { return *kernels_; }
   int threads() const { return threads_; }
   CpuSplit split() const { return split_; }
 

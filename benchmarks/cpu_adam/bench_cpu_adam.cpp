@@ -22,9 +22,13 @@
 // beside it (K = 0: alone), as autograd's, the training thread's and the copy engine's threads run
 // beside the host Adam inside a step; `dynamic_speedup_paired` is the median per-rep time ratio
 // static / dynamic.
+// `--compact-ab` adds `compact_ab`: the compact kernel with each block's codes stored beside the next
+// block's update (CompactAdamArgs::overlap_blocks) and one block at a time (the default; the same
+// bits), alternated rep by rep, streaming (N) and in cache; `speedup_paired` is the median per-rep
+// time ratio one-at-a-time / overlapped (above 1: overlapping is faster).
 //
 //   bench_cpu_adam [--sizes=16M,64M,256M] [--threads=1,2,...] [--min-time=0.5] [--split-ab] [--contend=K]
-//                  [--commit=SHA] [--config...]
+//                  [--compact-ab] [--commit=SHA] [--config...]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/_fused_adamw.h>
@@ -39,6 +43,8 @@
 #include <sstream>
 #include <thread>
 
+#include "../../cpu_adam/kernels/kernel_abi.h"
+#include "../../cpu_adam/thread_split.h"
 #include "../../ferry.h"
 
 namespace {
@@ -232,7 +238,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> sizes = {int64_t{16} << 20, int64_t{64} << 20, int64_t{256} << 20};
   std::vector<int64_t> threads;
   double min_time = 0.5;
-  bool split_ab = false;
+  bool split_ab = false, compact_ab = false;
   int contenders = 0;
   std::string commit = "unknown";
   for (const std::string& a : rest) {
@@ -244,12 +250,13 @@ int main(int argc, char** argv) {
     else if (auto v = value("threads")) threads = parse_list(v, false);
     else if (auto v = value("min-time")) min_time = std::stod(v);
     else if (a == "--split-ab") split_ab = true;
+    else if (a == "--compact-ab") compact_ab = true;
     else if (auto v = value("contend")) contenders = std::stoi(v);
     else if (auto v = value("commit")) commit = v;
     else {
       std::cerr << "bench_cpu_adam: unknown argument " << a << "\n"
                 << "usage: bench_cpu_adam [--sizes=16M,64M] [--threads=1,2] [--min-time=S] [--split-ab] [--contend=K]"
-                   " [--commit=SHA]\n";
+                   " [--compact-ab] [--commit=SHA]\n";
       return 2;
     }
   }
@@ -341,6 +348,7 @@ int main(int argc, char** argv) {
       }
       // the compact state, from the same values
       Timing compact_t, compact_roof_t, in_cache_t;
+      std::string compact_ab_json;
       double compact_vs_roof_paired = 0;
       const int64_t in_cache_n = std::min(n, nt * kInCachePerThread);
       {
@@ -386,6 +394,33 @@ int main(int argc, char** argv) {
         }, min_time);
         in_cache_t.median_s /= kInCacheBatch;
         in_cache_t.best_s /= kInCacheBatch;
+        if (compact_ab) {
+          // The kernel called directly, as CpuAdam calls it (its threads' split), with the order set.
+          const ferry::cpu_adam::CompactAdamFn fn = adam.kernels().compact_adam;
+          auto run = [&](const ferry::CompactAdamSpan& s, bool overlap, int reps) {
+            ferry::cpu_adam::CompactAdamArgs args = adam.compact_kernel_args(adam.freeze(0), s, 1.0);
+            args.overlap_blocks = overlap;
+            for (int k = 0; k < reps; ++k) {
+              ferry::for_each_grain(s.numel, nt, adam.split(), [&](int64_t b, int64_t e, int64_t) { fn(args, b, e); });
+            }
+          };
+          const PairedTiming streaming = measure_paired([&] { run(cs, true, 1); }, [&] { run(cs, false, 1); }, min_time);
+          PairedTiming cached =
+              measure_paired([&] { run(head, true, kInCacheBatch); }, [&] { run(head, false, kInCacheBatch); }, min_time);
+          for (Timing* t : {&cached.f, &cached.g}) {
+            t->median_s /= kInCacheBatch;
+            t->best_s /= kInCacheBatch;
+          }
+          compact_ab_json = ",\"compact_ab\":{\"overlapped\":" + timing_json(streaming.f, n, kCompactBytesPerParam) +
+                            ",\"one_block_at_a_time\":" + timing_json(streaming.g, n, kCompactBytesPerParam) +
+                            ",\"speedup_paired\":" + std::to_string(streaming.ratio) +
+                            ",\"in_cache_overlapped\":" + timing_json(cached.f, in_cache_n, kCompactBytesPerParam) +
+                            ",\"in_cache_one_block_at_a_time\":" +
+                            timing_json(cached.g, in_cache_n, kCompactBytesPerParam) +
+                            ",\"in_cache_speedup_paired\":" + std::to_string(cached.ratio) + "}";
+          ferry::log::info("  compact blocks overlapped / one at a time: ", streaming.ratio, "x streaming, ",
+                           cached.ratio, "x in cache");
+        }
       }
       const double best_roof_gb_per_s = std::max(kDeclaredBytesPerParam * n / roof_t.median_s,
                                                  kCompactBytesPerParam * n / compact_roof_t.median_s) / 1e9;
@@ -406,7 +441,8 @@ int main(int argc, char** argv) {
               << ",\"compact_vs_fp32_state\":" << ferry_t.median_s / compact_t.median_s
               << ",\"compact_in_cache\":" << timing_json(in_cache_t, in_cache_n, kCompactBytesPerParam)
               << ",\"compact_in_cache_n\":" << in_cache_n << ",\"best_roof_gb_per_s\":" << best_roof_gb_per_s
-              << ",\"compact_ceiling_vs_roof\":" << ceiling_gb_per_s / best_roof_gb_per_s << split_json << "}";
+              << ",\"compact_ceiling_vs_roof\":" << ceiling_gb_per_s / best_roof_gb_per_s << split_json
+              << compact_ab_json << "}";
       ferry::log::info("  ferry ", kDeclaredBytesPerParam * n / ferry_t.median_s / 1e9, " GB/s, roof ",
                        kDeclaredBytesPerParam * n / roof_t.median_s / 1e9, " GB/s, torch fused ",
                        kDeclaredBytesPerParam * n / fused_t.median_s / 1e9, " GB/s, torch optim ",

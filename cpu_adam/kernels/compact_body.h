@@ -308,39 +308,73 @@ struct CompactLoop {
     return Updated{Codes::round_bf16_hi(p, weyl), m, u};
   }
 
-  // One full block of B elements at these pointers (`index0`: its first element's counter), two
-  // vectors at a time in the layout of Ops::Pairs. Two passes: the update (the new m and u kept in
-  // the layout they came in), then, with the block's new scales, the codes.
-  static void block(const Consts& c, uint16_t* master, const void* grad, uint8_t* mq, uint8_t* uq, void* lowp,
-                    float* m_scale, float* u_scale, uint32_t index0, uint32_t seed) {
+  // A block's arrays (`index0`: its first element's counter).
+  struct Block {
+    uint16_t* master;
+    const void* grad;
+    uint8_t* mq;
+    uint8_t* uq;
+    void* lowp;
+    float* m_scale;
+    float* u_scale;
+    uint32_t index0;
+  };
+  // A block updated whose codes are not stored yet: its new m and u (in the pair layout they came in)
+  // and the reciprocals of its new scales.
+  struct Uncoded {
+    const float* m;
+    const float* u;
+    F inv_m, inv_u;
+    uint8_t* mq;
+    uint8_t* uq;
+  };
+  // The codes of pair j (elements j .. j + 2W) of an updated block.
+  static void encode_pair(const Uncoded& k, int64_t j) {
     using P = typename Ops::Pairs;
-    alignas(64) float new_m[B];
-    alignas(64) float new_u[B];
-    const F s_m = Ops::set1(*m_scale * c.beta1), s_u = Ops::set1(*u_scale * c.sqrt_beta2);
+    P::store_m_codes(k.mq + j, Ops::mul(Ops::load(k.m + j), k.inv_m), Ops::mul(Ops::load(k.m + j + W), k.inv_m));
+    const F ua = Ops::load(k.u + j), ub = Ops::load(k.u + j + W);
+    P::store_u_codes(k.uq + j, Ops::mul(ua, k.inv_u), Ops::mul(ub, k.inv_u), ua, ub);
+  }
+
+  // The update of one full block of B elements, two vectors at a time in the layout of Ops::Pairs: the
+  // new master and compute copy stored, the new m and u kept in new_m, new_u, the block's new scales
+  // written (its old ones are read first). Its codes need those scales, so they are a second pass over
+  // new_m, new_u (encode_pair); with kEncodeBefore, that pass of the block before (`before`) runs in
+  // this loop, pair by pair beside this block's update: independent work, so that the sqrt and the
+  // divide of one block overlap the other's codes, where a block's own codes wait for all of its update
+  // (its maxima). The same operations on each element in any order: the same bits. Which order is
+  // faster depends on the core (CompactAdamArgs::overlap_blocks): llvm-mca's Ice Lake server model puts
+  // the divider first (44 of ~55 cycles per 32 elements one block at a time, ~46 overlapped); on this
+  // project's Zen 4 VM overlapping measured 4-7% slower (benchmarks/README.md).
+  template <bool kEncodeBefore>
+  static Uncoded update(const Consts& c, const Block& k, float* new_m, float* new_u, uint32_t seed,
+                        const Uncoded* before) {
+    using P = typename Ops::Pairs;
+    const F s_m = Ops::set1(*k.m_scale * c.beta1), s_u = Ops::set1(*k.u_scale * c.sqrt_beta2);
     F max_m = Ops::set1(0.0f), max_u = Ops::set1(0.0f);
     I lane_a, lane_b;
     P::iota(lane_a, lane_b);
-    const I first = Ops::set1_i(index0 + seed), golden = Ops::set1_i(Codes::kGolden);
+    const I first = Ops::set1_i(k.index0 + seed), golden = Ops::set1_i(Codes::kGolden);
     I weyl_a = Ops::mullo(Ops::add_i(first, lane_a), golden), weyl_b = Ops::mullo(Ops::add_i(first, lane_b), golden);
     const I weyl_step = Ops::set1_i(static_cast<uint32_t>(2 * W) * Codes::kGolden);
     for (int64_t j = 0; j < B; j += 2 * W) {
       F g_a, g_b, p_a, p_b;
       I m_a, m_b, u_a, u_b;
-      P::template load_grad<G>(grad, j, g_a, g_b);
-      P::load_bf16(master + j, p_a, p_b);
-      P::load_m_codes(mq + j, m_a, m_b);
-      P::load_u_codes(uq + j, u_a, u_b);
-      const bool small = P::maybe_small_codes(mq + j, uq + j);
+      P::template load_grad<G>(k.grad, j, g_a, g_b);
+      P::load_bf16(k.master + j, p_a, p_b);
+      P::load_m_codes(k.mq + j, m_a, m_b);
+      P::load_u_codes(k.uq + j, u_a, u_b);
+      const bool small = P::maybe_small_codes(k.mq + j, k.uq + j);
       const Updated a = element(c, g_a, p_a, m_a, u_a, s_m, s_u, weyl_a, small);
       const Updated b = element(c, g_b, p_b, m_b, u_b, s_m, s_u, weyl_b, small);
       weyl_a = Ops::add_i(weyl_a, weyl_step);
       weyl_b = Ops::add_i(weyl_b, weyl_step);
-      P::store_hi16(master + j, a.master, b.master);
+      P::store_hi16(k.master + j, a.master, b.master);
       if constexpr (L == ferry::cpu_adam::LowpType::kBf16) {
-        P::store_hi16(static_cast<uint16_t*>(lowp) + j, a.master, b.master);
+        P::store_hi16(static_cast<uint16_t*>(k.lowp) + j, a.master, b.master);
       } else if constexpr (L == ferry::cpu_adam::LowpType::kF16) {
         const I top = Ops::set1_i(0xffff0000u);
-        P::store_f16(static_cast<uint16_t*>(lowp) + j, Ops::from_bits(Ops::and_i(a.master, top)),
+        P::store_f16(static_cast<uint16_t*>(k.lowp) + j, Ops::from_bits(Ops::and_i(a.master, top)),
                      Ops::from_bits(Ops::and_i(b.master, top)));
       }
       Ops::store(new_m + j, a.m);
@@ -349,50 +383,69 @@ struct CompactLoop {
       Ops::store(new_u + j + W, b.u);
       max_m = Ops::max_abs(max_m, Ops::max_abs(a.m, b.m));
       max_u = Ops::max(max_u, Ops::max(a.u, b.u));
+      if constexpr (kEncodeBefore) encode_pair(*before, j);
     }
     const float sm = Ops::hmax(max_m), su = Ops::hmax(max_u);
-    const F inv_m = Ops::set1(sm > 0.0f ? 1.0f / sm : 0.0f), inv_u = Ops::set1(su > 0.0f ? 1.0f / su : 0.0f);
-    for (int64_t j = 0; j < B; j += 2 * W) {
-      P::store_m_codes(mq + j, Ops::mul(Ops::load(new_m + j), inv_m), Ops::mul(Ops::load(new_m + j + W), inv_m));
-      const F ua = Ops::load(new_u + j), ub = Ops::load(new_u + j + W);
-      P::store_u_codes(uq + j, Ops::mul(ua, inv_u), Ops::mul(ub, inv_u), ua, ub);
-    }
-    *m_scale = sm;
-    *u_scale = su;
+    *k.m_scale = sm;
+    *k.u_scale = su;
+    return Uncoded{new_m, new_u, Ops::set1(sm > 0.0f ? 1.0f / sm : 0.0f), Ops::set1(su > 0.0f ? 1.0f / su : 0.0f),
+                   k.mq, k.uq};
+  }
+  static void encode(const Uncoded& k) {
+    for (int64_t j = 0; j < B; j += 2 * W) encode_pair(k, j);
+  }
+
+  // One full block alone, its codes right after its update (the arrays' partial last one, through padded
+  // buffers; every block where CompactAdamArgs::overlap_blocks is off).
+  static void block(const Consts& c, const Block& k, uint32_t seed) {
+    alignas(64) float new_m[B];
+    alignas(64) float new_u[B];
+    encode(update<false>(c, k, new_m, new_u, seed, nullptr));
   }
 
   static void run(const ferry::cpu_adam::CompactAdamArgs& a, int64_t begin, int64_t end) {
     using GE = typename GradElem<G>::type;
     const Consts c = consts(a.hyper);
-    for (int64_t b = begin; b < end; b += B) {
-      const int64_t len = end - b < B ? end - b : B;
-      const uint32_t index0 = a.element_offset + static_cast<uint32_t>(b);
-      float* m_scale = a.exp_avg_scale + b / B;
-      float* u_scale = a.exp_avg_sq_scale + b / B;
-      const GE* grad = static_cast<const GE*>(a.grad) + b;
-      uint16_t* lowp = static_cast<uint16_t*>(a.param_lowp);  // 16-bit copies only (bf16, fp16)
-      if (len == B) {
-        block(c, a.master + b, grad, a.exp_avg + b, a.exp_avg_sq + b, lowp ? lowp + b : nullptr, m_scale, u_scale,
-              index0, a.rounding_seed);
-        continue;
+    uint16_t* lowp = static_cast<uint16_t*>(a.param_lowp);  // 16-bit copies only (bf16, fp16)
+    auto at = [&](int64_t b) {
+      return Block{a.master + b,          static_cast<const GE*>(a.grad) + b, a.exp_avg + b,
+                   a.exp_avg_sq + b,      lowp ? lowp + b : nullptr,          a.exp_avg_scale + b / B,
+                   a.exp_avg_sq_scale + b / B, a.element_offset + static_cast<uint32_t>(b)};
+    };
+    // The full blocks: one at a time, or each one's codes stored beside the next one's update (two
+    // buffers in turn).
+    const int64_t full_end = begin + (end - begin) / B * B;
+    alignas(64) float buffers[2][2][B];
+    Uncoded before{};
+    int turn = 0;
+    if (!a.overlap_blocks) {
+      for (int64_t b = begin; b < full_end; b += B) block(c, at(b), a.rounding_seed);
+    } else {
+      for (int64_t b = begin; b < full_end; b += B, turn ^= 1) {
+        before = b == begin ? update<false>(c, at(b), buffers[turn][0], buffers[turn][1], a.rounding_seed, nullptr)
+                            : update<true>(c, at(b), buffers[turn][0], buffers[turn][1], a.rounding_seed, &before);
       }
-      // The arrays' last, partial block, through zero-padded buffers: padding has zero moments and
-      // gradients, so it changes no block maximum.
-      alignas(64) uint16_t master[B] = {};
-      alignas(64) GE g[B] = {};
-      alignas(64) uint8_t mq[B] = {};
-      alignas(64) uint8_t uq[B] = {};
-      alignas(64) uint16_t lp[B] = {};
-      __builtin_memcpy(master, a.master + b, len * sizeof(uint16_t));
-      __builtin_memcpy(g, grad, len * sizeof(GE));
-      __builtin_memcpy(mq, a.exp_avg + b, len);
-      __builtin_memcpy(uq, a.exp_avg_sq + b, len);
-      block(c, master, g, mq, uq, lp, m_scale, u_scale, index0, a.rounding_seed);
-      __builtin_memcpy(a.master + b, master, len * sizeof(uint16_t));
-      __builtin_memcpy(a.exp_avg + b, mq, len);
-      __builtin_memcpy(a.exp_avg_sq + b, uq, len);
-      if constexpr (L != ferry::cpu_adam::LowpType::kNone) __builtin_memcpy(lowp + b, lp, len * sizeof(uint16_t));
+      if (full_end > begin) encode(before);
     }
+    if (full_end == end) return;
+    // The arrays' last, partial block, through zero-padded buffers: padding has zero moments and
+    // gradients, so it changes no block maximum.
+    const int64_t b = full_end, len = end - b;
+    const Block k = at(b);
+    alignas(64) uint16_t master[B] = {};
+    alignas(64) GE g[B] = {};
+    alignas(64) uint8_t mq[B] = {};
+    alignas(64) uint8_t uq[B] = {};
+    alignas(64) uint16_t lp[B] = {};
+    __builtin_memcpy(master, k.master, len * sizeof(uint16_t));
+    __builtin_memcpy(g, k.grad, len * sizeof(GE));
+    __builtin_memcpy(mq, k.mq, len);
+    __builtin_memcpy(uq, k.uq, len);
+    block(c, Block{master, g, mq, uq, lp, k.m_scale, k.u_scale, k.index0}, a.rounding_seed);
+    __builtin_memcpy(k.master, master, len * sizeof(uint16_t));
+    __builtin_memcpy(k.mq, mq, len);
+    __builtin_memcpy(k.uq, uq, len);
+    if constexpr (L != ferry::cpu_adam::LowpType::kNone) __builtin_memcpy(k.lowp, lp, len * sizeof(uint16_t));
   }
 };
 

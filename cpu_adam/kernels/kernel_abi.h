@@ -59,6 +59,11 @@ struct CompactAdamArgs {
   void* param_lowp = nullptr;          // the compute copy, written when hyper.lowp_type != kNone
   uint32_t rounding_seed = 0;          // this step's stream of rounding bits
   uint32_t element_offset = 0;         // (low 32 bits of) element 0's index in the stream
+  // CPU kernels: a block's codes stored right after its own update (false), or beside the next block's
+  // update (true: the divider's work of one block beside the other's codes; predicted faster where the
+  // divider bounds the update, Intel's cores, slower as measured on Zen 4; the default once measured
+  // there: bench_cpu_adam --compact-ab). The same bits either way.
+  bool overlap_blocks = false;
   AdamKernelArgs hyper;
 };
 

@@ -213,6 +213,37 @@ TEST(CompactState, EveryThreadSplitGivesTheSameBits) {
   }
 }
 
+// The kernels store a block's codes right after its own update (the default) or beside the next block's
+// update (CompactAdamArgs::overlap_blocks, bench_cpu_adam --compact-ab): the same bits either way, for
+// every kernel, from ranges that start at a block inside the arrays and end in a partial block, or at a
+// whole one.
+TEST(CompactState, OverlappedBlocksGiveTheBitsOfOneBlockAtATime) {
+  const int64_t n = 7 * 256 + 77;
+  for (const CpuIsa isa : kAllIsas) {
+    if (!cpu_supports(isa)) continue;
+    for (const int64_t begin : {int64_t{0}, int64_t{2 * 256}}) {
+      for (const int64_t end : {n, int64_t{6 * 256}}) {
+        CpuAdamConfig config;
+        config.isa = isa;
+        config.threads = 1;
+        CpuAdam adam({}, config);
+        adam.advance_step(0);
+        Compact start(n, at::kBFloat16, at::kBFloat16);
+        start.fill(5);
+        Compact overlapped = start, one_at_a_time = start;
+        cpu_adam::CompactAdamArgs a = adam.compact_kernel_args(adam.freeze(0), overlapped.span(3), 1.0);
+        a.overlap_blocks = true;
+        adam.kernels().compact_adam(a, begin, end);
+        a = adam.compact_kernel_args(adam.freeze(0), one_at_a_time.span(3), 1.0);
+        ASSERT_FALSE(a.overlap_blocks) << "the default";
+        adam.kernels().compact_adam(a, begin, end);
+        EXPECT_TRUE(overlapped.same_bits(one_at_a_time)) << to_string(isa) << " [" << begin << ", " << end << ")";
+        EXPECT_FALSE(overlapped.same_bits(start)) << "the update must have run";
+      }
+    }
+  }
+}
+
 // Stochastic rounding: elements with the same fp32 result round up in the proportion of their
 // distance to the bf16 below; the mean of the stored values is the fp32 value. Another step count
 // draws other bits.
