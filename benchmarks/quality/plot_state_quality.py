@@ -33,8 +33,12 @@ def main():
         ax.set_ylim(top=min(3.5, ax.get_ylim()[1]))
         ax.grid(alpha=0.3)
         ax.legend()
+    commits = sorted({r["commit"] for r in runs})
+    made = (f'commit {commits[0]}' if len(commits) == 1
+            else 'commits ' + ', '.join(f'{r["commit"]} ({r["optimizer"]})' for r in runs))
+    seeds = sorted({r.get("seed", 1) for r in runs})
     fig.suptitle(f'GPT {r0["preset"]} ({r0["parameters"] / 1e6:.2f}M), {r0["steps"]} steps of {r0["batch"]} x {r0["seq"]} bytes, '
-                 f'commit {r0["commit"]}')
+                 f'seed {",".join(map(str, seeds))}, {made}')
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
