@@ -6,8 +6,14 @@
 //   train_gpt [--preset=tiny] [--steps=300] [--batch=8] [--seq=128] [--lr=3e-3] [--warmup=20]
 //             [--micro-batches=1] [--max-grad-norm=1.0] [--checkpoint-activations]
 //             [--corpus=/usr/share/common-licenses] [--save=DIR] [--resume=DIR] [--seed=1]
-//             [--log-every=10] [--expect-loss-below=X] [--trace=FILE.json]  + ferry's options (--device, --precision, --chunk-size, --device-budget,
-//             --host-budget, --cpu-threads, --log-level; see --help)
+//             [--log-every=10] [--expect-loss-below=X] [--trace=FILE.json] [--state-format=fp32|compact]
+//             [--round-trip-slots=K] [--init-scope]  + ferry's options (--device, --precision, --chunk-size,
+//             --device-budget, --host-budget, --cpu-threads, --log-level; see --help)
+//
+// The largest presets on one GPU (20b and up on one H100 + 125 GiB host): --init-scope builds the model
+// in the compute dtype (no fp32 copy of it ever exists), --state-format=compact keeps 6 B per parameter
+// with the compute copy (Note [The compact state format]), --round-trip-slots=4 bounds the host's pinned
+// buffers (Note [Round trips through K buffers]); build/examples/gpt/gpt_capacity says on paper what fits.
 //
 // Data parallel: launched by torchrun (--nproc-per-node=N --no-python), SLURM or by hand
 // (dist/process_group.h), each rank trains on its own batches and the optimizer state is sharded
@@ -38,8 +44,10 @@ struct Args {
   std::string preset = "tiny";
   int64_t steps = 300, batch = 8, seq = 128, micro_batches = 1, warmup = 20, log_every = 10, seed = 1;
   double lr = 3e-3, max_grad_norm = 1.0;
-  bool checkpoint_activations = false;
-  std::string corpus = "/usr/share/common-licenses", save, resume, trace;
+  bool checkpoint_activations = false, init_scope = false;
+  std::string corpus = "/usr/share/common-licenses", save, resume, trace, state_format = "fp32";
+  ferry::StateFormat format = ferry::StateFormat::kFp32;  // --state-format, parsed once
+  int64_t round_trip_slots = 0;
   double expect_loss_below = 0;  // > 0: exit 1 unless the last window's mean loss is below it (tests)
 };
 
@@ -60,13 +68,24 @@ ferry::cli::Options options_for(Args& a) {
       .add("seed", &a.seed, "initialisation and data seed (default 1)")
       .add("log-every", &a.log_every, "steps per progress line (default 10)", 1)
       .add("expect-loss-below", &a.expect_loss_below, "exit 1 unless the last window's mean loss is below X", 0.0)
-      .add("trace", &a.trace, "write a Chrome trace (Perfetto) of the third step to FILE.json");
+      .add("trace", &a.trace, "write a Chrome trace (Perfetto) of the third step to FILE.json")
+      .add("state-format", &a.state_format, "optimizer state: fp32 (default) or compact (bf16 master, 8-bit "
+           "moments: Note [The compact state format])")
+      .add("round-trip-slots", &a.round_trip_slots, "host buffers the parameter round trips of the host updates "
+           "hold at most (HybridAdamOptions::round_trip_slots; default 0: one per host-state chunk)", int64_t{0})
+      .add_flag("init-scope", &a.init_scope, "build the model inside ferry::InitScope (the compute dtype: no fp32 "
+                "copy of the model; its initial values rounded to it)");
   return o;
 }
 
 Args parse(const std::vector<std::string>& rest) {
   Args a;
   options_for(a).parse(rest);
+  try {
+    a.format = ferry::state_format_from_string(a.state_format);
+  } catch (const c10::Error&) {
+    throw ferry::cli::UsageError("--state-format: expected fp32 or compact, got '" + a.state_format + "'");
+  }
   if (a.batch % a.micro_batches != 0) {
     throw ferry::cli::UsageError("--batch (" + std::to_string(a.batch) + ") must be a multiple of --micro-batches (" +
                                  std::to_string(a.micro_batches) + ")");
@@ -126,7 +145,13 @@ int train(int argc, char** argv) {
   if (!given(argc, argv, {"precision"})) config.precision = cuda ? ferry::Precision::kBf16 : ferry::Precision::kFp32;
   const int64_t elem = config.precision == ferry::Precision::kFp32 ? 4 : 2;
   torch::manual_seed(args.seed);
-  auto net = std::make_shared<gpt::GptImpl>(gc);
+  std::shared_ptr<gpt::GptImpl> net;
+  if (args.init_scope) {  // parameters built in the compute dtype: no fp32 model ever exists
+    ferry::InitScope scope(config.precision);
+    net = std::make_shared<gpt::GptImpl>(gc);
+  } else {
+    net = std::make_shared<gpt::GptImpl>(gc);
+  }
   int64_t chunk_bytes = config.chunk_size_bytes;
   if (chunk_bytes == 0) {  // auto (ferry's default): the size ChunkedModel will pick, for the budget below
     std::vector<int64_t> numels;
@@ -161,6 +186,8 @@ int train(int argc, char** argv) {
   // One batch per step: the gradients live in the parameter chunks and cost nothing.
   options.accumulate_grads = args.micro_batches > 1;
   options.communicator = comm;
+  options.state_format = args.format;
+  options.round_trip_slots = args.round_trip_slots;
   ferry::HybridAdam adam(model, options);
   int64_t first_step = 0;
   if (!args.resume.empty()) {
@@ -249,12 +276,21 @@ int train(int argc, char** argv) {
   if (g_stop.load() && report) std::printf("interrupted: stopped cleanly after step %lld\n", static_cast<long long>(adam.step_count(0)));
   if (report) std::printf(
       "summary: %lld steps in %.1f s (%.0f tokens/s), loss %.4f -> %.4f over the first/last %lld-step windows, "
-      "%lld steps skipped, %s, device %s (%s), optimizer state on the device: %lld of %lld chunks\n",
+      "%lld steps skipped, %s, device %s (%s), %s optimizer state on the device: %lld of %lld chunks\n",
       static_cast<long long>(steps_done), total, tokens_per_step * steps_done / total, first_window_loss,
       last_window_loss, static_cast<long long>(args.log_every), static_cast<long long>(skipped),
       ferry::to_string(config.precision), device.str().c_str(),
       config.device_budget_bytes ? ("budget " + ferry::format_bytes(config.device_budget_bytes)).c_str() : "no budget",
-      static_cast<long long>(adam.device_state_chunks()), static_cast<long long>(model.layout().num_chunks()));
+      ferry::to_string(args.format), static_cast<long long>(adam.device_state_chunks()), static_cast<long long>(model.layout().num_chunks()));
+  if (report && args.round_trip_slots > 0) {
+    const ferry::optim::RoundTrips::Stats t = adam.round_trip_stats();
+    std::printf("round trips: %lld of the host updates' parameter chunks through %lld slots (at most %lld held), %lld "
+                "sent ahead, %lld returns left on the host for want of device room%s\n",
+                static_cast<long long>(t.trips), static_cast<long long>(args.round_trip_slots),
+                static_cast<long long>(t.peak_held), static_cast<long long>(t.sent_ahead),
+                static_cast<long long>(t.left_on_host),
+                t.slots == 0 ? " (not taken: see the warning above)" : "");
+  }
   if (!args.save.empty()) adam.save(args.save);
   if (args.expect_loss_below > 0 && !(last_window_loss < args.expect_loss_below)) {
     std::fprintf(stderr, "train_gpt: final loss %.4f is not below %.4f\n", last_window_loss, args.expect_loss_below);
