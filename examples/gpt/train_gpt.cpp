@@ -21,8 +21,8 @@
 // its rank. --save writes one checkpoint (rank 0 writes it); --resume reads it at any world size.
 //
 // Defaults follow the device: on a GPU bf16 and a device budget of 90% of its memory; on the CPU
-// (simulated device) fp32, a chunk size of 1/8 of the model and a device budget of half the model, so
-// chunks really move.
+// (simulated device) fp32 (bf16 with --state-format=compact, which needs a 16-bit compute copy), a
+// chunk size of 1/8 of the model and a device budget of half the model, so chunks really move.
 #include "../../ferry.h"
 
 #include <atomic>
@@ -142,7 +142,10 @@ int train(int argc, char** argv) {
       ferry::dist::connect(config, /*even_alone=*/config.dist_backend != "auto");
   const bool report = config.rank == 0;  // progress lines from rank 0 only
   const int64_t n_params = gc.num_params();
-  if (!given(argc, argv, {"precision"})) config.precision = cuda ? ferry::Precision::kBf16 : ferry::Precision::kFp32;
+  // The compact state needs a 16-bit compute copy: bf16 by default with it, on the CPU too.
+  if (!given(argc, argv, {"precision"})) {
+    config.precision = cuda || args.format == ferry::StateFormat::kCompact ? ferry::Precision::kBf16 : ferry::Precision::kFp32;
+  }
   const int64_t elem = config.precision == ferry::Precision::kFp32 ? 4 : 2;
   torch::manual_seed(args.seed);
   std::shared_ptr<gpt::GptImpl> net;
