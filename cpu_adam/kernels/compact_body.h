@@ -345,7 +345,7 @@ struct CompactLoop {
   // (its maxima). The same operations on each element in any order: the same bits. Which order is
   // faster depends on the core (CompactAdamArgs::overlap_blocks): llvm-mca's Ice Lake server model puts
   // the divider first (44 of ~55 cycles per 32 elements one block at a time, ~46 overlapped); on this
-  // project's Zen 4 VM overlapping measured 4-7% slower (benchmarks/README.md).
+  // project's Zen 4 VM overlapping measured 1-10% slower streaming, 3-6% in cache (benchmarks/README.md).
   template <bool kEncodeBefore>
   static Uncoded update(const Consts& c, const Block& k, float* new_m, float* new_u, uint32_t seed,
                         const Uncoded* before) {
