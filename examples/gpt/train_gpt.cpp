@@ -83,8 +83,8 @@ Args parse(const std::vector<std::string>& rest) {
   options_for(a).parse(rest);
   try {
     a.format = ferry::state_format_from_string(a.state_format);
-  } catch (const c10::Error&) {
-    throw ferry::cli::UsageError("--state-format: expected fp32 or compact, got '" + a.state_format + "'");
+  } catch (const c10::Error& e) {  // its message names the formats and what was given
+    throw ferry::cli::UsageError(std::string("--state-format: ") + e.what_without_backtrace());
   }
   if (a.batch % a.micro_batches != 0) {
     throw ferry::cli::UsageError("--batch (" + std::to_string(a.batch) + ") must be a multiple of --micro-batches (" +
