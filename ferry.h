@@ -19,6 +19,7 @@
 #include "cpu_adam/compact_state.h"
 #include "cpu_adam/cpu_adam.h"
 #include "cpu_adam/device_adam.h"
+#include "cpu_adam/device_norm.h"
 #include "dist/communicator.h"
 #include "dist/process_group.h"
 #include "hooks/checkpoint.h"

@@ -11,6 +11,7 @@ namespace ferry {
 
 static_assert(kGrainElements % 16 == 0, "a grain is whole cache lines of fp32");
 static_assert(kGrainElements % cpu_adam::kCompactBlock == 0, "a grain is whole compact blocks");
+static_assert(kGrainElements == cpu_adam::kNormGrain, "the norm's grains are the threads' (norm_body.h)");
 
 int64_t grain_count(int64_t n) { return (n + kGrainElements - 1) / kGrainElements; }
 

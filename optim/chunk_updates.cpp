@@ -1,7 +1,6 @@
 #include "chunk_updates.h"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
 
@@ -12,6 +11,7 @@
 
 #include "../common/event_trace.h"
 #include "../cpu_adam/device_adam.h"
+#include "../cpu_adam/device_norm.h"
 
 namespace ferry::optim {
 
@@ -191,17 +191,19 @@ ChunkOutcome ChunkUpdates::host_norm(const at::Tensor& grads, const std::vector<
   return out;
 }
 
-std::vector<at::Tensor> ChunkUpdates::device_norms(const at::Tensor& grads, const std::vector<Span>& spans) {
+std::vector<at::Tensor> ChunkUpdates::device_norms(const at::Tensor& grads, const std::vector<Span>& spans) const {
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  ranges.reserve(spans.size());
+  for (const Span& s : spans) ranges.emplace_back(s.begin, s.end);
+  const at::Tensor all = device_grad_norms_sq(adam_, grads, ranges);
   std::vector<at::Tensor> norms;
-  for (const Span& s : spans) {
-    // fp32 accumulation whatever the gradients' dtype; inf/NaN if any gradient is.
-    norms.push_back(at::linalg_vector_norm(grads.slice(0, s.begin, s.end), 2, c10::nullopt, false, at::kFloat));
-  }
+  norms.reserve(spans.size());
+  for (int64_t k = 0; k < all.numel(); ++k) norms.push_back(all.select(0, k));
   return norms;
 }
 
-at::Tensor ChunkUpdates::norms_before_the_trip(const at::Tensor& grads, const std::vector<Span>& spans) {
-  const at::Tensor norms = at::stack(device_norms(grads, spans)).to(at::kDouble);
+at::Tensor ChunkUpdates::norms_before_the_trip(const at::Tensor& grads, const std::vector<Span>& spans) const {
+  const at::Tensor norms = at::stack(device_norms(grads, spans));
   if (!norms.is_cuda()) return norms;
   at::Tensor host = at::empty(norms.sizes(), norms.options().device(at::kCPU).pinned_memory(true));
   host.copy_(norms, /*non_blocking=*/true);
@@ -214,7 +216,7 @@ ChunkOutcome ChunkUpdates::outcome_of(const at::Tensor& trip_norms) {
   const double* v = t.data_ptr<double>();
   for (int64_t k = 0; k < t.numel(); ++k) {
     out.finite = out.finite && std::isfinite(v[k]);
-    out.sum_sq += v[k] * v[k];
+    out.sum_sq += v[k];
   }
   out.finite = out.finite && std::isfinite(out.sum_sq);
   return out;
@@ -233,7 +235,7 @@ void ChunkUpdates::finish_norms(const std::vector<at::Tensor>& device_norms, con
       const int64_t c = late_part ? device_index[k] - n : device_index[k];
       std::vector<char>& finite = late_part ? norms.late_finite : norms.finite;
       finite[c] = finite[c] && std::isfinite(v[k]);
-      (late_part ? norms.late_sum_sq : norms.sum_sq)[c] += v[k] * v[k];
+      (late_part ? norms.late_sum_sq : norms.sum_sq)[c] += v[k];
     }
   }
   norms.total_sq = 0.0;

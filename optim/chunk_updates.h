@@ -81,15 +81,16 @@ class ChunkUpdates {
   void device_update(int64_t chunk, double grad_scale, const at::Tensor& found_inf = {},
                      const std::vector<char>* only = nullptr);
 
-  // Norms of `grads` over `spans`: on the host (CpuAdam::grad_norm_sq), or as device tensors (one per
-  // span, fp32 accumulation, inf/NaN if any gradient is).
+  // Squared norms of `grads` over `spans`: on the host (CpuAdam::grad_norm_sq), or as device tensors
+  // (device_grad_norms_sq: one 0-dim Double per span, inf/NaN if any gradient is). Both sum in one order
+  // (D85), so a span gives the same bits on either side.
   ChunkOutcome host_norm(const at::Tensor& grads, const std::vector<Span>& spans) const;
-  static std::vector<at::Tensor> device_norms(const at::Tensor& grads, const std::vector<Span>& spans);
+  std::vector<at::Tensor> device_norms(const at::Tensor& grads, const std::vector<Span>& spans) const;
   // Note [Norms before the trip]: the device norms of a chunk's gradients taken before it leaves for the
   // host, on their way there: one double per span in host memory. On CUDA they are copied in the current
   // stream's order, so they are read after the chunk's own copy to the host, started after this call
   // from the same stream, has landed (a host job's gradients); at once on the simulated device.
-  static at::Tensor norms_before_the_trip(const at::Tensor& grads, const std::vector<Span>& spans);
+  at::Tensor norms_before_the_trip(const at::Tensor& grads, const std::vector<Span>& spans) const;
   // What those norms say, as finish_norms() reads device norms.
   static ChunkOutcome outcome_of(const at::Tensor& trip_norms);
   // Gradient bytes host_norm() has read since the last take (host jobs add theirs on the worker).

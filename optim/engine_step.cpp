@@ -155,13 +155,13 @@ ChunkNorms Engine::grad_norms_locked(bool pipelined) {
     if (!ownership_.owned(c)) continue;                     // its owner's norm comes with the all-reduce
     if (placement_.on_device(c)) {
       std::vector<at::Tensor> d = done ? std::move(pipeline_.device_norms(c))
-                                       : ChunkUpdates::device_norms(updates_.grad_payload(c), ledger_.spans(layout, c));
+                                       : updates_.device_norms(updates_.grad_payload(c), ledger_.spans(layout, c));
       for (at::Tensor& t : d) {
         device.push_back(std::move(t));
         device_index.push_back(c);
       }
       if (done && pipeline_.has_late(c)) {  // Note [A gradient after its chunk's update]: the late part's own
-        for (at::Tensor& t : ChunkUpdates::device_norms(updates_.grad_payload(c), ledger_.spans(layout, c, late))) {
+        for (at::Tensor& t : updates_.device_norms(updates_.grad_payload(c), ledger_.spans(layout, c, late))) {
           device.push_back(std::move(t));
           device_index.push_back(n + c);
         }
@@ -187,7 +187,7 @@ ChunkNorms Engine::grad_norms_locked(bool pipelined) {
         // A job taken back at backward's end: its norms were taken before its trip (Note [Norms before the trip]).
         const std::optional<ChunkOutcome> trip = pipelined ? pipeline_.trip_outcome(c, spans) : std::nullopt;
         if (!trip && jobs_.round_trips() && model().store().location(model().param_chunk(c)) == Location::kDevice) {
-          on_the_device(ChunkUpdates::device_norms(updates_.grad_payload(c), spans));
+          on_the_device(updates_.device_norms(updates_.grad_payload(c), spans));
           continue;
         }
         o = trip ? *trip : updates_.host_norm(updates_.grad_payload(c), spans);

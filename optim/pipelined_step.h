@@ -44,17 +44,15 @@
 // 28 for the update, 2 for the norm; compact: 12 and 2), in the resource that bounds the 12b and 20b
 // steps. In the eager step a chunk that is still on the device when it becomes final (where backward
 // left it, unless evicted since) has its norms reduced there first, as a device-state chunk's are
-// (ChunkUpdates::device_norms: fp32 accumulation, inf/NaN if any gradient is), and copied to pinned host
+// (ChunkUpdates::device_norms: the host's order of summation, D85), and copied to pinned host
 // memory on the same stream before the chunk's own copy to the host is started behind them: once that
 // copy has landed, which is what the job waits for, so have the norms. The job then reads its gradients
 // once, in the update; the norms serve the step's end too for a job taken back there (Note [Host updates
 // carried over behind the next forward]) if the chunk's landed spans are still those they cover. A
-// chunk already on the host, the two-phase step (whose global norm decides the bits and must be
-// step()'s) and accumulation take the host's norm as before. What changes: a host-state chunk's skip is
-// then decided as a device-state chunk's is (the two differ only for a finite gradient whose fp32 sum
-// of squares overflows over a whole span but not over the host's blocks), and the norm the result
-// reports agrees with step()'s to fp32's accumulation, not to the bit. StepResult::host_norm_bytes
-// counts what the host still read.
+// chunk already on the host, the two-phase step and accumulation take the host's norm as before. The
+// norms are the host's bits either way (Note [One norm wherever the gradient lives]): a skip, the norm
+// the result reports and a clip coefficient are what step() gives. StepResult::host_norm_bytes counts
+// what the host still read.
 //
 // Note [A gradient after its chunk's update]
 // A parameter's gradient can land after its chunk became final: a layer that no earlier backward reached

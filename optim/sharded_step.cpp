@@ -447,7 +447,7 @@ StepResult ShardedStep::finish_pipelined(double loss_scale) {
     payload.copy_(flight.out.slice(0, 0, parts_.model.layout().chunks()[c].numel));
     ChunkUpdates::restore_values(payload, parts_.placement.payload(kMasterRole, c), spans.unlanded);
     take_union(c, flight.out.slice(0, flight.cap, flight.cap + tensors));  // the device update reads it
-    std::vector<at::Tensor> d = ChunkUpdates::device_norms(payload, spans.landed);
+    std::vector<at::Tensor> d = parts_.updates.device_norms(payload, spans.landed);
     if (!d.empty()) {
       const at::Tensor found_inf = at::logical_not(at::isfinite(at::stack(d)).all()).to(at::kFloat);
       parts_.updates.device_update(c, 1.0 / world, found_inf);

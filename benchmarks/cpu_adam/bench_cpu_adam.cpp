@@ -22,6 +22,8 @@
 // beside it (K = 0: alone), as autograd's, the training thread's and the copy engine's threads run
 // beside the host Adam inside a step; `dynamic_speedup_paired` is the median per-rep time ratio
 // static / dynamic.
+// `grad_norm`: CpuAdam::grad_norm_sq of the bf16 gradients (2 B read per parameter; the norm's one
+// order of summation, D85), the host's pass for a chunk whose norm was not taken on the device.
 // `--compact-ab` adds `compact_ab`: the compact kernel with each block's codes stored beside the next
 // block's update (CompactAdamArgs::overlap_blocks) and one block at a time (the default; the same
 // bits), alternated rep by rep, streaming (N) and in cache; `speedup_paired` is the median per-rep
@@ -298,6 +300,8 @@ int main(int argc, char** argv) {
       checked.grads_checked = true;
       const Timing ferry_t = measure([&] { adam.advance_step(0); adam.update(0, span, checked); }, min_time);
       const Timing ferry_checked_t = measure([&] { adam.advance_step(0); adam.update(0, span); }, min_time);
+      double norm_sink = 0.0;
+      const Timing norm_t = measure([&] { norm_sink += adam.grad_norm_sq(g16).sum_sq; }, min_time);
       std::string split_json;
       if (split_ab) {
         ferry::CpuAdamConfig dc = cc, sc = cc;
@@ -429,6 +433,7 @@ int main(int argc, char** argv) {
       first = false;
       results << "\n    {\"n\":" << n << ",\"threads\":" << nt << ",\"ferry\":" << timing_json(ferry_t, n)
               << ",\"ferry_with_finite_check\":" << timing_json(ferry_checked_t, n)
+              << ",\"grad_norm\":" << timing_json(norm_t, n, 2.0)
               << ",\"roof\":" << timing_json(roof_t, n) << ",\"torch_fused\":" << timing_json(fused_t, n)
               << ",\"torch_optim_adamw\":" << timing_json(optim_t, n)
               << ",\"ferry_vs_roof\":" << roof_t.median_s / ferry_t.median_s
@@ -450,7 +455,8 @@ int main(int argc, char** argv) {
                        kCompactBytesPerParam * n / compact_t.median_s / 1e9, " GB/s, its roof ",
                        kCompactBytesPerParam * n / compact_roof_t.median_s / 1e9, " GB/s (paired ratio ",
                        compact_vs_roof_paired, "); compact in cache ", ceiling_gb_per_s, " GB/s (",
-                       ceiling_gb_per_s / best_roof_gb_per_s, " of the better roof)");
+                       ceiling_gb_per_s / best_roof_gb_per_s, " of the better roof); grad norm ",
+                       2.0 * n / norm_t.median_s / 1e9, " GB/s (sum ", norm_sink > 0 ? "> 0" : "0", ")");
     }
   }
   const ferry::CpuAdam probe(ferry::AdamOptions{}, ferry::CpuAdamConfig::from(config));  // the kernel the runs used

@@ -8,6 +8,9 @@
 //   compact      the same update over the compact state (D76, compact_state.h): 12.0625 B per parameter
 //                (bf16 grad read, bf16 master and two 1-byte codes read and written, the bf16 value
 //                written over the gradient, two fp32 scales per 256).
+//   norm         device_grad_norms_sq (D85) of the bf16 gradients, one span: 2 B read per parameter,
+//                against torch_norm, at::linalg_vector_norm with fp32 accumulation (what ferry ran
+//                before D85; its own order, so not the host's bits).
 // Floor = declared B x N / roof bandwidth (28 B for the fp32 rows, 12.0625 for compact); every row
 // reports time / its floor. GB/s use the row's declared bytes.
 //
@@ -16,6 +19,7 @@
 // torch's copy there is no roof for the host's memory (bench_cpu_adam measures that one).
 #include <ATen/ATen.h>
 #include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/linalg_vector_norm.h>
 
 #include <algorithm>
 #include <chrono>
@@ -156,6 +160,12 @@ int run(int argc, char** argv) {
       ferry::device_adam_update(adam, adam.freeze(0), cspan, 1.0, device);
     }, min_time);
 
+    // The gradient norm (2 B read per parameter; the floor: reading at half the copy's read + write rate).
+    const double norm_floor_s = 2.0 * n / roof_bw;
+    const Timing norm_t = measure(device, [&] { ferry::device_grad_norms_sq(adam, g, {{0, n}}); }, min_time);
+    const Timing torch_norm_t = measure(
+        device, [&] { at::linalg_vector_norm(g, 2, c10::nullopt, false, at::kFloat); }, min_time);
+
     if (!first) results << ",";
     first = false;
     results << "\n    {\"n\":" << n << ",\"roof_gb_per_s\":" << roof_bw / 1e9 << ",\"floor_s\":" << floor_s
@@ -163,11 +173,14 @@ int run(int argc, char** argv) {
             << ",\"ferry_vs_torch_fused\":" << fused_t.median_s / ferry_t.median_s
             << ",\"compact_floor_s\":" << compact_floor_s
             << ",\"compact\":" << row(compact_t, n, compact_floor_s, kCompactBytesPerParam)
-            << ",\"compact_vs_ferry\":" << ferry_t.median_s / compact_t.median_s << "}";
+            << ",\"compact_vs_ferry\":" << ferry_t.median_s / compact_t.median_s
+            << ",\"norm_floor_s\":" << norm_floor_s << ",\"norm\":" << row(norm_t, n, norm_floor_s, 2.0)
+            << ",\"torch_norm\":" << row(torch_norm_t, n, norm_floor_s, 2.0) << "}";
     ferry::log::info("  roof ", roof_bw / 1e9, " GB/s; ferry ", ferry_t.median_s * 1e3, " ms (",
                      ferry_t.median_s / floor_s, "x floor), torch fused + casts ", fused_t.median_s * 1e3, " ms (",
                      fused_t.median_s / floor_s, "x floor); compact ", compact_t.median_s * 1e3, " ms (",
-                     compact_t.median_s / compact_floor_s, "x its floor)");
+                     compact_t.median_s / compact_floor_s, "x its floor); norm ", norm_t.median_s * 1e3, " ms (",
+                     norm_t.median_s / norm_floor_s, "x floor), torch's ", torch_norm_t.median_s * 1e3, " ms");
   }
   std::cout << "{\n  \"benchmark\": \"device_adam\",\n  \"commit\": \"" << commit << "\",\n  \"device\": \""
             << device.str() << "\",\n  \"declared_bytes_per_param\": " << kDeclaredBytesPerParam

@@ -113,40 +113,7 @@ struct AdamLoop {
   }
 };
 
-// Sum of squares in fp32 lanes over blocks of 64 vectors (so each lane sums at most 64 terms in fp32),
-// each block's total added in fp64: relative error ~1e-7 whatever the length.
-// Non-finite detection: acc_bad += g * 0 stays zero unless some g is inf or NaN.
-template <class Ops, ferry::cpu_adam::GradType G>
-ferry::cpu_adam::GradStats grad_stats_loop(const void* grad, float grad_scale, int64_t begin, int64_t end) {
-  using F = typename Ops::F;
-  constexpr int W = Ops::W;
-  constexpr int64_t kBlock = 64 * W;
-  const F scale = Ops::set1(grad_scale);
-  const F zero = Ops::set1(0.0f);
-  F bad = zero;
-  double total = 0.0;
-  int64_t i = begin;
-  while (i + W <= end) {
-    F acc = zero;
-    const int64_t block_end = (end < i + kBlock ? end : i + kBlock);
-    for (; i + W <= block_end; i += W) {
-      const F g = Ops::mul(load_grad<Ops, G>(grad, i), scale);
-      acc = Ops::fma(g, g, acc);
-      bad = Ops::fma(g, zero, bad);
-    }
-    total += static_cast<double>(Ops::hsum(acc));
-  }
-  if (i < end) {
-    using GE = typename GradElem<G>::type;
-    alignas(64) GE g[W] = {};
-    __builtin_memcpy(g, static_cast<const GE*>(grad) + i, (end - i) * sizeof(GE));
-    const F s = Ops::mul(load_grad<Ops, G>(g, 0), scale);
-    total += static_cast<double>(Ops::hsum(Ops::mul(s, s)));
-    bad = Ops::fma(s, zero, bad);
-  }
-  const float b = Ops::hsum(bad);
-  return {total, b != 0.0f || b != b};
-}
+#include "norm_body.h"  // grad_stats_loop: the gradient norm, in its one order
 
 // A compile-time value passed as a function argument (no <type_traits> here: see kernel_abi.h).
 template <class T, T v>

@@ -27,6 +27,7 @@ namespace {
 #pragma nv_diag_suppress 177  // W: read by AdamLoop's host-only loop, which this file never instantiates
 #include "cuda_ops.h"
 #include "compact_cuda_block.h"
+#include "norm_cuda_grain.h"
 
 constexpr int kThreads = 256;
 
@@ -99,6 +100,41 @@ void launch_compact(const CompactAdamArgs& a, int64_t n, const float* found_inf,
                                                                                     found_inf);
 }
 
+// The gradient norm (Note [One norm wherever the gradient lives], norm_body.h): one block of threads
+// per grain (grid-stride over grains), one thread per lane of each of its norm blocks, in the steps of
+// norm_cuda_grain.h (run on the host in test_cuda_kernels_on_host). Reads: the gradients once, 16
+// consecutive elements per half-warp and row (whole 32-byte sectors for bf16 and fp32).
+constexpr int kNormThreads = NormGrainSteps<GradType::kF32>::kThreads;
+
+template <GradType G>
+__global__ void __launch_bounds__(kNormThreads)
+    norm_grain_kernel(const void* grad, float scale, int64_t n, double* grain_totals) {
+  using Steps = NormGrainSteps<G>;
+  constexpr int kLanes = Steps::kLanes;
+  __shared__ float block_totals[Steps::kBlocks];
+  const int64_t grains = (n + kNormGrain - 1) / kNormGrain;
+  const int t = static_cast<int>(threadIdx.x);
+  for (int64_t q = blockIdx.x; q < grains; q += gridDim.x) {
+    float s = Steps::lane_sum(grad, scale, n, q, t);
+    for (int h = kLanes / 2; h > 0; h /= 2) s = Steps::fold(s, __shfl_down_sync(0xffffffffu, s, h, kLanes));
+    if (t % kLanes == 0) block_totals[t / kLanes] = s;
+    __syncthreads();
+    if (t == 0) grain_totals[q] = Steps::grain_total(block_totals, n, q);
+    __syncthreads();  // thread 0 read every total before the next grain's land there
+  }
+}
+
+__global__ void norm_span_kernel(const double* grain_totals, int64_t grains, double* out) {
+  *out = NormGrainSteps<GradType::kF32>::span_total(grain_totals, grains);
+}
+
+template <GradType G>
+void launch_norm(const void* grad, float scale, int64_t n, double* grain_totals, double* out, cudaStream_t stream,
+                 int blocks) {
+  norm_grain_kernel<G><<<blocks, kNormThreads, 0, stream>>>(grad, scale, n, grain_totals);
+  norm_span_kernel<<<1, 1, 0, stream>>>(grain_totals, (n + kNormGrain - 1) / kNormGrain, out);
+}
+
 const char* grid_for(int64_t units, int threads, int* blocks) {
   int device = 0, sms = 0, per_sm = 0;
   cudaError_t e = cudaGetDevice(&device);
@@ -135,6 +171,24 @@ const char* launch_compact_cuda(const CompactAdamArgs& a, int64_t n, const float
     launch_compact<decltype(g)::value, decltype(l)::value, decltype(decoupled)::value, decltype(decay)::value>(
         a, n, found_inf, s, blocks);
   });
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+}
+
+const char* launch_grad_norm_cuda(const void* grad, GradType type, float grad_scale, int64_t n, double* grain_totals,
+                                  double* out, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (n <= 0) {
+    const cudaError_t e = cudaMemsetAsync(out, 0, sizeof(double), s);  // +0.0
+    return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+  }
+  int blocks = 0;
+  if (const char* error = grid_for((n + kNormGrain - 1) / kNormGrain, kNormThreads, &blocks)) return error;
+  switch (type) {
+    case GradType::kF32: launch_norm<GradType::kF32>(grad, grad_scale, n, grain_totals, out, s, blocks); break;
+    case GradType::kBf16: launch_norm<GradType::kBf16>(grad, grad_scale, n, grain_totals, out, s, blocks); break;
+    case GradType::kF16: launch_norm<GradType::kF16>(grad, grad_scale, n, grain_totals, out, s, blocks); break;
+  }
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }

@@ -39,8 +39,19 @@ struct AdamKernelArgs {
   float inv_bias_correction2_sqrt = 1.0f;  // 1 / sqrt(1 - beta2^t)
 };
 
+// The gradient's squared norm, in one order of operations wherever it is computed (Note [One norm
+// wherever the gradient lives], norm_body.h): every CPU kernel, any thread count or split, and the
+// device's kernel give the same bits for the same span. A span is cut into grains of kNormGrain
+// elements (thread_split.h's grains), a grain into blocks of kNormBlock, a block into rows of
+// kNormLanes; lane l of a block sums the squares of its rows' l-th elements in fp32 (fma), the lanes
+// are folded in a fixed tree, a grain adds its blocks' fp32 totals in fp64 and the span its grains'.
+constexpr int64_t kNormLanes = 16;
+constexpr int64_t kNormBlock = 64 * kNormLanes;
+constexpr int64_t kNormGrain = int64_t{1} << 15;
+static_assert(kNormGrain % kNormBlock == 0, "a grain is whole norm blocks");
+
 struct GradStats {
-  double sum_sq = 0.0;     // sum of (grad * grad_scale)^2 over finite elements' blocks
+  double sum_sq = 0.0;     // sum of (grad * grad_scale)^2 in the order above
   bool nonfinite = false;  // any inf or NaN
 };
 
@@ -69,6 +80,8 @@ struct CompactAdamArgs {
 
 using AdamFn = void (*)(const AdamKernelArgs& args, int64_t begin, int64_t end);
 using CompactAdamFn = void (*)(const CompactAdamArgs& args, int64_t begin, int64_t end);
+// The norm of elements [begin, end) of `grad`, blocks of kNormBlock from element 0: `begin` is a
+// multiple of kNormBlock (a grain's start), `end` any; the sum of one grain's blocks.
 using GradStatsFn = GradStats (*)(const void* grad, GradType type, float grad_scale, int64_t begin, int64_t end);
 
 struct KernelTable {

@@ -7,6 +7,7 @@
 #include <c10/util/Half.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -300,6 +301,74 @@ TEST_P(CpuAdamIsa, GradNormMatchesFp64) {
       EXPECT_NEAR(got.sum_sq, want, 1e-6 * want + 1e-30) << gd << " n=" << n;
     }
   }
+}
+
+// Note [One norm wherever the gradient lives] (cpu_adam/kernels/norm_body.h), written out plainly: the
+// gradient's squared norm in the one order every kernel (and the device's) must follow.
+double norm_in_the_one_order(const Buffers& b, int64_t n, float scale) {
+  constexpr int64_t kLanes = 16, kBlock = 1024, kGrain = 32768;
+  double span = 0.0;
+  for (int64_t grain_start = 0; grain_start < n; grain_start += kGrain) {
+    double grain = 0.0;
+    for (int64_t block = grain_start; block < std::min(n, grain_start + kGrain); block += kBlock) {
+      float lane[kLanes] = {};
+      for (int64_t row = block; row < block + kBlock; row += kLanes) {
+        for (int64_t l = 0; l < kLanes && row + l < n; ++l) {
+          const float x = static_cast<float>(b.grad(static_cast<size_t>(b.offset + row + l))) * scale;
+          lane[l] = std::fma(x, x, lane[l]);
+        }
+      }
+      for (int64_t h = kLanes / 2; h > 0; h /= 2) {
+        for (int64_t l = 0; l < h; ++l) lane[l] += lane[l + h];
+      }
+      grain += static_cast<double>(lane[0]);
+    }
+    span += grain;
+  }
+  return span;
+}
+
+// Every kernel, at any thread count and split, sums the norm in that one order, to the bit, for every
+// gradient dtype, lengths that end inside a row, a block and a grain, and an unaligned start: so a
+// chunk's norm, and the clip coefficient, is the same on an AVX2 and an AVX-512 machine and on the
+// device (D85). (The per-kernel orders before D85 fail it: scalar and AVX2 summed 64 and 512 elements
+// per fp64 term.)
+TEST_P(CpuAdamIsa, GradNormSumsInTheOneOrder) {
+  int64_t order_sensitive = 0;
+  for (at::ScalarType gd : kGradTypes) {
+    for (int64_t n : {int64_t{1}, int64_t{15}, int64_t{17}, int64_t{1023}, int64_t{1025}, int64_t{32767},
+                      int64_t{32769}, 3 * kGrainElements + 1000 + 7}) {
+      const Buffers b(n, 3, gd, at::ScalarType::Undefined, 31);
+      const float scale = 0.37f;
+      const double want = norm_in_the_one_order(b, n, scale);
+      float run = 0.0f;  // one fp32 running sum: another order, to show the data tells orders apart
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = static_cast<float>(b.grad(static_cast<size_t>(b.offset + i))) * scale;
+        run = std::fma(x, x, run);
+      }
+      order_sensitive += static_cast<double>(run) != want;
+      for (int threads : {1, 3}) {
+        CpuAdam adam({}, config(threads));
+        Buffers copy = b;
+        const GradNorm got = adam.grad_norm_sq(copy.span().grad, gd, n, scale);
+        EXPECT_FALSE(got.nonfinite);
+        EXPECT_EQ(std::memcmp(&got.sum_sq, &want, sizeof(double)), 0)
+            << gd << " n=" << n << ", " << threads << " threads: " << got.sum_sq << " vs " << want;
+      }
+    }
+  }
+  EXPECT_GT(order_sensitive, 10) << "the gradients should sum to other bits in another order";
+}
+
+// A gradient too large for its square sums to inf (not finite) without being inf itself: the flag
+// says the gradients are finite, the sum that they overflow, on every kernel alike.
+TEST_P(CpuAdamIsa, AnOverflowingNormIsInfWithFiniteGradients) {
+  CpuAdam adam({}, config());
+  Buffers b(2000, 0, at::kFloat, at::ScalarType::Undefined, 3);
+  b.set_grad(1500, 3e19f);
+  const GradNorm got = adam.grad_norm_sq(b.span().grad, at::kFloat, b.n);
+  EXPECT_FALSE(got.nonfinite);
+  EXPECT_TRUE(std::isinf(got.sum_sq)) << got.sum_sq;
 }
 
 // Every thread count and split (cpu_adam/thread_split.h) gives the same update and the same gradient

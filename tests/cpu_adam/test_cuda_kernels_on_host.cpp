@@ -26,6 +26,7 @@ namespace {
 #include "../../cpu_adam/kernels/compact_body.h"
 #include "../../cpu_adam/kernels/cuda_ops.h"
 #include "../../cpu_adam/kernels/compact_cuda_block.h"
+#include "../../cpu_adam/kernels/norm_cuda_grain.h"
 }  // namespace
 
 namespace {
@@ -53,6 +54,16 @@ void fp32_as_the_device_does(const AdamKernelArgs& a, int64_t n, bool skip) {
       }
     }
   });
+}
+
+// What the device's norm kernels (norm_grain_kernel, norm_span_kernel) write for n elements.
+double norm_as_the_device_does(const void* grad, GradType type, float scale, int64_t n) {
+  switch (type) {
+    case GradType::kF32: return NormGrainSteps<GradType::kF32>::run_on_host(grad, scale, n);
+    case GradType::kBf16: return NormGrainSteps<GradType::kBf16>::run_on_host(grad, scale, n);
+    case GradType::kF16: return NormGrainSteps<GradType::kF16>::run_on_host(grad, scale, n);
+  }
+  return 0.0;
 }
 
 }  // namespace
@@ -197,6 +208,46 @@ TEST(CudaKernelsOnHost, TheFp32KernelGivesTheCpuKernelsBits) {
       }
     }
   }
+}
+
+// The norm (Note [One norm wherever the gradient lives]): the device's lanes, shuffles and grain sums
+// give the bits of every CPU kernel this machine runs, at any thread count, for lengths that end inside
+// a row, a block and a grain, with and without a grad scale; and a non-finite gradient a non-finite sum.
+TEST(CudaKernelsOnHost, TheNormKernelGivesTheCpuKernelsBits) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::uniform_int_distribution<int> binade(-12, 12);
+  for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{15}, int64_t{1030}, int64_t{32768}, int64_t{70001}}) {
+    for (const at::ScalarType gd : kGradTypes) {
+      Grads g(n, gd, rng);
+      for (int64_t i = 0; i < n; ++i) {  // magnitudes over many binades: other orders give other bits
+        g.f32[i] = std::ldexp(normal(rng), binade(rng));
+        if (gd != at::kFloat) g.h16[i] = narrow(g.f32[i], gd);
+      }
+      for (const float scale : {1.0f, 0.37f}) {
+        const double device = cpu_adam::norm_as_the_device_does(
+            g.data(), gd == at::kFloat ? cpu_adam::GradType::kF32
+                      : gd == at::kBFloat16 ? cpu_adam::GradType::kBf16 : cpu_adam::GradType::kF16,
+            scale, n);
+        for (const CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16}) {
+          if (!cpu_supports(isa)) continue;
+          for (const int threads : {1, 3}) {
+            CpuAdamConfig c;
+            c.isa = isa;
+            c.threads = threads;
+            const CpuAdam adam({}, c);
+            const double host = adam.grad_norm_sq(g.data(), gd, n, scale).sum_sq;
+            EXPECT_EQ(std::memcmp(&host, &device, sizeof(double)), 0)
+                << gd << ", n " << n << ", scale " << scale << ", " << to_string(isa) << ", " << threads
+                << " threads: " << host << " vs " << device;
+          }
+        }
+      }
+    }
+  }
+  Grads bad(40000, at::kBFloat16, rng);
+  bad.h16[33000] = 0x7fc0;  // NaN, in the second grain
+  EXPECT_TRUE(std::isnan(cpu_adam::norm_as_the_device_does(bad.data(), cpu_adam::GradType::kBf16, 1.0f, 40000)));
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "../../cpu_adam/cpu_adam.h"
 #include "../../cpu_adam/device_adam.h"
 #include "../test_util.h"
+#include "device_under_test.h"
 
 namespace ferry {
 namespace {
@@ -32,13 +33,7 @@ std::string name(const Case& c) {
          " wd " + std::to_string(c.weight_decay);
 }
 
-at::Device device_under_test() {
-#ifdef FERRY_TEST_ON_CUDA
-  return at::Device(at::kCUDA, 0);
-#else
-  return at::Device(at::kCPU);  // the simulated device's tensors
-#endif
-}
+using test::device_under_test;
 
 struct Arrays {
   torch::Tensor p, g, m, v, lowp;

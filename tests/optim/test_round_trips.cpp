@@ -233,9 +233,9 @@ TEST(RoundTrips, RefusesANegativeSlotCount) {
 
 // backward_step with `slots` against backward() + step() over 6 steps (the first ones unpipelined on
 // both sides: they are step()s too). The reference: the unbounded step in the eager case; with clipping
-// or fp16 loss scaling, step() with the same slots, whose norms are taken where the chunks are, as the
-// bounded pipeline takes them (Note [Round trips through K buffers]: on the device, so that the clip
-// coefficient may differ from the unbounded step's in its last bits). Returns the most parameter-chunk
+// or fp16 loss scaling, step() with the same slots (so that its host peak is measured too), or the
+// unbounded one (`unbounded_reference`): its norms are taken on the host, the bounded step's on the
+// device, in one order (D85), so the bits are the same either way. Returns the most parameter-chunk
 // bytes the two models' stores held on the host from the second step on.
 struct TripCase {
   int64_t slots = 0;
@@ -245,6 +245,7 @@ struct TripCase {
   int64_t budget_param_chunks = 16;  // the device budget: room for this many parameter chunks ...
   int64_t device_state_groups = 0;   // ... and this many state groups on the device
   StateFormat format = StateFormat::kFp32;
+  bool unbounded_reference = false;
 };
 struct TripRun {
   int64_t host_peak = 0;  // backward_step's model
@@ -278,7 +279,8 @@ TripRun train_with_round_trips(const TripCase& tc) {
   const int64_t budget = budget_for(tc.budget_param_chunks, 2 * tc.device_state_groups);
   ChunkedModel a(a_net.ptr(), sim_config(budget, tc.precision));
   ChunkedModel b(b_net.ptr(), sim_config(budget, tc.precision), std::move(lagging));
-  HybridAdam a_adam(a, HybridAdamOptions(options).with_round_trip_slots(eager ? 0 : tc.slots)), b_adam(b, options);
+  HybridAdam a_adam(a, HybridAdamOptions(options).with_round_trip_slots(eager || tc.unbounded_reference ? 0 : tc.slots)),
+      b_adam(b, options);
   TripRun run;
   for (int step = 0; step < 6; ++step) {
     const std::string when = "step " + std::to_string(step);
@@ -295,11 +297,8 @@ TripRun train_with_round_trips(const TripCase& tc) {
     a_adam.zero_grad();
     b_adam.zero_grad();
     EXPECT_EQ(ra.applied, rb.applied) << when;
-    if (eager) {  // the pipeline's norms from the device, step()'s from the host: the same to rounding
-      EXPECT_NEAR(ra.grad_norm, rb.grad_norm, 1e-5 * ra.grad_norm) << when;
-    } else {  // both bounded: the same norms, taken alike
-      EXPECT_EQ(ra.grad_norm, rb.grad_norm) << when;
-    }
+    // The pipeline's norms from the device, the unbounded step()'s from the host: the same bits (D85).
+    EXPECT_EQ(ra.grad_norm, rb.grad_norm) << when;
     run.overflows += rb.overflow;
     run.evictions += b.last_iteration().evictions;
     EXPECT_NO_FATAL_FAILURE(expect_same_state(a_adam, b_adam, a, b, when));
@@ -412,15 +411,18 @@ INSTANTIATE_TEST_SUITE_P(Formats, RoundTripsByFormat, ::testing::Values(StateFor
                            return std::string(info.param == StateFormat::kFp32 ? "Fp32" : "Compact");
                          });
 
-// The two-phase step (clipping; fp16 loss scaling, whose first steps overflow and are skipped): the
-// norms on the device, the update's trip the only one; step() bounded too.
+// The two-phase step's cases, 2 slots: clipping; fp16 loss scaling, whose first steps overflow and are
+// skipped.
+struct NamedTrip {
+  const char* name;
+  TripCase tc;
+};
+const NamedTrip kTwoPhaseTrips[] = {{"clipping", {2, false, 0.05, Precision::kBf16}},
+                                    {"fp16 loss scaling", {2, false, 0.0, Precision::kFp16}}};
+
+// The two-phase step: the norms on the device, the update's trip the only one; step() bounded too.
 TEST(RoundTrips, TheTwoPhaseStepAndStepAreBoundedToo) {
-  struct Named {
-    const char* name;
-    TripCase tc;
-  };
-  for (const Named& n : {Named{"clipping", {2, false, 0.05, Precision::kBf16}},
-                         Named{"fp16 loss scaling", {2, false, 0.0, Precision::kFp16}}}) {
+  for (const NamedTrip& n : kTwoPhaseTrips) {
     SCOPED_TRACE(n.name);
     const TripRun unbounded = train_with_round_trips({0, false, n.tc.max_grad_norm, n.tc.precision});
     const TripRun bounded = train_with_round_trips(n.tc);
@@ -433,6 +435,20 @@ TEST(RoundTrips, TheTwoPhaseStepAndStepAreBoundedToo) {
     if (n.tc.precision == Precision::kFp16) {
       EXPECT_GT(bounded.overflows, 0) << "the skipped steps must be tested";
     }
+  }
+}
+
+// D85: the bounded two-phase step takes the host-state chunks' norms on the device, the unbounded step()
+// on the host; the one order of summation makes the clip coefficient, the overflow decisions and every
+// bit the same. (It fails with the device's norm as before D85: the norms differ in their last bits.)
+TEST(RoundTrips, BoundedTwoPhaseStepsGiveTheUnboundedStepsBits) {
+  for (const NamedTrip& n : kTwoPhaseTrips) {
+    SCOPED_TRACE(n.name);
+    TripCase tc = n.tc;
+    tc.unbounded_reference = true;
+    const TripRun bounded = train_with_round_trips(tc);
+    EXPECT_GT(bounded.stats.trips, 0);
+    EXPECT_LE(bounded.host_peak, tc.slots * bounded.chunk_bytes) << "backward_step";
   }
 }
 

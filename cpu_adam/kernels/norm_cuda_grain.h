@@ -1,0 +1,69 @@
+#pragma once
+// The gradient norm of one grain as the device computes it (adam_cuda.cu's norm_kernel: one block of
+// kThreads threads per grain, one thread per lane of each of the grain's kNormBlock-element blocks),
+// written as the steps between its warp shuffles and barrier so that the same code also runs on the
+// host, one thread after another (run_on_host: tests). The order is Note [One norm wherever the
+// gradient lives] (norm_body.h); so are the bits.
+//
+// Included inside the anonymous namespace of its users, after cuda_ops.h (internal linkage, see
+// kernel_abi.h).
+
+template <ferry::cpu_adam::GradType G>
+struct NormGrainSteps {
+  static constexpr int kLanes = static_cast<int>(ferry::cpu_adam::kNormLanes);
+  static constexpr int kBlocks = static_cast<int>(ferry::cpu_adam::kNormGrain / ferry::cpu_adam::kNormBlock);
+  static constexpr int kThreads = kLanes * kBlocks;
+
+  // Step 1, thread t of grain q: the sum of its lane over its block's rows (elements >= n: none).
+  FERRY_HD static float lane_sum(const void* grad, float scale, int64_t n, int64_t q, int t) {
+    const int64_t first = q * ferry::cpu_adam::kNormGrain + (t / kLanes) * ferry::cpu_adam::kNormBlock + t % kLanes;
+    float s = 0.0f;
+    for (int64_t i = first; i < first + ferry::cpu_adam::kNormBlock && i < n; i += kLanes) {
+      const float x = CudaOps::mul(load_grad<CudaOps, G>(grad, i), scale);
+      s = CudaOps::fma(x, x, s);
+    }
+    return s;
+  }
+
+  // Step 2, for h = 8, 4, 2, 1: lane l < h of a block adds lane l + h's sum to its own (on the device
+  // a shuffle down by h within the block's 16 lanes; lanes >= h compute values nobody reads).
+  FERRY_HD static float fold(float mine, float from_lane_plus_h) { return CudaOps::add(mine, from_lane_plus_h); }
+
+  // Step 3, thread 0 after a barrier: the grain's total from its blocks' (lane 0's) totals, in order.
+  FERRY_HD static double grain_total(const float* block_totals, int64_t n, int64_t q) {
+    const int64_t left = n - q * ferry::cpu_adam::kNormGrain;
+    const int64_t blocks = (left + ferry::cpu_adam::kNormBlock - 1) / ferry::cpu_adam::kNormBlock;
+    double total = 0.0;
+    for (int b = 0; b < kBlocks && b < blocks; ++b) total += static_cast<double>(block_totals[b]);
+    return total;
+  }
+
+  // The span's total from its grains', in order (one thread, after every grain's block).
+  FERRY_HD static double span_total(const double* grain_totals, int64_t grains) {
+    double total = 0.0;
+    for (int64_t q = 0; q < grains; ++q) total += grain_totals[q];
+    return total;
+  }
+
+  // The whole reduction of n elements on the host, thread by thread in the steps' order: what the
+  // device computes (tests).
+  static double run_on_host(const void* grad, float scale, int64_t n) {
+    const int64_t grains = (n + ferry::cpu_adam::kNormGrain - 1) / ferry::cpu_adam::kNormGrain;
+    double* totals = new double[grains > 0 ? grains : 1];
+    for (int64_t q = 0; q < grains; ++q) {
+      float s[kThreads];
+      for (int t = 0; t < kThreads; ++t) s[t] = lane_sum(grad, scale, n, q, t);
+      for (int h = kLanes / 2; h > 0; h /= 2) {
+        float shuffled[kThreads];  // what a shuffle down by h within 16 lanes hands each thread
+        for (int t = 0; t < kThreads; ++t) shuffled[t] = t % kLanes + h < kLanes ? s[t + h] : s[t];
+        for (int t = 0; t < kThreads; ++t) s[t] = fold(s[t], shuffled[t]);
+      }
+      float block_totals[kBlocks];
+      for (int b = 0; b < kBlocks; ++b) block_totals[b] = s[b * kLanes];
+      totals[q] = grain_total(block_totals, n, q);
+    }
+    const double total = span_total(totals, grains);
+    delete[] totals;
+    return total;
+  }
+};
