@@ -14,10 +14,26 @@ struct NormGrainSteps {
   static constexpr int kBlocks = static_cast<int>(ferry::cpu_adam::kNormGrain / ferry::cpu_adam::kNormBlock);
   static constexpr int kThreads = kLanes * kBlocks;
 
-  // Step 1, thread t of grain q: the sum of its lane over its block's rows (elements >= n: none).
+  // Step 1, thread t of grain q: the sum of its lane over its block's rows (elements >= n: none). Where
+  // every row of the lane is inside the span (all but a span's last block), a batch of rows is loaded
+  // before its fmas run: the loads are in flight together (one at a time, a thread would wait for each;
+  // HBM needs many in flight), the fmas in the same order as one row at a time.
   FERRY_HD static float lane_sum(const void* grad, float scale, int64_t n, int64_t q, int t) {
+    constexpr int kRows = static_cast<int>(ferry::cpu_adam::kNormBlock / ferry::cpu_adam::kNormLanes);
+    constexpr int kBatch = 16;
+    static_assert(kRows % kBatch == 0, "whole batches of rows");
     const int64_t first = q * ferry::cpu_adam::kNormGrain + (t / kLanes) * ferry::cpu_adam::kNormBlock + t % kLanes;
     float s = 0.0f;
+    if (first + (kRows - 1) * kLanes < n) {
+      for (int r = 0; r < kRows; r += kBatch) {
+        float x[kBatch];
+        FERRY_UNROLL
+        for (int k = 0; k < kBatch; ++k) x[k] = CudaOps::mul(load_grad<CudaOps, G>(grad, first + (r + k) * kLanes), scale);
+        FERRY_UNROLL
+        for (int k = 0; k < kBatch; ++k) s = CudaOps::fma(x[k], x[k], s);
+      }
+      return s;
+    }
     for (int64_t i = first; i < first + ferry::cpu_adam::kNormBlock && i < n; i += kLanes) {
       const float x = CudaOps::mul(load_grad<CudaOps, G>(grad, i), scale);
       s = CudaOps::fma(x, x, s);
