@@ -373,23 +373,25 @@ TEST(HybridAdam, ClippingMatchesClipGradNorm) {
   }
 }
 
-TEST(HybridAdam, ClippingGivesTheSameBitsWhateverTheCpuThreads) {
-  // The host's gradient norm is summed per fixed grain of 32K elements (cpu_adam/thread_split.h), so
-  // the clipping coefficient, and every update after it, is the same to the bit on 1 thread or 3, split
-  // dynamically or statically: a run resumed on a machine with other cores goes on as it would have.
-  // Host state only (the host's norm decides), and tensors of several grains (fc: 128 x 512).
+TEST(HybridAdam, ClippingGivesTheSameBitsWhateverTheCpuThreadsAndKernel) {
+  // The host's gradient norm is summed per fixed grain of 32K elements (cpu_adam/thread_split.h), each
+  // in one order whatever the vector width (D85), so the clipping coefficient, and every update after
+  // it, is the same to the bit on 1 thread or 3, split dynamically or statically, with the scalar, AVX2
+  // or AVX-512 kernel: a run resumed on a machine with other cores goes on as it would have. Host state
+  // only (the host's norm decides), and tensors of several grains (fc: 128 x 512).
   const int64_t dim = 128;
   struct Run {
     std::vector<double> norms;
     std::vector<at::Tensor> masters;
   };
-  auto run = [&](int threads, CpuSplit split) {
+  auto run = [&](int threads, CpuSplit split, CpuIsa isa) {
     torch::manual_seed(17);
     TinyLm net(kVocab, dim);
     Config config = sim_config(0);
     config.chunk_size_bytes = 0;  // auto: the 256 KiB tensors need chunks of their own size
     config.cpu_threads = threads;
     config.cpu_split = split;
+    config.cpu_isa = to_string(isa);
     ChunkedModel model(net.ptr(), config);
     HybridAdam adam(model, HybridAdamOptions::no_decay_for_bias_and_norm(adamw()).with_max_grad_norm(0.05)
                                .with_device_state_chunks(0));
@@ -405,10 +407,19 @@ TEST(HybridAdam, ClippingGivesTheSameBitsWhateverTheCpuThreads) {
     for (int64_t i = 0; i < model.num_params(); ++i) r.masters.push_back(adam.master(i));
     return r;
   };
-  const Run one = run(1, CpuSplit::kStatic);
-  for (const auto& [threads, split] : {std::pair{3, CpuSplit::kDynamic}, std::pair{3, CpuSplit::kStatic}}) {
-    const Run many = run(threads, split);
-    const std::string where = std::to_string(threads) + " threads, " + to_string(split);
+  struct Other {
+    int threads;
+    CpuSplit split;
+    CpuIsa isa;
+  };
+  std::vector<Other> others = {{3, CpuSplit::kDynamic, CpuIsa::kScalar}, {3, CpuSplit::kStatic, CpuIsa::kScalar}};
+  for (const CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16}) {
+    if (cpu_supports(isa)) others.push_back({2, CpuSplit::kDynamic, isa});
+  }
+  const Run one = run(1, CpuSplit::kStatic, CpuIsa::kScalar);
+  for (const auto& [threads, split, isa] : others) {
+    const Run many = run(threads, split, isa);
+    const std::string where = std::to_string(threads) + " threads, " + to_string(split) + ", " + to_string(isa);
     for (size_t k = 0; k < one.norms.size(); ++k) {
       EXPECT_EQ(std::memcmp(&one.norms[k], &many.norms[k], sizeof(double)), 0)
           << where << ", step " << k + 1 << ": " << one.norms[k] << " vs " << many.norms[k];
