@@ -35,21 +35,23 @@ at::Tensor device_grad_norms_sq(const CpuAdam& adam, const at::Tensor& grads,
     const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
     // Scratch for every range's grain totals, in one allocation from the caching allocator: freed
     // (returned for reuse in stream order) when this function returns, after the kernels are queued.
+    // Two launches for up to 64 ranges (a chunk's spans), whatever their count below that.
     int64_t grains = 0;
     for (const auto& [begin, end] : ranges) grains += (end - begin + cpu_adam::kNormGrain - 1) / cpu_adam::kNormGrain;
     const at::Tensor out = at::empty({k}, grads.options().dtype(at::kDouble));
     const at::Tensor scratch = at::empty({grains > 0 ? grains : 1}, grads.options().dtype(at::kDouble));
-    double* totals = scratch.data_ptr<double>();
     const cpu_adam::GradType type = dtype == at::kFloat    ? cpu_adam::GradType::kF32
                                     : dtype == at::kBFloat16 ? cpu_adam::GradType::kBf16
                                                              : cpu_adam::GradType::kF16;
-    for (int64_t r = 0; r < k; ++r) {
-      const auto [begin, end] = ranges[static_cast<size_t>(r)];
-      const char* error = cpu_adam::launch_grad_norm_cuda(base + begin * elem, type, 1.0f, end - begin, totals,
-                                                          out.data_ptr<double>() + r, stream.stream());
-      TORCH_CHECK(error == nullptr, "ferry: gradient norm: the CUDA launch failed: ", error ? error : "");
-      totals += (end - begin + cpu_adam::kNormGrain - 1) / cpu_adam::kNormGrain;
+    std::vector<int64_t> begins, ends;
+    for (const auto& [begin, end] : ranges) {
+      begins.push_back(begin);
+      ends.push_back(end);
     }
+    const char* error = cpu_adam::launch_grad_norms_cuda(base, type, 1.0f, begins.data(), ends.data(), k,
+                                                         scratch.data_ptr<double>(), out.data_ptr<double>(),
+                                                         stream.stream());
+    TORCH_CHECK(error == nullptr, "ferry: gradient norm: the CUDA launch failed: ", error ? error : "");
     return out;
 #else
     TORCH_CHECK(false, "ferry: gradient norm: gradients on ", grads.device(), " but ferry was built without CUDA");

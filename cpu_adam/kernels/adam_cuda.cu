@@ -100,39 +100,48 @@ void launch_compact(const CompactAdamArgs& a, int64_t n, const float* found_inf,
                                                                                     found_inf);
 }
 
-// The gradient norm (Note [One norm wherever the gradient lives], norm_body.h): one block of threads
-// per grain (grid-stride over grains), one thread per lane of each of its norm blocks, in the steps of
-// norm_cuda_grain.h (run on the host in test_cuda_kernels_on_host). Reads: the gradients once, 16
-// consecutive elements per half-warp and row (whole 32-byte sectors for bf16 and fp32).
+// The gradient norm (Note [One norm wherever the gradient lives], norm_body.h) of up to kNormRanges
+// ranges of one gradient array per launch (a chunk's spans: one launch pair for all of them, not two
+// per span): one block of threads per grain of any range (grid-stride over them all), one thread per
+// lane of each of the grain's norm blocks, in the steps of norm_cuda_grain.h (run on the host in
+// test_cuda_kernels_on_host); then one thread per range sums its grains in order. Reads: the gradients
+// once, 16 consecutive elements per half-warp and row (whole 32-byte sectors for bf16 and fp32).
 constexpr int kNormThreads = NormGrainSteps<GradType::kF32>::kThreads;
 
 template <GradType G>
 __global__ void __launch_bounds__(kNormThreads)
-    norm_grain_kernel(const void* grad, float scale, int64_t n, double* grain_totals) {
+    norm_grain_kernel(const void* grad, float scale, NormRanges r, double* grain_totals) {
   using Steps = NormGrainSteps<G>;
+  using GE = typename GradElem<G>::type;
   constexpr int kLanes = Steps::kLanes;
   __shared__ float block_totals[Steps::kBlocks];
-  const int64_t grains = (n + kNormGrain - 1) / kNormGrain;
   const int t = static_cast<int>(threadIdx.x);
-  for (int64_t q = blockIdx.x; q < grains; q += gridDim.x) {
-    float s = Steps::lane_sum(grad, scale, n, q, t);
+  int k = 0;
+  for (int64_t g = blockIdx.x; g < r.grains(); g += gridDim.x) {
+    k = r.range_of(g, k);
+    const void* base = static_cast<const GE*>(grad) + r.begin[k];
+    const int64_t q = g - r.first_grain[k];
+    float s = Steps::lane_sum(base, scale, r.n[k], q, t);
     for (int h = kLanes / 2; h > 0; h /= 2) s = Steps::fold(s, __shfl_down_sync(0xffffffffu, s, h, kLanes));
     if (t % kLanes == 0) block_totals[t / kLanes] = s;
     __syncthreads();
-    if (t == 0) grain_totals[q] = Steps::grain_total(block_totals, n, q);
+    if (t == 0) grain_totals[g] = Steps::grain_total(block_totals, r.n[k], q);
     __syncthreads();  // thread 0 read every total before the next grain's land there
   }
 }
 
-__global__ void norm_span_kernel(const double* grain_totals, int64_t grains, double* out) {
-  *out = NormGrainSteps<GradType::kF32>::span_total(grain_totals, grains);
+__global__ void norm_range_kernel(const double* grain_totals, NormRanges r, double* out) {
+  const int k = static_cast<int>(threadIdx.x);
+  if (k >= r.count) return;
+  out[k] = NormGrainSteps<GradType::kF32>::span_total(grain_totals + r.first_grain[k],
+                                                     r.first_grain[k + 1] - r.first_grain[k]);
 }
 
 template <GradType G>
-void launch_norm(const void* grad, float scale, int64_t n, double* grain_totals, double* out, cudaStream_t stream,
-                 int blocks) {
-  norm_grain_kernel<G><<<blocks, kNormThreads, 0, stream>>>(grad, scale, n, grain_totals);
-  norm_span_kernel<<<1, 1, 0, stream>>>(grain_totals, (n + kNormGrain - 1) / kNormGrain, out);
+void launch_norm(const void* grad, float scale, const NormRanges& r, double* grain_totals, double* out,
+                 cudaStream_t stream, int blocks) {
+  if (r.grains() > 0) norm_grain_kernel<G><<<blocks, kNormThreads, 0, stream>>>(grad, scale, r, grain_totals);
+  norm_range_kernel<<<1, kNormRanges, 0, stream>>>(grain_totals, r, out);
 }
 
 const char* grid_for(int64_t units, int threads, int* blocks) {
@@ -175,22 +184,26 @@ const char* launch_compact_cuda(const CompactAdamArgs& a, int64_t n, const float
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }
 
-const char* launch_grad_norm_cuda(const void* grad, GradType type, float grad_scale, int64_t n, double* grain_totals,
-                                  double* out, void* stream) {
+const char* launch_grad_norms_cuda(const void* grad, GradType type, float grad_scale, const int64_t* begins,
+                                   const int64_t* ends, int64_t count, double* grain_totals, double* out,
+                                   void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
-  if (n <= 0) {
-    const cudaError_t e = cudaMemsetAsync(out, 0, sizeof(double), s);  // +0.0
-    return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+  for (int64_t first = 0; first < count; first += kNormRanges) {  // kNormRanges ranges per launch pair
+    const NormRanges r = NormRanges::batch(begins, ends, count, first);
+    int blocks = 1;
+    if (r.grains() > 0) {
+      if (const char* error = grid_for(r.grains(), kNormThreads, &blocks)) return error;
+    }
+    switch (type) {
+      case GradType::kF32: launch_norm<GradType::kF32>(grad, grad_scale, r, grain_totals, out + first, s, blocks); break;
+      case GradType::kBf16: launch_norm<GradType::kBf16>(grad, grad_scale, r, grain_totals, out + first, s, blocks); break;
+      case GradType::kF16: launch_norm<GradType::kF16>(grad, grad_scale, r, grain_totals, out + first, s, blocks); break;
+    }
+    grain_totals += r.grains();
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return cudaGetErrorString(e);
   }
-  int blocks = 0;
-  if (const char* error = grid_for((n + kNormGrain - 1) / kNormGrain, kNormThreads, &blocks)) return error;
-  switch (type) {
-    case GradType::kF32: launch_norm<GradType::kF32>(grad, grad_scale, n, grain_totals, out, s, blocks); break;
-    case GradType::kBf16: launch_norm<GradType::kBf16>(grad, grad_scale, n, grain_totals, out, s, blocks); break;
-    case GradType::kF16: launch_norm<GradType::kF16>(grad, grad_scale, n, grain_totals, out, s, blocks); break;
-  }
-  const cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+  return nullptr;
 }
 
 }  // namespace ferry::cpu_adam

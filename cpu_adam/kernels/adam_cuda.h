@@ -17,10 +17,12 @@ const char* launch_adam_cuda(const AdamKernelArgs& args, int64_t n, const float*
 // kCompactBlock from element 0: the bits the CPU kernels give. With `found_inf` set, only the compute
 // copy is written (the master's value), as the fp32 launch does.
 const char* launch_compact_cuda(const CompactAdamArgs& args, int64_t n, const float* found_inf, void* stream);
-// Queues the squared norm of grad * grad_scale over elements [0, n) (Note [One norm wherever the
-// gradient lives]: the bits of CpuAdam::grad_norm_sq), written to the device double `out`;
-// `grain_totals` is device scratch of ceil(n / kNormGrain) doubles that must live until it ran.
-const char* launch_grad_norm_cuda(const void* grad, GradType type, float grad_scale, int64_t n, double* grain_totals,
-                                  double* out, void* stream);
+// Queues the squared norms of grad * grad_scale over the ranges [begins[k], ends[k]) of `grad`, k <
+// count (Note [One norm wherever the gradient lives]: the bits of CpuAdam::grad_norm_sq of each range),
+// written to the device doubles out[0 .. count): two kernels per 64 ranges. `grain_totals` is device
+// scratch of sum over k of ceil((ends[k] - begins[k]) / kNormGrain) doubles that must live until they ran.
+const char* launch_grad_norms_cuda(const void* grad, GradType type, float grad_scale, const int64_t* begins,
+                                   const int64_t* ends, int64_t count, double* grain_totals, double* out,
+                                   void* stream);
 
 }  // namespace ferry::cpu_adam

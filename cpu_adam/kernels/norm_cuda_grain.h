@@ -8,6 +8,37 @@
 // Included inside the anonymous namespace of its users, after cuda_ops.h (internal linkage, see
 // kernel_abi.h).
 
+// Up to kNormRanges ranges of one gradient array, one launch's worth (adam_cuda.cu passes it by value):
+// range k is elements [begin[k], begin[k] + n[k]); its grains are first_grain[k] .. first_grain[k + 1]
+// - 1 of the launch's.
+constexpr int kNormRanges = 64;
+struct NormRanges {
+  int count = 0;
+  int64_t begin[kNormRanges];
+  int64_t n[kNormRanges];
+  int64_t first_grain[kNormRanges + 1];
+
+  // Ranges first .. first + kNormRanges - 1 (those below `total`) of [begins[k], ends[k]).
+  static NormRanges batch(const int64_t* begins, const int64_t* ends, int64_t total, int64_t first) {
+    NormRanges r;
+    r.count = static_cast<int>(total - first < kNormRanges ? total - first : kNormRanges);
+    r.first_grain[0] = 0;
+    for (int k = 0; k < r.count; ++k) {
+      r.begin[k] = begins[first + k];
+      r.n[k] = ends[first + k] - begins[first + k];
+      r.first_grain[k + 1] = r.first_grain[k] + (r.n[k] + ferry::cpu_adam::kNormGrain - 1) / ferry::cpu_adam::kNormGrain;
+    }
+    return r;
+  }
+  FERRY_HD int64_t grains() const { return first_grain[count]; }
+  // The range of the launch's grain g, from range k up (a block visits its grains in increasing order,
+  // so it never looks back; ranges without grains are passed over).
+  FERRY_HD int range_of(int64_t g, int k) const {
+    while (g >= first_grain[k + 1]) ++k;
+    return k;
+  }
+};
+
 template <ferry::cpu_adam::GradType G>
 struct NormGrainSteps {
   static constexpr int kLanes = static_cast<int>(ferry::cpu_adam::kNormLanes);
@@ -61,25 +92,44 @@ struct NormGrainSteps {
     return total;
   }
 
-  // The whole reduction of n elements on the host, thread by thread in the steps' order: what the
-  // device computes (tests).
-  static double run_on_host(const void* grad, float scale, int64_t n) {
-    const int64_t grains = (n + ferry::cpu_adam::kNormGrain - 1) / ferry::cpu_adam::kNormGrain;
-    double* totals = new double[grains > 0 ? grains : 1];
-    for (int64_t q = 0; q < grains; ++q) {
-      float s[kThreads];
-      for (int t = 0; t < kThreads; ++t) s[t] = lane_sum(grad, scale, n, q, t);
-      for (int h = kLanes / 2; h > 0; h /= 2) {
-        float shuffled[kThreads];  // what a shuffle down by h within 16 lanes hands each thread
-        for (int t = 0; t < kThreads; ++t) shuffled[t] = t % kLanes + h < kLanes ? s[t + h] : s[t];
-        for (int t = 0; t < kThreads; ++t) s[t] = fold(s[t], shuffled[t]);
+  // One launch pair over `r` on the host, as the device runs it with a grid of `grid` blocks (each
+  // visiting grains grid apart), thread by thread in the steps' order: out[k] for each range (tests).
+  static void run_ranges_on_host(const void* grad, float scale, const NormRanges& r, int grid, double* out) {
+    using GE = typename GradElem<G>::type;
+    double* totals = new double[r.grains() > 0 ? r.grains() : 1];
+    for (int b = 0; b < grid; ++b) {
+      int k = 0;
+      for (int64_t g = b; g < r.grains(); g += grid) {
+        k = r.range_of(g, k);
+        const void* base = static_cast<const GE*>(grad) + r.begin[k];
+        totals[g] = grain_on_host(base, scale, r.n[k], g - r.first_grain[k]);
       }
-      float block_totals[kBlocks];
-      for (int b = 0; b < kBlocks; ++b) block_totals[b] = s[b * kLanes];
-      totals[q] = grain_total(block_totals, n, q);
     }
-    const double total = span_total(totals, grains);
+    for (int k = 0; k < r.count; ++k) out[k] = span_total(totals + r.first_grain[k], r.first_grain[k + 1] - r.first_grain[k]);
     delete[] totals;
-    return total;
+  }
+
+  // Grain q of n elements on the host, thread by thread: lanes, shuffles, the block totals.
+  static double grain_on_host(const void* grad, float scale, int64_t n, int64_t q) {
+    float s[kThreads];
+    for (int t = 0; t < kThreads; ++t) s[t] = lane_sum(grad, scale, n, q, t);
+    for (int h = kLanes / 2; h > 0; h /= 2) {
+      float shuffled[kThreads];  // what a shuffle down by h within 16 lanes hands each thread
+      for (int t = 0; t < kThreads; ++t) shuffled[t] = t % kLanes + h < kLanes ? s[t + h] : s[t];
+      for (int t = 0; t < kThreads; ++t) s[t] = fold(s[t], shuffled[t]);
+    }
+    float block_totals[kBlocks];
+    for (int b = 0; b < kBlocks; ++b) block_totals[b] = s[b * kLanes];
+    return grain_total(block_totals, n, q);
+  }
+
+  // The whole reduction of n elements on the host, thread by thread in the steps' order: what the
+  // device computes for one range (tests).
+  static double run_on_host(const void* grad, float scale, int64_t n) {
+    const int64_t begin = 0;
+    const NormRanges r = NormRanges::batch(&begin, &n, 1, 0);
+    double out = 0.0;
+    run_ranges_on_host(grad, scale, r, 1, &out);
+    return out;
   }
 };

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <random>
 #include <sstream>
+#include <utility>
 #include <vector>
 
 #include "../../cpu_adam/compact_state.h"
@@ -56,7 +57,7 @@ void fp32_as_the_device_does(const AdamKernelArgs& a, int64_t n, bool skip) {
   });
 }
 
-// What the device's norm kernels (norm_grain_kernel, norm_span_kernel) write for n elements.
+// What the device's norm kernels (norm_grain_kernel, norm_range_kernel) write for n elements.
 double norm_as_the_device_does(const void* grad, GradType type, float scale, int64_t n) {
   switch (type) {
     case GradType::kF32: return NormGrainSteps<GradType::kF32>::run_on_host(grad, scale, n);
@@ -64,6 +65,19 @@ double norm_as_the_device_does(const void* grad, GradType type, float scale, int
     case GradType::kF16: return NormGrainSteps<GradType::kF16>::run_on_host(grad, scale, n);
   }
   return 0.0;
+}
+
+// What launch_grad_norms_cuda writes for several ranges of one bf16 array: kNormRanges per launch pair,
+// each launch's grains over a grid of `grid` blocks.
+std::vector<double> bf16_norms_as_the_device_does(const void* grad, const std::vector<int64_t>& begins,
+                                                  const std::vector<int64_t>& ends, int grid) {
+  const int64_t count = static_cast<int64_t>(begins.size());
+  std::vector<double> out(static_cast<size_t>(count));
+  for (int64_t first = 0; first < count; first += kNormRanges) {
+    const NormRanges r = NormRanges::batch(begins.data(), ends.data(), count, first);
+    NormGrainSteps<GradType::kBf16>::run_ranges_on_host(grad, 1.0f, r, grid, out.data() + first);
+  }
+  return out;
 }
 
 }  // namespace
@@ -248,6 +262,36 @@ TEST(CudaKernelsOnHost, TheNormKernelGivesTheCpuKernelsBits) {
   Grads bad(40000, at::kBFloat16, rng);
   bad.h16[33000] = 0x7fc0;  // NaN, in the second grain
   EXPECT_TRUE(std::isnan(cpu_adam::norm_as_the_device_does(bad.data(), cpu_adam::GradType::kBf16, 1.0f, 40000)));
+}
+
+// Several ranges in one launch pair, as a chunk's spans are (and more than one launch's 64): each
+// grain finds its range (empty ones have none), each block its grains grid apart, and each range's
+// value is what the host gives for it alone.
+TEST(CudaKernelsOnHost, TheNormKernelSumsEachRangeOfALaunchAsTheHostDoes) {
+  std::mt19937 rng(13);
+  const int64_t n = 5 * 32768 + 300;
+  Grads g(n, at::kBFloat16, rng);
+  std::vector<int64_t> begins, ends;
+  std::uniform_int_distribution<int64_t> at(0, n);
+  for (int k = 0; k < 70; ++k) {
+    int64_t a = at(rng), b = at(rng);
+    if (k % 9 == 0) b = a;        // empty
+    if (k == 3) a = 0, b = n;     // all of it
+    if (k == 4) a = 7, b = 40000;  // over a grain boundary
+    begins.push_back(std::min(a, b));
+    ends.push_back(std::max(a, b));
+  }
+  const CpuAdam adam;
+  for (const int grid : {1, 3, 1000}) {
+    const std::vector<double> device = cpu_adam::bf16_norms_as_the_device_does(g.data(), begins, ends, grid);
+    for (size_t k = 0; k < begins.size(); ++k) {
+      const double host =
+          adam.grad_norm_sq(g.h16.data() + begins[k], at::kBFloat16, ends[k] - begins[k]).sum_sq;
+      EXPECT_EQ(std::memcmp(&host, &device[k], sizeof(double)), 0)
+          << "grid " << grid << ", range " << k << " [" << begins[k] << ", " << ends[k] << "): " << host << " vs "
+          << device[k];
+    }
+  }
 }
 
 }  // namespace

@@ -58,8 +58,9 @@ void expect_same_bits(const std::vector<double>& want, const torch::Tensor& got,
 TEST_F(DeviceNorm, GivesTheHostsBitsForEveryRange) {
   CpuAdam adam;
   const int64_t n = 3 * kGrainElements + 2 * 1024 + 37;
-  const Ranges ranges = {{0, n},          {0, 1},          {5, 5},  {17, 1040},
-                         {100, 33000},    {kGrainElements, 2 * kGrainElements + 1}, {n - 15, n}};
+  Ranges ranges = {{0, n},       {0, 1},       {5, 5},  {17, 1040},
+                   {100, 33000}, {kGrainElements, 2 * kGrainElements + 1}, {n - 15, n}};
+  for (int64_t k = 0; k < 70; ++k) ranges.emplace_back(k * 1000, k * 1000 + 1 + k * 37);  // > 64: two launches
   for (const auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
     torch::manual_seed(7);
     // Magnitudes over many binades, so that another order of summation gives other bits.
