@@ -87,7 +87,16 @@ ChunkLayout ChunkLayout::pack(const std::vector<int64_t>& numels, const std::vec
     chunk.tensors.push_back(index);
     cursor = slot.offset + numel;
   }
+  layout.number_elements();
   return layout;
+}
+
+void ChunkLayout::number_elements() {
+  int64_t next = 0;
+  for (Slot& slot : slots_) {
+    slot.first_element = next;
+    next += slot.numel;
+  }
 }
 
 ChunkLayout ChunkLayout::derive(const std::function<int64_t(int64_t numel)>& numel_of, int64_t align_numel) const {
@@ -117,6 +126,7 @@ ChunkLayout ChunkLayout::derive(const std::function<int64_t(int64_t numel)>& num
     out.chunks_.push_back(std::move(derived));
   }
   out.options_.chunk_numel = largest;
+  out.number_elements();
   return out;
 }
 

@@ -23,11 +23,14 @@ struct PackOptions {
   void validate() const;
 };
 
-// Where one tensor lives: chunk index, offset and length in elements.
+// Where one tensor lives: chunk index, offset and length in elements; and its first element's index
+// with every tensor of the layout laid end to end in tensor-index order (the model's order, whatever
+// the packing: a name for an element that no chunk size, call order or repacking changes).
 struct Slot {
   int64_t chunk = -1;
   int64_t offset = 0;
   int64_t numel = 0;
+  int64_t first_element = 0;
 };
 
 // One chunk of a layout.
@@ -66,6 +69,8 @@ class ChunkLayout {
   double waste() const;
 
  private:
+  void number_elements();  // every slot's first_element, from the slots' numels
+
   PackOptions options_;
   std::vector<ChunkExtent> chunks_;
   std::vector<Slot> slots_;

@@ -69,7 +69,8 @@ inline CompactStateBytes compact_state_bytes(int64_t numel) {
 // One contiguous range of compact state (a chunk's): master, exp_avg, exp_avg_sq and grad have `numel`
 // elements; exp_avg_scale and exp_avg_sq_scale compact_blocks(numel), block k for elements
 // [256 k, 256 (k + 1)). element_offset: element 0's index in the stream of rounding bits (give spans
-// of one step distinct offsets; the step count varies the stream between steps).
+// of one step distinct offsets; the step count varies the stream between steps). HybridAdam gives an
+// element its place in the model (Slot::first_element, D86), so that no packing changes its bits.
 struct CompactAdamSpan {
   uint16_t* master = nullptr;                   // bf16 bits
   const void* grad = nullptr;                   // grad_dtype: kFloat, kBFloat16 or kHalf

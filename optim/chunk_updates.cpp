@@ -72,7 +72,7 @@ std::vector<std::pair<Span, StateSpan>> ChunkUpdates::adam_spans(const std::vect
           c.lowp_dtype = lowp_dtype;
         }
         c.numel = piece->numel;
-        c.element_offset = state.element_base + static_cast<uint64_t>(piece->begin);
+        c.element_offset = piece->stream_offset;
         spans.emplace_back(s, c);
       }
     }

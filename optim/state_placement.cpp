@@ -59,9 +59,10 @@ HostState StatePlacement::host_state(int64_t chunk, bool held, bool moments, con
     // Packing order is offset order (ChunkLayout::pack), which adam_spans walks the pieces in.
     TORCH_INTERNAL_ASSERT(s.pieces.empty() || s.pieces.back().begin < slot.offset, "tensors of chunk ", chunk,
                           " out of offset order");
-    s.pieces.push_back({slot.offset, slot.numel, mine, mine + compact_blocks(slot.numel)});
+    // D86: an element's rounding bits follow it, not its place in the layout.
+    s.pieces.push_back({slot.offset, slot.numel, mine, mine + compact_blocks(slot.numel),
+                        static_cast<uint64_t>(slot.first_element)});
   }
-  s.element_base = static_cast<uint64_t>(chunk) * static_cast<uint64_t>(layout.options().chunk_numel);
   return s;
 }
 

@@ -30,6 +30,7 @@ struct CompactPiece {
   int64_t begin = 0, numel = 0;
   float* exp_avg_scale = nullptr;
   float* exp_avg_sq_scale = nullptr;
+  uint64_t stream_offset = 0;  // its first element's index in the rounding stream (Slot::first_element)
 };
 
 // A state group's arrays, where the group is (host, or device for a device update), for its update:
@@ -41,12 +42,11 @@ struct HostState {
   float* exp_avg_sq = nullptr;
   at::Tensor master_tensor;  // fp32, or bf16 in the compact format
   // The compact format: bf16 master bits, the moments' codes, per tensor its piece (offset order; with
-  // the moments only), and the chunk's first element's index in the rounding stream.
+  // the moments only).
   uint16_t* master16 = nullptr;
   uint8_t* exp_avg8 = nullptr;
   uint8_t* exp_avg_sq8 = nullptr;
   std::vector<CompactPiece> pieces;
-  uint64_t element_base = 0;
   bool compact() const { return master16 != nullptr || exp_avg8 != nullptr; }
 };
 

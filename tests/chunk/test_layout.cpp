@@ -234,5 +234,28 @@ TEST(ChunkLayout, DeriveKeepsChunksAndTensorsWithTheirOwnSizes) {
   EXPECT_ERROR_HAS(base.derive([](int64_t n) { return n; }, 0), "align_numel > 0");
 }
 
+// Slot::first_element names an element by the tensors laid end to end in index order: the same for
+// every chunk size and packing order (the compact state's rounding stream, D86); a derived layout
+// numbers its own element counts.
+TEST(ChunkLayout, AnElementsNameDoesNotDependOnThePacking) {
+  const std::vector<int64_t> numels = {500, 300, 0, 2000, 700, 10};
+  const std::vector<int64_t> want = {0, 500, 800, 800, 2800, 3500};
+  for (const int64_t chunk : {int64_t{1024}, int64_t{4096}}) {
+    for (const std::vector<int64_t>& order : {std::vector<int64_t>{}, std::vector<int64_t>{5, 3, 1, 0, 4, 2}}) {
+      PackOptions pack;
+      pack.chunk_numel = chunk;
+      pack.align_numel = 32;
+      const ChunkLayout layout = ChunkLayout::pack(numels, order, pack);
+      for (size_t j = 0; j < numels.size(); ++j) {
+        EXPECT_EQ(layout.slots()[j].first_element, want[j]) << "chunk " << chunk << ", tensor " << j;
+      }
+    }
+  }
+  PackOptions pack;
+  pack.chunk_numel = 1024;
+  const ChunkLayout d = ChunkLayout::pack(numels, {}, pack).derive([](int64_t n) { return 2 * n; }, 16);
+  for (size_t j = 0; j < numels.size(); ++j) EXPECT_EQ(d.slots()[j].first_element, 2 * want[j]) << j;
+}
+
 }  // namespace
 }  // namespace ferry

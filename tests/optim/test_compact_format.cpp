@@ -21,6 +21,7 @@
 #include "../../cpu_adam/compact_state.h"
 #include "../cpu_adam/adam_reference.h"
 #include "hybrid_adam_fixtures.h"
+#include "same_state.h"
 
 namespace ferry {
 namespace {
@@ -184,6 +185,36 @@ TEST(CompactFormat, TheStateTakesTheFormatsBytesByRole) {
   const auto by_role = model.device_accountant()->bytes_by_role();
   EXPECT_EQ(by_role[static_cast<int>(ChunkRole::kMaster)], 2 * (layout.chunks()[0].numel + layout.chunks()[1].numel));
   EXPECT_GT(by_role[static_cast<int>(ChunkRole::kScales)], 0);
+}
+
+// D86: the stochastic rounding's bits follow an element by its place in the model, so the chunk size
+// (the packing), and with it where each tensor sits in which chunk, changes no bit of compact training;
+// nor does where the state lives (half the groups on the device in one run, all on the host in the
+// other). Clipping too (D85). (With the stream indexed by the chunk as before D86 it fails.)
+TEST(CompactFormat, TheChunkSizeChangesNoBit) {
+  for (const double clip : {0.0, 0.05}) {
+    SCOPED_TRACE(clip > 0 ? "clipped" : "not clipped");
+    auto [a_net, b_net] = twins(6);
+    Config small = sim_config(compact_budget(2, 2), Precision::kBf16);
+    Config large = sim_config(0, Precision::kBf16);
+    large.chunk_size_bytes = 4 * kChunk;
+    ChunkedModel a(a_net.ptr(), small), b(b_net.ptr(), large);
+    ASSERT_NE(a.layout().num_chunks(), b.layout().num_chunks());
+    HybridAdam a_adam(a, compact_split_state().with_max_grad_norm(clip));
+    HybridAdam b_adam(b, compact_split_state().with_max_grad_norm(clip).with_device_state_chunks(0));
+    for (int step = 0; step < 4; ++step) {
+      const Batch x = batch(step);
+      a.backward(forward_loss(a, a_net, x));
+      b.backward(forward_loss(b, b_net, x));
+      const StepResult ra = a_adam.step(), rb = b_adam.step();
+      ASSERT_TRUE(ra.applied && rb.applied);
+      EXPECT_EQ(ra.grad_norm, rb.grad_norm) << "step " << step;
+      if (clip > 0) EXPECT_LT(ra.clip_coef, 1.0) << "the case needs clipping";
+      a_adam.zero_grad();
+      b_adam.zero_grad();
+      ASSERT_NO_FATAL_FAILURE(expect_same_state(a_adam, b_adam, a, b, "step " + std::to_string(step)));
+    }
+  }
 }
 
 // fp32 values as the compact format stores them: encoded and decoded again (compact_state.h).
