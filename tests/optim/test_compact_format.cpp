@@ -190,7 +190,9 @@ TEST(CompactFormat, TheStateTakesTheFormatsBytesByRole) {
 // D86: the stochastic rounding's bits follow an element by its place in the model, so the chunk size
 // (the packing), and with it where each tensor sits in which chunk, changes no bit of compact training;
 // nor does where the state lives (half the groups on the device in one run, all on the host in the
-// other). Clipping too (D85). (With the stream indexed by the chunk as before D86 it fails.)
+// other). Clipped too, for these two packings (their spans give the norm the same partial sums; in
+// general the partial sums follow the packing, D85). (With the stream indexed by the chunk as before
+// D86 it fails.)
 TEST(CompactFormat, TheChunkSizeChangesNoBit) {
   for (const double clip : {0.0, 0.05}) {
     SCOPED_TRACE(clip > 0 ? "clipped" : "not clipped");
