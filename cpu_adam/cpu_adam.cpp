@@ -16,21 +16,11 @@
 #include <mutex>
 
 #include "../common/logging.h"
+#include "kernel_types.h"
 #include "kernels/kernel_abi.h"
 #include "thread_split.h"
 
 namespace ferry {
-namespace {
-
-const cpu_adam::KernelTable& kernels_for(CpuIsa isa) {
-  switch (isa) {
-    case CpuIsa::kScalar: return cpu_adam::kScalarKernels;
-    case CpuIsa::kAvx2: return cpu_adam::kAvx2Kernels;
-    case CpuIsa::kAvx512: return cpu_adam::kAvx512Kernels;
-    case CpuIsa::kAvx512Bf16: return cpu_adam::kAvx512Bf16Kernels;
-  }
-  TORCH_INTERNAL_ASSERT(false, "unknown CpuIsa");
-}
 
 cpu_adam::GradType grad_type_of(at::ScalarType t) {
   switch (t) {
@@ -50,6 +40,18 @@ cpu_adam::LowpType lowp_type_of(at::ScalarType t) {
     default: break;
   }
   TORCH_CHECK(false, "CpuAdam: expected param_lowp dtype BFloat16 or Half (or none), got ", t);
+}
+
+namespace {
+
+const cpu_adam::KernelTable& kernels_for(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kScalar: return cpu_adam::kScalarKernels;
+    case CpuIsa::kAvx2: return cpu_adam::kAvx2Kernels;
+    case CpuIsa::kAvx512: return cpu_adam::kAvx512Kernels;
+    case CpuIsa::kAvx512Bf16: return cpu_adam::kAvx512Bf16Kernels;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown CpuIsa");
 }
 
 // What every span (fp32 or compact state) must be: a size, known dtypes, a compute copy and its dtype

@@ -3,6 +3,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#include "kernel_types.h"
 #include "kernels/adam_cuda.h"  // declarations only; defined in CUDA builds, called only there
 #include "kernels/kernel_abi.h"
 
@@ -40,9 +41,7 @@ at::Tensor device_grad_norms_sq(const CpuAdam& adam, const at::Tensor& grads,
     for (const auto& [begin, end] : ranges) grains += (end - begin + cpu_adam::kNormGrain - 1) / cpu_adam::kNormGrain;
     const at::Tensor out = at::empty({k}, grads.options().dtype(at::kDouble));
     const at::Tensor scratch = at::empty({grains > 0 ? grains : 1}, grads.options().dtype(at::kDouble));
-    const cpu_adam::GradType type = dtype == at::kFloat    ? cpu_adam::GradType::kF32
-                                    : dtype == at::kBFloat16 ? cpu_adam::GradType::kBf16
-                                                             : cpu_adam::GradType::kF16;
+    const cpu_adam::GradType type = grad_type_of(dtype);
     std::vector<int64_t> begins, ends;
     for (const auto& [begin, end] : ranges) {
       begins.push_back(begin);

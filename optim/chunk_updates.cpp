@@ -191,11 +191,18 @@ ChunkOutcome ChunkUpdates::host_norm(const at::Tensor& grads, const std::vector<
   return out;
 }
 
-std::vector<at::Tensor> ChunkUpdates::device_norms(const at::Tensor& grads, const std::vector<Span>& spans) const {
+namespace {
+// One squared norm per span, as one 1-D tensor where `grads` is (device_grad_norms_sq).
+at::Tensor norms_of_spans(const CpuAdam& adam, const at::Tensor& grads, const std::vector<Span>& spans) {
   std::vector<std::pair<int64_t, int64_t>> ranges;
   ranges.reserve(spans.size());
   for (const Span& s : spans) ranges.emplace_back(s.begin, s.end);
-  const at::Tensor all = device_grad_norms_sq(adam_, grads, ranges);
+  return device_grad_norms_sq(adam, grads, ranges);
+}
+}  // namespace
+
+std::vector<at::Tensor> ChunkUpdates::device_norms(const at::Tensor& grads, const std::vector<Span>& spans) const {
+  const at::Tensor all = norms_of_spans(adam_, grads, spans);
   std::vector<at::Tensor> norms;
   norms.reserve(spans.size());
   for (int64_t k = 0; k < all.numel(); ++k) norms.push_back(all.select(0, k));
@@ -203,7 +210,7 @@ std::vector<at::Tensor> ChunkUpdates::device_norms(const at::Tensor& grads, cons
 }
 
 at::Tensor ChunkUpdates::norms_before_the_trip(const at::Tensor& grads, const std::vector<Span>& spans) const {
-  const at::Tensor norms = at::stack(device_norms(grads, spans));
+  const at::Tensor norms = norms_of_spans(adam_, grads, spans);  // one tensor already: no split and re-stack
   if (!norms.is_cuda()) return norms;
   at::Tensor host = at::empty(norms.sizes(), norms.options().device(at::kCPU).pinned_memory(true));
   host.copy_(norms, /*non_blocking=*/true);

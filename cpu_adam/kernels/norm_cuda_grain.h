@@ -1,5 +1,5 @@
 #pragma once
-// The gradient norm of one grain as the device computes it (adam_cuda.cu's norm_kernel: one block of
+// The gradient norm of one grain as the device computes it (adam_cuda.cu's norm_grain_kernel: one block of
 // kThreads threads per grain, one thread per lane of each of the grain's kNormBlock-element blocks),
 // written as the steps between its warp shuffles and barrier so that the same code also runs on the
 // host, one thread after another (run_on_host: tests). The order is Note [One norm wherever the

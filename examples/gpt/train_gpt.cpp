@@ -26,6 +26,7 @@
 #include "../../ferry.h"
 
 #include <atomic>
+#include <optional>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -148,13 +149,10 @@ int train(int argc, char** argv) {
   }
   const int64_t elem = config.precision == ferry::Precision::kFp32 ? 4 : 2;
   torch::manual_seed(args.seed);
-  std::shared_ptr<gpt::GptImpl> net;
-  if (args.init_scope) {  // parameters built in the compute dtype: no fp32 model ever exists
-    ferry::InitScope scope(config.precision);
-    net = std::make_shared<gpt::GptImpl>(gc);
-  } else {
-    net = std::make_shared<gpt::GptImpl>(gc);
-  }
+  std::optional<ferry::InitScope> scope;  // --init-scope: parameters built in the compute dtype, no fp32 model
+  if (args.init_scope) scope.emplace(config.precision);
+  auto net = std::make_shared<gpt::GptImpl>(gc);
+  scope.reset();
   int64_t chunk_bytes = config.chunk_size_bytes;
   if (chunk_bytes == 0) {  // auto (ferry's default): the size ChunkedModel will pick, for the budget below
     std::vector<int64_t> numels;

@@ -211,7 +211,9 @@ TEST(CompactFormat, TheChunkSizeChangesNoBit) {
       const StepResult ra = a_adam.step(), rb = b_adam.step();
       ASSERT_TRUE(ra.applied && rb.applied);
       EXPECT_EQ(ra.grad_norm, rb.grad_norm) << "step " << step;
-      if (clip > 0) EXPECT_LT(ra.clip_coef, 1.0) << "the case needs clipping";
+      if (clip > 0) {
+        EXPECT_LT(ra.clip_coef, 1.0) << "the case needs clipping";
+      }
       a_adam.zero_grad();
       b_adam.zero_grad();
       ASSERT_NO_FATAL_FAILURE(expect_same_state(a_adam, b_adam, a, b, "step " + std::to_string(step)));

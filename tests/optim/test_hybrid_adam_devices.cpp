@@ -261,7 +261,9 @@ void expect_device_state_equals_host_state(DeviceKind device, const HybridAdamOp
     const StepResult rb = b_adam.backward_step(b.forward([&] { return b_net->loss(x.idx, x.target); }));
     ASSERT_TRUE(ra.applied && rb.applied) << "step " << step;
     EXPECT_EQ(ra.grad_norm, rb.grad_norm) << "step " << step;
-    if (o.max_grad_norm > 0.0) EXPECT_LT(ra.clip_coef, 1.0) << "step " << step << ": the case needs clipping";
+    if (o.max_grad_norm > 0.0) {
+      EXPECT_LT(ra.clip_coef, 1.0) << "step " << step << ": the case needs clipping";
+    }
     EXPECT_EQ(ra.device_chunks, chunks) << "step " << step;
     EXPECT_EQ(rb.host_chunks, chunks) << "step " << step;
     ASSERT_NO_FATAL_FAILURE(test::expect_same_state(a_adam, b_adam, a, b, "step " + std::to_string(step)));
