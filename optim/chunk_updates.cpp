@@ -173,44 +173,67 @@ void ChunkUpdates::device_update(int64_t c, double grad_scale, const at::Tensor&
   }
 }
 
-ChunkOutcome ChunkUpdates::host_norm(const at::Tensor& grads, const std::vector<Span>& spans) const {
+// Note [One term per parameter]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// D85 made a run of gradients sum to the same bits wherever it is. What a run is must not depend on
+// the layout either: a span merges the slots of neighbours in one chunk, so its blocks of 1,024 would
+// straddle parameters differently for another chunk size, and summing the runs' totals in fp64 in
+// chunk order would group them differently. So a norm's term is one parameter's gradient (its slot,
+// from its first element, in D85's order), and the terms are totalled exactly (ExactSum), which no
+// order or grouping of them changes: by chunk, by thread, on the device or the host, over the ranks.
+// The step's norm is then a function of the parameters' gradients alone (D87).
+std::vector<std::pair<int64_t, int64_t>> ChunkUpdates::norm_terms(int64_t chunk, const std::vector<Span>& spans) const {
+  const ChunkLayout& layout = model_.layout();
+  std::vector<std::pair<int64_t, int64_t>> out;
+  size_t k = 0;
+  size_t begun = 0, ended = 0;  // spans whose first and last elements are a slot's: whole slots (and gaps)
+  for (int64_t t : layout.chunks()[chunk].tensors) {  // in packing order: offsets rise, as the spans' do
+    const Slot& slot = layout.slots()[t];
+    if (slot.numel == 0) continue;
+    while (k < spans.size() && spans[k].end <= slot.offset) ++k;
+    if (k == spans.size()) break;
+    if (spans[k].begin <= slot.offset && slot.offset + slot.numel <= spans[k].end) {
+      out.emplace_back(slot.offset, slot.offset + slot.numel);
+      begun += spans[k].begin == slot.offset;
+      ended += spans[k].end == slot.offset + slot.numel;
+    }
+  }
+  TORCH_CHECK(begun == spans.size() && ended == spans.size(), "ferry: internal: of the ", spans.size(),
+              " spans of chunk ", chunk, ", ", begun, " begin and ", ended, " end at a slot's bounds");
+  return out;
+}
+
+ChunkOutcome ChunkUpdates::host_norm(int64_t chunk, const at::Tensor& grads, const std::vector<Span>& spans) const {
   ChunkOutcome out;
   const int64_t elem = static_cast<int64_t>(grads.element_size());
   const char* base = static_cast<const char*>(grads.data_ptr());
   int64_t bytes = 0;
-  for (const Span& s : spans) {
-    const GradNorm norm = adam_.grad_norm_sq(base + s.begin * elem, grads.scalar_type(), s.end - s.begin);
-    out.sum_sq += norm.sum_sq;
+  for (const auto& [begin, end] : norm_terms(chunk, spans)) {
+    const GradNorm norm = adam_.grad_norm_sq(base + begin * elem, grads.scalar_type(), end - begin);
+    out.sum_sq.add(norm.sum_sq);
     out.finite = out.finite && !norm.nonfinite;
-    bytes += (s.end - s.begin) * elem;
+    bytes += (end - begin) * elem;
   }
   host_norm_bytes_ += bytes;
-  // A norm that overflows counts as non-finite, as the device's fp32 norm does (D70): a chunk is then
-  // skipped wherever its state lives, and the step's report agrees with what was updated.
-  out.finite = out.finite && std::isfinite(out.sum_sq);
+  // A norm that overflows counts as non-finite, as the device's does (D70): a chunk is then skipped
+  // wherever its state lives, and the step's report agrees with what was updated.
+  out.finite = out.finite && std::isfinite(out.sum_sq.value());
   return out;
 }
 
-namespace {
-// One squared norm per span, as one 1-D tensor where `grads` is (device_grad_norms_sq).
-at::Tensor norms_of_spans(const CpuAdam& adam, const at::Tensor& grads, const std::vector<Span>& spans) {
-  std::vector<std::pair<int64_t, int64_t>> ranges;
-  ranges.reserve(spans.size());
-  for (const Span& s : spans) ranges.emplace_back(s.begin, s.end);
-  return device_grad_norms_sq(adam, grads, ranges);
-}
-}  // namespace
-
-std::vector<at::Tensor> ChunkUpdates::device_norms(const at::Tensor& grads, const std::vector<Span>& spans) const {
-  const at::Tensor all = norms_of_spans(adam_, grads, spans);
+std::vector<at::Tensor> ChunkUpdates::device_norms(int64_t chunk, const at::Tensor& grads,
+                                                   const std::vector<Span>& spans) const {
+  const at::Tensor all = device_grad_norms_sq(adam_, grads, norm_terms(chunk, spans));
   std::vector<at::Tensor> norms;
-  norms.reserve(spans.size());
+  norms.reserve(static_cast<size_t>(all.numel()));
   for (int64_t k = 0; k < all.numel(); ++k) norms.push_back(all.select(0, k));
   return norms;
 }
 
-at::Tensor ChunkUpdates::norms_before_the_trip(const at::Tensor& grads, const std::vector<Span>& spans) const {
-  const at::Tensor norms = norms_of_spans(adam_, grads, spans);  // one tensor already: no split and re-stack
+at::Tensor ChunkUpdates::norms_before_the_trip(int64_t chunk, const at::Tensor& grads,
+                                               const std::vector<Span>& spans) const {
+  // One tensor already: no split and re-stack.
+  const at::Tensor norms = device_grad_norms_sq(adam_, grads, norm_terms(chunk, spans));
   if (!norms.is_cuda()) return norms;
   at::Tensor host = at::empty(norms.sizes(), norms.options().device(at::kCPU).pinned_memory(true));
   host.copy_(norms, /*non_blocking=*/true);
@@ -223,16 +246,16 @@ ChunkOutcome ChunkUpdates::outcome_of(const at::Tensor& trip_norms) {
   const double* v = t.data_ptr<double>();
   for (int64_t k = 0; k < t.numel(); ++k) {
     out.finite = out.finite && std::isfinite(v[k]);
-    out.sum_sq += v[k];
+    out.sum_sq.add(v[k]);
   }
-  out.finite = out.finite && std::isfinite(out.sum_sq);
+  out.finite = out.finite && std::isfinite(out.sum_sq.value());
   return out;
 }
 
 void ChunkUpdates::finish_norms(const std::vector<at::Tensor>& device_norms, const std::vector<int64_t>& device_index,
                                 ChunkNorms& norms) {
   int64_t syncs = 0;
-  const int64_t n = static_cast<int64_t>(norms.sum_sq.size());
+  const int64_t n = static_cast<int64_t>(norms.finite.size());
   if (!device_norms.empty()) {  // one host sync for every device chunk
     const at::Tensor all = at::stack(device_norms).to(at::kCPU, at::kDouble);
     syncs = 1;
@@ -242,18 +265,15 @@ void ChunkUpdates::finish_norms(const std::vector<at::Tensor>& device_norms, con
       const int64_t c = late_part ? device_index[k] - n : device_index[k];
       std::vector<char>& finite = late_part ? norms.late_finite : norms.finite;
       finite[c] = finite[c] && std::isfinite(v[k]);
-      (late_part ? norms.late_sum_sq : norms.sum_sq)[c] += v[k];
+      norms.sum_sq.add(v[k]);
     }
   }
-  norms.total_sq = 0.0;
   norms.all_finite = true;
   for (int64_t c = 0; c < n; ++c) {
     norms.all_finite = norms.all_finite && norms.finite[c];
-    norms.total_sq += norms.sum_sq[c];
-    if (norms.late_sum_sq.empty()) continue;
-    norms.all_finite = norms.all_finite && norms.late_finite[c];
-    norms.total_sq += norms.late_sum_sq[c];
+    if (!norms.late_finite.empty()) norms.all_finite = norms.all_finite && norms.late_finite[c];
   }
+  norms.total_sq = norms.sum_sq.value();
   norms.all_finite = norms.all_finite && std::isfinite(norms.total_sq);
   norms.syncs = syncs;
 }

@@ -19,6 +19,7 @@
 #include <variant>
 #include <vector>
 
+#include "../common/exact_sum.h"
 #include "../cpu_adam/cpu_adam.h"
 #include "../hooks/chunked_model.h"
 #include "grad_ledger.h"
@@ -33,19 +34,18 @@ using StateSpan = std::variant<AdamSpan, CompactAdamSpan>;
 
 // A chunk's landed gradients, as taken by its norm.
 struct ChunkOutcome {
-  double sum_sq = 0.0;  // of the chunk's landed gradients as landed
-  bool finite = true;   // every gradient finite, and sum_sq too (an overflowing norm is non-finite)
+  ExactSum sum_sq;     // of the chunk's landed gradients as landed, one term per parameter (D87)
+  bool finite = true;  // every gradient finite, and sum_sq too (an overflowing norm is non-finite)
 };
 
-// Every chunk's squared norm and finiteness, for one step.
+// The step's squared norm and every chunk's finiteness.
 struct ChunkNorms {
-  std::vector<double> sum_sq;  // per layout chunk, of the grads as landed
-  std::vector<char> finite;    // per layout chunk
-  // Eager backward_step, per layout chunk: its late part (Note [A gradient after its chunk's update]),
+  ExactSum sum_sq;          // every landed gradient's term (late parts too), exactly (D87)
+  std::vector<char> finite; // per layout chunk
+  // Eager backward_step, per layout chunk: its late part's (Note [A gradient after its chunk's update]),
   // apart from the part its job updated; empty when no chunk has one.
-  std::vector<double> late_sum_sq;
   std::vector<char> late_finite;
-  double total_sq = 0.0;
+  double total_sq = 0.0;    // sum_sq, rounded once (finish_norms)
   bool all_finite = true;
   int64_t syncs = 0;  // host syncs it took (reading device norms): 0 or 1
 };
@@ -81,16 +81,17 @@ class ChunkUpdates {
   void device_update(int64_t chunk, double grad_scale, const at::Tensor& found_inf = {},
                      const std::vector<char>* only = nullptr);
 
-  // Squared norms of `grads` over `spans`: on the host (CpuAdam::grad_norm_sq), or as device tensors
-  // (device_grad_norms_sq: one 0-dim Double per span, inf/NaN if any gradient is). Both sum in one order
-  // (D85), so a span gives the same bits on either side.
-  ChunkOutcome host_norm(const at::Tensor& grads, const std::vector<Span>& spans) const;
-  std::vector<at::Tensor> device_norms(const at::Tensor& grads, const std::vector<Span>& spans) const;
+  // Squared norms of `grads` (chunk `chunk`'s, as laid out) over `spans`, one term per parameter (each
+  // span's slots apart: Note [One term per parameter]): on the host (CpuAdam::grad_norm_sq), or as
+  // device tensors (device_grad_norms_sq: one 0-dim Double per parameter, inf/NaN if any gradient is).
+  // Both sum a term in one order (D85), so a term is the same bits on either side.
+  ChunkOutcome host_norm(int64_t chunk, const at::Tensor& grads, const std::vector<Span>& spans) const;
+  std::vector<at::Tensor> device_norms(int64_t chunk, const at::Tensor& grads, const std::vector<Span>& spans) const;
   // Note [Norms before the trip]: the device norms of a chunk's gradients taken before it leaves for the
-  // host, on their way there: one double per span in host memory. On CUDA they are copied in the current
-  // stream's order, so they are read after the chunk's own copy to the host, started after this call
-  // from the same stream, has landed (a host job's gradients); at once on the simulated device.
-  at::Tensor norms_before_the_trip(const at::Tensor& grads, const std::vector<Span>& spans) const;
+  // host, on their way there: one double per parameter in host memory. On CUDA they are copied in the
+  // current stream's order, so they are read after the chunk's own copy to the host, started after this
+  // call from the same stream, has landed (a host job's gradients); at once on the simulated device.
+  at::Tensor norms_before_the_trip(int64_t chunk, const at::Tensor& grads, const std::vector<Span>& spans) const;
   // What those norms say, as finish_norms() reads device norms.
   static ChunkOutcome outcome_of(const at::Tensor& trip_norms);
   // Gradient bytes host_norm() has read since the last take (host jobs add theirs on the worker).
@@ -117,6 +118,8 @@ class ChunkUpdates {
   // and 16-bit, so that the update writes the new values in its own pass (marked written); else undefined.
   at::Tensor lowp_target(int64_t chunk);
   std::vector<std::pair<Span, StateSpan>> spans_of(int64_t chunk, const std::vector<char>* only);
+  // The ranges a norm takes apart: each parameter's slot in `spans` of chunk `chunk`.
+  std::vector<std::pair<int64_t, int64_t>> norm_terms(int64_t chunk, const std::vector<Span>& spans) const;
 
   ChunkedModel& model_;
   CpuAdam& adam_;

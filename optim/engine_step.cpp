@@ -108,13 +108,13 @@ StepResult Engine::dist_step_locked() {
     for (int64_t p : model().layout().chunks()[c].tensors) landed += ledger_.landed(p);
   }
   const int64_t tn = now_ns();
-  const std::vector<double> totals =
-      sharded_.sum_over_ranks({norms.total_sq, norms.all_finite ? 0.0 : 1.0, static_cast<double>(landed)});
+  const auto [sum_sq, counts] = sharded_.sum_over_ranks(norms.sum_sq, {norms.all_finite ? 0 : 1, landed});
   comm_ns += now_ns() - tn;
-  norms.total_sq = totals[0];
-  norms.all_finite = totals[1] == 0.0 && std::isfinite(norms.total_sq);
+  norms.sum_sq = sum_sq;
+  norms.total_sq = sum_sq.value();
+  norms.all_finite = counts[0] == 0 && std::isfinite(norms.total_sq);
   result.norm_ns = now_ns() - t0;
-  if (totals[2] == 0.0) {  // the same on every rank: all fail together
+  if (counts[1] == 0) {  // the same on every rank: all fail together
     if (!sharded_.param_shards()) sharded_.gather_params();  // slots of this rank's own landings (if any) get values back
     ledger_.clear();
     model().clear_grad_slots();
@@ -140,28 +140,24 @@ ChunkNorms Engine::grad_norms_locked(bool pipelined) {
   const int64_t n = placement_.num_chunks();
   const ChunkLayout& layout = model().layout();
   ChunkNorms norms;
-  norms.sum_sq.assign(n, 0.0);
   norms.finite.assign(n, 1);
   std::vector<at::Tensor> device;
   std::vector<int64_t> device_index;
   const bool any_late = pipelined && pipeline_.any_late();
-  if (any_late) {
-    norms.late_sum_sq.assign(n, 0.0);
-    norms.late_finite.assign(n, 1);
-  }
+  if (any_late) norms.late_finite.assign(n, 1);
   const std::vector<char>* late = &pipeline_.late_mask();
   for (int64_t c = 0; c < n; ++c) {
     const bool done = pipelined && pipeline_.launched(c);  // computed during backward
     if (!ownership_.owned(c)) continue;                     // its owner's norm comes with the all-reduce
     if (placement_.on_device(c)) {
       std::vector<at::Tensor> d = done ? std::move(pipeline_.device_norms(c))
-                                       : updates_.device_norms(updates_.grad_payload(c), ledger_.spans(layout, c));
+                                       : updates_.device_norms(c, updates_.grad_payload(c), ledger_.spans(layout, c));
       for (at::Tensor& t : d) {
         device.push_back(std::move(t));
         device_index.push_back(c);
       }
       if (done && pipeline_.has_late(c)) {  // Note [A gradient after its chunk's update]: the late part's own
-        for (at::Tensor& t : updates_.device_norms(updates_.grad_payload(c), ledger_.spans(layout, c, late))) {
+        for (at::Tensor& t : updates_.device_norms(c, updates_.grad_payload(c), ledger_.spans(layout, c, late))) {
           device.push_back(std::move(t));
           device_index.push_back(n + c);
         }
@@ -187,16 +183,16 @@ ChunkNorms Engine::grad_norms_locked(bool pipelined) {
         // A job taken back at backward's end: its norms were taken before its trip (Note [Norms before the trip]).
         const std::optional<ChunkOutcome> trip = pipelined ? pipeline_.trip_outcome(c, spans) : std::nullopt;
         if (!trip && jobs_.round_trips() && model().store().location(model().param_chunk(c)) == Location::kDevice) {
-          on_the_device(updates_.device_norms(updates_.grad_payload(c), spans));
+          on_the_device(updates_.device_norms(c, updates_.grad_payload(c), spans));
           continue;
         }
-        o = trip ? *trip : updates_.host_norm(updates_.grad_payload(c), spans);
+        o = trip ? *trip : updates_.host_norm(c, updates_.grad_payload(c), spans);
       }
-      norms.sum_sq[c] = o.sum_sq;
+      norms.sum_sq.add(o.sum_sq);
       norms.finite[c] = o.finite;
       if (done && pipeline_.has_late(c)) {
-        const ChunkOutcome late_part = updates_.host_norm(updates_.grad_payload(c), ledger_.spans(layout, c, late));
-        norms.late_sum_sq[c] = late_part.sum_sq;
+        const ChunkOutcome late_part = updates_.host_norm(c, updates_.grad_payload(c), ledger_.spans(layout, c, late));
+        norms.sum_sq.add(late_part.sum_sq);
         norms.late_finite[c] = late_part.finite;
       }
     }

@@ -93,7 +93,7 @@ void PipelinedStep::launch(int64_t c) {
     // No host stall: a move to the device only orders the compute stream after the copy.
     trace::Span span("adam", trace::enabled() ? "pipelined device adam chunk " + std::to_string(c) : std::string());
     if (params.location(pc) != Location::kDevice) params.move(pc, Location::kDevice);
-    device_norms_[c] = parts_.updates.device_norms(params.payload(pc), spans);
+    device_norms_[c] = parts_.updates.device_norms(c, params.payload(pc), spans);
     if (eager() && !spans.empty()) {
       const at::Tensor found_inf = at::logical_not(at::isfinite(at::stack(device_norms_[c])).all()).to(at::kFloat);
       parts_.updates.device_update(c, 1.0, found_inf);
@@ -103,7 +103,7 @@ void PipelinedStep::launch(int64_t c) {
   if (!eager() && parts_.jobs.round_trips() && params.location(pc) == Location::kDevice) {
     // Note [Round trips through K buffers]: the two-phase step's norms on the device, as a device-state
     // chunk's, and no job: the chunk's one trip is its update's, queued after backward.
-    device_norms_[c] = parts_.updates.device_norms(params.payload(pc), spans);
+    device_norms_[c] = parts_.updates.device_norms(c, params.payload(pc), spans);
     return;
   }
   const HostState state = parts_.placement.host_state(c, parts_.ownership.owned(c), /*moments=*/true, parts_.model.layout());
@@ -111,11 +111,11 @@ void PipelinedStep::launch(int64_t c) {
   // its move below, so that its job reads its gradients once, in the update.
   at::Tensor trip;
   if (eager() && !spans.empty() && params.location(pc) == Location::kDevice) {
-    trip = parts_.updates.norms_before_the_trip(params.payload(pc), spans);
+    trip = parts_.updates.norms_before_the_trip(c, params.payload(pc), spans);
     trip_norms_[c] = TripNorms{trip, spans};
   }
   auto work = [this, c, spans = std::move(spans), eager = eager(), state, trip](const at::Tensor& g) {
-    const ChunkOutcome out = trip.defined() ? ChunkUpdates::outcome_of(trip) : parts_.updates.host_norm(g, spans);
+    const ChunkOutcome out = trip.defined() ? ChunkUpdates::outcome_of(trip) : parts_.updates.host_norm(c, g, spans);
     if (eager) {
       if (out.finite) {
         parts_.updates.run_host(parts_.updates.adam_spans(spans, state, g),

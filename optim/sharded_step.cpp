@@ -122,6 +122,17 @@ void ShardedStep::shard(std::function<void(int64_t)> await_chunk) {
             " between steps and gathers the others, group by group, before their use");
 }
 
+std::pair<ExactSum, std::vector<int64_t>> ShardedStep::sum_over_ranks(const ExactSum& sum,
+                                                                      const std::vector<int64_t>& counts) {
+  std::vector<int64_t> words = sum.words();
+  words.insert(words.end(), counts.begin(), counts.end());
+  at::Tensor t = at::tensor(words, at::kLong);
+  comm_->all_reduce(t, dist::ReduceOp::kSum);
+  const int64_t* v = t.data_ptr<int64_t>();
+  return {ExactSum::from_words(std::vector<int64_t>(v, v + ExactSum::kWords)),
+          std::vector<int64_t>(v + ExactSum::kWords, v + words.size())};
+}
+
 bool ShardedStep::same_on_every_rank(double value) {
   at::Tensor range = at::tensor({value, -value}, at::kDouble);
   comm_->all_reduce(range, dist::ReduceOp::kMax);
@@ -393,7 +404,7 @@ void ShardedStep::launch_group(int64_t group) {
                                   owned_spans(c, flight->out.slice(0, flight->cap, flight->cap + tensors));
                               g.copy_(flight->out.slice(0, 0, numel));
                               ChunkUpdates::restore_values(g, state.master_tensor, spans.unlanded);
-                              const ChunkOutcome out = parts_.updates.host_norm(g, spans.landed);
+                              const ChunkOutcome out = parts_.updates.host_norm(c, g, spans.landed);
                               if (out.finite) {
                                 parts_.updates.run_host(parts_.updates.adam_spans(spans.landed, state, g),
                                                   UpdateOptions{1.0 / world, /*grads_checked=*/true});
@@ -424,7 +435,6 @@ StepResult ShardedStep::finish_pipelined(double loss_scale) {
   }
   // Device-state owned chunks: their sums, then the device Adam (skipped by a device flag if not finite).
   ChunkNorms norms;
-  norms.sum_sq.assign(n, 0.0);
   norms.finite.assign(n, 1);
   std::vector<at::Tensor> device_norms_all;
   std::vector<int64_t> device_index;
@@ -447,7 +457,7 @@ StepResult ShardedStep::finish_pipelined(double loss_scale) {
     payload.copy_(flight.out.slice(0, 0, parts_.model.layout().chunks()[c].numel));
     ChunkUpdates::restore_values(payload, parts_.placement.payload(kMasterRole, c), spans.unlanded);
     take_union(c, flight.out.slice(0, flight.cap, flight.cap + tensors));  // the device update reads it
-    std::vector<at::Tensor> d = parts_.updates.device_norms(payload, spans.landed);
+    std::vector<at::Tensor> d = parts_.updates.device_norms(c, payload, spans.landed);
     if (!d.empty()) {
       const at::Tensor found_inf = at::logical_not(at::isfinite(at::stack(d)).all()).to(at::kFloat);
       parts_.updates.device_update(c, 1.0 / world, found_inf);
@@ -460,14 +470,14 @@ StepResult ShardedStep::finish_pipelined(double loss_scale) {
   flights_.clear();
   for (int64_t c = 0; c < n; ++c) {
     if (owner_job_[c]) {
-      norms.sum_sq[c] = pipeline_.outcome(c).sum_sq;
+      norms.sum_sq.add(pipeline_.outcome(c).sum_sq);
       norms.finite[c] = pipeline_.outcome(c).finite;
     }
     if (ownership_.owned(c)) (parts_.placement.on_device(c) ? result.device_chunks : result.host_chunks) += 1;
   }
   ChunkUpdates::finish_norms(device_norms_all, device_index, norms);
   result.device_syncs = norms.syncs;
-  const std::vector<double> totals = sum_over_ranks({norms.total_sq, norms.all_finite ? 0.0 : 1.0});
+  const auto [sum_sq, counts] = sum_over_ranks(norms.sum_sq, {norms.all_finite ? 0 : 1});
   agree_on_trace();
   const int64_t t0 = now_ns();
   if (param_shards_) {
@@ -481,9 +491,9 @@ StepResult ShardedStep::finish_pipelined(double loss_scale) {
                              nullptr, nullptr);
   parts_.model.clear_grad_slots();
   parts_.ledger.clear();
-  const double total_sq = totals[0];
+  const double total_sq = sum_sq.value();
   result.grad_norm = std::sqrt(total_sq) / world;
-  result.overflow = totals[1] != 0.0 || !std::isfinite(total_sq);
+  result.overflow = counts[0] != 0 || !std::isfinite(total_sq);
   result.applied = !result.overflow;
   if (result.overflow) {
     log::warn("ferry: backward_step: non-finite gradients; those chunks were not updated, the others were");

@@ -64,6 +64,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "../dist/communicator.h"
@@ -97,6 +98,8 @@ class ShardedStep {
   bool same_on_every_rank(double value);
   // One collective: the sums over the ranks of `values`.
   std::vector<double> sum_over_ranks(const std::vector<double>& values);
+  // One collective: `sum` over the ranks, exactly (a gradient norm's, D87), and the sums of `counts`.
+  std::pair<ExactSum, std::vector<int64_t>> sum_over_ranks(const ExactSum& sum, const std::vector<int64_t>& counts);
 
   // step(): per group, every rank's gradients summed into the owner's chunk; the landed set of an owned
   // chunk becomes the union over ranks (GradLedger). With accumulation the sums stay apart (reduced()).

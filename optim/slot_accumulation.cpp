@@ -87,7 +87,7 @@ void SlotAccumulation::consume(int64_t c, Then then) {
     for (const Span& sp : spans) acc.slice(0, sp.begin, sp.end).add_(g.slice(0, sp.begin, sp.end));
     ChunkUpdates::restore_values(g, parts_.placement.payload(kMasterRole, c), spans);
     if (then == Then::kNorm) {  // the eager step updates device chunks after backward
-      pipeline_.set_device_norms(c, parts_.updates.device_norms(acc, parts_.ledger.spans(parts_.model.layout(), c)));
+      pipeline_.set_device_norms(c, parts_.updates.device_norms(c, acc, parts_.ledger.spans(parts_.model.layout(), c)));
       pipeline_.mark_launched(c);
     }
     return;
@@ -110,7 +110,7 @@ void SlotAccumulation::consume(int64_t c, Then then) {
                      for (const Span& sp : spans) acc.slice(0, sp.begin, sp.end).add_(g.slice(0, sp.begin, sp.end));
                      ChunkOutcome out;
                      if (then != Then::kNothing) {
-                       out = parts_.updates.host_norm(acc, landed);
+                       out = parts_.updates.host_norm(c, acc, landed);
                        pipeline_.set_outcome(c, out);
                      }
                      if (!update || !out.finite) {

@@ -15,6 +15,9 @@
 //   grain  G_q = sum over its blocks b in order of double(t_b), from 0   fp64 (32 blocks, 32K elements)
 //   span   S   = sum over grains q in order of G_q, from 0                fp64
 //
+// HybridAdam's spans here are single parameters, and it totals them exactly (Note [One term per
+// parameter], optim/chunk_updates.cpp; D87), so the layout changes no bit of the step's norm either.
+//
 // The CPU kernels (grad_stats_loop below: 16 / W vectors of W lanes per row; a last partial row
 // through a zero-padded buffer, whose zeros add +0 to a lane: the same value) compute G_q for the
 // grain their thread was given, and CpuAdam::grad_norm_sq adds them in grain order; the device kernel

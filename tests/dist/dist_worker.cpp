@@ -60,6 +60,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -171,6 +172,7 @@ int run(int argc, char** argv) {
 
   const int64_t rows = batch / config.world_size, micro_rows = rows / micro;
   double loss_sum = 0, grad_norm = 0, eval_loss = 0;
+  std::string grad_norms;  // grad_norms=: every step's, as hex floats
   int64_t evictions = 0, overlapped = 0, deferred = 0, touched_ok = 0, touched_refused = 0;
   int64_t forward_end_bytes = 0;  // parameter chunk bytes present here at the end of the last forward
   auto present_param_bytes = [&] {
@@ -289,6 +291,9 @@ int run(int argc, char** argv) {
     overlapped += r.overlapped_chunks;
     deferred += r.deferred_chunks;
     grad_norm = r.grad_norm;
+    std::ostringstream bits;  // every step's norm, exactly
+    bits << std::hexfloat << r.grad_norm;
+    grad_norms += (grad_norms.empty() ? "" : ",") + bits.str();
     if (micro > 1) adam.zero_grad();
   }
   if (!save.empty()) {
@@ -364,6 +369,7 @@ int run(int argc, char** argv) {
             << " last_step_ring_bytes=" << cs.ring_bytes_sent - ring_before_last << " overlapped=" << overlapped << " deferred=" << deferred
             << " accumulation_jobs=" << (micro > 1 ? adam.pipelined_jobs_started() : 0)
             << " values_from_owners=" << adam.values_from_owners() << " steps=" << steps << " grad_norm=" << grad_norm
+            << " grad_norms=" << grad_norms
             << " loss=" << loss_sum << " eval_loss=" << eval_loss << " touched_ok=" << touched_ok
             << " touched_refused=" << touched_refused << " own_step_counts=" << own_step_counts
             << " param_tensors=" << model.num_params() << " overflows=" << overflows

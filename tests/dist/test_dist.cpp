@@ -440,6 +440,34 @@ TEST(Dist, DiscardedGradientsLeaveTheParametersAsTheyWere) { expect_equals_one_p
 
 TEST(Dist, FourRanksWithClippingEqualOneProcess) { expect_equals_one_process(4, {"--clip=0.5"}); }
 
+// D87: the step's gradient norm is an exact sum of per-parameter terms, over the chunks and over the
+// ranks (ExactSum's words all-reduced), so at two ranks (where a gradient's sum over the ranks is one
+// addition, the same bits whatever owns it) a clipped run is the same bits whatever the chunk size,
+// though the chunks, and so which rank owns which parameters, differ. Before, each rank summed its own
+// chunks' norms in fp64 and the ranks' totals were added: other groupings, other last bits.
+TEST(Dist, TwoRanksClippedGiveTheSameBitsWhateverTheChunkSize) {
+  std::vector<std::vector<float>> params;
+  std::vector<double> chunks;
+  std::vector<std::string> norms;
+  for (const int64_t size : {4096, 16384}) {
+    const std::string dir = temp_dir();
+    const std::vector<Proc> ranks =
+        run_world(2, {"--out=" + dir, "--steps=4", "--batch=8", "--clip=0.05", "--chunk-size=" + std::to_string(size),
+                      "--device-budget=" + std::to_string(6 * size)});
+    for (const Proc& p : ranks) ASSERT_EQ(p.exit_code, 0) << describe(ranks);
+    params.push_back(read_params(dir + "/rank0.bin"));
+    chunks.push_back(result_of(ranks[0])["chunks"]);
+    EXPECT_GT(result_of(ranks[0])["grad_norm"], 0.05) << "the threshold must clip";
+    norms.push_back(text_of(ranks[0], "grad_norms"));
+    EXPECT_EQ(norms.back(), text_of(ranks[1], "grad_norms"));
+    EXPECT_EQ(params.back(), read_params(dir + "/rank1.bin"));
+  }
+  ASSERT_NE(chunks[0], chunks[1]) << "the chunk sizes must cut the model differently";
+  ASSERT_EQ(params[0].size(), params[1].size());
+  EXPECT_EQ(norms[0], norms[1]) << "every step's norm, exactly";
+  EXPECT_EQ(params[0], params[1]) << "max relative difference " << rel_err(params[0], params[1]);
+}
+
 // The MLP's parameters get gradients on rank 0 only: on rank 1 their slots hold values,
 // which must not enter the sums.
 TEST(Dist, AParameterWithoutGradientOnSomeRanksEqualsOneProcess) {

@@ -373,39 +373,60 @@ TEST(HybridAdam, ClippingMatchesClipGradNorm) {
   }
 }
 
+// A clipped run: every step's reported norm and the masters after the last.
+struct ClippedRun {
+  std::vector<double> norms;
+  std::vector<at::Tensor> masters;
+  int64_t chunks = 0;
+};
+
+// `steps` steps of `net` wrapped with `config`, clipping at 0.05 (which must clip); `before_step(k)`
+// runs before step k's forward.
+ClippedRun train_clipped(TinyLm net, const Config& config, HybridAdamOptions options, int steps,
+                         const std::function<void(int)>& before_step = {}) {
+  ChunkedModel model(net.ptr(), config);
+  HybridAdam adam(model, options.with_max_grad_norm(0.05));
+  ClippedRun r;
+  r.chunks = model.layout().num_chunks();
+  for (int step = 0; step < steps; ++step) {
+    if (before_step) before_step(step);
+    model.backward(forward_loss(model, net, batch(step)));
+    const StepResult s = adam.step();
+    EXPECT_TRUE(s.applied);
+    EXPECT_LT(s.clip_coef, 1.0) << "the threshold must actually clip";
+    r.norms.push_back(s.grad_norm);
+    adam.zero_grad();
+  }
+  for (int64_t i = 0; i < model.num_params(); ++i) r.masters.push_back(adam.master(i));
+  return r;
+}
+
+void expect_same_bits(const ClippedRun& a, const ClippedRun& b, const std::string& where) {
+  for (size_t k = 0; k < a.norms.size(); ++k) {
+    EXPECT_EQ(std::memcmp(&a.norms[k], &b.norms[k], sizeof(double)), 0)
+        << where << ", step " << k + 1 << ": " << a.norms[k] << " vs " << b.norms[k];
+  }
+  ASSERT_EQ(a.masters.size(), b.masters.size());
+  for (size_t i = 0; i < a.masters.size(); ++i) {
+    EXPECT_TRUE(torch::equal(a.masters[i], b.masters[i])) << where << ", parameter " << i;
+  }
+}
+
 TEST(HybridAdam, ClippingGivesTheSameBitsWhateverTheCpuThreadsAndKernel) {
   // The host's gradient norm is summed per fixed grain of 32K elements (cpu_adam/thread_split.h), each
   // in one order whatever the vector width (D85), so the clipping coefficient, and every update after
   // it, is the same to the bit on 1 thread or 3, split dynamically or statically, with the scalar, AVX2
   // or AVX-512 kernel: a run resumed on a machine with other cores goes on as it would have. Host state
   // only (the host's norm decides), and tensors of several grains (fc: 128 x 512).
-  const int64_t dim = 128;
-  struct Run {
-    std::vector<double> norms;
-    std::vector<at::Tensor> masters;
-  };
   auto run = [&](int threads, CpuSplit split, CpuIsa isa) {
     torch::manual_seed(17);
-    TinyLm net(kVocab, dim);
     Config config = sim_config(0);
     config.chunk_size_bytes = 0;  // auto: the 256 KiB tensors need chunks of their own size
     config.cpu_threads = threads;
     config.cpu_split = split;
     config.cpu_isa = to_string(isa);
-    ChunkedModel model(net.ptr(), config);
-    HybridAdam adam(model, HybridAdamOptions::no_decay_for_bias_and_norm(adamw()).with_max_grad_norm(0.05)
-                               .with_device_state_chunks(0));
-    Run r;
-    for (int step = 0; step < 3; ++step) {
-      model.backward(forward_loss(model, net, batch(step)));
-      const StepResult s = adam.step();
-      EXPECT_TRUE(s.applied);
-      EXPECT_LT(s.clip_coef, 1.0) << "the threshold must actually clip";
-      r.norms.push_back(s.grad_norm);
-      adam.zero_grad();
-    }
-    for (int64_t i = 0; i < model.num_params(); ++i) r.masters.push_back(adam.master(i));
-    return r;
+    return train_clipped(TinyLm(kVocab, 128), config,
+                         HybridAdamOptions::no_decay_for_bias_and_norm(adamw()).with_device_state_chunks(0), 3);
   };
   struct Other {
     int threads;
@@ -416,17 +437,37 @@ TEST(HybridAdam, ClippingGivesTheSameBitsWhateverTheCpuThreadsAndKernel) {
   for (const CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16}) {
     if (cpu_supports(isa)) others.push_back({2, CpuSplit::kDynamic, isa});
   }
-  const Run one = run(1, CpuSplit::kStatic, CpuIsa::kScalar);
+  const ClippedRun one = run(1, CpuSplit::kStatic, CpuIsa::kScalar);
   for (const auto& [threads, split, isa] : others) {
-    const Run many = run(threads, split, isa);
     const std::string where = std::to_string(threads) + " threads, " + to_string(split) + ", " + to_string(isa);
-    for (size_t k = 0; k < one.norms.size(); ++k) {
-      EXPECT_EQ(std::memcmp(&one.norms[k], &many.norms[k], sizeof(double)), 0)
-          << where << ", step " << k + 1 << ": " << one.norms[k] << " vs " << many.norms[k];
-    }
-    ASSERT_EQ(one.masters.size(), many.masters.size());
-    for (size_t i = 0; i < one.masters.size(); ++i) {
-      EXPECT_TRUE(torch::equal(one.masters[i], many.masters[i])) << where << ", parameter " << i;
+    expect_same_bits(one, run(threads, split, isa), where);
+  }
+}
+
+TEST(HybridAdam, ClippingGivesTheSameBitsWhateverTheChunkSize) {
+  // A norm's terms are the parameters' gradients, each summed from its own first element, and their
+  // total is exact (D87), so how the parameters are cut into chunks, which neighbours a span merges,
+  // whether a neighbour landed, and how many chunks the device holds, change no bit of a clipped run.
+  // One param group (spans merge every landed neighbour), fp32 and bf16, fc1 frozen in one step (its
+  // neighbours' spans then split around it); chunks from a tensor's size to the whole model's.
+  auto run = [](Precision precision, int64_t chunk_bytes, int64_t budget) {
+    torch::manual_seed(23);
+    TinyLm net(kVocab, kDim);
+    Config config = sim_config(budget, precision);
+    config.chunk_size_bytes = chunk_bytes;
+    config.validate();
+    return train_clipped(net, config, HybridAdamOptions(adamw()), 4,
+                         [&](int step) { net->fc[1]->weight.requires_grad_(step != 2); });
+  };
+  for (const Precision precision : {Precision::kFp32, Precision::kBf16}) {
+    const ClippedRun small = run(precision, kChunk, 0);
+    for (const auto& [chunk_bytes, budget] : std::vector<std::pair<int64_t, int64_t>>{
+             {2 * kChunk, 0}, {8 * kChunk, 0}, {64 * kChunk, 0}, {4 * kChunk, budget_for(2, 1) * 4}}) {
+      const ClippedRun other = run(precision, chunk_bytes, budget);
+      const std::string where = std::string(to_string(precision)) + ", chunks of " + std::to_string(chunk_bytes) +
+                                " B, budget " + std::to_string(budget);
+      ASSERT_NE(small.chunks, other.chunks) << where;
+      expect_same_bits(small, other, where);
     }
   }
 }
