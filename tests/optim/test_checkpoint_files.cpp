@@ -16,6 +16,7 @@
 #include <csignal>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -175,6 +176,54 @@ TEST(CheckpointFiles, SaveResumeIsBitIdentical) {
   // Masters, moments and parameter values, bit for bit.
   test::expect_same_state(straight_adam, resumed_adam, straight, resumed, "resumed after 5 steps");
   test::remove_checkpoint(dir);
+}
+
+// A checkpoint is per parameter (not per chunk), the compact state's rounding follows an element's
+// place in the model (D86) and the gradient norm is an exact total of per-parameter terms (D87): so a
+// clipped run resumed with another chunk size, device budget and state placement goes on bit for bit
+// as the uninterrupted one, in both state formats.
+TEST(CheckpointFiles, AClippedRunResumedWithAnotherChunkSizeGoesOnBitForBit) {
+  auto go_on = [](ChunkedModel& model, test::TinyLm& net, HybridAdam& adam) {  // steps 4..7: their norms
+    std::vector<double> norms;
+    for (int step = 4; step < 8; ++step) {
+      model.backward(test::forward_loss(model, net, test::batch(step)));
+      const StepResult r = adam.step();
+      EXPECT_TRUE(r.applied && r.clip_coef < 1.0) << "step " << step << " must be clipped";
+      norms.push_back(r.grad_norm);
+      adam.zero_grad();
+    }
+    return norms;
+  };
+  for (const StateFormat format : {StateFormat::kFp32, StateFormat::kCompact}) {
+    SCOPED_TRACE(to_string(format));
+    const std::string dir = test::temp_dir("resume_other_chunks");
+    const Precision precision = format == StateFormat::kCompact ? Precision::kBf16 : Precision::kFp32;
+    HybridAdamOptions options = HybridAdamOptions(test::adamw()).with_max_grad_norm(0.05).with_state_format(format);
+    torch::manual_seed(13);
+    test::TinyLm straight_net(test::kVocab, test::kDim);
+    ChunkedModel straight(straight_net.ptr(), test::sim_config(4 * test::budget_for(3, 2), precision));
+    HybridAdam straight_adam(straight, HybridAdamOptions(options).with_device_state_chunks(2));
+    test::train_steps(straight, straight_net, straight_adam, 0, 4);
+    straight_adam.save(dir);
+    const std::vector<double> straight_norms = go_on(straight, straight_net, straight_adam);
+
+    torch::manual_seed(14);
+    test::TinyLm resumed_net(test::kVocab, test::kDim);
+    Config config = test::sim_config(0, precision);
+    config.chunk_size_bytes = 8 * test::kChunk;
+    config.validate();
+    ChunkedModel resumed(resumed_net.ptr(), config);
+    ASSERT_NE(resumed.layout().num_chunks(), straight.layout().num_chunks());
+    HybridAdam resumed_adam(resumed, HybridAdamOptions(options).with_device_state_chunks(0));
+    resumed_adam.load(dir);
+    const std::vector<double> resumed_norms = go_on(resumed, resumed_net, resumed_adam);
+    for (size_t k = 0; k < straight_norms.size(); ++k) {
+      EXPECT_EQ(std::memcmp(&straight_norms[k], &resumed_norms[k], sizeof(double)), 0)
+          << "step " << k + 4 << ": " << straight_norms[k] << " vs " << resumed_norms[k];
+    }
+    test::expect_same_state(straight_adam, resumed_adam, straight, resumed, "resumed after 4 steps");
+    test::remove_checkpoint(dir);
+  }
 }
 
 // The child side of SaveKilledAtRandomPointsLeavesALoadableCheckpoint: trains to the "new" state and
