@@ -198,8 +198,8 @@ std::vector<std::pair<int64_t, int64_t>> ChunkUpdates::norm_terms(int64_t chunk,
       ended += spans[k].end == slot.offset + slot.numel;
     }
   }
-  TORCH_CHECK(begun == spans.size() && ended == spans.size(), "ferry: internal: of the ", spans.size(),
-              " spans of chunk ", chunk, ", ", begun, " begin and ", ended, " end at a slot's bounds");
+  TORCH_INTERNAL_ASSERT(begun == spans.size() && ended == spans.size(), "of the ", spans.size(), " spans of chunk ",
+                        chunk, ", ", begun, " begin and ", ended, " end at a slot's bounds");
   return out;
 }
 
