@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "../../common/exact_sum.h"
+#include "../../cpu_adam/cpu_adam.h"
 #include "../cpu_adam/adam_reference.h"
 #include "hybrid_adam_fixtures.h"
 
@@ -52,6 +54,15 @@ PreStep snapshot(HybridAdam& adam, ChunkedModel& model) {
     s.grad.push_back(adam.grad(p).cpu());
   }
   return s;
+}
+
+// The step's gradient norm as D87 defines it, from the gradients alone: one term per parameter, each
+// summed in D85's order (CpuAdam::grad_norm_sq), totalled exactly, its square root.
+double norm_of_terms(const std::vector<torch::Tensor>& grads) {
+  const CpuAdam one_order;
+  ExactSum total;
+  for (const torch::Tensor& g : grads) total.add(one_order.grad_norm_sq(g.contiguous()).sum_sq);
+  return std::sqrt(total.value());
 }
 
 // The largest number of fp32 terms in one of the sums behind a grad norm (a 16 KiB chunk of fp32, or
@@ -359,6 +370,9 @@ TEST(HybridAdam, ClippingMatchesClipGradNorm) {
     ASSERT_TRUE(r.applied);
     EXPECT_LT(r.clip_coef, 1.0) << "the threshold must actually clip";
     EXPECT_EQ(r.clip_coef, std::min(1.0, 0.05 / (r.grad_norm + 1e-6))) << "clip_grad_norm_'s coefficient";
+    const double want = norm_of_terms(pre.grad);
+    EXPECT_EQ(std::memcmp(&r.grad_norm, &want, sizeof(double)), 0)
+        << "step " << step << ": " << r.grad_norm << " vs the exact total of the parameters' terms " << want;
     expect_step_matches_fp64(adam, model, pre, r, "clipped step " + std::to_string(step));
     if (step == 0) {
       ref_opt->zero_grad();
