@@ -36,7 +36,7 @@ at::Tensor device_grad_norms_sq(const CpuAdam& adam, const at::Tensor& grads,
     const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
     // Scratch for every range's grain totals, in one allocation from the caching allocator: freed
     // (returned for reuse in stream order) when this function returns, after the kernels are queued.
-    // Two launches for up to 64 ranges (a chunk's spans), whatever their count below that.
+    // Two launches for up to 64 ranges (a chunk's parameters), whatever their count below that.
     int64_t grains = 0;
     for (const auto& [begin, end] : ranges) grains += (end - begin + cpu_adam::kNormGrain - 1) / cpu_adam::kNormGrain;
     const at::Tensor out = at::empty({k}, grads.options().dtype(at::kDouble));

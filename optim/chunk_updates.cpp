@@ -1,7 +1,7 @@
 #include "chunk_updates.h"
 
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -221,20 +221,15 @@ ChunkOutcome ChunkUpdates::host_norm(int64_t chunk, const at::Tensor& grads, con
   return out;
 }
 
-std::vector<at::Tensor> ChunkUpdates::device_norms(int64_t chunk, const at::Tensor& grads,
-                                                   const std::vector<Span>& spans) const {
-  const at::Tensor all = device_grad_norms_sq(adam_, grads, norm_terms(chunk, spans));
-  std::vector<at::Tensor> norms;
-  norms.reserve(static_cast<size_t>(all.numel()));
-  for (int64_t k = 0; k < all.numel(); ++k) norms.push_back(all.select(0, k));
-  return norms;
+at::Tensor ChunkUpdates::device_norms(int64_t chunk, const at::Tensor& grads, const std::vector<Span>& spans) const {
+  if (spans.empty()) return {};
+  return device_grad_norms_sq(adam_, grads, norm_terms(chunk, spans));
 }
 
 at::Tensor ChunkUpdates::norms_before_the_trip(int64_t chunk, const at::Tensor& grads,
                                                const std::vector<Span>& spans) const {
-  // One tensor already: no split and re-stack.
-  const at::Tensor norms = device_grad_norms_sq(adam_, grads, norm_terms(chunk, spans));
-  if (!norms.is_cuda()) return norms;
+  const at::Tensor norms = device_norms(chunk, grads, spans);
+  if (!norms.defined() || !norms.is_cuda()) return norms;
   at::Tensor host = at::empty(norms.sizes(), norms.options().device(at::kCPU).pinned_memory(true));
   host.copy_(norms, /*non_blocking=*/true);
   return host;
@@ -257,15 +252,17 @@ void ChunkUpdates::finish_norms(const std::vector<at::Tensor>& device_norms, con
   int64_t syncs = 0;
   const int64_t n = static_cast<int64_t>(norms.finite.size());
   if (!device_norms.empty()) {  // one host sync for every device chunk
-    const at::Tensor all = at::stack(device_norms).to(at::kCPU, at::kDouble);
+    const at::Tensor all = at::cat(device_norms).to(at::kCPU, at::kDouble);
     syncs = 1;
     const double* v = all.data_ptr<double>();
     for (size_t k = 0; k < device_index.size(); ++k) {
       const bool late_part = device_index[k] >= n;  // n + c: chunk c's late part
       const int64_t c = late_part ? device_index[k] - n : device_index[k];
       std::vector<char>& finite = late_part ? norms.late_finite : norms.finite;
-      finite[c] = finite[c] && std::isfinite(v[k]);
-      norms.sum_sq.add(v[k]);
+      for (const double* end = v + device_norms[k].numel(); v < end; ++v) {
+        finite[c] = finite[c] && std::isfinite(*v);
+        norms.sum_sq.add(*v);
+      }
     }
   }
   norms.all_finite = true;

@@ -82,11 +82,11 @@ class ChunkUpdates {
                      const std::vector<char>* only = nullptr);
 
   // Squared norms of `grads` (chunk `chunk`'s, as laid out) over `spans`, one term per parameter (each
-  // span's slots apart: Note [One term per parameter]): on the host (CpuAdam::grad_norm_sq), or as
-  // device tensors (device_grad_norms_sq: one 0-dim Double per parameter, inf/NaN if any gradient is).
-  // Both sum a term in one order (D85), so a term is the same bits on either side.
+  // span's slots apart: Note [One term per parameter]): on the host (CpuAdam::grad_norm_sq), or as a
+  // device tensor (device_grad_norms_sq: a 1-D Double, one term per parameter, inf/NaN where a gradient
+  // is; undefined when `spans` is empty). Both sum a term in one order (D85): the same bits either side.
   ChunkOutcome host_norm(int64_t chunk, const at::Tensor& grads, const std::vector<Span>& spans) const;
-  std::vector<at::Tensor> device_norms(int64_t chunk, const at::Tensor& grads, const std::vector<Span>& spans) const;
+  at::Tensor device_norms(int64_t chunk, const at::Tensor& grads, const std::vector<Span>& spans) const;
   // Note [Norms before the trip]: the device norms of a chunk's gradients taken before it leaves for the
   // host, on their way there: one double per parameter in host memory. On CUDA they are copied in the
   // current stream's order, so they are read after the chunk's own copy to the host, started after this
@@ -96,8 +96,8 @@ class ChunkUpdates {
   static ChunkOutcome outcome_of(const at::Tensor& trip_norms);
   // Gradient bytes host_norm() has read since the last take (host jobs add theirs on the worker).
   int64_t take_host_norm_bytes() { return host_norm_bytes_.exchange(0); }
-  // Reads the device norms (one host sync, if any) into `norms` (device_index[k]: the chunk of norm k; n +
-  // c: chunk c's late part), then totals.
+  // Reads the device norms (one host sync, if any) into `norms` (device_index[k]: the chunk of the terms
+  // in device_norms[k], each a device_norms() tensor; n + c: chunk c's late part), then totals.
   static void finish_norms(const std::vector<at::Tensor>& device_norms, const std::vector<int64_t>& device_index,
                            ChunkNorms& norms);
   // Writes the masters of `spans` into the parameter chunk payload `param` (gives landed slots their values back).

@@ -20,7 +20,6 @@
 // state]); what is left after backward runs here as step() runs it.
 #include <ATen/ops/all.h>
 #include <ATen/ops/isfinite.h>
-#include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -149,30 +148,24 @@ ChunkNorms Engine::grad_norms_locked(bool pipelined) {
   for (int64_t c = 0; c < n; ++c) {
     const bool done = pipelined && pipeline_.launched(c);  // computed during backward
     if (!ownership_.owned(c)) continue;                     // its owner's norm comes with the all-reduce
+    // Chunk c's terms taken on the device (index n + c: its late part), read with the others at the end.
+    auto on_the_device = [&](at::Tensor d, int64_t index) {
+      if (!d.defined()) return;
+      device.push_back(std::move(d));
+      device_index.push_back(index);
+    };
     if (placement_.on_device(c)) {
-      std::vector<at::Tensor> d = done ? std::move(pipeline_.device_norms(c))
-                                       : updates_.device_norms(c, updates_.grad_payload(c), ledger_.spans(layout, c));
-      for (at::Tensor& t : d) {
-        device.push_back(std::move(t));
-        device_index.push_back(c);
-      }
+      on_the_device(done ? std::move(pipeline_.device_norms(c))
+                         : updates_.device_norms(c, updates_.grad_payload(c), ledger_.spans(layout, c)),
+                    c);
       if (done && pipeline_.has_late(c)) {  // Note [A gradient after its chunk's update]: the late part's own
-        for (at::Tensor& t : updates_.device_norms(c, updates_.grad_payload(c), ledger_.spans(layout, c, late))) {
-          device.push_back(std::move(t));
-          device_index.push_back(n + c);
-        }
+        on_the_device(updates_.device_norms(c, updates_.grad_payload(c), ledger_.spans(layout, c, late)), n + c);
       }
     } else {
       // Note [Round trips through K buffers]: a host-state chunk left on the device has its norms taken
       // there, with the device chunks' (the two-phase step's at its launch).
-      auto on_the_device = [&](std::vector<at::Tensor> d) {
-        for (at::Tensor& t : d) {
-          device.push_back(std::move(t));
-          device_index.push_back(c);
-        }
-      };
-      if (done && !pipeline_.device_norms(c).empty()) {
-        on_the_device(std::move(pipeline_.device_norms(c)));
+      if (done && pipeline_.device_norms(c).defined()) {
+        on_the_device(std::move(pipeline_.device_norms(c)), c);
         continue;
       }
       ChunkOutcome o;
@@ -183,7 +176,7 @@ ChunkNorms Engine::grad_norms_locked(bool pipelined) {
         // A job taken back at backward's end: its norms were taken before its trip (Note [Norms before the trip]).
         const std::optional<ChunkOutcome> trip = pipelined ? pipeline_.trip_outcome(c, spans) : std::nullopt;
         if (!trip && jobs_.round_trips() && model().store().location(model().param_chunk(c)) == Location::kDevice) {
-          on_the_device(updates_.device_norms(c, updates_.grad_payload(c), spans));
+          on_the_device(updates_.device_norms(c, updates_.grad_payload(c), spans), c);
           continue;
         }
         o = trip ? *trip : updates_.host_norm(c, updates_.grad_payload(c), spans);
@@ -520,8 +513,8 @@ void Engine::abandon_backward_step_locked(bool pipelined) {
     if (!pipeline_.launched(c) || !eager || failed) continue;
     if (!placement_.on_device(c)) {
       updated[c] = pipeline_.outcome(c).finite;
-    } else if (!pipeline_.device_norms(c).empty()) {  // found_inf decided on the device: read it (an error path)
-      updated[c] = at::isfinite(at::stack(pipeline_.device_norms(c))).all().item<bool>();
+    } else if (pipeline_.device_norms(c).defined()) {  // found_inf decided on the device: read it (an error path)
+      updated[c] = at::isfinite(pipeline_.device_norms(c)).all().item<bool>();
     }
   }
   // The step count has advanced; a late parameter (Note [A gradient after its chunk's update]) was not

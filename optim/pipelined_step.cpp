@@ -3,7 +3,6 @@
 #include <ATen/ops/all.h>
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/logical_not.h>
-#include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -61,7 +60,7 @@ std::optional<ChunkOutcome> PipelinedStep::trip_outcome(int64_t chunk, const std
 
 void PipelinedStep::unlaunch(int64_t chunk) {
   launched_[chunk] = 0;
-  if (chunk < static_cast<int64_t>(device_norms_.size())) device_norms_[chunk].clear();
+  if (chunk < static_cast<int64_t>(device_norms_.size())) device_norms_[chunk] = at::Tensor();
 }
 
 int64_t PipelinedStep::num_launched() const { return std::count(launched_.begin(), launched_.end(), 1); }
@@ -95,7 +94,7 @@ void PipelinedStep::launch(int64_t c) {
     if (params.location(pc) != Location::kDevice) params.move(pc, Location::kDevice);
     device_norms_[c] = parts_.updates.device_norms(c, params.payload(pc), spans);
     if (eager() && !spans.empty()) {
-      const at::Tensor found_inf = at::logical_not(at::isfinite(at::stack(device_norms_[c])).all()).to(at::kFloat);
+      const at::Tensor found_inf = at::logical_not(at::isfinite(device_norms_[c]).all()).to(at::kFloat);
       parts_.updates.device_update(c, 1.0, found_inf);
     }
     return;

@@ -140,8 +140,9 @@ class PipelinedStep {
   void set_outcome(int64_t chunk, const ChunkOutcome& outcome) { outcomes_[chunk] = outcome; }
   const ChunkOutcome& outcome(int64_t chunk) const { return outcomes_[chunk]; }
   bool has_outcome(int64_t chunk) const { return chunk < static_cast<int64_t>(outcomes_.size()); }
-  void set_device_norms(int64_t chunk, std::vector<at::Tensor> norms) { device_norms_[chunk] = std::move(norms); }
-  std::vector<at::Tensor>& device_norms(int64_t chunk) { return device_norms_[chunk]; }
+  // Chunk c's terms taken on the device (ChunkUpdates::device_norms; undefined: none).
+  void set_device_norms(int64_t chunk, at::Tensor norms) { device_norms_[chunk] = std::move(norms); }
+  at::Tensor& device_norms(int64_t chunk) { return device_norms_[chunk]; }
   // Forgets the device norms (once read, or when the step fails).
   void clear_device_norms() {
     device_norms_.clear();
@@ -177,7 +178,7 @@ class PipelinedStep {
   bool cancellable_ = false;
   std::vector<char> launched_;                      // per layout chunk: its host update (or norm) is queued
   std::vector<ChunkOutcome> outcomes_;              // per layout chunk, what its host job found
-  std::vector<std::vector<at::Tensor>> device_norms_;  // per layout chunk, its norms taken on the device
+  std::vector<at::Tensor> device_norms_;            // per layout chunk, its norms taken on the device
   struct TripNorms {
     at::Tensor norms;  // ChunkUpdates::norms_before_the_trip
     std::vector<Span> spans;

@@ -5,7 +5,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/logical_not.h>
-#include <ATen/ops/stack.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -457,13 +456,11 @@ StepResult ShardedStep::finish_pipelined(double loss_scale) {
     payload.copy_(flight.out.slice(0, 0, parts_.model.layout().chunks()[c].numel));
     ChunkUpdates::restore_values(payload, parts_.placement.payload(kMasterRole, c), spans.unlanded);
     take_union(c, flight.out.slice(0, flight.cap, flight.cap + tensors));  // the device update reads it
-    std::vector<at::Tensor> d = parts_.updates.device_norms(c, payload, spans.landed);
-    if (!d.empty()) {
-      const at::Tensor found_inf = at::logical_not(at::isfinite(at::stack(d)).all()).to(at::kFloat);
+    at::Tensor d = parts_.updates.device_norms(c, payload, spans.landed);
+    if (d.defined()) {
+      const at::Tensor found_inf = at::logical_not(at::isfinite(d).all()).to(at::kFloat);
       parts_.updates.device_update(c, 1.0 / world, found_inf);
-    }
-    for (at::Tensor& t : d) {
-      device_norms_all.push_back(std::move(t));
+      device_norms_all.push_back(std::move(d));
       device_index.push_back(c);
     }
   }
