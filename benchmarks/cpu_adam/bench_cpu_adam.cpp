@@ -23,7 +23,8 @@
 // beside the host Adam inside a step; `dynamic_speedup_paired` is the median per-rep time ratio
 // static / dynamic.
 // `grad_norm`: CpuAdam::grad_norm_sq of the bf16 gradients (2 B read per parameter; the norm's one
-// order of summation, D85), the host's pass for a chunk whose norm was not taken on the device.
+// order of summation, D85), the host's pass for a chunk whose norm was not taken on the device;
+// `grad_norm_vs_roof`: its 2 B at the roof's rate (measured in the same run) over its time.
 // `--compact-ab` adds `compact_ab`: the compact kernel with each block's codes stored beside the next
 // block's update (CompactAdamArgs::overlap_blocks) and one block at a time (the default; the same
 // bits), alternated rep by rep, streaming (N) and in cache; `speedup_paired` is the median per-rep
@@ -434,6 +435,7 @@ int main(int argc, char** argv) {
       results << "\n    {\"n\":" << n << ",\"threads\":" << nt << ",\"ferry\":" << timing_json(ferry_t, n)
               << ",\"ferry_with_finite_check\":" << timing_json(ferry_checked_t, n)
               << ",\"grad_norm\":" << timing_json(norm_t, n, 2.0)
+              << ",\"grad_norm_vs_roof\":" << (2.0 * n / (kDeclaredBytesPerParam * n / roof_t.median_s)) / norm_t.median_s
               << ",\"roof\":" << timing_json(roof_t, n) << ",\"torch_fused\":" << timing_json(fused_t, n)
               << ",\"torch_optim_adamw\":" << timing_json(optim_t, n)
               << ",\"ferry_vs_roof\":" << roof_t.median_s / ferry_t.median_s

@@ -28,8 +28,8 @@
 //
 // Accuracy: a lane sums at most 64 terms in fp32 and the fold 16 lanes, so a block total is within
 // (64 + 4) * 2^-24 (~4e-6) of the exact sum of its fp32 squares (each nonnegative), and the fp64
-// sums add ~1e-16 per term: ~4e-6 relative whatever the length (tests/cpu_adam/test_grad_norm.cpp
-// holds every kernel to it against an fp64 sum).
+// sums add ~1e-16 per term: ~4e-6 relative whatever the length (CpuAdamIsa.GradNormMatchesFp64 in
+// tests/cpu_adam/test_cpu_adam.cpp holds every kernel to it against an fp64 sum).
 //
 // Included inside the anonymous namespace of the kernel files, from adam_body.h.
 

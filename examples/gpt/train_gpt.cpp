@@ -26,11 +26,11 @@
 #include "../../ferry.h"
 
 #include <atomic>
-#include <optional>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <random>
 
 #include "corpus.h"
