@@ -140,7 +140,9 @@ std::string ActivationSegments::table() const {
      << " (" << format_bytes(plan_.state_device_bytes) << ")\n"
      << "  predicted step " << std::setprecision(4) << plan_.predicted_step_s << " s (forward "
      << plan_input_.forward_s << " s + backward " << plan_input_.backward_s << " s with every recompute, "
-     << plan_.recompute_s << " s of recompute left)";
+     << plan_.recompute_s << " s of recompute left";
+  if (!plan_input_.groups.empty()) os << ", " << plan_.host_wait_s << " s waiting for host updates";
+  os << ")";
   return os.str();
 }
 

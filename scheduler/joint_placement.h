@@ -7,11 +7,14 @@
 //
 // Note [The update costs of a state group]
 // A group's update on the host reads and writes its state (2 x state bytes: master and moments), reads
-// its gradient and writes the new compute copy (2 x parameter bytes), at the measured host-Adam rate;
-// when its parameter chunk travels (the default mode) the gradient goes to the host and the new values
-// come back: 2 x parameter bytes at the measured copy rate. On the device it moves the same bytes at the
-// device's measured copy rate, and nothing crosses the bus. These are floors of the moved bytes, not
-// timings of ferry's kernels: the plan compares placements by what they make move.
+// its gradient and writes the new compute copy (2 x parameter bytes), at the host-Adam rate; when its
+// parameter chunk travels (the default mode) the gradient goes to the host before the update and the
+// new values come back before the next forward uses them: one way each, parameter bytes at the
+// measured copy rate (the plan's timeline puts them before and after the update: Note [The timeline
+// of the host updates], memory_plan.cpp). On the device it moves the same bytes at the device's
+// measured copy rate, and nothing crosses the bus. These are floors of the moved bytes, not timings of
+// ferry's kernels: the plan compares placements by what they make move. The host-Adam rate is the one
+// the host updates reached inside the steps before, where there were any (UpdateRates).
 #include <string>
 #include <vector>
 
@@ -30,9 +33,21 @@ struct ActivationCosts {
 
 // Bytes per second, measured in this process (optim/rate_probe.h); each > 0.
 struct UpdateRates {
+  // The host Adam's: measured in the steps before, beside the GPU's work, where host updates ran
+  // (Engine's Note [The joint placement]); else alone, by the probe.
   double host_adam_bytes_per_s = 0;
   double copy_bytes_per_s = 0;        // host <-> device, one way
   double device_bytes_per_s = 0;      // device memory, read + write counted
+};
+
+// What a joint placement weighed: the rates it used, and the host Adam's rate both ways it was
+// measured (alone, by the probe; inside the steps before, beside the GPU's work: 0 where no host
+// update ran there). All 0 before a joint placement.
+struct JointRates {
+  UpdateRates used;
+  double host_adam_alone_bytes_per_s = 0;
+  double host_adam_in_steps_bytes_per_s = 0;
+  int64_t solves = 0;  // joint solves so far in this layout (Note [The joint placement], optim/engine.cpp)
 };
 
 class JointPlacementPolicy final : public PlacementPolicy {

@@ -33,21 +33,26 @@ TEST(JointPlacement, GroupCostsFollowTheMovedBytes) {
   const UpdateRates rates{1000.0, 100.0, 10000.0};
   const MemoryPlanInput in = joint_plan_input(two_groups(), two_segments(), rates);
   ASSERT_EQ(in.groups.size(), 2u);
-  // host: (2 x 600 + 2 x 100) / 1000 + 2 x 100 / 100 = 1.4 + 2.0; device: 1400 / 10000
-  EXPECT_DOUBLE_EQ(in.groups[0].host_s, 3.4);
+  // host: (2 x 600 + 2 x 100) / 1000; each way of the trip 100 / 100; device: 1400 / 10000
+  EXPECT_DOUBLE_EQ(in.groups[0].host_s, 1.4);
+  EXPECT_DOUBLE_EQ(in.groups[0].trip_s, 1.0);
   EXPECT_DOUBLE_EQ(in.groups[0].device_s, 0.14);
+  EXPECT_EQ(in.groups[0].param_bytes, 100);
   EXPECT_EQ(in.room_bytes, 800);
   EXPECT_EQ(in.segments.size(), 2u);
   PlacementInput accumulate = two_groups();
   accumulate.params_travel = false;  // gradients stay in the state chunks: no round trip
   EXPECT_DOUBLE_EQ(joint_plan_input(accumulate, two_segments(), rates).groups[0].host_s, 1.4);
+  EXPECT_DOUBLE_EQ(joint_plan_input(accumulate, two_segments(), rates).groups[0].trip_s, 0.0);
   PlacementInput unlimited = two_groups();
   unlimited.room_bytes = 0;
   EXPECT_EQ(joint_plan_input(unlimited, two_segments(), rates).room_bytes, -1);
 }
 
 TEST(JointPlacement, StateGoesToTheDeviceWhenItsHostUpdateShows) {
-  const JointPlacementPolicy slow_host(two_segments(), UpdateRates{1000.0, 100.0, 10000.0});  // 3.4 s per group
+  // 1.4 s per group and 1 s each way: one group on the device, nothing kept, waits 2.9 - 1.14 s for
+  // group 1 (final at 0.5 s, on the host at 1.5 s); both on the host with both segments kept, 4.0 - 0.4.
+  const JointPlacementPolicy slow_host(two_segments(), UpdateRates{1000.0, 100.0, 10000.0});
   const Placement p = slow_host.place(two_groups());
   ASSERT_TRUE(slow_host.planned());
   EXPECT_EQ(slow_host.plan().groups_on_device, 1);  // 600 of the 800 bytes; one segment no longer fits
