@@ -224,43 +224,124 @@ void Engine::sync_layout_locked() const {
 // Opt-in (HybridAdamOptions::plan_state_with_activations). Under activations=auto (D75) the state is
 // first placed by the policy at the first step after the warm-up, and the model plans its activations
 // in the room the state left at the end of the next iteration, which recomputed and measured every
-// checkpoint segment (Note [When the activation plan is made]). At the step after that iteration, the
-// first with the state in place and nothing of the warm-up in its times, the memory plan (scheduler/
-// memory_plan.h) decides again, in one solve, how many state groups go to the device and which
-// segments keep their activations in the room left after every parameter chunk, weighing the host
-// updates the device state saves (at rates measured then, optim/rate_probe.h) against the recompute the
-// kept activations save; the state is placed again (StatePlacement::replace: groups may go back to the
-// host) and the model applies the segments' half, replacing its own plan, and re-traces. With a fixed
+// checkpoint segment (Note [When the activation plan is made]). At the end of the step after the next
+// iteration, the first that plan shaped (steady times: the measuring iteration synchronises the device
+// around every recompute, which at 6b on one H100 made backward 0.735 s against 0.62 s steady, and a
+// longer backward hides more host work), the memory plan (scheduler/memory_plan.h) decides again, in
+// one solve, how many state groups go to the device and which segments keep their activations in the
+// room left after every parameter chunk (its backward "with every recompute" being that iteration's,
+// given back the recomputes its plan skipped, less its device updates), weighing the host
+// updates the device state saves (at rates measured then: optim/rate_probe.h, and the host Adam's
+// below) against the recompute the kept activations save; the state is placed again
+// (StatePlacement::replace: groups may go back to the host) and the model applies the segments' half,
+// replacing its own plan, and re-traces. With a fixed
 // count of device groups (device_state_chunks) or at world size > 1 (where the ranks agree on the plan,
 // dist/plan_agreement.h, and each places its own state) the model's plan stands. It runs at the end of
 // that step (step() or backward_step()), after its updates, the model idle; the host updates it left
-// running are waited for first (once). Why not at the first
+// running are waited for first (once). The host Adam's rate is the one its updates reached in the steps
+// since the state was placed (HostJobs::take_work_times), not the probe's alone: beside the GPU's work
+// and the other threads they run slower (on one H100 at 102-116 GB/s inside a 12b step where the probe
+// reads 143; on the 2-core VM, where the "device" is the CPU too, at a third), and a plan made at the
+// probe's rate counted updates hidden that were not (6b: 0.917 s against 0.836 s predicted). Where none ran (the policy put every group on the device) the first solve has
+// only the probe's rate; if its placement leaves state on the host, the solve runs once more at the end
+// of the next step, from the same plan input and that step's measured rate (a second placement, moving
+// only the groups whose place changed), and never again in that layout. Why not at the first
 // placement, as until 2026-11-27: the only phase times at hand there are the warm-up's (first touches,
 // LRU, every segment synchronised), 25x the steady forward at 4b on one H100, so every host update
 // looked hidden behind them and all state went to the host (4b 1.6 s against 0.56 s).
 void Engine::place_locked() {
   placement_.place(model(), *policy_, ownership_, !options_.accumulate_grads, sharded_.param_shards() != nullptr);
+  jobs_.take_work_times();  // the warm-up's host updates: no measure of the steps to come
 }
 
 void Engine::place_jointly_if_due_locked() {
   ChunkedModel& m = model();
-  const bool due = options_.plan_state_with_activations && m.activations().policy() == ActivationPolicy::kAuto &&
-                   options_.device_state_chunks < 0 && !sharded_.active() && placement_.placed() &&
-                   !placement_.replaced() && m.activations().plans() > 0 && m.phase() == ModelPhase::kIdle;
-  if (!due) return;
-  deferred_.settle();  // no host update may run on a group that moves
+  // A whole iteration has run under the model's current plan: its times are steady ones.
+  const int64_t plans = m.activations().plans();
+  const bool steady = plans > 0 && plans == plans_seen_;
+  plans_seen_ = plans;
+  const bool eligible = options_.plan_state_with_activations && m.activations().policy() == ActivationPolicy::kAuto &&
+                        options_.device_state_chunks < 0 && !sharded_.active() && placement_.placed() && steady &&
+                        m.phase() == ModelPhase::kIdle;
+  // The first solve, or the second: once, where the first had no host update to measure the host Adam
+  // by and its own placement left state on the host.
+  const int64_t solves = placement_.replacements();
+  const bool hosts_state = placement_.num_on_device() < placement_.num_chunks();
+  if (!eligible || solves > 1 || (solves == 1 && !(remeasure_host_adam_ && hosts_state))) return;
+  deferred_.settle();  // no host update may run on a group that moves; their times count below
+  const double in_steps = host_adam_rate_in_steps_locked();
+  UpdateRates rates;
+  double alone = 0;
+  if (solves == 0) {
+    const Device& device = m.device_object();
+    rates = measure_update_rates(cpu_adam_, device, device.torch_device().is_cuda(), m.chunk_size_bytes());
+    alone = rates.host_adam_bytes_per_s;
+    remeasure_host_adam_ = in_steps <= 0;
+  } else {
+    remeasure_host_adam_ = false;
+    if (in_steps <= 0) return;
+    rates = joint_rates_.used;
+    alone = joint_rates_.host_adam_alone_bytes_per_s;
+  }
+  if (in_steps > 0) rates.host_adam_bytes_per_s = in_steps;
+  const ActivationCosts costs = steady_costs_locked(rates);
+  joint_rates_ = JointRates{rates, alone, in_steps, solves + 1};
+  log::info("ferry: measured for the joint placement", solves == 0 ? "" : " (again, from its own steps)",
+            ": host Adam ", alone / 1e9, " GB/s alone",
+            in_steps > 0 ? ", " + std::to_string(in_steps / 1e9) + " GB/s in the steps since the state was placed (used)"
+                         : std::string(", no host update in the steps since the state was placed"),
+            "; host<->device copies ", rates.copy_bytes_per_s / 1e9, " GB/s, device ", rates.device_bytes_per_s / 1e9,
+            " GB/s; backward with every recompute ", costs.backward_s, " s in the last iteration's terms (",
+            m.activations().plan_input().backward_s, " s measured recomputing)");
+  const JointPlacementPolicy policy(costs, rates);
   const bool params_travel = !options_.accumulate_grads, remote_params = sharded_.param_shards() != nullptr;
-  ActivationCosts costs = m.activation_costs();
-  costs.host_behind_forward = options_.update_behind_forward;
-  const Device& device = m.device_object();
-  const UpdateRates rates =
-      measure_update_rates(cpu_adam_, device, device.torch_device().is_cuda(), m.chunk_size_bytes());
-  log::info("ferry: measured for the joint placement: host Adam ", rates.host_adam_bytes_per_s / 1e9,
-            " GB/s, host<->device copies ", rates.copy_bytes_per_s / 1e9, " GB/s, device ",
-            rates.device_bytes_per_s / 1e9, " GB/s");
-  const JointPlacementPolicy policy(std::move(costs), rates);
   placement_.replace(m, policy, ownership_, params_travel, remote_params);
   if (policy.planned()) m.apply_activation_plan(policy.plan(), policy.plan_input());
+  plans_seen_ = m.activations().plans();  // the next solve waits for an iteration under this plan
+}
+
+ActivationCosts Engine::steady_costs_locked(const UpdateRates& rates) {
+  // Note [The joint placement]: the segments and forward the model's plan was made from; backward as
+  // the last iteration ran it (the plan's kept segments not recomputed, this placement's device updates
+  // on the compute stream), given back the recomputes it skipped, less those updates (the plan counts
+  // them apart, D(m)).
+  ChunkedModel& m = model();
+  const MemoryPlanInput& input = m.activations().plan_input();
+  const MemoryPlan& plan = m.activations().plan();
+  ActivationCosts costs;
+  costs.segments = input.segments;
+  costs.forward_s = input.forward_s;
+  costs.host_behind_forward = options_.update_behind_forward;
+  double skipped = 0, recompute = 0;
+  for (size_t k = 0; k < input.segments.size(); ++k) {
+    if (input.segments[k].saved_bytes < 0) continue;
+    recompute += input.segments[k].recompute_s;
+    if (k < plan.keep.size() && plan.keep[k] != 0) skipped += input.segments[k].recompute_s;
+  }
+  double device_updates = 0;
+  for (int64_t c = 0; c < placement_.num_chunks(); ++c) {
+    if (!placement_.on_device(c)) continue;
+    const int64_t param_bytes = m.store().chunk_info(m.param_chunk(c)).nbytes;
+    device_updates += 2.0 * static_cast<double>(placement_.group_bytes(c) + param_bytes) / rates.device_bytes_per_s;
+  }
+  const double last = m.last_phase_seconds().backward;
+  costs.backward_s = last > 0 ? std::max(recompute, last + skipped - device_updates) : input.backward_s;
+  return costs;
+}
+
+double Engine::host_adam_rate_in_steps_locked() {
+  // Each job moved its group's bytes as Note [The update costs of a state group] counts them.
+  const HostJobs::WorkTimes times = jobs_.take_work_times();
+  ChunkedModel& m = model();
+  double bytes = 0, seconds = 0;
+  for (size_t c = 0; c < times.jobs.size(); ++c) {
+    if (times.jobs[c] == 0 || static_cast<int64_t>(c) >= placement_.num_chunks()) continue;
+    const int64_t param_bytes = m.store().chunk_info(m.param_chunk(static_cast<int64_t>(c))).nbytes;
+    bytes += static_cast<double>(times.jobs[c]) * 2.0 *
+             static_cast<double>(placement_.group_bytes(static_cast<int64_t>(c)) + param_bytes);
+    seconds += static_cast<double>(times.ns[c]) * 1e-9;
+  }
+  return seconds > 0 ? bytes / seconds : 0.0;
 }
 
 bool Engine::plan_now(bool ready, bool wanted, int64_t segments) {
@@ -276,6 +357,10 @@ bool Engine::plan_now(bool ready, bool wanted, int64_t segments) {
 }
 
 MemoryPlanInput Engine::agree(const MemoryPlanInput& mine) { return dist::agree_plan_input(sharded_.comm(), mine); }
+
+JointRates Engine::joint_rates() const {
+  return locked([&] { return joint_rates_; });
+}
 
 bool Engine::placed() const {
   return locked([&] { return placement_.placed(); });

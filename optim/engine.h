@@ -62,6 +62,7 @@ class Engine final : private GradSink, private LayoutListener, private PlanAgree
   std::future<void> run_on_worker(std::function<void()> job) { return cpu_adam_.run_async(std::move(job)); }
   int64_t pipelined_jobs_started() const { return jobs_.started(); }
   RoundTrips::Stats round_trip_stats() const { return jobs_.round_trip_stats(); }
+  JointRates joint_rates() const;
   int64_t values_from_owners() const;
   std::shared_ptr<const dist::ParamShards> param_shards() const { return sharded_.param_shards(); }
 
@@ -134,6 +135,12 @@ class Engine final : private GradSink, private LayoutListener, private PlanAgree
   void place_locked();
   // Note [The joint placement], at the end of a step: once, when due.
   void place_jointly_if_due_locked();
+  // The host Adam's rate in the host updates since the last call (or the placement): bytes as Note [The
+  // update costs of a state group] counts them over the worker's time in them; 0 when none ran.
+  double host_adam_rate_in_steps_locked();
+  // The joint solve's input from the model's plan and the last iteration's backward (Note [The joint
+  // placement]).
+  ActivationCosts steady_costs_locked(const UpdateRates& rates);
   // A chunk final in this backward, in the mode this backward runs.
   void chunk_final_locked(int64_t chunk);
 
@@ -193,6 +200,11 @@ class Engine final : private GradSink, private LayoutListener, private PlanAgree
   StatePlacement placement_;
   Ownership ownership_;
   HostJobs jobs_;
+  JointRates joint_rates_;  // of the joint placement, once it has run
+  // The first joint solve had no host update to measure the host Adam's rate in the steps by: the
+  // second, after its own placement's first step, will (Note [The joint placement]).
+  bool remeasure_host_adam_ = false;
+  int64_t plans_seen_ = 0;  // the model's plans() at the end of the last step
   DeferredUpdates deferred_;
   ChunkUpdates updates_;
   PipelinedStep pipeline_;

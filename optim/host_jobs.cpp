@@ -102,7 +102,16 @@ std::future<void> HostJobs::queue(ChunkStore& params, ChunkId pc, int64_t chunk,
       ++started_;
       trace::Span span("adam", trace::enabled() ? what + std::to_string(chunk) : std::string());
       store->wait(pc, WaitFrom::kBackground);  // its gradients' copy to the host
+      const int64_t t0 = trace::now_ns();
       work(store->payload(pc));
+      const int64_t ns = trace::now_ns() - t0;
+      const std::lock_guard<std::mutex> lock(work_mutex_);
+      if (static_cast<int64_t>(work_.ns.size()) <= chunk) {
+        work_.ns.resize(chunk + 1, 0);
+        work_.jobs.resize(chunk + 1, 0);
+      }
+      work_.ns[chunk] += ns;
+      ++work_.jobs[chunk];
     });
   } catch (...) {
     if (background_write) outside_hazard_end();
@@ -113,6 +122,11 @@ std::future<void> HostJobs::queue(ChunkStore& params, ChunkId pc, int64_t chunk,
     }
     throw;
   }
+}
+
+HostJobs::WorkTimes HostJobs::take_work_times() {
+  const std::lock_guard<std::mutex> lock(work_mutex_);
+  return std::exchange(work_, WorkTimes{});
 }
 
 void HostJobs::reset(int64_t num_chunks) {

@@ -21,6 +21,7 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "../chunk/chunk_store.h"
@@ -96,6 +97,16 @@ class HostJobs {
   // Jobs that have started running since construction (tests, reports).
   int64_t started() const { return started_.load(); }
 
+  // The worker's time in jobs' work (from their chunk on the host to the work's end), per layout chunk,
+  // summed since the last take_work_times(): what a chunk's host update takes inside the steps, beside
+  // the GPU's work and the other threads (the joint placement's host-Adam rate, Note [The joint
+  // placement] in engine.cpp). Jobs that threw or were taken back are not counted.
+  struct WorkTimes {
+    std::vector<int64_t> ns;    // per layout chunk
+    std::vector<int64_t> jobs;  // per layout chunk: how many jobs the time is of
+  };
+  WorkTimes take_work_times();
+
  private:
   // Who runs a cancellable job, decided once: the worker when it starts it, or cancel_queued() before.
   struct Claim {
@@ -121,6 +132,8 @@ class HostJobs {
   std::exception_ptr superseded_error_;  // of a job superseded in jobs_
   std::atomic<bool> in_backward_{false};
   std::atomic<int64_t> started_{0};
+  std::mutex work_mutex_;  // the worker records, the engine takes
+  WorkTimes work_;
 };
 
 }  // namespace ferry::optim

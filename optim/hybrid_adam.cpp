@@ -22,6 +22,7 @@ void HybridAdam::synchronize() { engine_->synchronize(); }
 std::future<void> HybridAdam::run_on_worker(std::function<void()> job) { return engine_->run_on_worker(std::move(job)); }
 int64_t HybridAdam::pipelined_jobs_started() const { return engine_->pipelined_jobs_started(); }
 optim::RoundTrips::Stats HybridAdam::round_trip_stats() const { return engine_->round_trip_stats(); }
+JointRates HybridAdam::joint_rates() const { return engine_->joint_rates(); }
 int64_t HybridAdam::values_from_owners() const { return engine_->values_from_owners(); }
 std::shared_ptr<const dist::ParamShards> HybridAdam::param_shards() const { return engine_->param_shards(); }
 

@@ -117,6 +117,9 @@ class HybridAdam final {
   // trips taken, chunks sent ahead, returns left on the host for want of device room, most host
   // buffers held at once (Note [Round trips through K buffers]; since construction).
   optim::RoundTrips::Stats round_trip_stats() const;
+  // The rates the joint placement weighed (plan_state_with_activations; Note [The joint placement]):
+  // all 0 until it has run.
+  JointRates joint_rates() const;
   // At N > 1 with accumulate_grads: how many backwards ended by bringing back the values of the chunks
   // other ranks own (Note [Accumulation per chunk]).
   int64_t values_from_owners() const;

@@ -68,7 +68,7 @@ HostState StatePlacement::host_state(int64_t chunk, bool held, bool moments, con
 
 void StatePlacement::follow_layout(int64_t layout_version, int64_t num_chunks) {
   placed_ = false;  // the old state store's device bytes left with it (discharged from the accountant)
-  replaced_ = false;
+  replacements_ = 0;
   layout_version_ = layout_version;
   on_device_.assign(num_chunks, 0);
 }
@@ -121,10 +121,10 @@ void StatePlacement::place(ChunkedModel& model, const PlacementPolicy& policy, c
 
 void StatePlacement::replace(ChunkedModel& model, const PlacementPolicy& policy, const Ownership& ownership,
                              bool params_travel, bool remote_params) {
-  TORCH_INTERNAL_ASSERT(placed_ && !replaced_, "StatePlacement::replace() ", placed_ ? "twice" : "before place()");
+  TORCH_INTERNAL_ASSERT(placed_, "StatePlacement::replace() before place()");
   TORCH_CHECK(model.phase() == ModelPhase::kIdle, "ferry: optimizer state is placed again between iterations; the model is in ",
               to_string(model.phase()));
-  replaced_ = true;
+  ++replacements_;
   int64_t held = 0;
   const Placement placement =
       decide_state_placement(model.scheduler(), policy, input_of(model, ownership, params_travel, remote_params, &held));

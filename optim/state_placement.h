@@ -81,14 +81,14 @@ class StatePlacement {
   // Round trips through K buffers (HostJobs::set_round_trip_slots): the host cache place() grows keeps
   // K of the largest parameter chunk at most (PlacementInput::round_trip_slots). 0: none.
   void set_round_trip_slots(int64_t slots) { round_trip_slots_ = slots; }
-  // Decides again with `policy` (once per layout, after place(); between iterations, with no host
+  // Decides again with `policy` (after place(), in the same layout; between iterations, with no host
   // update running) and moves the groups whose place changed: those leaving the device first, then
   // room for the arriving ones (Scheduler::admit_device_bytes; it throws if they cannot fit, with the
   // leaving ones already on the host: consistent, and the placement is that far), then those. Grows
   // the host cache for the round trips of the groups now on the host.
   void replace(ChunkedModel& model, const PlacementPolicy& policy, const Ownership& ownership, bool params_travel,
                bool remote_params);
-  bool replaced() const { return replaced_; }
+  int64_t replacements() const { return replacements_; }  // replace() calls since place()
   bool on_device(int64_t chunk) const { return on_device_[chunk] != 0; }
   int64_t num_on_device() const;
   int64_t group_bytes(int64_t chunk) const { return state_->group_bytes(chunk); }
@@ -98,7 +98,7 @@ class StatePlacement {
   int64_t layout_version_ = -1;
   std::vector<char> on_device_;  // per layout chunk
   bool placed_ = false;
-  bool replaced_ = false;
+  int64_t replacements_ = 0;
   int64_t round_trip_slots_ = 0;
   PlacementInput input_of(ChunkedModel& model, const Ownership& ownership, bool params_travel, bool remote_params,
                           int64_t* held) const;

@@ -4,16 +4,18 @@
 // chunk moves to the host in one transfer, the job runs on its bytes once the copy has landed (waited for
 // on the worker, not the caller), the chunk is locked on the host while the job runs and unlocked after,
 // also when the job throws; started() counts the jobs that ran; cancel_queued() takes back the jobs not
-// started.
+// started; take_work_times() counts each chunk's work, not its wait in the queue, and forgets on taking.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <atomic>
+#include <chrono>
 #include <exception>
 #include <future>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../../chunk/chunk_store.h"
@@ -238,6 +240,44 @@ TEST(HostJobs, CancelQueuedTakesBackTheJobsNotStarted) {
     EXPECT_FALSE(store.locked_on_host(ids[k])) << "the skipped job did not unlock it a second time";
     EXPECT_TRUE(torch::equal(store.payload(ids[k]), torch::full({64}, static_cast<float>(k))));
   }
+}
+
+// The joint placement's host-Adam rate in the steps (optim/engine.cpp): per chunk, the work's time from
+// its chunk on the host to its end, summed with a count of jobs; a job queued behind a long one is not
+// charged its wait; a failed or taken-back job is not counted; taking forgets.
+TEST(HostJobs, WorkTimesCountEachChunksWorkNotItsWaitInTheQueue) {
+  using std::chrono::milliseconds;
+  CpuAdam worker;
+  HostJobs jobs(worker);
+  ChunkStore store(simulated(), std::make_unique<StreamModelCopyEngine>());
+  std::vector<ChunkId> ids;
+  for (int k = 0; k < 4; ++k) ids.push_back(store.add_chunk(ChunkRole::kParam, at::kFloat, 64, Location::kDevice));
+  jobs.reset(4);
+  const int64_t slow_ns = 100'000'000;
+  jobs.put(0, jobs.launch(store, ids[0], 0, "slow ", [&](const at::Tensor&) {
+    std::this_thread::sleep_for(std::chrono::nanoseconds(slow_ns));
+  }));
+  jobs.put(1, jobs.launch(store, ids[1], 1, "quick ", [](const at::Tensor& bytes) { bytes.add_(1); }));
+  jobs.put(2, jobs.launch(store, ids[2], 2, "failing ", [](const at::Tensor&) { throw std::runtime_error("no"); }));
+  jobs.launch_cancellable(store, ids[3], 3, "taken back ", [](const at::Tensor&) {});
+  jobs.cancel_queued();  // still behind the slow one: taken back
+  EXPECT_EQ(message(jobs.join()), "no");
+  const HostJobs::WorkTimes t = jobs.take_work_times();
+  ASSERT_EQ(t.ns.size(), 2u) << "chunks 2 and 3 recorded nothing";
+  EXPECT_EQ(t.jobs, (std::vector<int64_t>{1, 1}));
+  EXPECT_GE(t.ns[0], slow_ns);
+  EXPECT_LT(t.ns[1], slow_ns / 2) << "chunk 1 waited behind chunk 0 for " << slow_ns / 1e6 << " ms: not its work";
+  // Two jobs on one chunk sum; taking forgets.
+  jobs.reset(4);
+  for (int k = 0; k < 2; ++k) {
+    jobs.put(0, jobs.launch(store, ids[0], 0, "again ", [](const at::Tensor&) { std::this_thread::sleep_for(milliseconds(5)); }));
+    EXPECT_EQ(message(jobs.join()), "(none)");
+  }
+  const HostJobs::WorkTimes again = jobs.take_work_times();
+  ASSERT_EQ(again.jobs.size(), 1u);
+  EXPECT_EQ(again.jobs[0], 2);
+  EXPECT_GE(again.ns[0], 10'000'000);
+  EXPECT_TRUE(jobs.take_work_times().jobs.empty());
 }
 
 }  // namespace

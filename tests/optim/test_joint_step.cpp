@@ -1,8 +1,9 @@
 // HybridAdam under activations=auto with plan_state_with_activations (Note [The joint placement],
 // optim/engine.cpp; off by default, tested off too): the first step after the warm-up places the state
 // by the policy, the model plans its activations at the end of the next iteration, and the step after
-// it places the state again and plans the activations in one solve (the plan sees every state group and
-// the rates measured in-process, optim/rate_probe.h), the state then where the plan says; training is
+// an iteration under that plan places the state again and plans the activations in one solve (the plan sees every state group and
+// the rates measured in-process, optim/rate_probe.h, the host Adam's in the steps before), the state
+// then where the plan says; training is
 // bit-identical to recompute and to keep over several steps, with evictions and dropout, whatever the
 // plan decided (state moved either way); a fixed count of device groups leaves the plan to the model.
 #include <gtest/gtest.h>
@@ -23,13 +24,11 @@ namespace {
 
 using test::Blocks;
 
-// 256 KiB for chunks: the 16 parameter chunks (128 KiB) and room for some state.
-Config config_for(ActivationPolicy policy, int64_t capacity) { return test::blocks_config(policy, capacity, 256 << 10); }
-
+// By default 256 KiB for chunks: the 16 parameter chunks (128 KiB) and room for some state.
 struct Trained {
   std::vector<double> losses;
   NamedTensors weights;
-  int64_t plans_after_first_step = 0, plans_after_second_step = 0;
+  int64_t plans_after_first_step = 0, plans_after_second_step = 0, plans_after_third_step = 0;
   int64_t planned_groups_on_device = -1;
   size_t planned_groups = 0;
   int64_t kept = 0;
@@ -37,16 +36,19 @@ struct Trained {
   std::vector<int64_t> overlapped;  // per step, with `backward_step`
   int64_t clipped = 0;               // steps whose clip coefficient was below 1
   std::vector<double> grad_norms;    // per step, as reported
+  JointRates rates;
+  int64_t first_placed_on_device = -1;  // state groups on the device after the first step
+  std::vector<GroupCost> planned_group_costs;
 };
 
 // `backward_step`: trains through HybridAdam::backward_step (8 steps, the update behind forward off:
 // how many jobs are carried over behind it depends on the machine's speed, so the overlapped counts
 // would too) instead of backward() + step() (5 steps).
 Trained train(ActivationPolicy policy, int64_t capacity, int64_t fixed_device_groups = -1, bool joint = true,
-              bool backward_step = false, double max_grad_norm = 0.0) {
+              bool backward_step = false, double max_grad_norm = 0.0, int64_t budget = 256 << 10) {
   torch::manual_seed(11);
   Blocks net(32);
-  ChunkedModel model(net, config_for(policy, capacity));
+  ChunkedModel model(net, test::blocks_config(policy, capacity, budget));
   HybridAdamOptions options;
   options.device_state_chunks = fixed_device_groups;
   options.plan_state_with_activations = joint;
@@ -54,6 +56,7 @@ Trained train(ActivationPolicy policy, int64_t capacity, int64_t fixed_device_gr
   options.max_grad_norm = max_grad_norm;
   HybridAdam adam(model, options);
   Trained t;
+  int64_t first_placed = -1;
   torch::manual_seed(12);
   for (int step = 0; step < (backward_step ? 8 : 5); ++step) {
     const torch::Tensor x = torch::randn({8, 32});
@@ -71,10 +74,15 @@ Trained train(ActivationPolicy policy, int64_t capacity, int64_t fixed_device_gr
     adam.zero_grad();
     t.losses.push_back(loss.item<double>());
     if (step == 0) t.plans_after_first_step = model.activations().plans();
+    if (step == 0) first_placed = adam.device_state_chunks();
     if (step == 1) t.plans_after_second_step = model.activations().plans();
+    if (step == 2) t.plans_after_third_step = model.activations().plans();
   }
   t.weights = adam.state_dict();
   t.planned_groups = model.activations().plan_input().groups.size();
+  t.planned_group_costs = model.activations().plan_input().groups;
+  t.rates = adam.joint_rates();
+  t.first_placed_on_device = first_placed;
   t.kept = model.activations().plan().kept();
   t.planned_groups_on_device = model.activations().plan().groups_on_device;
   t.device_state_chunks = adam.device_state_chunks();
@@ -90,14 +98,26 @@ void expect_identical(const Trained& a, const Trained& b, const std::string& wha
   }
 }
 
-TEST(JointStep, TheStepAfterASteadyIterationPlacesStateAndPlansActivationsTogether) {
+TEST(JointStep, AfterAnIterationUnderTheModelsPlanStateAndActivationsArePlacedTogether) {
   for (const int64_t capacity : {int64_t{1} << 20, int64_t{160} << 10}) {
     const Trained t = train(ActivationPolicy::kAuto, capacity);
     EXPECT_EQ(t.plans_after_first_step, 0) << "the first step places by the policy alone";
-    EXPECT_EQ(t.plans_after_second_step, 2) << "the model's plan, then the joint one";
+    EXPECT_EQ(t.plans_after_second_step, 1) << "the model's plan, made from the iteration that measured";
+    EXPECT_EQ(t.plans_after_third_step, 2) << "the joint one, after an iteration under the model's plan";
     EXPECT_GT(t.planned_groups, 0u) << "the plan weighed the state groups: the joint solve";
     // The state is where the joint plan put it: its first groups_on_device groups.
     EXPECT_EQ(t.device_state_chunks, t.planned_groups_on_device) << capacity;
+    // The policy left state on the host, so host updates ran in the steps before: the plan weighed the
+    // host Adam at the rate they reached (the worker's time in them), not the probe's.
+    EXPECT_GT(t.rates.host_adam_alone_bytes_per_s, 0) << capacity;
+    EXPECT_GT(t.rates.host_adam_in_steps_bytes_per_s, 0) << capacity;
+    EXPECT_EQ(t.rates.used.host_adam_bytes_per_s, t.rates.host_adam_in_steps_bytes_per_s) << capacity;
+    for (const GroupCost& g : t.planned_group_costs) {
+      EXPECT_GT(g.param_bytes, 0);
+      EXPECT_GT(g.trip_s, 0) << "the parameter chunks travel in the default mode";
+      EXPECT_DOUBLE_EQ(g.host_s, 2.0 * static_cast<double>(g.state_bytes + g.param_bytes) /
+                                     t.rates.host_adam_in_steps_bytes_per_s);
+    }
   }
 }
 
@@ -124,6 +144,24 @@ TEST(JointStep, ClippedTrainingIsBitIdenticalWhereverThePlanPutsTheState) {
   expect_identical(recompute, tight, "auto, 160 KiB");
   expect_identical(recompute, train(ActivationPolicy::kKeep, 1 << 20, -1, true, false, kMaxNorm), "keep");
   expect_identical(recompute, train(ActivationPolicy::kAuto, 1 << 20, -1, true, false, kMaxNorm), "auto, 1 MiB");
+}
+
+// Room for every group's state beside the parameters (no budget): the policy puts all of it on the
+// device, so no host update runs before the joint solve, which has only the probe's rate for the host
+// Adam; it moves state to the host to keep activations, and at the end of the next step it solves once
+// more with the rate those updates reached (Note [The joint placement]), and never again. Training
+// through both placements is the bits of recompute.
+TEST(JointStep, WithoutHostUpdatesToMeasureTheJointSolveRunsOnceMoreFromItsOwnSteps) {
+  const int64_t capacity = int64_t{512} << 10;
+  const Trained t = train(ActivationPolicy::kAuto, capacity, -1, true, false, 0.0, /*budget=*/0);
+  EXPECT_EQ(t.first_placed_on_device, 16) << "the case needs every group on the device at first";
+  EXPECT_EQ(t.rates.solves, 2);
+  EXPECT_GT(t.rates.host_adam_in_steps_bytes_per_s, 0);
+  EXPECT_EQ(t.rates.used.host_adam_bytes_per_s, t.rates.host_adam_in_steps_bytes_per_s);
+  EXPECT_EQ(t.device_state_chunks, t.planned_groups_on_device);
+  expect_identical(train(ActivationPolicy::kRecompute, capacity, -1, true, false, 0.0, 0), t, "auto, solved twice");
+  // Where the first solve could measure (state on the host from the start), it is the only one.
+  EXPECT_EQ(train(ActivationPolicy::kAuto, 160 << 10).rates.solves, 1);
 }
 
 TEST(JointStep, AFixedCountLeavesThePlanToTheModel) {
