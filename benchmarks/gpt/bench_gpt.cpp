@@ -203,7 +203,7 @@ struct FerryResult {
 };
 
 // The activation plan as bench_gpt's JSON reports it beside the measured step ("plan").
-std::string plan_json(const ferry::ActivationSegments& a) {
+std::string plan_json(const ferry::ActivationSegments& a, const ferry::JointRates& rates) {
   std::ostringstream os;
   os.precision(6);
   const ferry::MemoryPlan& p = a.plan();
@@ -221,7 +221,15 @@ std::string plan_json(const ferry::ActivationSegments& a) {
        << ", \"all_segments_bytes\": " << measured_bytes << ", \"room_bytes\": " << in.room_bytes
        << ", \"recompute_measured_s\": " << recompute << ", \"recompute_left_s\": " << p.recompute_s
        << ", \"groups_on_device\": " << p.groups_on_device << ", \"forward_measured_s\": " << in.forward_s
-       << ", \"backward_measured_s\": " << in.backward_s << ", \"predicted_step_s\": " << p.predicted_step_s;
+       << ", \"backward_measured_s\": " << in.backward_s << ", \"predicted_step_s\": " << p.predicted_step_s
+       << ", \"predicted_host_wait_s\": " << p.host_wait_s << ", \"planned_groups\": " << in.groups.size();
+    if (!in.groups.empty()) {  // the joint placement's: the host Adam alone, in the steps before, and used
+      os << ", \"rates\": {\"host_adam_alone_gb_per_s\": " << rates.host_adam_alone_bytes_per_s / 1e9
+         << ", \"host_adam_in_steps_gb_per_s\": " << rates.host_adam_in_steps_bytes_per_s / 1e9
+         << ", \"host_adam_used_gb_per_s\": " << rates.used.host_adam_bytes_per_s / 1e9
+         << ", \"copy_gb_per_s\": " << rates.used.copy_bytes_per_s / 1e9
+         << ", \"device_gb_per_s\": " << rates.used.device_bytes_per_s / 1e9 << "}";
+    }
   }
   os << "}";
   return os.str();
@@ -493,7 +501,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
   const double state_bytes = static_cast<double>(ss.host.current_bytes + ss.device.current_bytes);
   r.host_state_params = state_bytes > 0 ? params * static_cast<double>(ss.host.current_bytes) / state_bytes : 0.0;
   r.device_state_chunks = adam.device_state_chunks();
-  r.plan_json = plan_json(model.activations());
+  r.plan_json = plan_json(model.activations(), adam.joint_rates());
   return r;
 }
 
