@@ -30,9 +30,12 @@ struct GroupPrefix {
 // Note [The timeline of the host updates]
 // Why a timeline and not a window (the model until 2026-11-28): measured on one H100 at 6b, the joint
 // plan that put 40 of 80 groups' state on the host was predicted at 0.836 s, their host updates hidden
-// behind backward + forward (0.6 s of host Adam against a 0.8 s window), and ran at 0.917 s, forward
-// 0.24 s longer: backward finishes the groups in reverse layout order, so the host takes them in that
-// order, and those it has not reached when backward ends are the first groups the next forward needs.
+// behind backward + forward, and ran at 0.917 s, forward 0.24 s longer. The window lets host work hide
+// wherever its sum fits; but backward finishes the groups in reverse layout order, so the host takes
+// them in that order, and those it has not reached when backward ends are the first groups the next
+// forward needs. (Its inputs were wrong too, Note [The joint placement]: from that call's steady
+// backward and the host Adam at its rate inside a step, this timeline gives 0.913 s for that plan and
+// the window 1.083 s: tests/scheduler/test_memory_plan.cpp.)
 // A group's update can start no earlier than its chunk is final and has travelled, and the forward
 // can pass a group no earlier than its update is done and has travelled back. The simulation below
 // follows HybridAdam's eager step (optim/pipelined_step.h) and its carry-over (optim/engine_step.cpp);
@@ -90,7 +93,7 @@ class Timeline {
       }
       now += in_.forward_s * (before_[g + 1] - before_[g]);
     }
-    return now;
+    return n == 0 ? now + in_.forward_s : now;  // no groups: no shares, the forward whole
   }
 
  private:

@@ -141,6 +141,9 @@ TEST(MemoryPlan, HeuristicStaysWithinItsBound) {
     }
     EXPECT_GE(plan.predicted_step_s, want.t - 1e-9) << "trial " << trial;  // never better than optimal
     EXPECT_LE(plan.bound_s, want.t + 1e-9) << "trial " << trial;            // the bound is a lower bound
+    double total = 0;  // no groups: T = F + B - the recompute saved
+    for (const SegmentCost& c : in.segments) total += c.saved_bytes >= 0 ? c.recompute_s : 0.0;
+    EXPECT_NEAR(plan.predicted_step_s, in.forward_s + in.backward_s - (total - plan.recompute_s), 1e-9) << trial;
     if (plan.exact) continue;
     ++heuristic;
     // Saving at least half of the optimum's: T = F + B - saved here.
@@ -189,6 +192,18 @@ TEST(MemoryPlan, ActivationsKeptWhenTheHostUpdateHides) {
   EXPECT_NEAR(plan.predicted_step_s, 0.5 + 0.4 + 0.1, 1e-12);
   EXPECT_NEAR(plan.host_wait_s, 0.1, 1e-12);
   EXPECT_NEAR(plan.recompute_s, 0.0, 1e-12);
+}
+
+TEST(MemoryPlan, WithoutStateGroupsTheStepIsForwardAndWhatBackwardLeft) {
+  MemoryPlanInput in = trade_off(1.0);
+  in.groups.clear();
+  EXPECT_NEAR(predicted_step_s(in, {0, 0}, 0), 0.5 + 1.0, 1e-12);
+  EXPECT_NEAR(predicted_step_s(in, {1, 0}, 0), 0.5 + 0.7, 1e-12);
+  const MemoryPlan plan = plan_memory(in);  // room 100: both segments
+  EXPECT_EQ(plan.keep, (std::vector<char>{1, 1}));
+  EXPECT_NEAR(plan.predicted_step_s, 0.5 + 0.4, 1e-12);
+  EXPECT_NEAR(plan.host_wait_s, 0.0, 1e-12);
+  EXPECT_TRUE(plan.exact);
 }
 
 TEST(MemoryPlan, NoLimitKeepsEverythingMeasured) {
