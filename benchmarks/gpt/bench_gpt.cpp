@@ -228,7 +228,7 @@ std::string plan_json(const ferry::ActivationSegments& a, const ferry::JointRate
          << ", \"host_adam_in_steps_gb_per_s\": " << rates.host_adam_in_steps_bytes_per_s / 1e9
          << ", \"host_adam_used_gb_per_s\": " << rates.used.host_adam_bytes_per_s / 1e9
          << ", \"copy_gb_per_s\": " << rates.used.copy_bytes_per_s / 1e9
-         << ", \"device_gb_per_s\": " << rates.used.device_bytes_per_s / 1e9 << "}";
+         << ", \"device_gb_per_s\": " << rates.used.device_bytes_per_s / 1e9 << ", \"solves\": " << rates.solves << "}";
     }
   }
   os << "}";
