@@ -242,10 +242,11 @@ void Engine::sync_layout_locked() const {
 // since the state was placed (HostJobs::take_work_times), not the probe's alone: beside the GPU's work
 // and the other threads they run slower (on one H100 at 102-116 GB/s inside a 12b step where the probe
 // reads 143; on the 2-core VM, where the "device" is the CPU too, at a third), and a plan made at the
-// probe's rate counted updates hidden that were not (6b: 0.917 s against 0.836 s predicted). Where none ran (the policy put every group on the device) the first solve has
-// only the probe's rate; if its placement leaves state on the host, the solve runs once more at the end
-// of the next step, from the same plan input and that step's measured rate (a second placement, moving
-// only the groups whose place changed), and never again in that layout. Why not at the first
+// probe's rate counted updates hidden that were not (6b: 0.917 s against 0.836 s predicted). Where none
+// ran (the policy put every group on the device) the first solve has only the probe's rate; if its
+// placement leaves state on the host, the solve runs once more at the end of the next step, from the
+// same plan input and that step's measured rate (a second placement, moving only the groups whose
+// place changed), and never again in that layout. Why not at the first
 // placement, as until 2026-11-27: the only phase times at hand there are the warm-up's (first touches,
 // LRU, every segment synchronised), 25x the steady forward at 4b on one H100, so every host update
 // looked hidden behind them and all state went to the host (4b 1.6 s against 0.56 s).
@@ -321,8 +322,7 @@ ActivationCosts Engine::steady_costs_locked(const UpdateRates& rates) {
   double device_updates = 0;
   for (int64_t c = 0; c < placement_.num_chunks(); ++c) {
     if (!placement_.on_device(c)) continue;
-    const int64_t param_bytes = m.store().chunk_info(m.param_chunk(c)).nbytes;
-    device_updates += 2.0 * static_cast<double>(placement_.group_bytes(c) + param_bytes) / rates.device_bytes_per_s;
+    device_updates += update_bytes_locked(c) / rates.device_bytes_per_s;
   }
   const double last = m.last_phase_seconds().backward;
   costs.backward_s = last > 0 ? std::max(recompute, last + skipped - device_updates) : input.backward_s;
@@ -332,16 +332,18 @@ ActivationCosts Engine::steady_costs_locked(const UpdateRates& rates) {
 double Engine::host_adam_rate_in_steps_locked() {
   // Each job moved its group's bytes as Note [The update costs of a state group] counts them.
   const HostJobs::WorkTimes times = jobs_.take_work_times();
-  ChunkedModel& m = model();
   double bytes = 0, seconds = 0;
   for (size_t c = 0; c < times.jobs.size(); ++c) {
     if (times.jobs[c] == 0 || static_cast<int64_t>(c) >= placement_.num_chunks()) continue;
-    const int64_t param_bytes = m.store().chunk_info(m.param_chunk(static_cast<int64_t>(c))).nbytes;
-    bytes += static_cast<double>(times.jobs[c]) * 2.0 *
-             static_cast<double>(placement_.group_bytes(static_cast<int64_t>(c)) + param_bytes);
+    bytes += static_cast<double>(times.jobs[c]) * update_bytes_locked(static_cast<int64_t>(c));
     seconds += static_cast<double>(times.ns[c]) * 1e-9;
   }
   return seconds > 0 ? bytes / seconds : 0.0;
+}
+
+double Engine::update_bytes_locked(int64_t chunk) {
+  ChunkedModel& m = model();
+  return update_bytes(placement_.group_bytes(chunk), m.store().chunk_info(m.param_chunk(chunk)).nbytes);
 }
 
 bool Engine::plan_now(bool ready, bool wanted, int64_t segments) {

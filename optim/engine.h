@@ -138,6 +138,8 @@ class Engine final : private GradSink, private LayoutListener, private PlanAgree
   // The host Adam's rate in the host updates since the last call (or the placement): bytes as Note [The
   // update costs of a state group] counts them over the worker's time in them; 0 when none ran.
   double host_adam_rate_in_steps_locked();
+  // update_bytes() of layout chunk `chunk`'s group (scheduler/joint_placement.h).
+  double update_bytes_locked(int64_t chunk);
   // The joint solve's input from the model's plan and the last iteration's backward (Note [The joint
   // placement]).
   ActivationCosts steady_costs_locked(const UpdateRates& rates);

@@ -27,7 +27,7 @@ MemoryPlanInput joint_plan_input(const PlacementInput& input, const ActivationCo
     c.held = g.held;
     c.state_bytes = g.state_bytes;
     c.param_bytes = g.param_bytes;
-    const double moved = 2.0 * static_cast<double>(g.state_bytes) + 2.0 * static_cast<double>(g.param_bytes);
+    const double moved = update_bytes(g.state_bytes, g.param_bytes);
     c.host_s = moved / rates.host_adam_bytes_per_s;
     c.trip_s = input.params_travel ? static_cast<double>(g.param_bytes) / rates.copy_bytes_per_s : 0.0;
     c.device_s = moved / rates.device_bytes_per_s;

@@ -23,6 +23,12 @@
 
 namespace ferry {
 
+// The bytes a group's update reads and writes, on the host or the device (the note above): master and
+// moments both ways, the gradient in and the new compute copy out.
+inline double update_bytes(int64_t state_bytes, int64_t param_bytes) {
+  return 2.0 * static_cast<double>(state_bytes) + 2.0 * static_cast<double>(param_bytes);
+}
+
 // What the joint plan adds to a placement's input.
 struct ActivationCosts {
   std::vector<SegmentCost> segments;  // the model's checkpoint segments, measured in the warm-up
