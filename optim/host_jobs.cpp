@@ -30,7 +30,15 @@ void HostJobs::launch_cancellable(ChunkStore& params, ChunkId pc, int64_t chunk,
   jobs_[chunk].claim = std::move(claim);
 }
 
-std::vector<int64_t> HostJobs::cancel_queued() {
+bool HostJobs::any_queued() const {
+  for (const Job& job : jobs_) {
+    if (job.claim && job.claim->state.load() == Claim::kQueued) return true;
+  }
+  return false;
+}
+
+std::vector<int64_t> HostJobs::cancel_queued(const std::function<void()>& first) {
+  if (first && any_queued()) first();
   std::vector<int64_t> cancelled;
   for (size_t c = 0; c < jobs_.size(); ++c) {
     Job& job = jobs_[c];

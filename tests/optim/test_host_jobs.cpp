@@ -120,6 +120,19 @@ ChunkStoreOptions simulated() {
   return o;
 }
 
+// Four float chunks of 64 elements on the simulated device (their copies pending until waited for), and
+// jobs on a worker of their own, room for four.
+struct FourChunks {
+  CpuAdam worker;
+  HostJobs jobs{worker};
+  ChunkStore store{simulated(), std::make_unique<StreamModelCopyEngine>()};
+  std::vector<ChunkId> ids;
+  FourChunks() {
+    for (int k = 0; k < 4; ++k) ids.push_back(store.add_chunk(ChunkRole::kParam, at::kFloat, 64, Location::kDevice));
+    jobs.reset(4);
+  }
+};
+
 // A job that stops at its start until the test lets it go: what the chunk's store says while it runs.
 TEST(HostJobs, LaunchLocksTheChunkOnTheHostWhileTheJobRuns) {
   CpuAdam worker;
@@ -242,17 +255,70 @@ TEST(HostJobs, CancelQueuedTakesBackTheJobsNotStarted) {
   }
 }
 
+// cancel_queued(first): the engine's wait for the device to finish backward runs before anything is
+// taken back, while the worker goes on taking jobs in the order they were queued (backward's): a job
+// that starts during that wait runs, the rest are taken back. With no job queued, `first` is not run
+// (no wait where every job has started).
+TEST(HostJobs, CancelQueuedTakesBackWhatHasNotStartedAfterTheWaitItIsGiven) {
+  FourChunks f;
+  CpuAdam& worker = f.worker;
+  HostJobs& jobs = f.jobs;
+  ChunkStore& store = f.store;
+  const std::vector<ChunkId>& ids = f.ids;
+  std::promise<void> running, go, third_started;
+  std::shared_future<void> let_go = go.get_future().share(), release_third;
+  std::promise<void> third_go;
+  release_third = third_go.get_future().share();
+  std::atomic<int> ran{0};
+  jobs.launch_cancellable(store, ids[0], 0, "held job ", [&](const at::Tensor&) {
+    running.set_value();
+    let_go.wait();
+    ++ran;
+  });
+  running.get_future().wait();
+  jobs.launch_cancellable(store, ids[3], 3, "next job ", [&](const at::Tensor&) {
+    third_started.set_value();
+    release_third.wait();
+    ++ran;
+  });
+  for (int k = 2; k >= 1; --k) {
+    jobs.launch_cancellable(store, ids[k], k, "queued job ", [&](const at::Tensor&) { ++ran; });
+  }
+  EXPECT_TRUE(jobs.any_queued());
+  int waits = 0;
+  const std::vector<int64_t> taken = jobs.cancel_queued([&] {
+    ++waits;
+    go.set_value();                         // the device's tail: the worker moves on
+    third_started.get_future().wait();      // to the next job in backward's order
+  });
+  EXPECT_EQ(waits, 1);
+  EXPECT_EQ(taken, (std::vector<int64_t>{1, 2})) << "chunk 3's job started during the wait: it runs";
+  EXPECT_FALSE(jobs.any_queued());
+  EXPECT_TRUE(jobs.has(3));
+  third_go.set_value();
+  EXPECT_EQ(message(jobs.join()), "(none)");
+  worker.run_async([] {}).get();
+  EXPECT_EQ(ran.load(), 2);
+  EXPECT_EQ(jobs.started(), 2);
+  // Nothing queued: no wait.
+  jobs.reset(4);
+  jobs.launch_cancellable(store, ids[1], 1, "quick ", [](const at::Tensor&) {});
+  worker.run_async([] {}).get();  // it has run
+  EXPECT_FALSE(jobs.any_queued());
+  EXPECT_TRUE(jobs.cancel_queued([&] { ++waits; }).empty());
+  EXPECT_EQ(waits, 1) << "every job had started: the wait is not taken";
+  EXPECT_EQ(message(jobs.join()), "(none)");
+}
+
 // The joint placement's host-Adam rate in the steps (optim/engine.cpp): per chunk, the work's time from
 // its chunk on the host to its end, summed with a count of jobs; a job queued behind a long one is not
 // charged its wait; a failed or taken-back job is not counted; taking forgets.
 TEST(HostJobs, WorkTimesCountEachChunksWorkNotItsWaitInTheQueue) {
   using std::chrono::milliseconds;
-  CpuAdam worker;
-  HostJobs jobs(worker);
-  ChunkStore store(simulated(), std::make_unique<StreamModelCopyEngine>());
-  std::vector<ChunkId> ids;
-  for (int k = 0; k < 4; ++k) ids.push_back(store.add_chunk(ChunkRole::kParam, at::kFloat, 64, Location::kDevice));
-  jobs.reset(4);
+  FourChunks f;
+  HostJobs& jobs = f.jobs;
+  ChunkStore& store = f.store;
+  const std::vector<ChunkId>& ids = f.ids;
   const int64_t slow_ns = 100'000'000;
   jobs.put(0, jobs.launch(store, ids[0], 0, "slow ", [&](const at::Tensor&) {
     std::this_thread::sleep_for(std::chrono::nanoseconds(slow_ns));
