@@ -59,37 +59,36 @@ void launch(const AdamKernelArgs& a, int64_t n, const float* found_inf, cudaStre
       Loop::consts(a), a.param, a.grad, a.exp_avg, a.exp_avg_sq, a.param_lowp, n, found_inf);
 }
 
-// The compact update (compact_body.h): one block of threads per block of kCompactBlock elements (grid-
-// stride over blocks), one element per thread, in the steps of compact_cuda_block.h with a barrier
-// between them (the same steps run on the host in test_cuda_kernels_on_host).
-constexpr int kCompactThreads = static_cast<int>(kCompactBlock);
+// The compact update (compact_body.h): one warp per block of kCompactBlock elements (grid-stride over
+// blocks, kCompactWarps warps to a block of threads), in the steps of compact_cuda_block.h: each lane's
+// elements, the block's maxima by xor shuffles, each lane's stores (the same steps run on the host in
+// test_cuda_kernels_on_host). No shared memory, no barrier.
+constexpr int kCompactWarps = 8;
+constexpr int kCompactThreads = 32 * kCompactWarps;
 
 template <GradType G, LowpType L, bool kDecoupled, bool kDecay>
-__global__ void __launch_bounds__(kCompactThreads)
+__global__ void __launch_bounds__(kCompactThreads, 4)
     compact_kernel(typename CompactLoop<CudaOps, G, L, kDecoupled, kDecay>::Consts c, CompactAdamArgs a, int64_t n,
                    const float* found_inf) {
-  using Steps = CompactBlockSteps<G, L, kDecoupled, kDecay>;
-  static_assert(Steps::kThreads == kCompactThreads, "one thread per element of a block");
-  __shared__ float max_m[kCompactThreads];
-  __shared__ float max_u[kCompactThreads];
+  using Steps = CompactWarpSteps<G, L, kDecoupled, kDecay>;
+  static_assert(Steps::kLanes == 32, "one lane per thread of a warp");
   const int64_t blocks = (n + kCompactBlock - 1) / kCompactBlock;
   const bool skip = found_inf != nullptr && *found_inf != 0.0f;
-  const int t = static_cast<int>(threadIdx.x);
-  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kCompactWarps;
+  // Warp-uniform: every lane of a warp takes the same blocks, so the shuffles see the whole warp.
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * kCompactWarps + threadIdx.x / 32; b < blocks; b += warps) {
     if (skip) {
-      Steps::restore_copy(a, n, b, t);
+      Steps::restore_copy(a, n, b, lane);
       continue;
     }
-    const typename Steps::Updated e = Steps::update(c, a, n, b, t, max_m, max_u);
-    __syncthreads();
-    for (int half = kCompactThreads / 2; half > 0; half /= 2) {
-      Steps::fold(t, half, max_m, max_u);
-      __syncthreads();
+    typename Steps::Lane k;
+    Steps::update(c, a, n, b, lane, k);
+    for (int off = 16; off > 0; off /= 2) {
+      Steps::fold(k, __shfl_xor_sync(0xffffffffu, k.max_m, off), __shfl_xor_sync(0xffffffffu, k.max_u, off));
     }
-    const float sm = max_m[0], su = max_u[0];
-    Steps::store(a, n, b, t, e, sm, su);
-    __syncthreads();  // every thread read max_*[0] before the next block's values land there
-    if (t == 0) Steps::store_scales(a, b, sm, su);
+    Steps::store(a, n, b, lane, k, k.max_m, k.max_u);
+    if (lane == 0) Steps::store_scales(a, b, k.max_m, k.max_u);
   }
 }
 
@@ -104,7 +103,8 @@ void launch_compact(const CompactAdamArgs& a, int64_t n, const float* found_inf,
 // ranges of one gradient array per launch (a chunk's spans: one launch pair for all of them, not two
 // per span): one block of threads per grain of any range (grid-stride over them all), one thread per
 // lane of each of the grain's norm blocks, in the steps of norm_cuda_grain.h (run on the host in
-// test_cuda_kernels_on_host); then one thread per range sums its grains in order. Reads: the gradients
+// test_cuda_kernels_on_host); then one block per range sums its grains in order (staged in shared
+// memory, added by one thread: NormGrainSteps::stage, add_tile). Reads: the gradients
 // once, 16 consecutive elements per half-warp and row (whole 32-byte sectors for bf16 and fp32).
 constexpr int kNormThreads = NormGrainSteps<GradType::kF32>::kThreads;
 
@@ -130,18 +130,32 @@ __global__ void __launch_bounds__(kNormThreads)
   }
 }
 
-__global__ void norm_range_kernel(const double* grain_totals, NormRanges r, double* out) {
-  const int k = static_cast<int>(threadIdx.x);
-  if (k >= r.count) return;
-  out[k] = NormGrainSteps<GradType::kF32>::span_total(grain_totals + r.first_grain[k],
-                                                     r.first_grain[k + 1] - r.first_grain[k]);
+using RangeSteps = NormGrainSteps<GradType::kF32>;  // the range's steps do not depend on the gradient type
+
+__global__ void __launch_bounds__(RangeSteps::kRangeThreads)
+    norm_range_kernel(const double* grain_totals, NormRanges r, double* out) {
+  __shared__ double tile[RangeSteps::kRangeTile];
+  const int k = static_cast<int>(blockIdx.x);
+  if (k >= r.count) return;  // the whole block: no barrier is left waiting
+  const int t = static_cast<int>(threadIdx.x);
+  const double* totals = grain_totals + r.first_grain[k];
+  const int64_t grains = r.first_grain[k + 1] - r.first_grain[k];
+  double total = 0.0;
+  for (int64_t at = 0; at < grains; at += RangeSteps::kRangeTile) {
+    const int64_t len = grains - at < RangeSteps::kRangeTile ? grains - at : RangeSteps::kRangeTile;
+    RangeSteps::stage(tile, totals, at, len, t);
+    __syncthreads();
+    if (t == 0) total = RangeSteps::add_tile(total, tile, len);
+    __syncthreads();  // thread 0 has read the tile before the next one lands there
+  }
+  if (t == 0) out[k] = total;
 }
 
 template <GradType G>
 void launch_norm(const void* grad, float scale, const NormRanges& r, double* grain_totals, double* out,
                  cudaStream_t stream, int blocks) {
   if (r.grains() > 0) norm_grain_kernel<G><<<blocks, kNormThreads, 0, stream>>>(grad, scale, r, grain_totals);
-  norm_range_kernel<<<1, kNormRanges, 0, stream>>>(grain_totals, r, out);
+  norm_range_kernel<<<r.count > 0 ? r.count : 1, RangeSteps::kRangeThreads, 0, stream>>>(grain_totals, r, out);
 }
 
 const char* grid_for(int64_t units, int threads, int* blocks) {
@@ -174,7 +188,10 @@ const char* launch_adam_cuda(const AdamKernelArgs& a, int64_t n, const float* fo
 const char* launch_compact_cuda(const CompactAdamArgs& a, int64_t n, const float* found_inf, void* stream) {
   if (n <= 0) return nullptr;
   int blocks = 0;
-  if (const char* error = grid_for((n + kCompactBlock - 1) / kCompactBlock, kCompactThreads, &blocks)) return error;
+  const int64_t compact_blocks = (n + kCompactBlock - 1) / kCompactBlock;
+  if (const char* error = grid_for((compact_blocks + kCompactWarps - 1) / kCompactWarps, kCompactThreads, &blocks)) {
+    return error;
+  }
   const auto s = static_cast<cudaStream_t>(stream);
   for_kernel_mode(a.hyper, [&](auto g, auto l, auto decoupled, auto decay) {
     launch_compact<decltype(g)::value, decltype(l)::value, decltype(decoupled)::value, decltype(decay)::value>(

@@ -87,8 +87,33 @@ struct NormGrainSteps {
 
   // The span's total from its grains', in order (one thread, after every grain's block).
   FERRY_HD static double span_total(const double* grain_totals, int64_t grains) {
+    return add_tile(0.0, grain_totals, grains);
+  }
+
+  // The range kernel (adam_cuda.cu's norm_range_kernel): a block of kRangeThreads threads per range
+  // stages its grain totals in shared memory kRangeTile at a time (`stage`, thread t: coalesced loads,
+  // all in flight together), and after a barrier thread 0 adds the tile to the range's total in order
+  // (`add_tile`): span_total's additions, in its order. One thread reading the totals from global
+  // memory one after another waited a load's latency per grain (2,048 grains for 64M elements: the
+  // bulk of the CUDA norm's 5.2x of its floor on an H200).
+  static constexpr int kRangeThreads = 256;
+  static constexpr int kRangeTile = 1024;
+  FERRY_HD static void stage(double* tile, const double* grain_totals, int64_t at, int64_t len, int t) {
+    for (int64_t i = t; i < len; i += kRangeThreads) tile[i] = grain_totals[at + i];
+  }
+  FERRY_HD static double add_tile(double total, const double* tile, int64_t len) {
+    for (int64_t i = 0; i < len; ++i) total += tile[i];
+    return total;
+  }
+  // One range's total as the range kernel computes it, thread by thread (tests).
+  static double range_on_host(const double* grain_totals, int64_t grains) {
+    double tile[kRangeTile];
     double total = 0.0;
-    for (int64_t q = 0; q < grains; ++q) total += grain_totals[q];
+    for (int64_t at = 0; at < grains; at += kRangeTile) {
+      const int64_t len = grains - at < kRangeTile ? grains - at : kRangeTile;
+      for (int t = 0; t < kRangeThreads; ++t) stage(tile, grain_totals, at, len, t);
+      total = add_tile(total, tile, len);
+    }
     return total;
   }
 
@@ -105,7 +130,7 @@ struct NormGrainSteps {
         totals[g] = grain_on_host(base, scale, r.n[k], g - r.first_grain[k]);
       }
     }
-    for (int k = 0; k < r.count; ++k) out[k] = span_total(totals + r.first_grain[k], r.first_grain[k + 1] - r.first_grain[k]);
+    for (int k = 0; k < r.count; ++k) out[k] = range_on_host(totals + r.first_grain[k], r.first_grain[k + 1] - r.first_grain[k]);
     delete[] totals;
   }
 

@@ -1,9 +1,9 @@
 // The device kernels' logic (adam_cuda.cu) run on the host: CudaOps (cuda_ops.h) compiled by the host
-// compiler is the same IEEE arithmetic as the intrinsics, and the compact kernel's block steps
-// (compact_cuda_block.h) run one thread after another. Both must give the scalar CPU kernel's bits,
+// compiler is the same IEEE arithmetic as the intrinsics, and the compact kernel's warp steps
+// (compact_cuda_block.h) run one lane after another. Both must give the scalar CPU kernel's bits,
 // for every gradient and compute-copy dtype, Adam and AdamW, with and without decay, partial blocks,
 // grad scales, and the skipped update of a non-finite step. What is left to a GPU (test_device_adam_gpu,
-// test_hybrid_adam_gpu) is whether the intrinsics and the barriers do what they say.
+// test_hybrid_adam_gpu) is whether the intrinsics, the shuffles and the barriers do what they say.
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <gtest/gtest.h>
@@ -35,8 +35,8 @@ namespace {
 // What the device's compact kernel writes for these arguments (skip: a non-finite step's).
 void compact_as_the_device_does(const CompactAdamArgs& a, int64_t n, bool skip) {
   for_kernel_mode(a.hyper, [&](auto g, auto l, auto decoupled, auto decay) {
-    CompactBlockSteps<decltype(g)::value, decltype(l)::value, decltype(decoupled)::value,
-                      decltype(decay)::value>::run_on_host(a, n, skip);
+    CompactWarpSteps<decltype(g)::value, decltype(l)::value, decltype(decoupled)::value,
+                     decltype(decay)::value>::run_on_host(a, n, skip);
   });
 }
 
@@ -79,6 +79,13 @@ std::vector<double> bf16_norms_as_the_device_does(const void* grad, const std::v
   }
   return out;
 }
+
+// What the range kernel (norm_range_kernel) writes for a range of `grains` grain totals: its tiles
+// staged by every thread and added by one.
+double range_total_as_the_device_does(const double* totals, int64_t grains) {
+  return NormGrainSteps<GradType::kBf16>::range_on_host(totals, grains);
+}
+constexpr int64_t kRangeTile = NormGrainSteps<GradType::kBf16>::kRangeTile;
 
 }  // namespace
 }  // namespace ferry::cpu_adam
@@ -290,6 +297,28 @@ TEST(CudaKernelsOnHost, TheNormKernelSumsEachRangeOfALaunchAsTheHostDoes) {
       EXPECT_EQ(std::memcmp(&host, &device[k], sizeof(double)), 0)
           << "grid " << grid << ", range " << k << " [" << begins[k] << ", " << ends[k] << "): " << host << " vs "
           << device[k];
+    }
+  }
+}
+
+// The range kernel's tiles: a range of more grains than a tile holds (64M elements: 2,048 grains) is
+// added in span_total's order across its tiles, to the bit; the totals' magnitudes make another order
+// give other bits (checked), so a tile added twice, skipped or restarted from zero would show.
+TEST(CudaKernelsOnHost, TheRangeKernelAddsItsGrainTotalsInOrderAcrossTiles) {
+  std::mt19937 rng(17);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  std::uniform_int_distribution<int> binade(-30, 30);
+  for (const int64_t grains : {int64_t{0}, int64_t{1}, cpu_adam::kRangeTile - 1, cpu_adam::kRangeTile,
+                               cpu_adam::kRangeTile + 1, 2 * cpu_adam::kRangeTile + 977}) {
+    std::vector<double> totals(static_cast<size_t>(grains));
+    for (double& t : totals) t = std::ldexp(unit(rng), binade(rng));
+    double in_order = 0.0, reversed = 0.0;
+    for (int64_t q = 0; q < grains; ++q) in_order += totals[q];
+    for (int64_t q = grains; q-- > 0;) reversed += totals[q];
+    const double device = cpu_adam::range_total_as_the_device_does(totals.data(), grains);
+    EXPECT_EQ(std::memcmp(&device, &in_order, sizeof(double)), 0) << grains << " grains: " << device << " vs " << in_order;
+    if (grains > cpu_adam::kRangeTile) {
+      EXPECT_NE(in_order, reversed) << "the data must tell orders apart for the test to mean anything";
     }
   }
 }
