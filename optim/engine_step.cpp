@@ -552,10 +552,10 @@ void Engine::abandon_backward_step_locked(bool pipelined) {
 // (1) and step count (frozen at the step's end; advanced at its start) as the job would have used. Not
 // across ranks (each group's values are gathered by the step itself) nor with accumulate_grads.
 // Backward's end is the device's: autograd's thread has queued its last kernel well before the device
-// has run it (6b on an H200: 0.40 s against 0.51 s), and the gradients of the jobs queued last land
-// only then. Taking the jobs back when the thread got there (as first done) left the worker idle through
-// the device's tail, 8 to 9 of them waiting for the step's return and the next forward waiting for them
-// one by one (D88's trace, 0.13 s). So where a job could still be taken back, backward_finished first
+// has run it (6b on an H200: 0.40 s against 0.51 s). Taking the jobs back when the thread got there (as
+// first done) left the worker idle through the device's tail while 9 jobs whose gradients were on the
+// host already waited for the step's return, and the next forward waited for them one by one (D88's
+// trace: 0.12 s of waits). So where a job could still be taken back, backward_finished first
 // waits for the device (Device::synchronize; the step waited for it before returning anyway, for the
 // gradients' copies or the norms taken on the device), the worker taking jobs in backward's order
 // meanwhile: what the memory plan's timeline assumes (the jobs not started by E, Note [The timeline of
