@@ -45,8 +45,9 @@ class Device {
   // the process's heap, where nothing separates it from other host memory).
   virtual int64_t allocated_bytes() const = 0;
   // Waits until the work queued on the device so far has run (CUDA: every stream of the current
-  // device; the simulated device runs it on the caller's thread: nothing to wait for). For
-  // measurements only (the activation plan's warm-up timings): it stalls the host.
+  // device; the simulated device runs it on the caller's thread: nothing to wait for). It stalls the
+  // host: for measurements (the activation plan's warm-up timings) and where the host must wait for
+  // the device anyway (the eager step's end of backward, D89).
   virtual void synchronize() const = 0;
   // Data parallelism (dist/process_group.h): the c10d backend whose collectives read and write this
   // device's memory in place, the default one for it: "nccl" (CUDA) or "gloo" (the simulated device,
