@@ -1,16 +1,16 @@
-// The Adam/AdamW update of device-resident state: one thread per element (grid-stride), each running
-// adam_body.h's AdamLoop::one, the function every CPU kernel runs per vector lane. The operations are
-// the intrinsics that round to nearest and are never fused or reordered (cuda_ops.h), and the bf16/fp16
-// conversions are float16.h's own, so a chunk gets the same bits on the GPU as on the host (D53).
+// The Adam/AdamW update of device-resident state: each thread a few elements a grid's width apart
+// (grid-stride; fp32_cuda_thread.h), each running adam_body.h's AdamLoop::one, the function every CPU
+// kernel runs per vector lane. The operations are the intrinsics that round to nearest and are never
+// fused or reordered (cuda_ops.h), and the bf16/fp16 conversions are float16.h's own, so a chunk gets
+// the same bits on the GPU as on the host (D53).
 //
 // With the found_inf flag set, the update is skipped and only the low-precision copy is written: the
 // master rounded (6 B per element), so that a copy written over the gradient holds the value again.
 //
 // Traffic per element: the grad (2 B bf16 / 4 B fp32) and master, exp_avg, exp_avg_sq (12 B) read, the
 // three written back (12 B) and the bf16 copy written over the grad (2 B): 28 B with bf16 grads, the
-// floor for mixed-precision Adam. Accesses are coalesced; with every thread of the device resident,
-// about 5 MB of loads are in flight, more than HBM's bandwidth-latency product, so one scalar element
-// per thread and iteration reaches the memory roof without vector loads.
+// floor for mixed-precision Adam. Accesses are coalesced; a thread's elements' loads are in flight
+// together (fp32_cuda_thread.h says why one at a time was not enough).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -27,36 +27,27 @@ namespace {
 #pragma nv_diag_suppress 177  // W: read by AdamLoop's host-only loop, which this file never instantiates
 #include "cuda_ops.h"
 #include "compact_cuda_block.h"
+#include "fp32_cuda_thread.h"
 #include "norm_cuda_grain.h"
 
 constexpr int kThreads = 256;
 
 template <GradType G, LowpType L, bool kDecoupled, bool kDecay>
-__global__ void __launch_bounds__(kThreads)
-    adam_kernel(typename AdamLoop<CudaOps, G, L, kDecoupled, kDecay>::Consts c, float* param, const void* grad,
-                float* exp_avg, float* exp_avg_sq, void* param_lowp, int64_t n, const float* found_inf) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  if (found_inf != nullptr && *found_inf != 0.0f) {
-    // Skipped: master and moments stay; the low-precision copy, which may stand where the gradient was,
-    // gets the master's value back (device_adam.h).
-    if constexpr (L != LowpType::kNone) {
-      for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-        store_lowp<CudaOps, L>(param_lowp, i, param[i]);
-      }
-    }
-    return;
-  }
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    AdamLoop<CudaOps, G, L, kDecoupled, kDecay>::one(c, param + i, grad, i, exp_avg + i, exp_avg_sq + i, param_lowp,
-                                                      i);
-  }
+__global__ void __launch_bounds__(kThreads, 4)
+    adam_kernel(typename AdamLoop<CudaOps, G, L, kDecoupled, kDecay>::Consts c, AdamKernelArgs a, int64_t n,
+                const float* found_inf) {
+  // Skipped: master and moments stay; the low-precision copy, which may stand where the gradient was,
+  // gets the master's value back (device_adam.h).
+  const bool skip = found_inf != nullptr && *found_inf != 0.0f;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  Fp32ThreadSteps<G, L, kDecoupled, kDecay>::thread(c, a, n, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+                                                    threads, skip);
 }
 
 template <GradType G, LowpType L, bool kDecoupled, bool kDecay>
 void launch(const AdamKernelArgs& a, int64_t n, const float* found_inf, cudaStream_t stream, int blocks) {
   using Loop = AdamLoop<CudaOps, G, L, kDecoupled, kDecay>;
-  adam_kernel<G, L, kDecoupled, kDecay><<<blocks, kThreads, 0, stream>>>(
-      Loop::consts(a), a.param, a.grad, a.exp_avg, a.exp_avg_sq, a.param_lowp, n, found_inf);
+  adam_kernel<G, L, kDecoupled, kDecay><<<blocks, kThreads, 0, stream>>>(Loop::consts(a), a, n, found_inf);
 }
 
 // The compact update (compact_body.h): one warp per block of kCompactBlock elements (grid-stride over
@@ -175,7 +166,8 @@ const char* grid_for(int64_t units, int threads, int* blocks) {
 const char* launch_adam_cuda(const AdamKernelArgs& a, int64_t n, const float* found_inf, void* stream) {
   if (n <= 0) return nullptr;
   int blocks = 0;
-  if (const char* error = grid_for((n + kThreads - 1) / kThreads, kThreads, &blocks)) return error;
+  constexpr int64_t kPerBlock = int64_t{kThreads} * Fp32ThreadSteps<GradType::kF32, LowpType::kNone, true, true>::kPerThread;
+  if (const char* error = grid_for((n + kPerBlock - 1) / kPerBlock, kThreads, &blocks)) return error;
   const auto s = static_cast<cudaStream_t>(stream);
   for_kernel_mode(a, [&](auto g, auto l, auto decoupled, auto decay) {
     launch<decltype(g)::value, decltype(l)::value, decltype(decoupled)::value, decltype(decay)::value>(a, n, found_inf,

@@ -1,6 +1,7 @@
 // The device kernels' logic (adam_cuda.cu) run on the host: CudaOps (cuda_ops.h) compiled by the host
-// compiler is the same IEEE arithmetic as the intrinsics, and the compact kernel's warp steps
-// (compact_cuda_block.h) run one lane after another. Both must give the scalar CPU kernel's bits,
+// compiler is the same IEEE arithmetic as the intrinsics, the compact kernel's warp steps
+// (compact_cuda_block.h) run one lane after another and the fp32 kernel's threads (fp32_cuda_thread.h)
+// one after another, over several grids. Both must give the scalar CPU kernel's bits,
 // for every gradient and compute-copy dtype, Adam and AdamW, with and without decay, partial blocks,
 // grad scales, and the skipped update of a non-finite step. What is left to a GPU (test_device_adam_gpu,
 // test_hybrid_adam_gpu) is whether the intrinsics, the shuffles and the barriers do what they say.
@@ -27,6 +28,7 @@ namespace {
 #include "../../cpu_adam/kernels/compact_body.h"
 #include "../../cpu_adam/kernels/cuda_ops.h"
 #include "../../cpu_adam/kernels/compact_cuda_block.h"
+#include "../../cpu_adam/kernels/fp32_cuda_thread.h"
 #include "../../cpu_adam/kernels/norm_cuda_grain.h"
 }  // namespace
 
@@ -40,20 +42,13 @@ void compact_as_the_device_does(const CompactAdamArgs& a, int64_t n, bool skip) 
   });
 }
 
-// What the device's fp32 kernel (adam_kernel) writes: AdamLoop::one per element, or on a skipped step
-// the compute copy from the master.
-void fp32_as_the_device_does(const AdamKernelArgs& a, int64_t n, bool skip) {
+// What the device's fp32 kernel (adam_kernel) writes with a grid of `threads` threads: each thread's
+// elements loaded, updated by AdamLoop::one and stored, or on a skipped step the compute copy from the
+// master.
+void fp32_as_the_device_does(const AdamKernelArgs& a, int64_t n, bool skip, int64_t threads) {
   for_kernel_mode(a, [&](auto g, auto l, auto decoupled, auto decay) {
-    using Loop = AdamLoop<CudaOps, decltype(g)::value, decltype(l)::value, decltype(decoupled)::value,
-                          decltype(decay)::value>;
-    const typename Loop::Consts c = Loop::consts(a);
-    for (int64_t i = 0; i < n; ++i) {
-      if (skip) {
-        store_lowp<CudaOps, decltype(l)::value>(a.param_lowp, i, a.param[i]);
-      } else {
-        Loop::one(c, a.param + i, a.grad, i, a.exp_avg + i, a.exp_avg_sq + i, a.param_lowp, i);
-      }
-    }
+    Fp32ThreadSteps<decltype(g)::value, decltype(l)::value, decltype(decoupled)::value,
+                    decltype(decay)::value>::run_on_host(a, n, threads, skip);
   });
 }
 
@@ -203,14 +198,24 @@ TEST(CudaKernelsOnHost, TheFp32KernelGivesTheCpuKernelsBits) {
                 m[i] = 1e-3f * normal(rng);
                 v[i] = 1e-6f * std::fabs(normal(rng));
               }
-              std::vector<float> dp = p, dm = m, dv = v;
-              std::vector<uint16_t> dlowp = lowp;
               const Grads g(n, gd, rng);
               const bool copy = ld != at::ScalarType::Undefined;
-              AdamSpan cpu{p.data(), g.data(), gd, m.data(), v.data(), copy ? lowp.data() : nullptr, ld, n};
-              AdamSpan device{dp.data(), g.data(), gd, dm.data(), dv.data(), copy ? dlowp.data() : nullptr, ld, n};
               adam.advance_step(0);
-              cpu_adam::fp32_as_the_device_does(adam.kernel_args(0, device, scale), n, skip);
+              // The device's grid: one thread (every element in its turns), a few (turns with a
+              // partial last one), more threads than elements.
+              struct DeviceRun {
+                int64_t threads;
+                std::vector<float> p, m, v;
+                std::vector<uint16_t> lowp;
+              };
+              std::vector<DeviceRun> runs;
+              for (const int64_t threads : {int64_t{1}, int64_t{7}, int64_t{256}}) {
+                DeviceRun r{threads, p, m, v, lowp};
+                AdamSpan device{r.p.data(), g.data(), gd, r.m.data(), r.v.data(), copy ? r.lowp.data() : nullptr, ld, n};
+                cpu_adam::fp32_as_the_device_does(adam.kernel_args(0, device, scale), n, skip, threads);
+                runs.push_back(std::move(r));
+              }
+              AdamSpan cpu{p.data(), g.data(), gd, m.data(), v.data(), copy ? lowp.data() : nullptr, ld, n};
               if (skip) {  // the CPU's skipped update writes nothing; the device's writes the copy
                 for (int64_t i = 0; i < n && copy; ++i) lowp[i] = narrow(p[i], ld);
               } else {
@@ -218,11 +223,14 @@ TEST(CudaKernelsOnHost, TheFp32KernelGivesTheCpuKernelsBits) {
                 u.grad_scale = scale;
                 ASSERT_TRUE(adam.update(0, cpu, u).applied);
               }
-              const std::string w = where(gd, ld, o, n, scale) + (skip ? ", skipped" : "");
-              ASSERT_EQ(std::memcmp(p.data(), dp.data(), n * 4), 0) << w;
-              ASSERT_EQ(std::memcmp(m.data(), dm.data(), n * 4), 0) << w;
-              ASSERT_EQ(std::memcmp(v.data(), dv.data(), n * 4), 0) << w;
-              ASSERT_EQ(lowp, dlowp) << w;
+              for (const DeviceRun& r : runs) {
+                const std::string w = where(gd, ld, o, n, scale) + (skip ? ", skipped" : "") + ", " +
+                                      std::to_string(r.threads) + " device threads";
+                ASSERT_EQ(std::memcmp(p.data(), r.p.data(), n * 4), 0) << w;
+                ASSERT_EQ(std::memcmp(m.data(), r.m.data(), n * 4), 0) << w;
+                ASSERT_EQ(std::memcmp(v.data(), r.v.data(), n * 4), 0) << w;
+                ASSERT_EQ(lowp, r.lowp) << w;
+              }
             }
           }
         }
