@@ -23,7 +23,8 @@
 // B(K) x (share of g and the groups after it). Group g's update can start t_g after that, on one host
 // worker, one group at a time, in the order the groups finish. With host updates behind the next forward
 // (host_behind_forward; Note [Host updates carried over behind the next forward]) those not started
-// by E are taken back and run in layout order after the one running; the next forward starts at E, and
+// by E (the device's end of backward, where the engine takes them back: D89) are taken back and run in
+// layout order after the one running; the next forward starts at E, and
 // waits at each host group for its update and the trip back (done + t_g). Otherwise the step waits at
 // its end for every host update. T(K, m) is when that forward ends (or F + max(E, the last host
 // update's end)); the GPU's wait for the host is T - F - E.
