@@ -3,9 +3,10 @@
 //
 // Kernel files are compiled with ISA flags (-mavx2, -mavx512f, ...). They include only this header,
 // host_device.h, float16.h, adam_body.h, compact_body.h and <immintrin.h> (the CUDA file also
-// cuda_ops.h and compact_cuda_block.h): no torch or other C++ headers with inline functions whose
-// ISA-flagged copies the linker could pick for the whole program (ODR), which would put AVX-512 code
-// on CPUs without it. Everything they define has internal linkage except their KernelTable.
+// cuda_ops.h, compact_cuda_block.h, fp32_cuda_thread.h and norm_cuda_grain.h): no torch or other C++
+// headers with inline functions whose ISA-flagged copies the linker could pick for the whole program
+// (ODR), which would put AVX-512 code on CPUs without it. Everything they define has internal linkage
+// except their KernelTable.
 #include <cstdint>
 #include <cstring>
 
