@@ -452,12 +452,11 @@ void Engine::backward_finished(bool aborted) {
   // started when the device has finished backward are taken back, to run after it in forward's order
   // behind the step's return. Until then the worker goes on taking them.
   if (!aborted) {
-    const Device& device = model().device_object();
-    const auto device_end = [&device] {
+    if (jobs_.any_queued()) {
       trace::Span span("adam", "adam.wait_for_backward_on_device");
-      device.synchronize();
-    };
-    for (int64_t c : jobs_.cancel_queued(device_end)) pipeline_.unlaunch(c);
+      model().device_object().synchronize();
+    }
+    for (int64_t c : jobs_.cancel_queued()) pipeline_.unlaunch(c);
   }
   // The jobs read and write parameter chunks: done before the model ends the iteration.
   jobs_.wait_all();

@@ -37,8 +37,7 @@ bool HostJobs::any_queued() const {
   return false;
 }
 
-std::vector<int64_t> HostJobs::cancel_queued(const std::function<void()>& first) {
-  if (first && any_queued()) first();
+std::vector<int64_t> HostJobs::cancel_queued() {
   std::vector<int64_t> cancelled;
   for (size_t c = 0; c < jobs_.size(); ++c) {
     Job& job = jobs_[c];

@@ -68,11 +68,11 @@ class HostJobs {
   // Takes back every cancellable job of this backward that has not started: it will not run (the worker
   // skips it), its chunk is unlocked and its copy to the host waited for (a round trip's never moved:
   // it is where it was), and it is forgotten. Returns those chunks, ascending. A job that started runs
-  // to its end. `first`, where given, runs before anything is taken back, and only if a cancellable job
-  // is still queued then: the engine waits there for the device to finish backward, while the worker
-  // goes on taking jobs (Note [Host updates carried over behind the next forward]).
-  std::vector<int64_t> cancel_queued(const std::function<void()>& first = {});
-  // Whether a cancellable job of this backward has not started yet.
+  // to its end.
+  std::vector<int64_t> cancel_queued();
+  // Whether a cancellable job of this backward has not started yet (the engine waits for the device to
+  // finish backward before cancel_queued() only then: Note [Host updates carried over behind the next
+  // forward]).
   bool any_queued() const;
 
   // Backward's jobs, per layout chunk. reset(): none, room for `num_chunks`.

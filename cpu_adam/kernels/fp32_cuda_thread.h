@@ -65,6 +65,7 @@ struct Fp32ThreadSteps {
 
   // The kernel's loop for thread t of `threads` (grid-stride: kPerThread elements per turn).
   FERRY_HD static void thread(const Consts& c, const Args& a, int64_t n, int64_t t, int64_t threads, bool skip) {
+    if (skip && L == ferry::cpu_adam::LowpType::kNone) return;  // nothing to write
     for (int64_t first = t; first < n; first += kPerThread * threads) {
       if (skip) {
         restore_copy(a, n, first, threads);

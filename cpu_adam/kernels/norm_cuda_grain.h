@@ -85,17 +85,12 @@ struct NormGrainSteps {
     return total;
   }
 
-  // The span's total from its grains', in order (one thread, after every grain's block).
-  FERRY_HD static double span_total(const double* grain_totals, int64_t grains) {
-    return add_tile(0.0, grain_totals, grains);
-  }
-
   // The range kernel (adam_cuda.cu's norm_range_kernel): a block of kRangeThreads threads per range
   // stages its grain totals in shared memory kRangeTile at a time (`stage`, thread t: coalesced loads,
   // all in flight together), and after a barrier thread 0 adds the tile to the range's total in order
-  // (`add_tile`): span_total's additions, in its order. One thread reading the totals from global
-  // memory one after another waited a load's latency per grain (2,048 grains for 64M elements: the
-  // bulk of the CUDA norm's 5.2x of its floor on an H200).
+  // (`add_tile`): the span's total S of Note [One norm wherever the gradient lives], its grains in
+  // order. One thread reading the totals from global memory one after another waited a load's latency
+  // per grain (2,048 grains for 64M elements: the bulk of the CUDA norm's 5.2x of its floor on an H200).
   static constexpr int kRangeThreads = 256;
   static constexpr int kRangeTile = 1024;
   FERRY_HD static void stage(double* tile, const double* grain_totals, int64_t at, int64_t len, int t) {

@@ -310,8 +310,9 @@ TEST(CudaKernelsOnHost, TheNormKernelSumsEachRangeOfALaunchAsTheHostDoes) {
 }
 
 // The range kernel's tiles: a range of more grains than a tile holds (64M elements: 2,048 grains) is
-// added in span_total's order across its tiles, to the bit; the totals' magnitudes make another order
-// give other bits (checked), so a tile added twice, skipped or restarted from zero would show.
+// added in order (the span total of norm_body.h's note) across its tiles, to the bit; the totals'
+// magnitudes make another order give other bits (checked), so a tile added twice, skipped or restarted
+// from zero would show.
 TEST(CudaKernelsOnHost, TheRangeKernelAddsItsGrainTotalsInOrderAcrossTiles) {
   std::mt19937 rng(17);
   std::uniform_real_distribution<double> unit(0.0, 1.0);
