@@ -238,59 +238,70 @@ void Engine::sync_layout_locked() const {
 // count of device groups (device_state_chunks) or at world size > 1 (where the ranks agree on the plan,
 // dist/plan_agreement.h, and each places its own state) the model's plan stands. It runs at the end of
 // that step (step() or backward_step()), after its updates, the model idle; the host updates it left
-// running are waited for first (once). The host Adam's rate is the one its updates reached in the steps
-// since the state was placed (HostJobs::take_work_times), not the probe's alone: beside the GPU's work
-// and the other threads they run slower (on one H100 at 102-116 GB/s inside a 12b step where the probe
-// reads 143; on the 2-core VM, where the "device" is the CPU too, at a third), and a plan made at the
-// probe's rate counted updates hidden that were not (6b: 0.917 s against 0.836 s predicted). Where none
-// ran (the policy put every group on the device) the first solve has only the probe's rate; if its
-// placement leaves state on the host, the solve runs once more at the end of the next step, from the
-// same plan input and that step's measured rate (a second placement, moving only the groups whose
-// place changed), and never again in that layout. Why not at the first
+// running are waited for first. The host Adam's rate is the one its updates reached in the iteration
+// before (HostJobs::take_work_times, taken at every step's end), not the probe's alone: beside the GPU's
+// work and the other threads they run slower (on one H100 at 102-116 GB/s inside a 12b step where the
+// probe reads 143; on the 2-core VM, where the "device" is the CPU too, at a third), and a plan made at
+// the probe's rate counted updates hidden that were not (6b: 0.917 s against 0.836 s predicted). Where
+// none ran (the policy put every group on the device) the first solve has only the probe's rate. Either
+// way the rate is checked in the new placement's own steps, and the solve runs again at the measured
+// rate where the probe's was used or the measured one is more than 10% lower, at most three solves in a
+// layout (scheduler/joint_solves.h, Note [Checking the host rate under the plan's own placement]; D90):
+// each further solve weighs the same segments and forward, backward as the last iteration ran it, and
+// its placement moves only the groups whose place changed. Why not at the first
 // placement, as until 2026-11-27: the only phase times at hand there are the warm-up's (first touches,
 // LRU, every segment synchronised), 25x the steady forward at 4b on one H100, so every host update
 // looked hidden behind them and all state went to the host (4b 1.6 s against 0.56 s).
 void Engine::place_locked() {
+  if (placement_.placed()) return;
   placement_.place(model(), *policy_, ownership_, !options_.accumulate_grads, sharded_.param_shards() != nullptr);
+  if (!placement_.placed()) return;
   jobs_.take_work_times();  // the warm-up's host updates: no measure of the steps to come
+  solves_.reset();          // a new layout: the joint placement starts over
 }
 
 void Engine::place_jointly_if_due_locked() {
+  if (!options_.plan_state_with_activations) return;
   ChunkedModel& m = model();
   // A whole iteration has run under the model's current plan: its times are steady ones.
   const int64_t plans = m.activations().plans();
   const bool steady = plans > 0 && plans == plans_seen_;
   plans_seen_ = plans;
-  const bool eligible = options_.plan_state_with_activations && m.activations().policy() == ActivationPolicy::kAuto &&
+  const bool eligible = m.activations().policy() == ActivationPolicy::kAuto &&
                         options_.device_state_chunks < 0 && !sharded_.active() && placement_.placed() && steady &&
                         m.phase() == ModelPhase::kIdle;
-  // The first solve, or the second: once, where the first had no host update to measure the host Adam
-  // by and its own placement left state on the host.
-  const int64_t solves = placement_.replacements();
-  const bool hosts_state = placement_.num_on_device() < placement_.num_chunks();
-  if (!eligible || solves > 1 || (solves == 1 && !(remeasure_host_adam_ && hosts_state))) return;
-  deferred_.settle();  // no host update may run on a group that moves; their times count below
+  if (!eligible) {
+    jobs_.take_work_times();  // each decision weighs the iteration before it alone
+    return;
+  }
+  // When to solve and at which host rate: scheduler/joint_solves.h (Note [Checking the host rate under
+  // the plan's own placement]). Only where it may ask for a solve are the running host updates settled
+  // first (no host update may run on a group that moves; their times count below).
+  if (solves_.may_solve()) deferred_.settle();
   const double in_steps = host_adam_rate_in_steps_locked();
+  const JointSolves::Decision decision = solves_.decide(in_steps);
+  joint_rates_.host_adam_under_plan_bytes_per_s = solves_.rate_under_plan();
+  if (!decision.solve) return;
+  const bool first = solves_.solves() == 0;
   UpdateRates rates;
   double alone = 0;
-  if (solves == 0) {
+  if (first) {
     const Device& device = m.device_object();
     rates = measure_update_rates(cpu_adam_, device, device.torch_device().is_cuda(), m.chunk_size_bytes());
     alone = rates.host_adam_bytes_per_s;
-    remeasure_host_adam_ = in_steps <= 0;
   } else {
-    remeasure_host_adam_ = false;
-    if (in_steps <= 0) return;
     rates = joint_rates_.used;
     alone = joint_rates_.host_adam_alone_bytes_per_s;
   }
-  if (in_steps > 0) rates.host_adam_bytes_per_s = in_steps;
+  const bool from_probe = decision.host_rate <= 0;
+  if (!from_probe) rates.host_adam_bytes_per_s = decision.host_rate;
   const ActivationCosts costs = steady_costs_locked(rates);
-  joint_rates_ = JointRates{rates, alone, in_steps, solves + 1};
-  log::info("ferry: measured for the joint placement", solves == 0 ? "" : " (again, from its own steps)",
+  log::info("ferry: measured for the joint placement", first ? "" : " (again, from its own placement's steps)",
             ": host Adam ", alone / 1e9, " GB/s alone",
-            in_steps > 0 ? ", " + std::to_string(in_steps / 1e9) + " GB/s in the steps since the state was placed (used)"
-                         : std::string(", no host update in the steps since the state was placed"),
+            !from_probe ? ", " + std::to_string(in_steps / 1e9) + " GB/s in the steps " +
+                              (first ? "since the state was placed" : "under the last joint placement") + " (used)"
+                        : std::string(", no host update in the steps since the state was placed"),
+            first ? "" : "; the last solve used " + std::to_string(joint_rates_.used.host_adam_bytes_per_s / 1e9) + " GB/s",
             "; host<->device copies ", rates.copy_bytes_per_s / 1e9, " GB/s, device ", rates.device_bytes_per_s / 1e9,
             " GB/s; backward with every recompute ", costs.backward_s, " s in the last iteration's terms (",
             m.activations().plan_input().backward_s, " s measured recomputing)");
@@ -298,7 +309,9 @@ void Engine::place_jointly_if_due_locked() {
   const bool params_travel = !options_.accumulate_grads, remote_params = sharded_.param_shards() != nullptr;
   placement_.replace(m, policy, ownership_, params_travel, remote_params);
   if (policy.planned()) m.apply_activation_plan(policy.plan(), policy.plan_input());
-  plans_seen_ = m.activations().plans();  // the next solve waits for an iteration under this plan
+  plans_seen_ = m.activations().plans();  // the next decision waits for an iteration under this plan
+  solves_.solved(rates.host_adam_bytes_per_s, from_probe, placement_.num_on_device() < placement_.num_chunks());
+  joint_rates_ = JointRates{rates, alone, in_steps, 0, solves_.solves()};
 }
 
 ActivationCosts Engine::steady_costs_locked(const UpdateRates& rates) {

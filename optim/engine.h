@@ -31,6 +31,7 @@
 
 #include "../cpu_adam/cpu_adam.h"
 #include "../hooks/chunked_model.h"
+#include "../scheduler/joint_solves.h"
 #include "../scheduler/placement_policy.h"
 #include "chunk_finality.h"
 #include "chunk_updates.h"
@@ -203,9 +204,7 @@ class Engine final : private GradSink, private LayoutListener, private PlanAgree
   Ownership ownership_;
   HostJobs jobs_;
   JointRates joint_rates_;  // of the joint placement, once it has run
-  // The first joint solve had no host update to measure the host Adam's rate in the steps by: the
-  // second, after its own placement's first step, will (Note [The joint placement]).
-  bool remeasure_host_adam_ = false;
+  JointSolves solves_;      // when it solves (Note [The joint placement])
   int64_t plans_seen_ = 0;  // the model's plans() at the end of the last step
   DeferredUpdates deferred_;
   ChunkUpdates updates_;

@@ -46,13 +46,15 @@ struct UpdateRates {
   double device_bytes_per_s = 0;      // device memory, read + write counted
 };
 
-// What a joint placement weighed: the rates it used, and the host Adam's rate both ways it was
-// measured (alone, by the probe; inside the steps before, beside the GPU's work: 0 where no host
-// update ran there). All 0 before a joint placement.
+// What the last joint placement weighed: the rates it used, and the host Adam's rate both ways it was
+// measured before it (alone, by the probe; inside the steps before, beside the GPU's work: 0 where no
+// host update ran there); and the rate its own placement's steps reached since (scheduler/joint_solves.h).
+// All 0 before a joint placement.
 struct JointRates {
   UpdateRates used;
   double host_adam_alone_bytes_per_s = 0;
   double host_adam_in_steps_bytes_per_s = 0;
+  double host_adam_under_plan_bytes_per_s = 0;  // in the last measured steps under it (0: none yet)
   int64_t solves = 0;  // joint solves so far in this layout (Note [The joint placement], optim/engine.cpp)
 };
 

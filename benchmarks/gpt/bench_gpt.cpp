@@ -223,10 +223,12 @@ std::string plan_json(const ferry::ActivationSegments& a, const ferry::JointRate
        << ", \"groups_on_device\": " << p.groups_on_device << ", \"forward_measured_s\": " << in.forward_s
        << ", \"backward_measured_s\": " << in.backward_s << ", \"predicted_step_s\": " << p.predicted_step_s
        << ", \"predicted_host_wait_s\": " << p.host_wait_s << ", \"planned_groups\": " << in.groups.size();
-    if (!in.groups.empty()) {  // the joint placement's: the host Adam alone, in the steps before, and used
+    if (!in.groups.empty()) {  // the joint placement's: the host Adam alone, in the steps before, used,
+                               // and in the last steps under its placement
       os << ", \"rates\": {\"host_adam_alone_gb_per_s\": " << rates.host_adam_alone_bytes_per_s / 1e9
          << ", \"host_adam_in_steps_gb_per_s\": " << rates.host_adam_in_steps_bytes_per_s / 1e9
          << ", \"host_adam_used_gb_per_s\": " << rates.used.host_adam_bytes_per_s / 1e9
+         << ", \"host_adam_under_plan_gb_per_s\": " << rates.host_adam_under_plan_bytes_per_s / 1e9
          << ", \"copy_gb_per_s\": " << rates.used.copy_bytes_per_s / 1e9
          << ", \"device_gb_per_s\": " << rates.used.device_bytes_per_s / 1e9 << ", \"solves\": " << rates.solves << "}";
     }
