@@ -245,7 +245,7 @@ void Engine::sync_layout_locked() const {
 // the probe's rate counted updates hidden that were not (6b: 0.917 s against 0.836 s predicted). Where
 // none ran (the policy put every group on the device) the first solve has only the probe's rate. Either
 // way the rate is checked in the new placement's own steps, and the solve runs again at the measured
-// rate where the probe's was used or the measured one is more than 10% lower, at most three solves in a
+// rate where the probe's was used or the measured one is more than 5% lower, at most three solves in a
 // layout (scheduler/joint_solves.h, Note [Checking the host rate under the plan's own placement]; D90):
 // each further solve weighs the same segments and forward, backward as the last iteration ran it, and
 // its placement moves only the groups whose place changed. Why not at the first

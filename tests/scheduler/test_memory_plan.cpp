@@ -350,6 +350,50 @@ TEST(MemoryPlan, TheTimelineReproducesTheSixBillionStepsOnTheH100) {
   EXPECT_LT(plan.predicted_step_s, all_recompute);
 }
 
+// The joint plan that ran on an H200 at 6b at the H100's room (benchmarks/results/gpu-session-h200-
+// 20261128-164900.log and ...-bench6b-joint.json, one call): 80 groups of 151.4 MB of parameters and
+// 908.3 MB of fp32 state, 53 segments (40.05 GB and 0.151 s of recompute in all), forward 0.1543 s,
+// backward 0.5086 s with every recompute (the last iteration's terms), room 63.05 GB, copies 55.13
+// GB/s, device 3657.8 GB/s, the host Adam at 168.2 GB/s: the rate of the steps before, which updated
+// 11 groups on the host. The solve put 42 groups on the device and kept 32 segments, predicted 0.595 s;
+// the step ran 0.759 s. Under a placement of 35 host groups the traced call's host updates averaged
+// 15.9 ms, 133 GB/s (gpu-h200-20261128-165500-trace-6b-joint.json): D90 solves again at such a rate,
+// and the plan must then put more state on the device, not less.
+TEST(MemoryPlan, ASlowerHostRateUnderThePlanPutsMoreStateOnTheDevice) {
+  const int64_t param_bytes = 151388000, state_bytes = 908328571;
+  const double moved = 2.0 * static_cast<double>(state_bytes + param_bytes);
+  const auto input_at = [&](double host_rate) {
+    MemoryPlanInput in;
+    in.forward_s = 0.154335;
+    in.backward_s = 0.508619;
+    in.host_behind_forward = true;
+    in.room_bytes = 63050874880;
+    for (int k = 0; k < 53; ++k) in.segments.push_back({40048448512 / 53, 0.151077 / 53});
+    for (int g = 0; g < 80; ++g) {
+      GroupCost c{state_bytes, moved / host_rate, moved / 3657.82e9, true};
+      c.param_bytes = param_bytes;
+      c.trip_s = static_cast<double>(param_bytes) / 55.1325e9;
+      in.groups.push_back(c);
+    }
+    return in;
+  };
+  const MemoryPlan ran = plan_memory(input_at(168.248e9));
+  EXPECT_EQ(ran.groups_on_device, 42) << "the input reproduces the call's plan";
+  EXPECT_EQ(ran.kept(), 32);
+  EXPECT_NEAR(ran.predicted_step_s, 0.594611, 0.005);
+  const MemoryPlanInput slower = input_at(133e9);
+  const MemoryPlan again = plan_memory(slower);
+  EXPECT_GT(again.groups_on_device, ran.groups_on_device);
+  EXPECT_LT(again.kept(), ran.kept());
+  const double ran_at_133 = predicted_step_s(slower, ran.keep, ran.groups_on_device);
+  const double recompute_at_133 = predicted_step_s(slower, std::vector<char>(53, 0), 69);
+  EXPECT_LE(again.predicted_step_s, ran_at_133);
+  std::cout << "6b on the H200 at the host rate under the plan (133 GB/s): the plan that ran (42 groups, 32 kept) "
+            << ran_at_133 << " s, all-recompute (69 groups) " << recompute_at_133 << " s; solved again: "
+            << again.groups_on_device << " groups on the device, " << again.kept() << " kept, "
+            << again.predicted_step_s << " s (host wait " << again.host_wait_s << " s)\n";
+}
+
 TEST(MemoryPlan, RefusesBadInput) {
   MemoryPlanInput in = trade_off(1.0);
   in.segments[0].recompute_s = -1;
