@@ -224,10 +224,11 @@ void Engine::sync_layout_locked() const {
 // Opt-in (HybridAdamOptions::plan_state_with_activations). Under activations=auto (D75) the state is
 // first placed by the policy at the first step after the warm-up, and the model plans its activations
 // in the room the state left at the end of the next iteration, which recomputed and measured every
-// checkpoint segment (Note [When the activation plan is made]). At the end of the step after the next
-// iteration, the first that plan shaped (steady times: the measuring iteration synchronises the device
-// around every recompute, which at 6b on one H100 made backward 0.735 s against 0.62 s steady, and a
-// longer backward hides more host work), the memory plan (scheduler/memory_plan.h) decides again, in
+// checkpoint segment (Note [When the activation plan is made]). At the end of the third iteration that
+// plan shaped (steady times: the measuring iteration synchronises the device around every recompute,
+// which at 6b on one H100 made backward 0.735 s against 0.62 s steady, and a longer backward hides more
+// host work; the first under a new plan re-traces and ran backward 0.05 s short on an H200, and the
+// second may still run its host updates apart: JointSolves settles both), the memory plan (scheduler/memory_plan.h) decides again, in
 // one solve, how many state groups go to the device and which segments keep their activations in the
 // room left after every parameter chunk (its backward "with every recompute" being that iteration's,
 // given back the recomputes its plan skipped, less its device updates), weighing the host
@@ -282,36 +283,41 @@ void Engine::place_jointly_if_due_locked() {
   const JointSolves::Decision decision = solves_.decide(in_steps);
   joint_rates_.host_adam_under_plan_bytes_per_s = solves_.rate_under_plan();
   if (!decision.solve) return;
-  const bool first = solves_.solves() == 0;
-  UpdateRates rates;
-  double alone = 0;
-  if (first) {
-    const Device& device = m.device_object();
-    rates = measure_update_rates(cpu_adam_, device, device.torch_device().is_cuda(), m.chunk_size_bytes());
-    alone = rates.host_adam_bytes_per_s;
-  } else {
-    rates = joint_rates_.used;
-    alone = joint_rates_.host_adam_alone_bytes_per_s;
+  try {
+    const bool first = solves_.solves() == 0;
+    UpdateRates rates;
+    double alone = 0;
+    if (first) {
+      const Device& device = m.device_object();
+      rates = measure_update_rates(cpu_adam_, device, device.torch_device().is_cuda(), m.chunk_size_bytes());
+      alone = rates.host_adam_bytes_per_s;
+    } else {
+      rates = joint_rates_.used;
+      alone = joint_rates_.host_adam_alone_bytes_per_s;
+    }
+    const bool from_probe = decision.host_rate <= 0;
+    if (!from_probe) rates.host_adam_bytes_per_s = decision.host_rate;
+    const ActivationCosts costs = steady_costs_locked(rates);
+    log::info("ferry: measured for the joint placement", first ? "" : " (again, from its own placement's steps)",
+              ": host Adam ", alone / 1e9, " GB/s alone",
+              !from_probe ? ", " + std::to_string(in_steps / 1e9) + " GB/s in the steps " +
+                                (first ? "since the state was placed" : "under the last joint placement") + " (used)"
+                          : std::string(", no host update in the steps since the state was placed"),
+              first ? "" : "; the last solve used " + std::to_string(joint_rates_.used.host_adam_bytes_per_s / 1e9) + " GB/s",
+              "; host<->device copies ", rates.copy_bytes_per_s / 1e9, " GB/s, device ", rates.device_bytes_per_s / 1e9,
+              " GB/s; backward with every recompute ", costs.backward_s, " s in the last iteration's terms (",
+              m.activations().plan_input().backward_s, " s measured recomputing)");
+    const JointPlacementPolicy policy(costs, rates);
+    const bool params_travel = !options_.accumulate_grads, remote_params = sharded_.param_shards() != nullptr;
+    placement_.replace(m, policy, ownership_, params_travel, remote_params);
+    if (policy.planned()) m.apply_activation_plan(policy.plan(), policy.plan_input());
+    plans_seen_ = m.activations().plans();  // the next decision waits for an iteration under this plan
+    solves_.solved(rates.host_adam_bytes_per_s, from_probe, placement_.num_on_device() < placement_.num_chunks());
+    joint_rates_ = JointRates{rates, alone, in_steps, 0, solves_.solves()};
+  } catch (...) {
+    solves_.failed();  // not retried at every step; the error is the step's
+    throw;
   }
-  const bool from_probe = decision.host_rate <= 0;
-  if (!from_probe) rates.host_adam_bytes_per_s = decision.host_rate;
-  const ActivationCosts costs = steady_costs_locked(rates);
-  log::info("ferry: measured for the joint placement", first ? "" : " (again, from its own placement's steps)",
-            ": host Adam ", alone / 1e9, " GB/s alone",
-            !from_probe ? ", " + std::to_string(in_steps / 1e9) + " GB/s in the steps " +
-                              (first ? "since the state was placed" : "under the last joint placement") + " (used)"
-                        : std::string(", no host update in the steps since the state was placed"),
-            first ? "" : "; the last solve used " + std::to_string(joint_rates_.used.host_adam_bytes_per_s / 1e9) + " GB/s",
-            "; host<->device copies ", rates.copy_bytes_per_s / 1e9, " GB/s, device ", rates.device_bytes_per_s / 1e9,
-            " GB/s; backward with every recompute ", costs.backward_s, " s in the last iteration's terms (",
-            m.activations().plan_input().backward_s, " s measured recomputing)");
-  const JointPlacementPolicy policy(costs, rates);
-  const bool params_travel = !options_.accumulate_grads, remote_params = sharded_.param_shards() != nullptr;
-  placement_.replace(m, policy, ownership_, params_travel, remote_params);
-  if (policy.planned()) m.apply_activation_plan(policy.plan(), policy.plan_input());
-  plans_seen_ = m.activations().plans();  // the next decision waits for an iteration under this plan
-  solves_.solved(rates.host_adam_bytes_per_s, from_probe, placement_.num_on_device() < placement_.num_chunks());
-  joint_rates_ = JointRates{rates, alone, in_steps, 0, solves_.solves()};
 }
 
 ActivationCosts Engine::steady_costs_locked(const UpdateRates& rates) {

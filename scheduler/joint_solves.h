@@ -19,12 +19,17 @@
 // The first `settle_iterations` iterations after a solve are not measured: the same H200 log shows the
 // new placement's first iteration re-tracing with its parameter chunks not yet travelling (1.6 GiB
 // moved against 10.7 steady) and the second running its host updates after backward (2.0 s), alone
-// and so faster than in a steady step; the third was steady. Why 5%: the traced call's 33 updates under
-// a placement of 35 host groups averaged 133 GB/s, with a standard error of 2.5% (each 14% from the
-// mean), against 147 GB/s used: a 9.4% fall, enough to move the plan (test_memory_plan.cpp). Beyond 5%
-// is two standard errors there; a plan redone for noise costs one placement move and errs on the safe
-// side (a lower rate puts more state on the device), where a rate left too high leaves the step bound
-// by the host.
+// and so faster than in a steady step; the third was steady. Nor are the first iterations under the
+// model's own plan, before the first solve, which weighs the backward of the iteration before it: the
+// first under a new plan re-traces, and its backward on the device ran 0.05-0.06 s short of a steady
+// one there (0.542 s with 2 segments kept against 0.59-0.61 s steady with none in the all-recompute
+// run; 0.429 s against 0.48 s steady after the joint placement), moving less than a steady one (1.6
+// GiB against 3.1 and 10.7): a backward too short by as much is a window too short for host updates.
+// Why 5%: the traced call's 33 updates under a placement of 35 host groups averaged 133 GB/s, with a
+// standard error of 2.5% (each 14% from the mean), against 147 GB/s used: a 9.4% fall, enough to move
+// the plan (test_memory_plan.cpp). Beyond 5% is two standard errors there; a plan redone for noise
+// costs one placement move and errs on the safe side (a lower rate puts more state on the device),
+// where a rate left too high leaves the step bound by the host.
 //
 // Contract: not thread-safe (the engine calls it under its mutex). Per layout: reset(), then at each
 // due point (an iteration under the current plan has run) decide(); where it says to solve, the engine
@@ -43,7 +48,7 @@ class JointSolves {
     void validate() const;    // tolerance in [0, 1), max_solves >= 1, settle_iterations >= 0
   };
   enum class State {
-    kUnsolved,  // no joint solve yet in this layout
+    kUnsolved,  // no joint solve yet in this layout (the first settles too)
     kChecking,  // solved, its state partly on the host: the next decision checks the rate under it
     kSettled,   // no further solve in this layout
   };
@@ -56,7 +61,7 @@ class JointSolves {
     // The host-Adam rate to solve with; 0: none measured in the steps, the engine's probe gives it.
     double host_rate = 0;
   };
-  // Whether the next decide() may ask for a solve.
+  // Whether the next decide() may ask for a solve (not while settling).
   bool may_solve() const;
   // At a due point: `in_steps` is the rate the host updates reached in the steps since the last
   // decision (0: none ran).
@@ -64,6 +69,9 @@ class JointSolves {
   // The engine solved as decide() said, at `host_rate` (the probe's where `from_probe`), and the new
   // placement `hosts_state` (some group left on the host).
   void solved(double host_rate, bool from_probe, bool hosts_state);
+  // The solve decide() asked for threw: no further solve in this layout (the state stays where the
+  // last placement put it; the error is the caller's to report).
+  void failed();
   // A new layout: solving starts over.
   void reset();
 
@@ -80,6 +88,7 @@ class JointSolves {
   State state_ = State::kUnsolved;
   int64_t solves_ = 0;
   int64_t settle_left_ = 0;
+  bool solve_pending_ = false;  // decide() asked for a solve that solved() has not reported
   double used_rate_ = 0;
   bool used_from_probe_ = false;
   double rate_under_plan_ = 0;

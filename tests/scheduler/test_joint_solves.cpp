@@ -1,5 +1,5 @@
-// JointSolves (scheduler/joint_solves.h): the first decision solves (at the rate measured in the steps,
-// or the probe's where none); after a solve that hosts state the settle iterations' rates are not taken,
+// JointSolves (scheduler/joint_solves.h): the first decision after the settle iterations solves (at the
+// rate measured in the steps, or the probe's where none); after a solve that hosts state the settle iterations' rates are not taken,
 // then a rate more than the tolerance below the one used solves again at the measured rate, one at or
 // above it (or within the tolerance) settles; a solve made at the probe's rate is redone at the measured
 // one either way; the solves are bounded; a placement with nothing on the host settles at once; reset
@@ -21,13 +21,24 @@ JointSolves::Options no_settling() {
   return o;
 }
 
+TEST(JointSolves, TheFirstSolveWaitsForSettledIterationsUnderTheModelsPlan) {
+  JointSolves a;  // settle_iterations = 2 by default
+  EXPECT_FALSE(a.may_solve());
+  EXPECT_FALSE(a.decide(300e9).solve) << "the first iteration under the model's plan re-traces";
+  EXPECT_FALSE(a.decide(300e9).solve);
+  EXPECT_TRUE(a.may_solve());
+  const JointSolves::Decision d = a.decide(150e9);
+  EXPECT_TRUE(d.solve);
+  EXPECT_EQ(d.host_rate, 150e9) << "the settled iteration's rate, not the ones before";
+}
+
 TEST(JointSolves, TheFirstDecisionSolvesAtTheRateInTheStepsOrAsksForTheProbe) {
-  JointSolves a;
+  JointSolves a(no_settling());
   EXPECT_TRUE(a.may_solve());
   JointSolves::Decision d = a.decide(150e9);
   EXPECT_TRUE(d.solve);
   EXPECT_EQ(d.host_rate, 150e9);
-  JointSolves b;
+  JointSolves b(no_settling());
   d = b.decide(0);
   EXPECT_TRUE(d.solve);
   EXPECT_EQ(d.host_rate, 0) << "no host update ran: the engine's probe gives the rate";
@@ -35,6 +46,8 @@ TEST(JointSolves, TheFirstDecisionSolvesAtTheRateInTheStepsOrAsksForTheProbe) {
 
 TEST(JointSolves, TheSettleIterationsRatesAreNotTaken) {
   JointSolves s;  // settle_iterations = 2 by default
+  s.decide(0);
+  s.decide(0);
   ASSERT_TRUE(s.decide(168e9).solve);
   s.solved(168e9, false, true);
   EXPECT_EQ(s.state(), State::kChecking);
@@ -126,6 +139,14 @@ TEST(JointSolves, ResetStartsOver) {
   EXPECT_EQ(s.solves(), 0);
   EXPECT_EQ(s.rate_under_plan(), 0);
   EXPECT_TRUE(s.decide(80e9).solve);
+  JointSolves t;  // with settling: a new layout settles again before its first solve
+  t.decide(0);
+  t.decide(0);
+  t.decide(100e9);
+  t.solved(100e9, false, false);
+  t.reset();
+  EXPECT_FALSE(t.may_solve());
+  EXPECT_FALSE(t.decide(80e9).solve);
 }
 
 TEST(JointSolves, BadOptionsAndCallsOutOfOrderAreRefused) {
@@ -141,12 +162,21 @@ TEST(JointSolves, BadOptionsAndCallsOutOfOrderAreRefused) {
   o = {};
   o.settle_iterations = -1;
   EXPECT_THROW(JointSolves{o}, c10::Error);
-  JointSolves s;
+  JointSolves s(no_settling());
   EXPECT_THROW(s.decide(-1.0), c10::Error);
   EXPECT_THROW(s.solved(0.0, false, true), c10::Error) << "a solve needs a rate";
-  s.decide(100e9);
+  JointSolves settling;
+  EXPECT_THROW(settling.solved(100e9, false, true), c10::Error) << "while settling: no decision to solve";
+  ASSERT_TRUE(s.decide(100e9).solve);
+  EXPECT_THROW(s.decide(100e9), c10::Error) << "a solve asked for and not reported";
   s.solved(100e9, false, true);
-  EXPECT_THROW(s.solved(100e9, false, true), c10::Error) << "while settling: no decision to solve";
+  EXPECT_THROW(s.solved(100e9, false, true), c10::Error) << "reported twice";
+  EXPECT_THROW(s.failed(), c10::Error) << "no solve asked for";
+  JointSolves f(no_settling());
+  ASSERT_TRUE(f.decide(100e9).solve);
+  f.failed();
+  EXPECT_EQ(f.state(), State::kSettled) << "a solve that threw is not retried every step";
+  EXPECT_FALSE(f.decide(50e9).solve);
 }
 
 }  // namespace
