@@ -49,27 +49,15 @@
 #include <sstream>
 
 #include "../../examples/gpt/gpt.h"
+#include "bench_args.h"
+#include "machine_rates.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-struct Args {
-  std::string preset = "small", commit = "unknown", trace, profile, profile_ferry;
-  int64_t batch = 8, seq = 256, steps = 5, warmup_steps = 2;
-  bool checkpoint = false, baseline = true, find_max = false, init_scope = false, unpipelined = false;
-  bool sync_update = false;  // HybridAdamOptions::update_behind_forward off
-  bool joint_placement = false;  // HybridAdamOptions::plan_state_with_activations
-  int64_t round_trip_slots = 0;  // HybridAdamOptions::round_trip_slots
-  std::string state_format = "fp32";  // --state-format, parsed into `format` once
-  ferry::StateFormat format = ferry::StateFormat::kFp32;  // HybridAdamOptions::state_format
-  bool replicate_params = false, keep_gathered = false;  // world size > 1: Note [Sharded parameters] off / no reshard
-  int64_t reshard_gap = 16;
-  double max_grad_norm = 0;  // global-norm clipping (ferry and the baseline); 0: none
-  int64_t micro_batches = 1;  // gradient accumulation: backward passes per step, batch / micro_batches rows each
-  std::string copies = "sync";  // simulated device: "sync" copies, or "stream" (chunk/stream_model_engine.h)
-};
+using bench_gpt::Args;
 
 // The torch profiler (Kineto: operators with their input shapes and strides, and CUDA kernels on CUDA)
 // over one step; each phase of the step in a user scope "phase.NAME" that ends after the phase's device
@@ -591,102 +579,6 @@ StepTimes run_baseline(const Args& a, const gpt::GptConfig& gc, bool cuda, doubl
   return t;
 }
 
-// ns per intercepted op: `n` adds on a managed parameter inside ChunkedModel's scope, against the same
-// adds on a plain tensor. The parameter stays resident (no budget), so this is the hook path alone.
-// And the cost of Note [Ops outside the scopes] (D57): the same adds outside any scope while the thread
-// watches (a hazard held for the measurement), on the plain tensor (an op the watch only looks at) and
-// on the managed parameter (checked: before_outside_use).
-struct InterceptionNs {
-  double managed = 0, plain = 0, watched_plain = 0, watched_managed = 0;
-};
-InterceptionNs interception_ns(ferry::Config config, int64_t n) {
-  auto lin = std::make_shared<torch::nn::LinearImpl>(8, 8);
-  config.device_budget_bytes = 0;
-  config.precision = ferry::Precision::kFp32;
-  config.chunk_size_bytes = 4096;
-  ferry::ChunkedModel model(lin, config);
-  const at::Tensor plain = torch::randn({8, 8}, model.store().device());
-  torch::NoGradGuard no_grad;
-  auto time_loop = [&](const at::Tensor& w) {
-    at::Tensor acc;
-    auto t0 = Clock::now();
-    for (int64_t i = 0; i < n; ++i) acc = at::add(w, 1.0);
-    return since(t0) * 1e9 / n;
-  };
-  InterceptionNs r;
-  for (int rep = 0; rep < 2; ++rep) model.forward([&] { return time_loop(lin->weight); });  // warm-up + trace
-  r.managed = model.forward([&] { return time_loop(lin->weight); });
-  model.end_iteration();
-  r.plain = time_loop(plain);
-  ferry::outside_hazard_begin();
-  ferry::watch_outside_uses();
-  r.watched_plain = time_loop(plain);
-  r.watched_managed = time_loop(lin->weight);
-  ferry::outside_hazard_end();
-  (void)at::add(plain, 1.0);  // the watch ends at the first op after the hazard
-  return r;
-}
-
-// ---- floors: the machine's rates, measured in this binary ------------------------------------------
-
-struct Rates {
-  double h2d_bytes_per_s = 0, d2h_bytes_per_s = 0;  // chunk-sized copies (pinned host memory on CUDA)
-  double adam_bytes_per_s = 0;                       // CpuAdam at 28 B/param (bf16 grads and copy)
-  double gemm_flops_per_s = 0;                       // bf16 GEMM on CUDA, fp32 on the CPU
-};
-
-Rates measure_rates(const ferry::Config& config, bool cuda) {
-  Rates r;
-  const int64_t bytes = int64_t{256} << 20;
-  const c10::Device dev = cuda ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU);
-  at::Tensor host = at::empty({bytes}, at::kByte);
-  if (cuda) host = host.pin_memory();
-  host.fill_(1);
-  at::Tensor device = at::empty({bytes}, at::TensorOptions(at::kByte).device(dev));
-  auto copy_rate = [&](at::Tensor& dst, const at::Tensor& src) {
-    dst.copy_(src);  // warm
-    sync(cuda);
-    auto t0 = Clock::now();
-    for (int i = 0; i < 3; ++i) dst.copy_(src, /*non_blocking=*/cuda);
-    sync(cuda);
-    return 3.0 * static_cast<double>(bytes) / since(t0);
-  };
-  r.h2d_bytes_per_s = copy_rate(device, host);
-  r.d2h_bytes_per_s = copy_rate(host, device);
-  {
-    // 64M parameters, 1 GiB of state: far beyond any last-level cache. With 16M (256 MiB) the H100
-    // box's runs of 2026-11-26 read 147 to 201 GB/s from one run to the next, above the 145 GB/s
-    // that bench_cpu_adam measures there at 64M and 256M: part of it was served from the cache. The
-    // best of five passes: a roof is the rate the memory can give, not an average of disturbances.
-    const int64_t n = int64_t{64} << 20;
-    ferry::CpuAdam adam(ferry::AdamOptions{}, ferry::CpuAdamConfig::from(config));
-    at::Tensor p = at::randn({n}), m = at::zeros({n}), v = at::zeros({n});
-    at::Tensor g = at::randn({n}).to(at::kBFloat16), lowp = at::empty({n}, at::kBFloat16);
-    adam.advance_step(0);
-    adam.update(0, p, g, m, v, lowp);  // warm
-    double best = 0;
-    for (int i = 0; i < 5; ++i) {
-      auto t0 = Clock::now();
-      adam.update(0, p, g, m, v, lowp);
-      best = std::max(best, 28.0 * static_cast<double>(n) / since(t0));
-    }
-    r.adam_bytes_per_s = best;
-  }
-  {
-    const int64_t k = cuda ? 8192 : 1024;
-    const auto opts = at::TensorOptions(cuda ? at::kBFloat16 : at::kFloat).device(dev);
-    at::Tensor x = at::randn({k, k}, opts), w = at::randn({k, k}, opts);
-    at::matmul(x, w);
-    sync(cuda);
-    auto t0 = Clock::now();
-    const int reps = cuda ? 10 : 3;
-    for (int i = 0; i < reps; ++i) at::matmul(x, w);
-    sync(cuda);
-    r.gemm_flops_per_s = reps * 2.0 * static_cast<double>(k * k * k) / since(t0);
-  }
-  return r;
-}
-
 int run(int argc, char** argv);
 
 }  // namespace
@@ -698,76 +590,11 @@ int main(int argc, char** argv) {
 namespace {
 
 int run(int argc, char** argv) {
-  std::vector<std::string> rest;
-  ferry::Config config = ferry::Config::from_args(argc, argv, &rest);
-  // Checkpointed blocks are planned (kept where the device has room) unless told otherwise (D75).
-  if (!ferry::cli::option_given(argc, argv, "activations")) config.activations = ferry::ActivationPolicy::kAuto;
-  ferry::log::configure(config.log_level, config.rank);
-  Args a;
-  bool no_baseline = false;
-  ferry::cli::Options options("bench_gpt");
-  options.add("preset", &a.preset, "GPT preset (default small)")
-      .add("batch", &a.batch, "sequences per step (default 8)", 1, int64_t{1} << 24)
-      .add("seq", &a.seq, "tokens per sequence (default 256)", 2, int64_t{1} << 24)
-      .add("steps", &a.steps, "measured steps (default 5)", 1)
-      .add("warmup-steps", &a.warmup_steps, "unmeasured steps first (default 2)", 1)
-      .add_flag("checkpoint-activations", &a.checkpoint, "recompute each block in backward")
-      .add_flag("init-scope", &a.init_scope, "build the model inside ferry::InitScope (compute dtype, no fp32 copy)")
-      .add_flag("no-baseline", &no_baseline, "skip the unwrapped baseline")
-      .add_flag("unpipelined", &a.unpipelined, "model.backward() + adam.step() instead of adam.backward_step()")
-      .add_flag("sync-update", &a.sync_update, "every host update done when the step returns, none left running "
-                "behind it into the next forward (Note [Update behind the next forward])")
-      .add("micro-batches", &a.micro_batches, "gradient accumulation: backward passes per step, each over "
-           "batch / N sequences (default 1)", 1)
-      .add("max-grad-norm", &a.max_grad_norm, "global gradient clipping in ferry and the baseline, 0 = none "
-           "(default 0; with clipping ferry's host Adam follows backward: Note [Pipelined step])", 0.0)
-      .add("state-format", &a.state_format, "optimizer state: fp32 (default) or compact (bf16 master, 8-bit "
-           "moments: Note [The compact state format])")
-      .add_flag("joint-placement", &a.joint_placement, "activations=auto: the state placed again with the "
-                "activation plan after a steady iteration (HybridAdamOptions::plan_state_with_activations)")
-      .add("round-trip-slots", &a.round_trip_slots, "host buffers the parameter round trips of the host updates "
-           "hold at most (HybridAdamOptions::round_trip_slots; default 0: one per host-state chunk)", int64_t{0})
-      .add_flag("find-max", &a.find_max, "find the largest preset that trains")
-      .add_flag("replicate-params", &a.replicate_params, "world size > 1: every rank keeps every parameter chunk")
-      .add_flag("keep-gathered", &a.keep_gathered, "world size > 1: keep gathered groups from forward to the step")
-      .add("reshard-gap", &a.reshard_gap, "world size > 1: give a group up after forward if its next use is at "
-           "least this many trace positions later (default 16)", 0)
-      .add("copies", &a.copies, "simulated device: sync (copies done when issued; the default) or stream (queued "
-           "as on a CUDA copy stream, the host learning late that they are done: syncs_per_step then counts "
-           "what a GPU would wait for, an upper bound)")
-      .add("commit", &a.commit, "commit id recorded in the JSON")
-      .add("trace", &a.trace, "Chrome trace of the last measured step into FILE.json (FILE-rankR.json per rank)")
-      .add("profile", &a.profile, "torch profiler (Kineto: operators and CUDA kernels) over one more baseline "
-           "step after the measured ones, into FILE.json (benchmarks/profile_compare.py compares it with the Python "
-           "peer's)")
-      .add("profile-ferry", &a.profile_ferry, "the same for ferry's step (profile_compare.py compares it with the "
-           "baseline's: --unpipelined gives both the same three phases; FILE-rankR.json per rank)");
-  options.parse(rest);
-  a.format = ferry::state_format_from_string(a.state_format);  // fails naming what was given
-  if (a.batch % a.micro_batches != 0) {
-    throw ferry::cli::UsageError("--batch (" + std::to_string(a.batch) + ") must be a multiple of --micro-batches (" +
-                                 std::to_string(a.micro_batches) + ")");
-  }
-  if (config.world_size > 1) {  // one file per rank
-    const std::string suffix = "-rank" + std::to_string(config.rank);
-    for (std::string* path : {&a.trace, &a.profile_ferry}) {
-      if (path->empty()) continue;
-      const auto dot = path->rfind('.');
-      *path = dot == std::string::npos ? *path + suffix : path->substr(0, dot) + suffix + path->substr(dot);
-    }
-  }
+  ferry::Config config;
+  Args a = bench_gpt::parse_args(argc, argv, config);
   const std::shared_ptr<ferry::dist::Communicator> comm = ferry::dist::connect(config);  // null: world size 1
   const int world = config.world_size;
-  // The baseline is one process's; a multi-process run measures ferry only.
-  a.baseline = !no_baseline && world == 1;
   const bool cuda = ferry::resolve_device_kind(config.device) == ferry::DeviceKind::kCuda;
-  if (a.copies != "sync" && a.copies != "stream") {
-    throw ferry::cli::UsageError("--copies must be sync or stream, got '" + a.copies + "'");
-  }
-  if (cuda && a.copies != "sync") {
-    throw ferry::cli::UsageError("--copies=" + a.copies + " models a copy stream on the simulated device; on CUDA the "
-                                 "copies are the GPU's (drop --copies, or use --device=simulated)");
-  }
   std::ostringstream out;
   out.precision(6);
   out << "{\n  \"benchmark\": \"gpt\",\n  \"commit\": \"" << a.commit << "\",\n  \"env\": "
@@ -828,7 +655,7 @@ int run(int argc, char** argv) {
   gc.seq = std::max(gc.seq, a.seq);
   const double n = static_cast<double>(gc.num_params());
   const double tokens = static_cast<double>(a.batch * a.seq);
-  const InterceptionNs ins = interception_ns(config, 20000);
+  const bench_gpt::InterceptionNs ins = bench_gpt::interception_ns(config, 20000);
   std::cerr << "bench_gpt: interception: " << ins.managed << " ns/op managed vs " << ins.plain
             << " ns/op plain; outside the scopes while watched: " << ins.watched_plain << " ns/op plain, "
             << ins.watched_managed << " ns/op managed\n";
@@ -903,7 +730,7 @@ int run(int argc, char** argv) {
   if (a.baseline) b = run_baseline(a, gc, cuda, &baseline_loss);
   {
     // Floors: each resource alone at its measured rate; overlapped perfectly, the step takes the largest.
-    const Rates rates = measure_rates(config, cuda);
+    const bench_gpt::Rates rates = bench_gpt::measure_rates(config, cuda);
     const double flops = (a.checkpoint ? 8 : 6) * n * tokens;
     const bool from_baseline = a.baseline && b.total > 0;
     const double flops_rate = from_baseline ? 6 * n * tokens / b.total : rates.gemm_flops_per_s;
