@@ -181,11 +181,10 @@ TEST(JointStep, TheRateUnderTheJointPlacementIsCheckedInItsOwnSteps) {
   // From 0: the first solve ends step 4, steps 5 and 6 settle, step 7 is measured and may end in a
   // second solve, whose placement step 8 only settles.
   EXPECT_LE(t.rates.solves, 2);
+  // (Whether step 7's rate was within the tolerance is JointSolves's to decide, tested there: the rate
+  // reported is the last step's, which on a loaded machine may be anything.)
   if (t.rates.solves == 1) {
     EXPECT_GT(t.rates.host_adam_under_plan_bytes_per_s, 0) << "steps 7 and 8 measured under the placement";
-    EXPECT_GE(t.rates.host_adam_under_plan_bytes_per_s,
-              (1.0 - JointSolves::Options{}.tolerance) * t.rates.used.host_adam_bytes_per_s)
-        << "a rate more than the tolerance slower under the plan solves again";
   } else {
     EXPECT_EQ(t.rates.host_adam_under_plan_bytes_per_s, 0) << "the second placement not measured yet";
   }
