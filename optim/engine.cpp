@@ -281,7 +281,6 @@ void Engine::place_jointly_if_due_locked() {
   if (solves_.may_solve()) deferred_.settle();
   const double in_steps = host_adam_rate_in_steps_locked();
   const JointSolves::Decision decision = solves_.decide(in_steps);
-  joint_rates_.host_adam_under_plan_bytes_per_s = solves_.rate_under_plan();
   if (!decision.solve) return;
   try {
     const bool first = solves_.solves() == 0;
@@ -300,7 +299,7 @@ void Engine::place_jointly_if_due_locked() {
     const ActivationCosts costs = steady_costs_locked(rates);
     log::info("ferry: measured for the joint placement", first ? "" : " (again, from its own placement's steps)",
               ": host Adam ", alone / 1e9, " GB/s alone",
-              !from_probe ? ", " + std::to_string(in_steps / 1e9) + " GB/s in the steps " +
+              !from_probe ? ", " + std::to_string(decision.host_rate / 1e9) + " GB/s in the steps " +
                                 (first ? "since the state was placed" : "under the last joint placement") + " (used)"
                           : std::string(", no host update in the steps since the state was placed"),
               first ? "" : "; the last solve used " + std::to_string(joint_rates_.used.host_adam_bytes_per_s / 1e9) + " GB/s",
@@ -313,7 +312,7 @@ void Engine::place_jointly_if_due_locked() {
     if (policy.planned()) m.apply_activation_plan(policy.plan(), policy.plan_input());
     plans_seen_ = m.activations().plans();  // the next decision waits for an iteration under this plan
     solves_.solved(rates.host_adam_bytes_per_s, from_probe, placement_.num_on_device() < placement_.num_chunks());
-    joint_rates_ = JointRates{rates, alone, in_steps, 0, solves_.solves()};
+    joint_rates_ = JointRates{rates, alone, in_steps};  // joint_rates() adds what solves_ keeps
   } catch (...) {
     solves_.failed();  // not retried at every step; the error is the step's
     throw;
@@ -380,7 +379,12 @@ bool Engine::plan_now(bool ready, bool wanted, int64_t segments) {
 MemoryPlanInput Engine::agree(const MemoryPlanInput& mine) { return dist::agree_plan_input(sharded_.comm(), mine); }
 
 JointRates Engine::joint_rates() const {
-  return locked([&] { return joint_rates_; });
+  return locked([&] {
+    JointRates r = joint_rates_;
+    r.host_adam_under_plan_bytes_per_s = solves_.rate_under_plan();
+    r.solves = solves_.solves();
+    return r;
+  });
 }
 
 bool Engine::placed() const {
