@@ -119,7 +119,11 @@ Engine::Engine(ChunkedModel& wrapped, HybridAdamOptions options)
   {
     std::lock_guard<std::mutex> lock(mutex_);
     follow_layout_locked();
-    if (sharded_.active()) sharded_.broadcast_initial_values();
+    if (sharded_.active()) {
+      sharded_.broadcast_initial_values();  // writes every compute copy from the masters
+    } else if (master_coarser_than_compute_copy()) {
+      updates_.write_back();  // Note [The fp16 compute copy of compact state]
+    }
   }
   model().release_initial_values();  // the masters hold them now
   model().set_grad_sink(this);
@@ -518,7 +522,9 @@ void Engine::backward_uses_changed() { trainable_changed(); }
 // Note [Writes to parameters] (hooks/write_watch.h). Every slot holds its value here. A replacement
 // is taken whole, at its own precision; an in-place write where the slot differs from the master
 // rounded to the compute dtype (in fp32, everywhere: the slot is the master's copy). Another rank's
-// chunk (sharded state): its owner takes the write, and the values come from it after the step.
+// chunk (sharded state): its owner takes the write, and the values come from it after the step. Where
+// the master is coarser than the slot (Note [The fp16 compute copy of compact state]) the slot then
+// gets the master's value: the write as the state keeps it.
 void Engine::values_written(const std::vector<WrittenParam>& written) {
   const OwnOps own_ops;  // ferry's ops, never uses of a parameter (hooks/interceptor.h)
   for (const WrittenParam& w : written) await_param(w.param);  // an update left running writes the master
@@ -529,16 +535,37 @@ void Engine::values_written(const std::vector<WrittenParam>& written) {
     at::Tensor master = placement_.view(kMasterRole, w.param);
     if (w.replacement.defined()) {
       master.copy_(w.replacement);
-      continue;
+    } else {
+      const at::Tensor value = model().param_values(w.param).to(master.device());
+      if (value.scalar_type() == at::kFloat) {
+        master.copy_(value);
+      } else {
+        const at::Tensor changed = value.ne(master.to(value.scalar_type()));
+        master.copy_(at::where(changed, value.to(at::kFloat), master));
+      }
     }
-    const at::Tensor value = model().param_values(w.param).to(master.device());
-    if (value.scalar_type() == at::kFloat) {
-      master.copy_(value);
-      continue;
-    }
-    const at::Tensor changed = value.ne(master.to(value.scalar_type()));
-    master.copy_(at::where(changed, value.to(at::kFloat), master));
+    if (master_coarser_than_compute_copy()) model().param_values(w.param).copy_(master);
   }
+}
+
+// Note [The fp16 compute copy of compact state]
+// Everywhere else the compute copy is the master rounded to the compute dtype, whatever put a value
+// there: the module's initial values (the master takes the fp32 value, the slot its rounding), a write
+// (above), load_state_dict() and load() (which write every slot from the masters), an update. The
+// compact master is bf16; with an fp16 compute copy (11 significant bits to bf16's 8) the slot of a
+// parameter that no update has touched since its value came in would be finer than its master: a
+// frozen layer, a layer not used yet, every parameter before the first applied step (fp16 loss
+// scaling skips the first ones). Nothing saves such a slot: a checkpoint holds the masters and load()
+// writes the slots from them, so a run resumed from it computed with other values than the run that
+// saved it (found by the mechanism-combination test, tests/optim/test_mechanism_combinations.cpp: a
+// frozen bias, fp16 compute, compact state, one save and load), and one process started from values
+// that several ranks do not (their broadcast of the initial masters already wrote the slots from
+// them). So here the slot is the master's value from the start and after each write: under the
+// compact format every weight is a bf16 value, the fp16 copy holds it (rounded only below fp16's
+// normal range, 2^-14, where both formats lose bits). The cost: a frozen or pretrained fp16 weight is
+// rounded to bf16 when the optimizer is built, as any weight is at its first update.
+bool Engine::master_coarser_than_compute_copy() const {
+  return options_.state_format == StateFormat::kCompact && model().compute_dtype() == at::kHalf;
 }
 
 // ---- options and counts --------------------------------------------------------------------------

@@ -121,6 +121,9 @@ class Engine final : private GradSink, private LayoutListener, private PlanAgree
   MemoryPlanInput agree(const MemoryPlanInput& mine) override;
 
   ChunkedModel& model() const;  // refuses once the model is gone
+  // The compact bf16 master under an fp16 compute copy: the slot is written from the master wherever a
+  // value comes in (Note [The fp16 compute copy of compact state], engine.cpp).
+  bool master_coarser_than_compute_copy() const;
   // f() under the mutex (the small readers between iterations).
   template <class F>
   auto locked(F&& f) const {

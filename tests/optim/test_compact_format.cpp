@@ -9,6 +9,8 @@
 //    fp32 state into compact as the format encodes it;
 //  - fp16 with loss scaling (an overflow skips the step and backs the scale off) and a layer frozen for
 //    some steps (its state untouched, its step count lagging) within the same bound;
+//  - an fp16 compute copy is its bf16 master's value from the start and after a write, so that a layer
+//    frozen from the start resumes from a checkpoint bit for bit;
 //  - an fp32 compute copy is refused, naming the precision.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -296,6 +298,68 @@ TEST(CompactFormat, CheckpointsHoldTheStateExactlyAndConvertBetweenFormats) {
   EXPECT_GT(rounded, 0) << "the fp32 masters must have needed rounding (else the test shows nothing)";
   remove_checkpoint(dir);
   remove_checkpoint(fp32_dir);
+}
+
+// Note [The fp16 compute copy of compact state] (optim/engine.cpp): under an fp16 compute copy every
+// parameter's slot is its bf16 master's value from the start and after a write, not only after its first
+// update, so that a parameter no update touched (here fc0's bias, frozen from the start; every parameter
+// before the first step) resumes from a checkpoint with the values the run that saved it computed with.
+// Before, the slot kept the module's fp16 rounding, finer than the master, and load() wrote it from the
+// master: the resumed run's forward differed (test_mechanism_combinations found it).
+TEST(CompactFormat, AnFp16ComputeCopyIsItsMastersValueFromTheStartSoAFrozenLayerResumes) {
+  const std::string dir = temp_dir("compact_fp16_frozen");
+  auto [ref, net] = twins(9);
+  net->fc[0]->bias.set_requires_grad(false);
+  ChunkedModel model(net.ptr(), sim_config(compact_budget(2, 2), Precision::kFp16));
+  HybridAdam adam(model, compact_split_state());
+  const auto expect_slots_are_masters = [&](ChunkedModel& m, HybridAdam& a, const std::string& when) {
+    for (int64_t p = 0; p < m.num_params(); ++p) {
+      EXPECT_TRUE(torch::equal(m.param_values(p).cpu(), a.master(p).to(torch::kHalf).cpu()))
+          << when << ": " << m.param_name(p);
+    }
+  };
+  expect_slots_are_masters(model, adam, "built");
+  // The module's own fp16 rounding of the initial values differs from the master's in some elements:
+  // else this test shows nothing.
+  int64_t finer = 0;
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    if (model.param_name(p) != "fc0.bias") continue;
+    finer = ref->fc[0]->bias.to(torch::kHalf).ne(model.param_values(p).cpu()).sum().item<int64_t>();
+  }
+  EXPECT_GT(finer, 0) << "fp16 of the initial values must differ from fp16 of their bf16 masters somewhere";
+  {
+    torch::NoGradGuard no_grad;
+    net->fc[1]->bias.mul_(1.0009765625);  // an in-place write the master rounds to bf16
+  }
+  expect_slots_are_masters(model, adam, "after a write");
+  for (int step = 0; step < 3; ++step) {
+    model.backward(forward_loss(model, net, batch(step)));
+    adam.step();
+    adam.zero_grad();
+  }
+  adam.save(dir);
+  auto [r2, net2] = twins(10);
+  net2->fc[0]->bias.set_requires_grad(false);
+  ChunkedModel m2(net2.ptr(), sim_config(compact_budget(2, 2), Precision::kFp16));
+  HybridAdam a2(m2, compact_split_state());
+  a2.load(dir);
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    ASSERT_TRUE(torch::equal(model.param_values(p).cpu(), m2.param_values(p).cpu())) << "loaded: " << model.param_name(p);
+  }
+  for (int step = 3; step < 6; ++step) {
+    const auto x = batch(step);
+    const torch::Tensor l1 = forward_loss(model, net, x), l2 = forward_loss(m2, net2, x);
+    ASSERT_TRUE(torch::equal(l1.detach(), l2.detach())) << "step " << step << ": the resumed forward differs";
+    model.backward(l1);
+    m2.backward(l2);
+    adam.step();
+    a2.step();
+    adam.zero_grad();
+    a2.zero_grad();
+  }
+  ASSERT_NO_FATAL_FAILURE(expect_same_state(adam, a2, model, m2, "after resuming"));
+  expect_slots_are_masters(m2, a2, "after resuming");
+  remove_checkpoint(dir);
 }
 
 TEST(CompactFormat, AnFp32ComputeCopyIsRefused) {
