@@ -181,7 +181,8 @@ at::Tensor SafetensorsFile::tensor(const std::string& name) const {
   const size_t item = c10::elementSize(e->dtype);
   if (reinterpret_cast<uintptr_t>(data) % item != 0) {  // unaligned for its type: a copy
     at::Tensor t = at::empty(e->shape, options);
-    std::memcpy(t.data_ptr(), data, static_cast<size_t>(e->end - e->begin));
+    // An empty tensor has no storage (a null pointer, which memcpy must not get even for 0 bytes).
+    if (e->end > e->begin) std::memcpy(t.data_ptr(), data, static_cast<size_t>(e->end - e->begin));
     return t;
   }
   std::shared_ptr<const SafetensorsFile> keep = self_.lock();

@@ -4,7 +4,8 @@
 // open() with the file and the tensor named: truncated files, a header longer than the file, headers
 // that are not JSON, a name given twice, unknown dtypes and keys, missing keys, negative dimensions,
 // offsets past the end, overlapping or leaving holes, bytes after the last tensor, sizes that do not
-// match the shape.
+// match the shape; and mutated files (header and length) opened and read whole, or refused: never a
+// crash or a read outside the file.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -12,11 +13,14 @@
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "../../common/safetensors.h"
 #include "../../common/safetensors_file.h"
+#include "../mutate.h"
 #include "../test_util.h"
 
 namespace ferry {
@@ -128,9 +132,13 @@ TEST(SafetensorsFile, ReleaseDropsATensorsPagesAndRereadsThem) {
 }
 
 TEST(SafetensorsFile, ReadsAFileBuiltByHandIncludingAnUnalignedTensor) {
-  // "b" at data offset 2: its floats are not 4-byte aligned in the mapping, so it is copied.
-  const std::string header =
-      R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"F32","shape":[2],"data_offsets":[2,10]}})";
+  // "b" at data offset 2: its floats are not 4-byte aligned in the mapping, so it is copied; so is the
+  // empty "z" at offset 2 (no bytes to copy into a tensor without storage: the sanitizer build's
+  // fuzzing found the memcpy given a null pointer there).
+  std::string header =
+      R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"z":{"dtype":"F32","shape":[0,3],"data_offsets":[2,2]},)"
+      R"("b":{"dtype":"F32","shape":[2],"data_offsets":[2,10]}})";
+  header.append((8 - header.size() % 8) % 8, ' ');  // the data 8-aligned in the file, as writers pad it
   const std::string path = write_raw("byhand", header, std::string("\x07\x09", 2) + floats({1.5f, -3.0f}));
   const auto f = SafetensorsFile::open(path);
   EXPECT_TRUE(f->metadata().empty());
@@ -142,6 +150,7 @@ TEST(SafetensorsFile, ReadsAFileBuiltByHandIncludingAnUnalignedTensor) {
   EXPECT_FALSE(f->release(b)) << "a copy, not the mapping: release must not drop (zero) its memory";
   EXPECT_EQ(b[1].item<float>(), -3.0f);
   EXPECT_NE(error_of([&] { f->tensor("c"); }).find("has no tensor 'c'"), std::string::npos);
+  EXPECT_EQ(f->tensor("z").sizes(), at::IntArrayRef({0, 3}));
   ::unlink(path.c_str());
 }
 
@@ -209,6 +218,65 @@ TEST(SafetensorsFile, MalformedFilesAreRefusedNamingFileAndTensor) {
   EXPECT_NE(error_of([&] { SafetensorsFile::open(path); }).find("run past the end"), std::string::npos);
   ::unlink(path.c_str());
   EXPECT_NE(error_of([] { SafetensorsFile::open("/nonexistent/x.safetensors"); }).find("cannot open"), std::string::npos);
+}
+
+// Mutations of a valid file: 2,000 of its header (the length prefix kept right, so that the JSON and
+// the entries are what is tested) and 500 of its bytes as they are (the prefix too). A file that opens
+// is read whole, tensor by tensor (a read outside the mapping would crash, or be caught by the sanitizer
+// build); one that does not is refused with a c10::Error naming the file.
+TEST(SafetensorsFile, MutatedFilesOpenAndReadWholeOrAreRefused) {
+  const std::string base_path = temp_path("fuzz_base");
+  write_safetensors(base_path, {{"w", torch::randn({3, 5})},
+                                {"h", torch::randn({7}).to(torch::kBFloat16)},
+                                {"i", torch::arange(4, torch::kLong)},
+                                {"s", torch::tensor(2.5)},
+                                {"e", torch::empty({0, 3})}},
+                    {{"format", "pt"}});
+  std::string file;
+  {
+    std::ifstream in(base_path, std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    file = ss.str();
+  }
+  ::unlink(base_path.c_str());
+  ASSERT_GT(file.size(), 8u);
+  uint64_t header_len = 0;
+  for (int k = 7; k >= 0; --k) header_len = (header_len << 8) | static_cast<unsigned char>(file[k]);
+  ASSERT_LE(8 + header_len, file.size());
+  const std::string header = file.substr(8, header_len), data = file.substr(8 + header_len);
+  std::mt19937 rng(48);
+  const std::string path = temp_path("fuzz");
+  int64_t opened = 0, refused = 0;
+  for (int i = 0; i < 2500; ++i) {
+    if (i < 2000) {
+      const std::string h = test::mutate(header, rng);
+      write_raw("fuzz", h, data);
+    } else {
+      std::ofstream(path, std::ios::binary | std::ios::trunc) << test::mutate(file, rng);
+    }
+    try {
+      const auto f = SafetensorsFile::open(path);
+      for (const SafetensorsFile::Entry& e : f->entries()) {
+        const at::Tensor t = f->tensor(e.name);
+        EXPECT_EQ(t.numel(), e.numel()) << "iteration " << i << ": " << e.name;
+        t.to(torch::kDouble).sum().item<double>();  // every byte read
+        f->release(t);
+      }
+      ++opened;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find(path), std::string::npos)
+          << "iteration " << i << ": the error names the file: " << e.what_without_backtrace();
+      ++refused;
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "iteration " << i << ": not a c10::Error: " << e.what();
+    }
+  }
+  ::unlink(path.c_str());
+  std::printf("mutated safetensors files: %lld opened and read, %lld refused\n", static_cast<long long>(opened),
+              static_cast<long long>(refused));
+  EXPECT_GT(opened, 0);
+  EXPECT_GT(refused, 0);
 }
 
 }  // namespace

@@ -16,16 +16,19 @@
 #include <csignal>
 #include <cmath>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <random>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "../../common/crc32c.h"
 #include "../../common/durable_file.h"
 #include "../../hooks/chunked_model.h"
 #include "../../optim/hybrid_adam.h"
+#include "../mutate.h"
 #include "../test_util.h"
 #include "hybrid_adam_fixtures.h"
 
@@ -450,6 +453,48 @@ TEST(CheckpointFiles, EveryCorruptionIsRefusedAndChangesNothing) {
     EXPECT_NE(msg.find(c.message), std::string::npos) << c.what << ": " << msg;
     EXPECT_TRUE(torch::equal(target.state(), before)) << c.what << ": a failed load must change nothing";
   }
+  remove_tree(root);
+}
+
+// Mutated manifests (1,000: bytes replaced, inserted, deleted, spans duplicated or removed, cuts): each
+// is loaded or refused with a c10::Error, and a refused load changes nothing (the state, the options and
+// the step counts). A mutation may leave a valid manifest that says something else (another lr, a
+// lower step count); such a load is taken and the next comparison starts from it.
+TEST(CheckpointFiles, MutatedManifestsLoadOrAreRefusedAndChangeNothing) {
+  const std::string root = make_temp_dir("mutated");
+  const std::string dir = root + "/ckpt", manifest = dir + "/manifest.txt";
+  Trainer source(5);
+  source.train(0, 2);
+  source.adam->save(dir);
+  const std::string text = read_text(manifest);
+  Trainer target(6);
+  target.train(0, 1);
+  const auto snapshot = [&] {
+    return std::make_tuple(target.state(), target.adam->group_options(0).lr, target.adam->step_count(0));
+  };
+  auto before = snapshot();
+  std::mt19937 rng(62);
+  int64_t loaded = 0, refused = 0;
+  for (int i = 0; i < 1000; ++i) {
+    write_text(manifest, test::mutate(text, rng));
+    try {
+      target.adam->load(dir);
+      ++loaded;
+      before = snapshot();
+    } catch (const c10::Error& e) {
+      ++refused;
+      const auto after = snapshot();
+      ASSERT_TRUE(torch::equal(std::get<0>(after), std::get<0>(before)))
+          << "iteration " << i << ": a refused load changed the state: " << e.what_without_backtrace();
+      ASSERT_EQ(std::get<1>(after), std::get<1>(before)) << "iteration " << i << ": the lr";
+      ASSERT_EQ(std::get<2>(after), std::get<2>(before)) << "iteration " << i << ": the step count";
+    } catch (const std::exception& e) {
+      FAIL() << "iteration " << i << ": not a c10::Error: " << e.what();
+    }
+  }
+  std::printf("mutated manifests: %lld loaded, %lld refused\n", static_cast<long long>(loaded),
+              static_cast<long long>(refused));
+  EXPECT_GT(refused, 0);
   remove_tree(root);
 }
 
