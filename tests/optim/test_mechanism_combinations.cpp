@@ -10,7 +10,9 @@
 // forward, carry-over with the worker held so that it is taken, round-trip slots, lagging copies), and
 // a run of six steps is compared with a reference of the same semantics and none of the mechanisms (every
 // chunk and all state on the device, backward() + step()): the loss of every forward, what each step
-// reports, and in the end every master, moment and parameter bit for bit. In half of the cases the run
+// reports, and in the end every master, moment and parameter bit for bit; between two steps, what a
+// training loop does (an evaluation forward, an in-place write to a parameter, a read of the state, a new
+// lr), the same in both. In half of the cases the run
 // saves a checkpoint after its third step and goes on in a model and optimizer built afresh, from other
 // initial values, with mechanisms drawn again. A failure names the seed and the whole draw.
 #include <gtest/gtest.h>
@@ -191,6 +193,55 @@ struct Trainee {
   HybridAdam adam;
 };
 
+// What a training loop does between two steps, the same in both runs (drawn from a generator of its
+// own, so that the draws above stay as they were).
+enum class Between { kNothing, kEvaluate, kWrite, kReadState, kSetLr };
+const char* to_string(Between b) {
+  switch (b) {
+    case Between::kNothing: return "nothing";
+    case Between::kEvaluate: return "an evaluation forward";
+    case Between::kWrite: return "an in-place write to fc1's bias";
+    case Between::kReadState: return "state_dict()";
+    case Between::kSetLr: return "set_lr";
+  }
+  return "?";
+}
+
+// Does `what` on both runs before step `step`; the evaluation's losses and the state read must agree.
+void between_steps(Between what, int step, Trainee& reference, Trainee& run) {
+  const std::string at = std::string(to_string(what)) + " before step " + std::to_string(step);
+  switch (what) {
+    case Between::kNothing:
+      return;
+    case Between::kEvaluate: {
+      torch::NoGradGuard no_grad;
+      const Batch x = batch(900 + step);
+      const torch::Tensor want = forward_loss(reference.model, reference.net, x);
+      const torch::Tensor got = forward_loss(run.model, run.net, x);
+      ASSERT_TRUE(torch::equal(want, got)) << at;
+      return;
+    }
+    case Between::kWrite: {
+      torch::NoGradGuard no_grad;
+      reference.net->fc[1]->bias.mul_(0.5);
+      run.net->fc[1]->bias.mul_(0.5);
+      return;
+    }
+    case Between::kReadState: {
+      const NamedTensors want = reference.adam.state_dict(), got = run.adam.state_dict();
+      ASSERT_EQ(want.size(), got.size()) << at;
+      for (size_t k = 0; k < want.size(); ++k) {
+        ASSERT_TRUE(torch::equal(want[k].second.cpu(), got[k].second.cpu())) << at << ": " << want[k].first;
+      }
+      return;
+    }
+    case Between::kSetLr:
+      reference.adam.set_lr(4e-3);
+      run.adam.set_lr(4e-3);
+      return;
+  }
+}
+
 class MechanismCombinations : public ::testing::TestWithParam<int> {};
 
 TEST_P(MechanismCombinations, ChangeNoBitAgainstTheRunWithoutThem) {
@@ -199,9 +250,13 @@ TEST_P(MechanismCombinations, ChangeNoBitAgainstTheRunWithoutThem) {
   const Mechanisms first = draw_mechanisms(rng, semantics);
   const bool resume = rng() % 2;
   const Mechanisms second = draw_mechanisms(rng, semantics);
+  std::mt19937 between_rng(static_cast<uint32_t>(31 * GetParam() + 5));
+  const Between between = static_cast<Between>(between_rng() % 5);
+  const int between_at = 1 + static_cast<int>(between_rng() % 5);
   const std::string drawn = "case " + std::to_string(GetParam()) + ": " + describe(semantics) + "; " +
                             describe(first) +
-                            (resume ? "; resumed after step 2 with " + describe(second) : std::string());
+                            (resume ? "; resumed after step 2 with " + describe(second) : std::string()) + "; " +
+                            to_string(between) + " before step " + std::to_string(between_at);
   std::printf("%s\n", drawn.c_str());
   std::fflush(stdout);
   SCOPED_TRACE(drawn);
@@ -215,6 +270,7 @@ TEST_P(MechanismCombinations, ChangeNoBitAgainstTheRunWithoutThem) {
   int64_t applied = 0, clipped = 0, overflows = 0;
   constexpr int kSteps = 6;
   for (int step = 0; step < kSteps; ++step) {
+    if (step == between_at) ASSERT_NO_FATAL_FAILURE(between_steps(between, step, reference, *run));
     const auto [want_loss, want] = reference.step(step, semantics.micro_batches);
     const auto [got_loss, got] = run->step(step, semantics.micro_batches);
     const std::string at = "step " + std::to_string(step);
