@@ -29,7 +29,7 @@ cpu_adam::GradType grad_type_of(at::ScalarType t) {
     case at::kHalf: return cpu_adam::GradType::kF16;
     default: break;
   }
-  TORCH_CHECK(false, "CpuAdam: expected grad dtype Float, BFloat16 or Half, got ", t);
+  TORCH_CHECK(false, "ferry: CpuAdam: expected grad dtype Float, BFloat16 or Half, got ", t);
 }
 
 cpu_adam::LowpType lowp_type_of(at::ScalarType t) {
@@ -39,7 +39,7 @@ cpu_adam::LowpType lowp_type_of(at::ScalarType t) {
     case at::kHalf: return cpu_adam::LowpType::kF16;
     default: break;
   }
-  TORCH_CHECK(false, "CpuAdam: expected param_lowp dtype BFloat16 or Half (or none), got ", t);
+  TORCH_CHECK(false, "ferry: CpuAdam: expected param_lowp dtype BFloat16 or Half (or none), got ", t);
 }
 
 namespace {
@@ -58,13 +58,13 @@ const cpu_adam::KernelTable& kernels_for(CpuIsa isa) {
 // given together. Then the span's own arrays, non-null unless it is empty (`arrays_set`, `arrays`).
 void check_span_common(int64_t numel, at::ScalarType grad_dtype, const void* param_lowp, at::ScalarType lowp_dtype,
                        bool arrays_set, const char* arrays) {
-  TORCH_CHECK(numel >= 0, "CpuAdam: expected numel >= 0, got ", numel);
+  TORCH_CHECK(numel >= 0, "ferry: CpuAdam: expected numel >= 0, got ", numel);
   grad_type_of(grad_dtype);
   lowp_type_of(lowp_dtype);
   if (numel == 0) return;  // empty spans may carry null pointers
-  TORCH_CHECK(arrays_set, "CpuAdam: expected non-null ", arrays, " for a span of ", numel, " elements");
+  TORCH_CHECK(arrays_set, "ferry: CpuAdam: expected non-null ", arrays, " for a span of ", numel, " elements");
   TORCH_CHECK((param_lowp != nullptr) == (lowp_dtype != at::ScalarType::Undefined),
-              "CpuAdam: param_lowp and lowp_dtype must be given together, got pointer ", param_lowp ? "set" : "null",
+              "ferry: CpuAdam: param_lowp and lowp_dtype must be given together, got pointer ", param_lowp ? "set" : "null",
               " and dtype ", lowp_dtype);
 }
 
@@ -74,7 +74,7 @@ void check_span(const AdamSpan& s) {
 }
 
 void check_grad_scale(double grad_scale) {
-  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0.0, "CpuAdam: expected a finite grad_scale > 0, got ",
+  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0.0, "ferry: CpuAdam: expected a finite grad_scale > 0, got ",
               grad_scale);
 }
 
@@ -143,9 +143,9 @@ CpuAdam::CpuAdam(const AdamOptions& defaults, const CpuAdamConfig& config)
       split_(config.split),
       kernels_(nullptr),
       async_(std::make_unique<Async>()) {
-  TORCH_CHECK(config.threads >= 0, "CpuAdam: expected threads >= 0 (0 = all), got ", config.threads);
-  TORCH_CHECK(cpu_supports(isa_), "CpuAdam: the ", to_string(isa_), " kernel needs CPU features this machine lacks",
-              " (best available: ", to_string(best_cpu_isa()), ")");
+  TORCH_CHECK(config.threads >= 0, "ferry: CpuAdam: expected threads >= 0 (0 = all), got ", config.threads);
+  TORCH_CHECK(cpu_supports(isa_), "ferry: CpuAdam: the ", to_string(isa_), " kernel needs CPU features this machine lacks",
+              " (best available: ", to_string(best_cpu_isa()), "; Config::cpu_isa or --cpu-isa=auto picks it)");
   kernels_ = &kernels_for(isa_);
   add_param_group(defaults);
   static std::once_flag logged;
@@ -164,7 +164,7 @@ int CpuAdam::add_param_group(const AdamOptions& options) {
 }
 
 const CpuAdam::Group& CpuAdam::group_at(int group) const {
-  TORCH_CHECK(group >= 0 && group < num_param_groups(), "CpuAdam: expected a param group in [0, ",
+  TORCH_CHECK(group >= 0 && group < num_param_groups(), "ferry: CpuAdam: expected a param group in [0, ",
               num_param_groups(), "), got ", group);
   return groups_[group];
 }
@@ -192,14 +192,14 @@ int64_t CpuAdam::advance_step(int group) {
 
 void CpuAdam::set_step_count(int group, int64_t step) {
   group_at(group);
-  TORCH_CHECK(step >= 0, "CpuAdam: expected step count >= 0, got ", step);
+  TORCH_CHECK(step >= 0, "ferry: CpuAdam: expected step count >= 0, got ", step);
   groups_[group].step = step;
 }
 
 GradNorm CpuAdam::grad_norm_sq(const void* grad, at::ScalarType dtype, int64_t numel, double grad_scale) const {
   const cpu_adam::GradType type = grad_type_of(dtype);
-  TORCH_CHECK(numel >= 0, "CpuAdam: expected numel >= 0, got ", numel);
-  TORCH_CHECK(numel == 0 || grad, "CpuAdam: expected a non-null grad for ", numel, " elements");
+  TORCH_CHECK(numel >= 0, "ferry: CpuAdam: expected numel >= 0, got ", numel);
+  TORCH_CHECK(numel == 0 || grad, "ferry: CpuAdam: expected a non-null grad for ", numel, " elements");
   check_grad_scale(grad_scale);
   // One part per grain, summed in grain order: the same bits whatever the threads (thread_split.h).
   std::vector<cpu_adam::GradStats> parts(static_cast<size_t>(grain_count(numel)));
@@ -217,7 +217,7 @@ GradNorm CpuAdam::grad_norm_sq(const void* grad, at::ScalarType dtype, int64_t n
 
 GradNorm CpuAdam::grad_norm_sq(const at::Tensor& grad, double grad_scale) const {
   TORCH_CHECK(grad.defined() && grad.device().is_cpu() && grad.is_contiguous(),
-              "CpuAdam: expected a contiguous CPU grad tensor, got ", grad.defined() ? grad.toString() : "undefined");
+              "ferry: CpuAdam: expected a contiguous CPU grad tensor, got ", grad.defined() ? grad.toString() : "undefined");
   return grad_norm_sq(grad.data_ptr(), grad.scalar_type(), grad.numel(), grad_scale);
 }
 
@@ -252,14 +252,14 @@ cpu_adam::AdamKernelArgs make_kernel_args(const AdamOptions& o, int64_t step, co
 
 cpu_adam::AdamKernelArgs CpuAdam::kernel_args(int group, const AdamSpan& span, double grad_scale) const {
   const Group& g = group_at(group);
-  TORCH_CHECK(g.step >= 1, "CpuAdam: kernel_args() of group ", group, " before advance_step() (step count is 0)");
+  TORCH_CHECK(g.step >= 1, "ferry: CpuAdam: kernel_args() of group ", group, " before advance_step() (step count is 0)");
   check_span(span);
   check_grad_scale(grad_scale);
   return make_kernel_args(g.options, g.step, span, grad_scale);
 }
 
 cpu_adam::AdamKernelArgs CpuAdam::kernel_args(const FrozenGroup& group, const AdamSpan& span, double grad_scale) const {
-  TORCH_CHECK(group.step >= 1, "CpuAdam: kernel_args() of a frozen group with step count ", group.step,
+  TORCH_CHECK(group.step >= 1, "ferry: CpuAdam: kernel_args() of a frozen group with step count ", group.step,
               " (freeze it after advance_step())");
   check_span(span);
   check_grad_scale(grad_scale);
@@ -279,7 +279,7 @@ UpdateResult CpuAdam::run_update(const AdamOptions& o, int64_t step, const AdamS
 
 UpdateResult CpuAdam::update(int group, const AdamSpan& span, const UpdateOptions& options) {
   const Group& g = group_at(group);
-  TORCH_CHECK(g.step >= 1, "CpuAdam: update() of group ", group, " before advance_step() (step count is 0)");
+  TORCH_CHECK(g.step >= 1, "ferry: CpuAdam: update() of group ", group, " before advance_step() (step count is 0)");
   check_span(span);
   check_grad_scale(options.grad_scale);
   return run_update(g.options, g.step, span, options);
@@ -291,7 +291,7 @@ CpuAdam::FrozenGroup CpuAdam::freeze(int group) const {
 }
 
 UpdateResult CpuAdam::update(const FrozenGroup& group, const AdamSpan& span, const UpdateOptions& options) const {
-  TORCH_CHECK(group.step >= 1, "CpuAdam: update() of a frozen group with step count ", group.step,
+  TORCH_CHECK(group.step >= 1, "ferry: CpuAdam: update() of a frozen group with step count ", group.step,
               " (freeze it after advance_step())");
   check_span(span);
   check_grad_scale(options.grad_scale);
@@ -320,7 +320,7 @@ uint32_t rounding_seed(int64_t step) {
 
 cpu_adam::CompactAdamArgs CpuAdam::compact_kernel_args(const FrozenGroup& group, const CompactAdamSpan& span,
                                                        double grad_scale) const {
-  TORCH_CHECK(group.step >= 1, "CpuAdam: compact_kernel_args() of a frozen group with step count ", group.step,
+  TORCH_CHECK(group.step >= 1, "ferry: CpuAdam: compact_kernel_args() of a frozen group with step count ", group.step,
               " (freeze it after advance_step())");
   check_compact_span(span);
   check_grad_scale(grad_scale);
@@ -353,7 +353,7 @@ UpdateResult CpuAdam::run_compact(const FrozenGroup& group, const CompactAdamSpa
 
 UpdateResult CpuAdam::update(int group, const CompactAdamSpan& span, const UpdateOptions& options) {
   const Group& g = group_at(group);
-  TORCH_CHECK(g.step >= 1, "CpuAdam: update() of group ", group, " before advance_step() (step count is 0)");
+  TORCH_CHECK(g.step >= 1, "ferry: CpuAdam: update() of group ", group, " before advance_step() (step count is 0)");
   return run_compact(FrozenGroup{g.options, g.step}, span, options);
 }
 
@@ -365,10 +365,10 @@ UpdateResult CpuAdam::update(int group, const at::Tensor& param, const at::Tenso
                              const at::Tensor& exp_avg_sq, const at::Tensor& param_lowp,
                              const UpdateOptions& options) {
   auto check = [](const at::Tensor& t, const char* name, bool fp32) {
-    TORCH_CHECK(t.defined(), "CpuAdam: expected a tensor for ", name, ", got undefined");
-    TORCH_CHECK(t.device().is_cpu(), "CpuAdam: expected ", name, " on the CPU, got ", t.device());
-    TORCH_CHECK(t.is_contiguous(), "CpuAdam: expected a contiguous ", name);
-    TORCH_CHECK(!fp32 || t.scalar_type() == at::kFloat, "CpuAdam: expected ", name, " of dtype Float, got ",
+    TORCH_CHECK(t.defined(), "ferry: CpuAdam: expected a tensor for ", name, ", got undefined");
+    TORCH_CHECK(t.device().is_cpu(), "ferry: CpuAdam: expected ", name, " on the CPU, got ", t.device());
+    TORCH_CHECK(t.is_contiguous(), "ferry: CpuAdam: expected a contiguous ", name);
+    TORCH_CHECK(!fp32 || t.scalar_type() == at::kFloat, "ferry: CpuAdam: expected ", name, " of dtype Float, got ",
                 t.scalar_type());
   };
   check(param, "param", true);
@@ -378,13 +378,13 @@ UpdateResult CpuAdam::update(int group, const at::Tensor& param, const at::Tenso
   const int64_t n = param.numel();
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{grad, "grad"}, {exp_avg, "exp_avg"},
                                 {exp_avg_sq, "exp_avg_sq"}}) {
-    TORCH_CHECK(t.numel() == n, "CpuAdam: expected ", name, " with ", n, " elements (as param), got ", t.numel());
+    TORCH_CHECK(t.numel() == n, "ferry: CpuAdam: expected ", name, " with ", n, " elements (as param), got ", t.numel());
   }
   AdamSpan s{param.data_ptr<float>(), grad.data_ptr(), grad.scalar_type(), exp_avg.data_ptr<float>(),
              exp_avg_sq.data_ptr<float>(), nullptr, at::ScalarType::Undefined, n};
   if (param_lowp.defined()) {
     check(param_lowp, "param_lowp", false);
-    TORCH_CHECK(param_lowp.numel() == n, "CpuAdam: expected param_lowp with ", n, " elements (as param), got ",
+    TORCH_CHECK(param_lowp.numel() == n, "ferry: CpuAdam: expected param_lowp with ", n, " elements (as param), got ",
                 param_lowp.numel());
     s.param_lowp = param_lowp.data_ptr();
     s.lowp_dtype = param_lowp.scalar_type();
@@ -394,7 +394,7 @@ UpdateResult CpuAdam::update(int group, const at::Tensor& param, const at::Tenso
 
 std::future<UpdateResult> CpuAdam::update_async(int group, const AdamSpan& span, const UpdateOptions& options) {
   const Group& g = group_at(group);
-  TORCH_CHECK(g.step >= 1, "CpuAdam: update_async() of group ", group, " before advance_step() (step count is 0)");
+  TORCH_CHECK(g.step >= 1, "ferry: CpuAdam: update_async() of group ", group, " before advance_step() (step count is 0)");
   check_span(span);
   check_grad_scale(options.grad_scale);
   auto task = std::make_shared<std::packaged_task<UpdateResult()>>(
@@ -405,7 +405,7 @@ std::future<UpdateResult> CpuAdam::update_async(int group, const AdamSpan& span,
 }
 
 std::future<void> CpuAdam::run_async(std::function<void()> job) {
-  TORCH_CHECK(job, "CpuAdam: run_async() needs a job");
+  TORCH_CHECK(job, "ferry: CpuAdam: run_async() needs a job");
   // The captures go when the job returns or throws, before packaged_task makes the future ready: a
   // waiter that then counts the references to a chunk (a repack) must not race the worker's release.
   auto task = std::make_shared<std::packaged_task<void()>>([job = std::move(job)]() mutable {
