@@ -544,7 +544,8 @@ void Engine::values_written(const std::vector<WrittenParam>& written) {
         master.copy_(at::where(changed, value.to(at::kFloat), master));
       }
     }
-    if (master_coarser_than_compute_copy()) model().param_values(w.param).copy_(master);
+    // Every rank rounds alike only where every rank holds every master (N = 1, or before sharding).
+    if (master_coarser_than_compute_copy() && !ownership_.sharded()) model().param_values(w.param).copy_(master);
   }
 }
 
@@ -563,7 +564,11 @@ void Engine::values_written(const std::vector<WrittenParam>& written) {
 // them). So here the slot is the master's value from the start and after each write: under the
 // compact format every weight is a bf16 value, the fp16 copy holds it (rounded only below fp16's
 // normal range, 2^-14, where both formats lose bits). The cost: a frozen or pretrained fp16 weight is
-// rounded to bf16 when the optimizer is built, as any weight is at its first update.
+// rounded to bf16 when the optimizer is built, as any weight is at its first update. Not after a
+// write once the state is sharded (N > 1, after the first step): only the owner has the master, and
+// a slot rounded there alone would leave the ranks computing with different weights; every rank's
+// slot keeps the written fp16 value until the parameter's next update (a frozen parameter written
+// then resumes from a checkpoint with its master's value).
 bool Engine::master_coarser_than_compute_copy() const {
   return options_.state_format == StateFormat::kCompact && model().compute_dtype() == at::kHalf;
 }
