@@ -18,6 +18,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -432,6 +433,37 @@ TEST(Dist, CopiesPendingAsOnCudaLeaveTheTrainingAsInOneProcess) {
 // one process's with the same writes. (Lost writes differ by 10% a step.)
 TEST(Dist, WritesBetweenStepsReachTheOwnersMastersAsInOneProcess) {
   expect_equals_one_process(2, {"--write-between-steps=1", "--shard-params=0", "--clip=0.5"});
+}
+
+// The options above drawn together (D92): each drawn combination of the step's API, clipping,
+// micro-batches, sharded or replicated parameters, copies pending as on CUDA, evaluation forwards, a
+// layer frozen for the first steps, updates written in the step, forwards per step, a loss term after
+// forward and writes between steps (with replicated parameters) trains every rank as one process on
+// the concatenated batch. The combination is printed; a failure names it.
+TEST(Dist, DrawnCombinationsOfOptionsEqualOneProcess) {
+  std::mt19937 rng(4747);
+  for (int draw = 0; draw < 10; ++draw) {
+    std::vector<std::string> args;
+    const bool replicated = rng() % 2;
+    if (rng() % 2) args.push_back("--api=backward_step");
+    if (rng() % 2) args.push_back("--clip=0.5");
+    const bool micro = rng() % 3 == 0;  // --forwards needs one micro-batch
+    if (micro) args.push_back("--micro=2");
+    if (replicated) args.push_back("--shard-params=0");
+    if (rng() % 2) args.push_back("--copies=stream");
+    if (rng() % 2) args.push_back("--eval-every=2");
+    if (rng() % 3 == 0) args.push_back("--frozen-until=2");
+    if (rng() % 3 == 0) args.push_back("--sync-update=1");
+    if (!micro && rng() % 3 == 0) args.push_back("--forwards=2");
+    if (rng() % 3 == 0) args.push_back("--loss-term-after-forward=1");
+    if (replicated && rng() % 2) args.push_back("--write-between-steps=1");
+    const int world = rng() % 3 == 0 ? 4 : 2;  // the batch of 8 rows splits over them (and 2 micro-batches)
+    std::string drawn = "draw " + std::to_string(draw) + ": " + std::to_string(world) + " ranks";
+    for (const std::string& a : args) drawn += " " + a;
+    std::cout << "[ drawn    ] " << drawn << std::endl;  // flushed: the workers are forked from here
+    SCOPED_TRACE(drawn);
+    expect_equals_one_process(world, args);
+  }
 }
 
 // zero_grad() after backward discards the gradients: the chunks this rank does not own get their
