@@ -395,6 +395,12 @@ at::Tensor ChunkStore::view(TensorId id) {
   return chunk.host_flat().narrow(0, slot.offset, slot.numel).view(slot.shape);
 }
 
+void ChunkStore::ready_for_caller(ChunkId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reap_completed();
+  ready_for_use(chunk_at(id));
+}
+
 at::Tensor ChunkStore::payload(ChunkId id) {
   std::lock_guard<std::mutex> lock(mutex_);
   reap_completed();

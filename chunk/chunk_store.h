@@ -258,6 +258,10 @@ class ChunkStore {
   // The tensor's slot in the chunk's current payload (device or host), with its shape. Waits for a
   // pending copy into the host; orders the caller's stream after one into the device.
   at::Tensor view(TensorId id);
+  // The same for ops that reach the payload through the chunk's own tensors (a user's op on a parameter
+  // between iterations): the payload they alias usable by the caller's stream. Nothing for a chunk with
+  // no payload.
+  void ready_for_caller(ChunkId id);
   // The chunk's whole current payload, flat, under the same rules.
   at::Tensor payload(ChunkId id);
 

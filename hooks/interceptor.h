@@ -84,7 +84,8 @@ class InterceptionScope {
 // makes the thread that drives the model watch: watch_outside_uses(). On a watching thread the fallback
 // sees every op, also outside InterceptionScopes; for each registered storage among an op's tensors it
 // calls the listener's before_outside_use (with the parameter at the tensor's offset, else the
-// storage's first), which waits for that chunk's write and fails clearly if the chunk has no memory,
+// storage's first), which waits for that chunk's write, orders the caller after a copy still bringing
+// the chunk's bytes (a chunk an update sent back up), and fails clearly if the chunk has no memory,
 // then runs the op as usual (no pre/post use, no casts); or, if the listener says the op is a use
 // (kUse: the third hazard), runs it as inside a scope. The thread stops watching at its first op
 // that finds no hazard anywhere in the process: from then on its ops cost nothing again until the next

@@ -269,6 +269,9 @@ ChunkedModel::Outside ChunkedModel::before_outside_use(int64_t param) {
 void ChunkedModel::check_outside_use(int64_t param) {
   // An op between iterations on a parameter chunk that an update left running may still write.
   if (grad_sink_) grad_sink_->await_param(param);
+  // And the update may have sent the chunk back to the device (a round trip, optim/round_trips.h), the
+  // copy still on its way: the op must see what it brings (as on CUDA, where it runs on the copy stream).
+  chunks_.store().ready_for_caller(chunks_.chunk_of(param));
   // A chunk with no memory here (another rank's, given up between its uses): torch's kernels would read
   // a null pointer.
   if (table_.param(param).storage().data() != nullptr) return;

@@ -22,6 +22,7 @@
 #include "../../chunk/stream_model_engine.h"
 #include "../../common/event_trace.h"
 #include "../../hooks/chunked_model.h"
+#include "../../hooks/interceptor.h"
 #include "../test_util.h"
 #include "../trace_check.h"
 #include "module_twins.h"
@@ -730,6 +731,50 @@ TEST(ChunkedModel, ParametersAreUsableOutsideFerrysScopes) {
   }
   EXPECT_TRUE(torch::equal(model.forward([&] { return net->forward(idx); }), ref->forward(idx)));
   model.end_iteration();
+}
+
+// Note [Ops outside the scopes]: while a hazard is on (here one opened as an optimizer's update left
+// behind its step opens it) an op between iterations on a parameter whose chunk is on its way to the
+// device, the copy still queued (as such an update sends its chunk up when it ends; on CUDA a copy on
+// the copy stream), must see the bytes the copy brings, not the fresh device memory they are coming to.
+// Before, the check of such ops waited for the chunk's update only: the op read and wrote memory the
+// copy later overwrote (a write lost: found under load by test_mechanism_combinations, in 3 of 150 runs
+// of one case, while another chunk's update still ran). Every parameter is read, then halved.
+TEST(ChunkedModel, AnOpBetweenIterationsSeesTheBytesOfACopyStillOnItsWay) {
+  EvictedGpt gpt(10, lagging_copies());
+  TinyGpt ref = gpt.ref, net = gpt.net;
+  ChunkedModel& model = gpt.model;
+  const auto idx = torch::randint(EvictedGpt::V, {2, EvictedGpt::T}, torch::kLong);
+  for (int it = 0; it < 2; ++it) {
+    model.backward(model.forward([&] { return net->forward(idx).pow(2).mean(); }));
+    zero_grads(*net);
+  }
+  // One chunk on the host at a time, then started towards the device: its copy stays queued until
+  // something waits for it or orders compute after it.
+  auto ref_params = ref->named_parameters();
+  int64_t started = 0;
+  outside_hazard_begin();
+  struct End {
+    ~End() { outside_hazard_end(); }
+  } end;
+  watch_outside_uses();
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    const ChunkId c = model.param_chunk(model.layout().slots()[p].chunk);
+    if (model.store().location(c) == Location::kDevice) model.store().move(c, Location::kHost);
+    model.store().move_async(c, Location::kDevice);
+    started += model.store().chunk_info(c).copy_pending;
+    const auto& w = model.param(p);
+    EXPECT_TRUE(torch::equal(w.clone(), ref_params[model.param_name(p)])) << model.param_name(p) << ": read";
+    {
+      torch::NoGradGuard no_grad;
+      model.param(p).mul_(0.5);
+      ref_params[model.param_name(p)].mul_(0.5);
+    }
+    model.store().synchronize();  // every queued copy runs: a write they land over is lost
+    EXPECT_TRUE(torch::equal(model.param_values(p).cpu(), ref_params[model.param_name(p)])) << model.param_name(p)
+                                                                                            << ": written";
+  }
+  EXPECT_GT(started, 0) << "the test needs copies still on their way";
 }
 
 // An evaluation forward (under NoGradGuard) waits for no backward, so ops after it run unseen, as
