@@ -80,7 +80,7 @@ ChunkStore::~ChunkStore() {
 // Building
 
 ChunkId ChunkStore::add_chunk(ChunkRole role, at::ScalarType dtype, int64_t numel, Location initial) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   reap_completed();
   const ChunkId id = static_cast<ChunkId>(chunks_.size());
   auto chunk = std::make_unique<Chunk>(id, role, dtype, numel, engine_->device_allocator(),
@@ -98,7 +98,7 @@ ChunkId ChunkStore::add_chunk(ChunkRole role, at::ScalarType dtype, int64_t nume
 }
 
 TensorId ChunkStore::add_tensor(ChunkId chunk_id, int64_t offset, at::IntArrayRef shape) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   Chunk& chunk = chunk_at(chunk_id);
   int64_t numel = 1;
   for (int64_t d : shape) {
@@ -157,7 +157,7 @@ ChunkStore::RoleChunks ChunkStore::add_layout(ChunkRole role, at::ScalarType dty
 void ChunkStore::bind(TensorId id, at::Tensor& tensor) { bind(id, tensor, tensor.detach()); }
 
 void ChunkStore::bind(TensorId id, at::Tensor& tensor, const at::Tensor& values) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   reap_completed();
   Slot& slot = slot_at(id);
   Chunk& chunk = chunk_at(slot.chunk);
@@ -182,7 +182,7 @@ void ChunkStore::bind(TensorId id, at::Tensor& tensor, const at::Tensor& values)
 // Use
 
 at::Tensor ChunkStore::access(TensorId id) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   reap_completed();
   Slot& slot = slot_at(id);
   Chunk& chunk = chunk_at(slot.chunk);
@@ -208,7 +208,7 @@ at::Tensor ChunkStore::access(TensorId id) {
 }
 
 void ChunkStore::release(TensorId id, TensorState after) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   Slot& slot = slot_at(id);
   TORCH_CHECK(slot.compute_uses > 0, "ferry: release of tensor ", id, " without a matching access (state ",
               to_string(slot.state), ")");
@@ -223,7 +223,7 @@ void ChunkStore::release(TensorId id, TensorState after) {
 }
 
 void ChunkStore::set_state(TensorId id, TensorState to) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   Slot& slot = slot_at(id);
   TORCH_CHECK(to != TensorState::kCompute && slot.state != TensorState::kCompute,
               "ferry: set_state does not enter or leave COMPUTE (use access/release): tensor ", id, " ",
@@ -240,7 +240,7 @@ void ChunkStore::set_state(TensorId id, TensorState to) {
 // Moves
 
 void ChunkStore::move(ChunkId id, Location to) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   reap_completed();
   Chunk& chunk = chunk_at(id);
   const bool moves = chunk.location() != to;
@@ -255,13 +255,13 @@ void ChunkStore::move(ChunkId id, Location to) {
 }
 
 void ChunkStore::move_async(ChunkId id, Location to) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   reap_completed();
   start_move(chunk_at(id), to, /*must=*/true);
 }
 
 bool ChunkStore::prefetch(ChunkId id) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   reap_completed();
   Chunk& chunk = chunk_at(id);
   if (chunk.location() == Location::kDevice) return true;
@@ -270,19 +270,19 @@ bool ChunkStore::prefetch(ChunkId id) {
 }
 
 void ChunkStore::wait(ChunkId id, WaitFrom from) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   finish_pending(chunk_at(id), /*block=*/true, from == WaitFrom::kBackground ? Count::kBackground : Count::kCaller);
 }
 
 void ChunkStore::synchronize() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   // Newest first: copies complete in issue order (one copy stream), so one wait usually covers the rest.
   const std::vector<ChunkId> pending(pending_.rbegin(), pending_.rend());
   for (ChunkId id : pending) finish_pending(*chunks_[id], /*block=*/true);
 }
 
 void ChunkStore::lock_on_host(ChunkId id) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   Chunk& chunk = chunk_at(id);
   TORCH_CHECK(chunk.location() == Location::kHost, "ferry: lock_on_host: ", describe(chunk),
               " must be on the host, it is on ", to_string(chunk.location()));
@@ -290,14 +290,14 @@ void ChunkStore::lock_on_host(ChunkId id) {
 }
 
 void ChunkStore::unlock_on_host(ChunkId id) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   Chunk& chunk = chunk_at(id);
   TORCH_CHECK(chunk.host_locks > 0, "ferry: unlock_on_host: ", describe(chunk), " is not locked");
   --chunk.host_locks;
 }
 
 void ChunkStore::bring_to_host_and_lock(ChunkId id, const StreamMark* after) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   reap_completed();
   Chunk& chunk = chunk_at(id);
   if (chunk.location() == Location::kDevice) start_move(chunk, Location::kHost, /*must=*/true, after);
@@ -307,7 +307,7 @@ void ChunkStore::bring_to_host_and_lock(ChunkId id, const StreamMark* after) {
 }
 
 bool ChunkStore::send_to_host(ChunkId id, const StreamMark* after) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   reap_completed();
   Chunk& chunk = chunk_at(id);
   if (chunk.location() == Location::kHost) return true;
@@ -316,12 +316,12 @@ bool ChunkStore::send_to_host(ChunkId id, const StreamMark* after) {
 }
 
 bool ChunkStore::locked_on_host(ChunkId id) const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   return chunk_at(id).host_locks > 0;
 }
 
 void ChunkStore::release_payload(ChunkId id) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   Chunk& chunk = chunk_at(id);
   TORCH_CHECK(chunk.state() == ChunkState::kFree, "ferry: ", describe(chunk),
               " can release its payload only when all its tensors are FREE; it is ", to_string(chunk.state()));
@@ -341,7 +341,7 @@ void ChunkStore::release_payload(ChunkId id) {
 
 void ChunkStore::retire(ChunkId id) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    const StoreLock lock(mutex_);
     Chunk& chunk = chunk_at(id);
     for (TensorId t : chunk.tensors()) {  // check all before changing any
       TORCH_CHECK(slot_at(t).state != TensorState::kCompute, "ferry: cannot retire ", describe(chunk), ": tensor ",
@@ -359,14 +359,14 @@ void ChunkStore::retire(ChunkId id) {
 }
 
 void ChunkStore::allocate_payload(ChunkId id, Location at, const at::Tensor& bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   reap_completed();
   check_new_payload(chunk_at(id), bytes);
   fill_zero(chunk_at(id), at, bytes);
 }
 
 bool ChunkStore::try_allocate_payload_on_device(ChunkId id, const at::Tensor& bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   reap_completed();
   check_new_payload(chunk_at(id), bytes);
   return fill_zero(chunk_at(id), Location::kDevice, bytes, /*must=*/false);
@@ -384,7 +384,7 @@ void ChunkStore::check_new_payload(const Chunk& chunk, const at::Tensor& bytes) 
 // Views and queries
 
 at::Tensor ChunkStore::view(TensorId id) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   reap_completed();
   const Slot& slot = slot_at(id);
   Chunk& chunk = chunk_at(slot.chunk);
@@ -396,13 +396,14 @@ at::Tensor ChunkStore::view(TensorId id) {
 }
 
 void ChunkStore::ready_for_caller(ChunkId id) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  if (StoreLock::held_here()) return;  // re-entered from the store's own copy or fill: its business
+  const StoreLock lock(mutex_);
   reap_completed();
   ready_for_use(chunk_at(id));
 }
 
 at::Tensor ChunkStore::payload(ChunkId id) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   reap_completed();
   Chunk& chunk = chunk_at(id);
   TORCH_CHECK(chunk.location() != Location::kNone, "ferry: ", describe(chunk), " has no payload (RELEASED)");
@@ -411,34 +412,34 @@ at::Tensor ChunkStore::payload(ChunkId id) {
 }
 
 int64_t ChunkStore::device_bytes_elsewhere() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   return accountant_->current_bytes() - device_.current_bytes;
 }
 
 int64_t ChunkStore::num_chunks() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   return static_cast<int64_t>(chunks_.size());
 }
 
 int64_t ChunkStore::num_tensors() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   return static_cast<int64_t>(slots_.size());
 }
 
 Location ChunkStore::location(ChunkId id) const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   return chunk_at(id).location();
 }
 
 int64_t ChunkStore::storage_holders(ChunkId id) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   Chunk& chunk = chunk_at(id);
   finish_pending(chunk, /*block=*/true, Count::kNone);  // a copy in flight holds the buffers it reads and writes
   return chunk.storage_holders();
 }
 
 ChunkInfo ChunkStore::chunk_info(ChunkId id) const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   const Chunk& c = chunk_at(id);
   ChunkInfo info;
   info.id = c.id();
@@ -455,24 +456,24 @@ ChunkInfo ChunkStore::chunk_info(ChunkId id) const {
 }
 
 TensorInfo ChunkStore::tensor_info(TensorId id) const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   const Slot& s = slot_at(id);
   return TensorInfo{id, s.chunk, s.offset, s.numel, s.shape, s.state, s.compute_uses};
 }
 
 uint64_t ChunkStore::access_tick() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   return tick_;
 }
 
 ChunkStoreStats ChunkStore::stats() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   return ChunkStoreStats{device_,       host_,          moves_,          host_pool_.stats(), compute_bytes_,
                          compute_peak_bytes_, device_by_role_, host_by_role_};
 }
 
 void ChunkStore::reset_peak_stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   device_.peak_bytes = device_.current_bytes;
   host_.peak_bytes = host_.current_bytes;
   compute_peak_bytes_ = compute_bytes_;

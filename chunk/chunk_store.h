@@ -65,6 +65,25 @@
 
 namespace ferry {
 
+// A ChunkStore's lock, and which threads are inside an operation of a store: its copies and fills run
+// ops on the chunks' tensors with it held, which an interceptor of ops (hooks/interceptor.h) may see
+// and call back into the store for (ready_for_caller); those calls must not take the lock again.
+class StoreLock {
+ public:
+  explicit StoreLock(std::mutex& m) : lock_(m) { ++depth(); }
+  ~StoreLock() { --depth(); }
+  StoreLock(const StoreLock&) = delete;
+  StoreLock& operator=(const StoreLock&) = delete;
+  static bool held_here() { return depth() > 0; }
+
+ private:
+  static int& depth() {
+    thread_local int d = 0;
+    return d;
+  }
+  std::lock_guard<std::mutex> lock_;
+};
+
 struct ChunkStoreOptions {
   // The device tier's device: a kind (made into a Device when the store is built) or a Device object
   // (chunk/device.h), shared with other stores.
@@ -260,7 +279,8 @@ class ChunkStore {
   at::Tensor view(TensorId id);
   // The same for ops that reach the payload through the chunk's own tensors (a user's op on a parameter
   // between iterations): the payload they alias usable by the caller's stream. Nothing for a chunk with
-  // no payload.
+  // no payload, and nothing when this thread is inside an operation of a store already (its own copies
+  // and fills, which an interceptor may see as ops on the chunk: the store orders those itself).
   void ready_for_caller(ChunkId id);
   // The chunk's whole current payload, flat, under the same rules.
   at::Tensor payload(ChunkId id);

@@ -193,7 +193,7 @@ bool ChunkStore::make_room(Tier t, int64_t bytes, ChunkId incoming, bool must) {
 }
 
 void ChunkStore::set_device_budget(int64_t bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   TORCH_CHECK(bytes >= 0, "ferry: device budget must be >= 0 bytes (0 = no limit), got ", bytes);
   reap_completed();
   const int64_t old = device_.budget_bytes;
@@ -335,7 +335,7 @@ void ChunkStore::keep_for_trace(const Chunk& chunk, CopyTicket& ticket) {
 }
 
 void ChunkStore::trace_copies(const ClockAnchor& anchor) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   for (ChunkId c : pending_) {  // still in flight: their marks are reached when they are done
     Chunk& chunk = chunk_at(c);
     if (chunk.pending() && chunk.pending()->finished) keep_for_trace(chunk, *chunk.pending());
@@ -356,7 +356,7 @@ void ChunkStore::alias_if_possible(Chunk& chunk) {
 }
 
 void ChunkStore::settle() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  const StoreLock lock(mutex_);
   // Newest first: copies complete in issue order (one copy stream), so one wait usually covers the rest.
   const std::vector<ChunkId> pending(pending_.rbegin(), pending_.rend());
   for (ChunkId id : pending) {
