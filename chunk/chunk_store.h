@@ -68,6 +68,10 @@ namespace ferry {
 // A ChunkStore's lock, and which threads are inside an operation of a store: its copies and fills run
 // ops on the chunks' tensors with it held, which an interceptor of ops (hooks/interceptor.h) may see
 // and call back into the store for (ready_for_caller); those calls must not take the lock again.
+// Every op the store runs on a chunk runs under this lock: the copy engines are called only from
+// inside store operations, and the stream-model engine's queue (which runs on whichever thread waits
+// for it, under the queue's own mutex) copies with memcpy, not an op, so nothing is dispatched, and
+// nothing re-enters the store, while that mutex is held.
 class StoreLock {
  public:
   explicit StoreLock(std::mutex& m) : lock_(m) { ++depth(); }

@@ -69,7 +69,7 @@ class Stream {
     while (!queue_.empty() && done_seq_ < seq) {
       const Job job = queue_.front();
       queue_.pop_front();
-      std::memcpy(job.dst, job.src, job.nbytes);
+      std::memcpy(job.dst, job.src, job.nbytes);  // not an op: nothing is intercepted under mutex_ (StoreLock)
       done_seq_ = job.seq;
     }
     if (queue_.empty()) {
