@@ -12,6 +12,14 @@
 
 namespace ferry::test {
 
+// Whether glibc's mallinfo2, which ferry's host heap probe reads, sees this process's allocations: not
+// under AddressSanitizer or ThreadSanitizer, whose allocators are their own (the probe reads about 0).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kGlibcSeesTheHeap = false;
+#else
+constexpr bool kGlibcSeesTheHeap = true;
+#endif
+
 // The message (without backtrace) of the c10::Error `fn` throws, or "(no error)".
 inline std::string error_of(const std::function<void()>& fn) {
   try {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../../scheduler/memory_probe.h"
+#include "../test_util.h"
 
 namespace ferry {
 namespace {
@@ -55,18 +56,8 @@ TEST(MemoryProbe, TheDefaultAppliesToEveryProbe) {
   EXPECT_EQ(fixed.non_model_bytes(8192), 0);
 }
 
-#if defined(__SANITIZE_ADDRESS__)
-#define FERRY_UNDER_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define FERRY_UNDER_ASAN 1
-#endif
-#endif
-
 TEST(HeapProbe, CountsTheHeapGrowthSinceTheIterationBeganMinusFerrysOwn) {
-#ifdef FERRY_UNDER_ASAN
-  GTEST_SKIP() << "AddressSanitizer's allocator is not glibc's: mallinfo2 reports about 0";
-#else
+  if (!test::kGlibcSeesTheHeap) GTEST_SKIP() << "a sanitizer's allocator is not glibc's: mallinfo2 reports about 0";
   int64_t ferry_bytes = 123 * kMiB;  // whatever it is at the start: only its growth counts
   auto probe = make_heap_probe([&] { return ferry_bytes; });
   EXPECT_STREQ(probe->name(), "glibc-heap-growth");
@@ -95,7 +86,6 @@ TEST(HeapProbe, CountsTheHeapGrowthSinceTheIterationBeganMinusFerrysOwn) {
   EXPECT_GE(probe->non_model_bytes(0), 28 * kMiB);
   probe->begin_iteration();
   EXPECT_LT(probe->non_model_bytes(0), 8 * kMiB) << "allocated before this iteration began";
-#endif
 }
 
 }  // namespace
