@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ThreadSanitizer over the CPU tests (a developer's check, not part of scripts/test.sh: the build and
-# the run take ~40 min on 2 cores). Builds ferry's own code with -fsanitize=thread into build-tsan/
+# the run take ~35 min on 2 cores). Builds ferry's own code with -fsanitize=thread into build-tsan/
 # (without examples and benchmarks) and runs the cpu-labelled tests there with one OpenMP thread
 # (cmake/FerryTargets.cmake says why) and scripts/tsan.supp. Extra arguments go to ctest (e.g.
 # -R test_hybrid_adam). A report fails its test: halt_on_error=1.
