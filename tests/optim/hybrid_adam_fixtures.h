@@ -10,10 +10,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
 #include <future>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -147,6 +150,47 @@ inline StepResult with_worker_held(HybridAdam& adam, bool hold, const std::funct
   } open{gate, hold};
   return step();
 }
+
+// Holds `adam`'s worker from hold() (called before a step) until the next forward of the model has begun
+// (begun(), called at the start of each of its forwards) and `lag` more, or until `deadline` where no
+// forward begins (the step itself, or an op between steps, waits for the worker). The host updates the
+// step leaves running behind the next forward are then still queued when it starts: a use of a parameter
+// that does not wait for its chunk's update finds the chunk locked on the host, or reads values not yet
+// written, whatever the thread count and load. Without the hold the update of a 16 KiB chunk is often
+// done before the forward reaches it, and such a missing wait goes unseen (at one OpenMP thread, in none
+// of test_mechanism_combinations' 160 cases).
+class WorkerLag {
+ public:
+  void hold(HybridAdam& adam, std::chrono::milliseconds lag = std::chrono::milliseconds(5),
+            std::chrono::milliseconds deadline = std::chrono::milliseconds(30)) {
+    begun();  // a hold not released yet: its job has passed its deadline or is about to
+    gate_ = std::make_shared<Gate>();
+    const auto until = std::chrono::steady_clock::now() + deadline;
+    adam.run_on_worker([gate = gate_, lag, until] {
+      std::unique_lock<std::mutex> lock(gate->mutex);
+      if (!gate->opened.wait_until(lock, until, [&] { return gate->begun; })) return;
+      lock.unlock();
+      std::this_thread::sleep_for(lag);
+    });
+  }
+  void begun() {
+    if (!gate_) return;
+    {
+      std::lock_guard<std::mutex> lock(gate_->mutex);
+      gate_->begun = true;
+    }
+    gate_->opened.notify_all();
+    gate_.reset();
+  }
+
+ private:
+  struct Gate {
+    std::mutex mutex;
+    std::condition_variable opened;
+    bool begun = false;
+  };
+  std::shared_ptr<Gate> gate_;  // of the hold not yet released
+};
 
 // Two TinyLms with the same initial values.
 inline std::pair<TinyLm, TinyLm> twins(uint64_t seed) {

@@ -7,7 +7,8 @@
 // copies that stay pending as on a CUDA stream, checkpoints (test_checkpoint_files). Here they are drawn
 // together: for each seed, the semantics (precision, state format, clipping, micro-batches, fp16 loss
 // scaling) and, independently, the mechanisms (device state chunks, budget, step mode, update behind
-// forward, carry-over with the worker held so that it is taken, round-trip slots, lagging copies), and
+// forward, carry-over with the worker held so that it is taken, a worker held until the next forward has
+// begun (WorkerLag: a missing wait is then seen at any thread count), round-trip slots, lagging copies), and
 // a run of six steps is compared with a reference of the same semantics and none of the mechanisms (every
 // chunk and all state on the device, backward() + step()): the loss of every forward, what each step
 // reports, and in the end every master, moment and parameter bit for bit; between two steps, what a
@@ -40,6 +41,7 @@ struct Mechanisms {
   bool behind_forward = true;    // update_behind_forward
   bool carry_over = true;        // carry_over_host_updates
   bool hold_worker = false;      // pipelined: the worker held through backward, so the carry-over is taken
+  bool lagging_worker = false;   // the worker held from before each step until the next forward has begun
   int64_t round_trip_slots = 0;
   bool lagging_copies = false;   // copies pending until waited for (StreamModelCopyEngine)
   int warmup_iterations = 1;     // the scheduler's: iterations traced before the trace is followed
@@ -69,7 +71,8 @@ std::string describe(const Mechanisms& m) {
   std::ostringstream o;
   o << "device_state_chunks " << m.device_state_chunks << (m.tight ? ", tight budget" : ", room for all")
     << (m.pipelined ? ", backward_step" : ", backward + step") << ", behind forward " << m.behind_forward
-    << ", carry-over " << m.carry_over << ", worker held " << m.hold_worker << ", " << m.round_trip_slots
+    << ", carry-over " << m.carry_over << ", worker held " << m.hold_worker << ", worker lags "
+    << m.lagging_worker << ", " << m.round_trip_slots
     << " round-trip slot(s), lagging copies " << m.lagging_copies << ", warm-up " << m.warmup_iterations
     << ", prefetch " << m.prefetch_depth << ", repack " << m.repack;
   return o.str();
@@ -90,10 +93,13 @@ Semantics draw_semantics(std::mt19937& rng) {
 
 // Holding the worker through a step is only possible where the step does not wait for its host updates:
 // the eager backward_step that carries them over (no clipping, no fp16 loss scaling, no micro-batches,
-// updates behind forward). Elsewhere the step waits for them, and the hold would never end.
+// updates behind forward), with the same parameters used in every step. Elsewhere the step waits for
+// them, and the hold would never end: with 'extra', used by even steps only, a gradient the counts of
+// the step before did not foresee lands in a chunk whose update is queued, and waits for that update
+// (Note [A chunk final before its last use]).
 bool may_hold_worker(const Semantics& s, const Mechanisms& m) {
   return m.pipelined && m.carry_over && m.behind_forward && s.max_grad_norm == 0 &&
-         s.precision != Precision::kFp16 && s.micro_batches == 1;
+         s.precision != Precision::kFp16 && s.micro_batches == 1 && !s.extra;
 }
 
 Mechanisms draw_mechanisms(std::mt19937& rng, const Semantics& s) {
@@ -113,6 +119,9 @@ Mechanisms draw_mechanisms(std::mt19937& rng, const Semantics& s) {
   m.warmup_iterations = rng() % 3 == 0 ? 2 : 1;
   m.prefetch_depth = rng() % 3 == 0 ? 0 : 2;
   m.repack = rng() % 4 != 0;
+  // Where the step itself waits for the worker (backward_step without the carry-over taken), a hold
+  // would only end at its deadline, and what the step queues after that wait would run unheld.
+  m.lagging_worker = m.behind_forward && (!m.pipelined || may_hold_worker(s, m)) && rng() % 2 == 0;
   return m;
 }
 
@@ -169,6 +178,7 @@ struct Trainee {
   std::pair<torch::Tensor, StepResult> step(int step, int micro_batches) {
     use_extra = step % 2 == 0;
     torch::Tensor loss;
+    lag.begun();
     for (int k = 0; k + 1 < micro_batches; ++k) {
       loss = forward_loss(model, net, batch(100 * step + k), micro_batches);
       model.backward(loss);
@@ -176,6 +186,7 @@ struct Trainee {
     loss = forward_loss(model, net, batch(100 * step + micro_batches - 1), micro_batches);
     const torch::Tensor seen = loss.detach().clone();
     StepResult r;
+    if (mechanisms.lagging_worker) lag.hold(adam);
     if (mechanisms.pipelined) {
       r = with_worker_held(adam, mechanisms.hold_worker, [&] { return adam.backward_step(loss); });
     } else {
@@ -191,6 +202,7 @@ struct Trainee {
   Mechanisms mechanisms;
   ChunkedModel model;
   HybridAdam adam;
+  WorkerLag lag;
 };
 
 // What a training loop does between two steps, the same in both runs (drawn from a generator of its
@@ -217,6 +229,7 @@ void between_steps(Between what, int step, Trainee& reference, Trainee& run) {
       torch::NoGradGuard no_grad;
       const Batch x = batch(900 + step);
       const torch::Tensor want = forward_loss(reference.model, reference.net, x);
+      run.lag.begun();
       const torch::Tensor got = forward_loss(run.model, run.net, x);
       ASSERT_TRUE(torch::equal(want, got)) << at;
       return;
