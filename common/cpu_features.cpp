@@ -1,8 +1,11 @@
 #include "cpu_features.h"
 
+#include <c10/util/Exception.h>
 #include <cpuid.h>
 
+#include <cctype>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 namespace ferry {
@@ -49,6 +52,7 @@ CpuFeatures detect() {
   }
   f.brand = brand;
   while (!f.brand.empty() && f.brand.back() == ' ') f.brand.pop_back();
+  f.cap = parse_cpu_isa_cap(std::getenv("FERRY_CPU_ISA_MAX"));
   return f;
 }
 
@@ -59,8 +63,10 @@ const CpuFeatures& cpu_features() {
   return features;
 }
 
-bool cpu_supports(CpuIsa isa) {
-  const CpuFeatures& f = cpu_features();
+bool cpu_supports(CpuIsa isa) { return features_allow(cpu_features(), isa); }
+
+bool features_allow(const CpuFeatures& f, CpuIsa isa) {
+  if (f.cap && static_cast<int>(isa) > static_cast<int>(*f.cap)) return false;
   const bool avx2 = f.os_saves_ymm && f.avx2 && f.fma && f.f16c;
   const bool avx512 = avx2 && f.os_saves_zmm && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq;
   switch (isa) {
@@ -72,9 +78,11 @@ bool cpu_supports(CpuIsa isa) {
   return false;
 }
 
-CpuIsa best_cpu_isa() {
+CpuIsa best_cpu_isa() { return best_isa(cpu_features()); }
+
+CpuIsa best_isa(const CpuFeatures& f) {
   for (CpuIsa isa : {CpuIsa::kAvx512Bf16, CpuIsa::kAvx512, CpuIsa::kAvx2}) {
-    if (cpu_supports(isa)) return isa;
+    if (features_allow(f, isa)) return isa;
   }
   return CpuIsa::kScalar;
 }
@@ -87,6 +95,16 @@ const char* to_string(CpuIsa isa) {
     case CpuIsa::kAvx512Bf16: return "avx512_bf16";
   }
   return "?";
+}
+
+std::optional<CpuIsa> parse_cpu_isa_cap(const char* value) {
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  std::string name(value);
+  for (char& ch : name) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  const std::optional<CpuIsa> cap = parse_cpu_isa(name);
+  TORCH_CHECK(cap.has_value(), "ferry: FERRY_CPU_ISA_MAX: expected scalar|avx2|avx512|avx512_bf16 (the highest ",
+              "CPU Adam kernel level ferry may use), got '", value, "'");
+  return cap;
 }
 
 std::optional<CpuIsa> parse_cpu_isa(std::string_view name) {

@@ -80,6 +80,12 @@ EnvReport collect_env_report() {
   const CpuFeatures& f = cpu_features();
   r.cpu_brand = f.brand;
   r.cpu_isa_best = to_string(best_cpu_isa());
+  if (f.cap) {
+    CpuFeatures uncapped = f;
+    uncapped.cap.reset();
+    r.cpu_isa_cap = to_string(*f.cap);
+    r.cpu_isa_hardware = to_string(best_isa(uncapped));
+  }
   std::ostringstream flags;
   const std::pair<const char*, bool> named[] = {
       {"avx2", f.avx2},         {"fma", f.fma},           {"f16c", f.f16c},
@@ -113,7 +119,10 @@ std::string format_env_report(const EnvReport& r) {
      << "OpenMP       " << r.openmp << "\n"
      << "CPU          " << r.cpu_brand << ", " << r.logical_cpus << " logical CPUs\n"
      << "CPU features " << or_none(r.cpu_flags) << "\n"
-     << "CPU kernels  " << r.cpu_isa_best << "\n";
+     << "CPU kernels  " << r.cpu_isa_best
+     << (r.cpu_isa_cap.empty() ? std::string()
+                               : " (FERRY_CPU_ISA_MAX=" + r.cpu_isa_cap + "; the CPU has " + r.cpu_isa_hardware + ")")
+     << "\n";
   return os.str();
 }
 
@@ -127,7 +136,12 @@ std::string env_report_json(const EnvReport& r) {
      << "\",\"spdlog\":\"" << json_escape(r.spdlog) << "\",\"openmp\":\"" << json_escape(r.openmp)
      << "\",\"cpu\":\"" << json_escape(r.cpu_brand) << "\",\"logical_cpus\":" << r.logical_cpus
      << ",\"cpu_features\":\"" << json_escape(r.cpu_flags) << "\",\"cpu_isa\":\"" << json_escape(r.cpu_isa_best)
-     << "\"}";
+     << "\"";
+  if (!r.cpu_isa_cap.empty()) {  // only where set: results of capped runs say so
+    os << ",\"cpu_isa_cap\":\"" << json_escape(r.cpu_isa_cap) << "\",\"cpu_isa_hardware\":\""
+       << json_escape(r.cpu_isa_hardware) << "\"";
+  }
+  os << "}";
   return os.str();
 }
 

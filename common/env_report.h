@@ -19,6 +19,8 @@ struct EnvReport {
   std::string openmp;          // "_OPENMP=201511, 16 threads"
   std::string cpu_brand;
   std::string cpu_isa_best;    // best kernel level ferry will use
+  std::string cpu_isa_cap;     // FERRY_CPU_ISA_MAX, empty if not set
+  std::string cpu_isa_hardware;  // with a cap: the best level the CPU itself has
   std::string cpu_flags;       // "avx2 fma f16c ..."
   int logical_cpus = 0;
 };

@@ -21,7 +21,8 @@ if "$root/scripts/build.sh" "$@"; then
   say "ferry's view of it: $("$build/examples/ferry_info" --json 2>/dev/null | python3 -c '
 import json, sys
 r = json.load(sys.stdin)
-print("CPU Adam kernel", r.get("cpu_isa", "?"), "| CPU features", r.get("cpu_features", "?"),
+cap = " (FERRY_CPU_ISA_MAX=%s)" % r["cpu_isa_cap"] if "cpu_isa_cap" in r else ""
+print("CPU Adam kernel", r.get("cpu_isa", "?") + cap, "| CPU features", r.get("cpu_features", "?"),
       "|", r.get("openmp", "?"), "| GPUs", r.get("gpu_count", 0))' 2>/dev/null || echo "(ferry_info unavailable)")"
   if ctest --test-dir "$build" --output-on-failure -j "$jobs"; then
     say "release suite passed in $(( $(date +%s) - start )) s"

@@ -5,7 +5,8 @@
 #include "../../ferry.h"
 
 int main(int argc, char** argv) {
-  try {
+  // Errors (a bad option, a bad FERRY_CPU_ISA_MAX) print without a backtrace unless --log-level=debug.
+  return ferry::cli::run_main("ferry_info", [&] {
     std::vector<std::string> rest;
     const ferry::Config config = ferry::Config::from_args(argc, argv, &rest);
     ferry::log::configure(config.log_level, config.rank);
@@ -29,8 +30,5 @@ int main(int argc, char** argv) {
       ferry::log::debug("config: ", config.to_string());
     }
     return 0;
-  } catch (const std::exception& e) {
-    std::cerr << "ferry_info: " << e.what() << "\n";
-    return 1;
-  }
+  });
 }

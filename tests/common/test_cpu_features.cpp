@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
+#include <c10/util/Exception.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -40,6 +42,61 @@ TEST(CpuFeatures, LevelsAreOrdered) {
     EXPECT_TRUE(cpu_supports(CpuIsa::kAvx2));
   }
   EXPECT_TRUE(cpu_supports(best_cpu_isa()));
+}
+
+// FERRY_CPU_ISA_MAX: no level above the cap, and below it exactly what the hardware has.
+TEST(CpuFeatures, ACapAllowsNoLevelAboveIt) {
+  CpuFeatures hardware = cpu_features();
+  hardware.cap.reset();
+  const CpuIsa levels[] = {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16};
+  for (CpuIsa cap : levels) {
+    CpuFeatures capped = hardware;
+    capped.cap = cap;
+    for (CpuIsa isa : levels) {
+      const bool below = static_cast<int>(isa) <= static_cast<int>(cap);
+      EXPECT_EQ(features_allow(capped, isa), below && features_allow(hardware, isa))
+          << to_string(isa) << " under a cap of " << to_string(cap);
+    }
+    EXPECT_LE(static_cast<int>(best_isa(capped)), static_cast<int>(cap)) << to_string(cap);
+    EXPECT_TRUE(features_allow(capped, best_isa(capped)));
+  }
+  EXPECT_EQ(best_isa(hardware), best_isa([&] {
+              CpuFeatures c = hardware;
+              c.cap = CpuIsa::kAvx512Bf16;  // the top level caps nothing
+              return c;
+            }()));
+}
+
+TEST(CpuFeatures, ParsesTheCapStrictly) {
+  EXPECT_FALSE(parse_cpu_isa_cap(nullptr).has_value());
+  EXPECT_FALSE(parse_cpu_isa_cap("").has_value());
+  EXPECT_EQ(parse_cpu_isa_cap("avx2"), CpuIsa::kAvx2);
+  EXPECT_EQ(parse_cpu_isa_cap("AVX512_BF16"), CpuIsa::kAvx512Bf16);  // as --cpu-isa: any case
+  EXPECT_EQ(parse_cpu_isa_cap("scalar"), CpuIsa::kScalar);
+  for (const char* bad : {"avx2 ", "sse4", "avx-512", "auto"}) {
+    try {
+      parse_cpu_isa_cap(bad);
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const c10::Error& e) {
+      const std::string what = e.what_without_backtrace();
+      EXPECT_NE(what.find("FERRY_CPU_ISA_MAX"), std::string::npos) << what;
+      EXPECT_NE(what.find(std::string("'") + bad + "'"), std::string::npos) << what;
+    }
+  }
+}
+
+// Run by ctest also with FERRY_CPU_ISA_MAX=scalar (test_cpu_features_capped): the process's own
+// features carry the environment's cap, and nothing above it is supported.
+TEST(CpuFeatures, TheEnvironmentsCapHolds) {
+  const std::optional<CpuIsa> cap = parse_cpu_isa_cap(std::getenv("FERRY_CPU_ISA_MAX"));
+  EXPECT_EQ(cpu_features().cap, cap);
+  if (!cap) GTEST_SKIP() << "FERRY_CPU_ISA_MAX is not set";
+  EXPECT_LE(static_cast<int>(best_cpu_isa()), static_cast<int>(*cap));
+  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16}) {
+    if (static_cast<int>(isa) > static_cast<int>(*cap)) {
+      EXPECT_FALSE(cpu_supports(isa)) << to_string(isa);
+    }
+  }
 }
 
 TEST(CpuFeatures, NamesRoundTrip) {

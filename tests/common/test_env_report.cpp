@@ -25,6 +25,24 @@ TEST(EnvReport, NamesTheRealVersions) {
   EXPECT_NE(json.find("\"torch\":\"" + r.torch_version + "\""), std::string::npos) << json;
 }
 
+// A run under FERRY_CPU_ISA_MAX says so in the text and in the JSON; one without says nothing of a cap.
+TEST(EnvReport, ACappedKernelLevelIsReported) {
+  EnvReport r = collect_env_report();
+  r.cpu_isa_cap.clear();
+  EXPECT_EQ(format_env_report(r).find("FERRY_CPU_ISA_MAX"), std::string::npos);
+  EXPECT_EQ(env_report_json(r).find("cpu_isa_cap"), std::string::npos);
+  r.cpu_isa_best = "avx2";
+  r.cpu_isa_cap = "avx2";
+  r.cpu_isa_hardware = "avx512_bf16";
+  const std::string text = format_env_report(r);
+  EXPECT_NE(text.find("CPU kernels  avx2 (FERRY_CPU_ISA_MAX=avx2; the CPU has avx512_bf16)"), std::string::npos)
+      << text;
+  const std::string json = env_report_json(r);
+  EXPECT_NE(json.find("\"cpu_isa\":\"avx2\",\"cpu_isa_cap\":\"avx2\",\"cpu_isa_hardware\":\"avx512_bf16\"}"),
+            std::string::npos)
+      << json;
+}
+
 TEST(EnvReport, CudaBuildReportsItsRuntime) {
 #ifdef FERRY_WITH_CUDA
   const EnvReport r = collect_env_report();

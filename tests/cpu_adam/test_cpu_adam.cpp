@@ -15,6 +15,7 @@
 #include <future>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <thread>
@@ -585,12 +586,17 @@ TEST(CpuAdam, ForcingAKernelTheCpuLacksFails) {
   for (CpuIsa isa : kAllIsas) {
     CpuAdamConfig c;
     c.isa = isa;
+    const std::optional<CpuIsa> cap = cpu_features().cap;
     if (cpu_supports(isa)) {
       EXPECT_EQ(CpuAdam({}, c).isa(), isa);
+    } else if (cap && static_cast<int>(isa) > static_cast<int>(*cap)) {  // test_cpu_adam_avx2
+      expect_error([&] { CpuAdam a({}, c); }, std::string("is above FERRY_CPU_ISA_MAX=") + to_string(*cap));
     } else {
       expect_error([&] { CpuAdam a({}, c); }, "needs CPU features this machine lacks");
     }
   }
+  // auto: the best level allowed, under a cap too
+  EXPECT_EQ(CpuAdam({}, CpuAdamConfig{}).isa(), best_cpu_isa());
 }
 
 }  // namespace

@@ -283,7 +283,9 @@ TEST_P(MechanismCombinations, ChangeNoBitAgainstTheRunWithoutThem) {
   int64_t applied = 0, clipped = 0, overflows = 0;
   constexpr int kSteps = 6;
   for (int step = 0; step < kSteps; ++step) {
-    if (step == between_at) ASSERT_NO_FATAL_FAILURE(between_steps(between, step, reference, *run));
+    if (step == between_at) {
+      ASSERT_NO_FATAL_FAILURE(between_steps(between, step, reference, *run));
+    }
     const auto [want_loss, want] = reference.step(step, semantics.micro_batches);
     const auto [got_loss, got] = run->step(step, semantics.micro_batches);
     const std::string at = "step " + std::to_string(step);
