@@ -127,6 +127,15 @@ function(ferry_add_test name)
   ferry_test_environment(${name})
 endfunction()
 
+# ferry_rerun_test(NAME BINARY VAR=value...): the test binary BINARY (a ferry_add_test target) run again
+# as test NAME, labelled cpu, with the variables added to the environment (after the sanitizers').
+function(ferry_rerun_test name binary)
+  add_test(NAME ${name} COMMAND ${binary})
+  ferry_test_environment(${name})
+  set_tests_properties(${name} PROPERTIES LABELS cpu)
+  set_property(TEST ${name} APPEND PROPERTY ENVIRONMENT ${ARGN})
+endfunction()
+
 # ferry_add_tests(name...): ferry_add_test(name SOURCES name.cpp) for each: the one-file tests of a
 # folder, labelled cpu.
 function(ferry_add_tests)

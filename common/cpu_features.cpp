@@ -65,8 +65,12 @@ const CpuFeatures& cpu_features() {
 
 bool cpu_supports(CpuIsa isa) { return features_allow(cpu_features(), isa); }
 
+bool above_cap(const CpuFeatures& f, CpuIsa isa) {
+  return f.cap && static_cast<int>(isa) > static_cast<int>(*f.cap);
+}
+
 bool features_allow(const CpuFeatures& f, CpuIsa isa) {
-  if (f.cap && static_cast<int>(isa) > static_cast<int>(*f.cap)) return false;
+  if (above_cap(f, isa)) return false;
   const bool avx2 = f.os_saves_ymm && f.avx2 && f.fma && f.f16c;
   const bool avx512 = avx2 && f.os_saves_zmm && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq;
   switch (isa) {

@@ -44,6 +44,8 @@ bool cpu_supports(CpuIsa isa);
 CpuIsa best_cpu_isa();
 // Whether the features `f` allow `isa` (the hardware and f.cap); cpu_supports() of cpu_features().
 bool features_allow(const CpuFeatures& f, CpuIsa isa);
+// Whether f.cap (FERRY_CPU_ISA_MAX) rules `isa` out, whatever the hardware has.
+bool above_cap(const CpuFeatures& f, CpuIsa isa);
 // The highest level `f` allows.
 CpuIsa best_isa(const CpuFeatures& f);
 // FERRY_CPU_ISA_MAX's value as a cap: std::nullopt for null or empty; an error naming the variable,

@@ -162,11 +162,10 @@ CpuAdam::CpuAdam(const AdamOptions& defaults, const CpuAdamConfig& config)
       async_(std::make_unique<Async>()) {
   TORCH_CHECK(config.threads >= 0, "ferry: CpuAdam: expected threads >= 0 (0 = all), got ", config.threads);
   if (!cpu_supports(isa_)) {
-    const std::optional<CpuIsa> cap = cpu_features().cap;
-    const bool capped = cap && static_cast<int>(isa_) > static_cast<int>(*cap);
+    const CpuFeatures& f = cpu_features();
     TORCH_CHECK(false, "ferry: CpuAdam: the ", to_string(isa_), " kernel ",
-                capped ? std::string("is above FERRY_CPU_ISA_MAX=") + to_string(*cap)
-                       : std::string("needs CPU features this machine lacks"),
+                above_cap(f, isa_) ? std::string("is above FERRY_CPU_ISA_MAX=") + to_string(*f.cap)
+                                   : std::string("needs CPU features this machine lacks"),
                 " (best available: ", to_string(best_cpu_isa()), "; Config::cpu_isa or --cpu-isa=auto picks it)");
   }
   kernels_ = &kernels_for(isa_);

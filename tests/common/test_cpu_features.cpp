@@ -93,9 +93,10 @@ TEST(CpuFeatures, TheEnvironmentsCapHolds) {
   if (!cap) GTEST_SKIP() << "FERRY_CPU_ISA_MAX is not set";
   EXPECT_LE(static_cast<int>(best_cpu_isa()), static_cast<int>(*cap));
   for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16}) {
-    if (static_cast<int>(isa) > static_cast<int>(*cap)) {
+    if (above_cap(cpu_features(), isa)) {
       EXPECT_FALSE(cpu_supports(isa)) << to_string(isa);
     }
+    EXPECT_EQ(above_cap(cpu_features(), isa), static_cast<int>(isa) > static_cast<int>(*cap)) << to_string(isa);
   }
 }
 
