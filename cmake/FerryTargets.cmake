@@ -22,6 +22,16 @@ function(ferry_target_defaults target)
       target_link_options(${target} PRIVATE -fsanitize=${sanitize})
     endif()
   endif()
+  # Line counts (scripts/coverage.sh): -O1 after the build type's flags keeps them close to the source
+  # without -O0's cost in the CPU Adam kernels; -fprofile-update=atomic because the counters are
+  # updated from OpenMP, oneTBB and ferry's own threads.
+  if(FERRY_COVERAGE)
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:--coverage -O1 -fprofile-update=atomic>)
+    get_target_property(type ${target} TYPE)
+    if(NOT type STREQUAL "OBJECT_LIBRARY")
+      target_link_options(${target} PRIVATE --coverage)
+    endif()
+  endif()
 endfunction()
 
 # ferry_add_component(NAME SOURCES src... [LINK deps...] [NO_TORCH])
