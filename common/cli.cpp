@@ -122,7 +122,24 @@ Options& Options::add_flag(const std::string& name, bool* out, const std::string
   return *this;
 }
 
+Options& Options::also_accepts(const std::string& title, const std::string& help_text) {
+  sections_.emplace_back(title, help_text);
+  return *this;
+}
+
+std::string Options::usage() const {
+  std::string line = "usage: " + program_ + " [options]", body;
+  for (const auto& [title, text] : sections_) {
+    line += " [" + title + "]";
+    body += title + ":\n" + text + (text.empty() || text.back() == '\n' ? "" : "\n");
+  }
+  return line + "\n" + help() + body;
+}
+
 void Options::parse(const std::vector<std::string>& args) {
+  for (const std::string& arg : args) {
+    if (arg == "--help" || arg == "-h") throw HelpRequested(usage());
+  }
   for (const std::string& arg : args) {
     if (arg.rfind("--", 0) != 0 || arg.size() == 2) {
       throw UsageError("expected options of the form --name=value, got " + quoted(arg));
@@ -174,6 +191,9 @@ int run_main(const char* program, const std::function<int()>& body) {
   prefer_expandable_segments();
   try {
     return body();
+  } catch (const HelpRequested& e) {
+    std::cout << e.what();
+    return 0;
   } catch (const UsageError& e) {
     std::cerr << program << ": " << e.what() << " (try --help)\n";
     return 2;

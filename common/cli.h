@@ -16,6 +16,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ferry::cli {
@@ -24,6 +25,12 @@ namespace ferry::cli {
 class UsageError : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;
+};
+
+// `--help` was given: what() is the program's usage text. run_main prints it on stdout and returns 0.
+class HelpRequested : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
 };
 
 // Whole-string parsers, used by Options and by Config (`what` names the option in errors).
@@ -49,11 +56,18 @@ class Options {
   // `--name` sets true; `--name=true|false` (1/0, yes/no, on/off) sets that.
   Options& add_flag(const std::string& name, bool* out, const std::string& help);
 
-  // Parses `args` (each "--name=value" or "--name"). Throws UsageError.
+  // A section after the options in the usage text, e.g. ("ferry options", Config::help()) for a program
+  // that hands its arguments to Config::from_args first.
+  Options& also_accepts(const std::string& title, const std::string& help_text);
+
+  // Parses `args` (each "--name=value" or "--name"). Throws UsageError; `--help` (or `-h`) anywhere
+  // throws HelpRequested with usage() instead.
   void parse(const std::vector<std::string>& args);
   bool given(const std::string& name) const;
   // One line per option: "  --name=VALUE   help".
   std::string help() const;
+  // "usage: PROGRAM [options] [TITLE]...", help(), then each also_accepts() section under its title.
+  std::string usage() const;
 
  private:
   struct Option {
@@ -64,13 +78,14 @@ class Options {
   Option& option(const std::string& name);
   std::string program_;
   std::vector<Option> options_;
+  std::vector<std::pair<std::string, std::string>> sections_;  // also_accepts(): title, help text
 };
 
 // An error's message; for a c10::Error without its C++ backtrace (for messages that quote another).
 std::string message_of(const std::exception& e);
 
 // Runs `body`; prints any error as "PROGRAM: message" on stderr (a UsageError adds "(try --help)" and
-// returns 2; other errors return 1). c10 errors are printed without their C++ backtrace unless the
+// returns 2; other errors return 1); a HelpRequested's text goes to stdout and returns 0. c10 errors are printed without their C++ backtrace unless the
 // log level is debug or trace. Before `body`, prefer_expandable_segments().
 int run_main(const char* program, const std::function<int()>& body);
 

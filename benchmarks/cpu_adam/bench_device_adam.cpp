@@ -83,6 +83,7 @@ int run(int argc, char** argv) {
   double min_time = 0.5;
   std::string commit = "unknown";
   ferry::cli::Options options("bench_device_adam");
+  options.also_accepts("ferry options", ferry::Config::help());
   options.add("small", &small, "parameters of the first size (default 67108864 = 64Mi)", 1)
       .add("large", &large, "parameters of the second size (default 268435456 = 256Mi)", 1)
       .add("min-time", &min_time, "seconds each variant runs at least (default 0.5)", 0.0)

@@ -12,6 +12,7 @@ Args parse_args(int argc, char** argv, ferry::Config& config) {
   ferry::log::configure(config.log_level, config.rank);
   Args a;
   ferry::cli::Options options("bench_gpt");
+  options.also_accepts("ferry options", ferry::Config::help());
   options.add("preset", &a.preset, "GPT preset (default small)")
       .add("batch", &a.batch, "sequences per step (default 8)", 1, int64_t{1} << 24)
       .add("seq", &a.seq, "tokens per sequence (default 256)", 2, int64_t{1} << 24)

@@ -33,6 +33,7 @@ int run(int argc, char** argv) {
   int64_t steps = 6, batch = 64;
   std::string commit = "unknown";
   ferry::cli::Options options("bench_resnet_plan");
+  options.also_accepts("ferry options", ferry::Config::help());
   options.add("steps", &steps, "steps, the first 3 unmeasured (default 6)", 4)
       .add("batch", &batch, "images per step (default 64)", 1, 1 << 20)
       .add("commit", &commit, "the commit to report");

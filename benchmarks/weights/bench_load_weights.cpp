@@ -39,7 +39,7 @@ int64_t status_kib(const char* key) {  // a line of /proc/self/status, in KiB
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::vector<std::string> rest;
   ferry::Config config = ferry::Config::from_args(argc, argv, &rest);
   ferry::log::configure(config.log_level, config.rank);
@@ -47,6 +47,7 @@ int main(int argc, char** argv) {
   bool write = false;
   int64_t shards = 2;
   ferry::cli::Options options("bench_load_weights");
+  options.also_accepts("ferry options", ferry::Config::help());
   options.add("preset", &preset, "GPT preset (default 1b)")
       .add("dir", &dir, "the model folder to write or load")
       .add_flag("write", &write, "write the folder and exit")
@@ -110,4 +111,8 @@ int main(int argc, char** argv) {
             << ", \"rss_peak_minus_before_over_file\": " << static_cast<double>(hwm_after - rss_before) / file_bytes
             << "\n}\n";
   return 0;
+}
+
+int main(int argc, char** argv) {
+  return ferry::cli::run_main("bench_load_weights", [&] { return run(argc, argv); });
 }

@@ -51,6 +51,7 @@ int run(int argc, char** argv) {
   int64_t steps = 30, batch = 16, log_every = 10;
   double tolerance = 0;
   ferry::cli::Options cli_options("train_resnet");
+  cli_options.also_accepts("ferry options", ferry::Config::help());
   cli_options.add("steps", &steps, "optimizer steps (default 30)", 1)
       .add("batch", &batch, "images per step (default 16)", 1, 1 << 20)
       .add("log-every", &log_every, "steps per progress line (default 10)", 1)

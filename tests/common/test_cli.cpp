@@ -107,6 +107,39 @@ TEST(Cli, RunMainPrintsWithoutBacktraceAndReturnsCodes) {
   EXPECT_EQ(err.find("prog: prog:"), std::string::npos) << err;
 }
 
+// --help (or -h) anywhere, even after a bad option, asks for the usage: the program's options, then each
+// section it also accepts; run_main prints it on stdout and returns 0.
+TEST(Cli, HelpGivesTheUsageOnStdoutAndSucceeds) {
+  int64_t steps = 1;
+  std::string save;
+  cli::Options o("prog");
+  o.add("steps", &steps, "optimizer steps", 1).add("save", &save, "where to save");
+  o.also_accepts("ferry options", "  --device=VALUE   the device\n");
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"--help"}, {"--steps=3", "-h"},
+                                               {"--bogus", "--help"}}) {
+    try {
+      o.parse(args);
+      ADD_FAILURE() << args.back() << " must ask for help";
+    } catch (const cli::HelpRequested& e) {
+      const std::string text = e.what();
+      EXPECT_EQ(text.rfind("usage: prog [options] [ferry options]\n", 0), 0u) << text;
+      EXPECT_NE(text.find("  --steps=N"), std::string::npos) << text;
+      EXPECT_NE(text.find("optimizer steps\n"), std::string::npos) << text;
+      EXPECT_NE(text.find("ferry options:\n  --device=VALUE   the device\n"), std::string::npos) << text;
+      EXPECT_EQ(text, o.usage());
+    }
+  }
+  testing::internal::CaptureStdout();
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(cli::run_main("prog", [&]() -> int {
+    o.parse({"--help"});
+    return 7;  // not reached
+  }), 0);
+  const std::string out = testing::internal::GetCapturedStdout(), err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(out, o.usage());
+  EXPECT_EQ(err, "");
+}
+
 TEST(Cli, ExpandableSegmentsOnlyWhenTheUserConfiguredNothing) {
   const char* had = std::getenv("PYTORCH_CUDA_ALLOC_CONF");
   const std::string saved = had ? had : "";
