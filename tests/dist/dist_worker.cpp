@@ -8,6 +8,8 @@
 // --die-at-step=S --die-rank=R (that rank exits at step S without a word, as a crash would)
 // --discard-step=S: at step S, zero_grad() discards the gradients instead of a step
 // --save=DIR (after the last step) --resume=DIR (before the first; training goes on to --steps)
+// --rewind=K:S --rewind-dir=DIR: save into DIR before step K; before step S (> K) load it and train
+// from step K again (a load into an optimizer whose state and parameters are already sharded).
 // --save-per-rank=1: rank R saves into DIR/rankR (ranks that do not share the checkpoint directory)
 // --frozen-rank=R: rank R's rows give the MLP no gradient (its parameters land on the other ranks only);
 // with world size 1, --emulate-world=N makes the reference: the loss is the mean over the N ranks' rows,
@@ -113,6 +115,12 @@ int run(int argc, char** argv) {
   const int frozen_until = std::stoi(option(rest, "frozen-until", "0"));
   const int spare_from = std::stoi(option(rest, "spare-from", "-1"));
   const std::string save = option(rest, "save", ""), resume = option(rest, "resume", "");
+  const std::string rewind = option(rest, "rewind", ""), rewind_dir = option(rest, "rewind-dir", "");
+  const int rewind_to = rewind.empty() ? -1 : std::stoi(rewind.substr(0, rewind.find(':')));
+  const int rewind_at = rewind.empty() ? -1 : std::stoi(rewind.substr(rewind.find(':') + 1));
+  TORCH_CHECK(rewind.empty() || (rewind_to < rewind_at && !rewind_dir.empty()),
+              "--rewind=K:S needs K < S and --rewind-dir, got --rewind=", rewind);
+  bool rewound = false;
   const int discard_step = std::stoi(option(rest, "discard-step", "-1"));
   const int emulate = std::stoi(option(rest, "emulate-world", "1"));
   const int reorder_rank = std::stoi(option(rest, "reorder-rank", "-1"));
@@ -186,6 +194,14 @@ int run(int argc, char** argv) {
   int64_t ring_before_last = 0;  // ring bytes sent before the last step
   int64_t overflows = 0;
   for (int step = first_step; step < steps; ++step) {
+    if (!rewound && step == rewind_at) {
+      adam.load(rewind_dir);
+      TORCH_CHECK(adam.step_count(0) == rewind_to, "--rewind: loaded step count ", adam.step_count(0));
+      rewound = true;
+      step = rewind_to;
+    } else if (!rewound && step == rewind_to) {
+      adam.save(rewind_dir);
+    }
     if (step == die_at && config.rank == die_rank) std::_Exit(3);
     poison = step == nan_step;
     if (step == steps - 1 && comm) ring_before_last = comm->stats().ring_bytes_sent;

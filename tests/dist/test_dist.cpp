@@ -469,7 +469,10 @@ TEST(Dist, DrawnCombinationsOfOptionsEqualOneProcess) {
 
 // zero_grad() after backward discards the gradients: the chunks this rank does not own get their
 // values back from their owners.
-TEST(Dist, DiscardedGradientsLeaveTheParametersAsTheyWere) { expect_equals_one_process(2, {"--discard-step=2"}); }
+TEST(Dist, DiscardedGradientsLeaveTheParametersAsTheyWere) {
+  expect_equals_one_process(2, {"--discard-step=2"});
+  expect_equals_one_process(2, {"--discard-step=2", "--shard-params=0"});  // replicated: the owners' values
+}
 
 TEST(Dist, FourRanksWithClippingEqualOneProcess) { expect_equals_one_process(4, {"--clip=0.5"}); }
 
@@ -853,6 +856,32 @@ TEST(Dist, SaveAtTwoResumeAtTwoEqualsAnUninterruptedRunAndAtOneToo) {
                             with({"--out=" + single, "--steps=5", "--resume=" + ckpt}));
   ASSERT_EQ(alone[0].exit_code, 0) << describe(alone);
   EXPECT_LE(rel_err(read_params(single + "/rank0.bin"), read_params(whole + "/rank0.bin")), 1e-6);
+}
+
+// load() in the middle of a run at world size 2, when the state and (sharded) the parameter chunks are
+// already spread over the ranks: each rank reads only the state it owns, and the chunks it does not
+// own get the loaded values from their owners. Saved before step 1, loaded before step 3, trained from
+// step 1 again: bit for bit the uninterrupted run, with sharded and with replicated parameters. The MLP
+// is frozen until step 2: its own step counts go back too.
+TEST(Dist, LoadingAnEarlierCheckpointMidRunGoesOnAsFromThere) {
+  for (const bool replicated : {false, true}) {
+    SCOPED_TRACE(replicated ? "replicated parameters" : "sharded parameters");
+    const std::string whole = temp_dir(), rewound = temp_dir(), ckpt = temp_dir() + "/ckpt";
+    std::vector<std::string> common{"--steps=5", "--clip=0.5", "--frozen-until=2"};
+    if (replicated) common.push_back("--shard-params=0");
+    auto with = [&](std::vector<std::string> args) {
+      args.insert(args.end(), common.begin(), common.end());
+      return args;
+    };
+    const auto uninterrupted = run_world(2, with({"--out=" + whole}));
+    for (const Proc& p : uninterrupted) ASSERT_EQ(p.exit_code, 0) << describe(uninterrupted);
+    const auto again = run_world(2, with({"--out=" + rewound, "--rewind=1:3", "--rewind-dir=" + ckpt}));
+    for (const Proc& p : again) ASSERT_EQ(p.exit_code, 0) << describe(again);
+    for (int r = 0; r < 2; ++r) {
+      const std::string name = "/rank" + std::to_string(r) + ".bin";
+      EXPECT_EQ(read_params(rewound + name), read_params(whole + name)) << "rank " << r;
+    }
+  }
 }
 
 // Every rank writes its own part of the checkpoint; rank 0 reads the files back and compares each part

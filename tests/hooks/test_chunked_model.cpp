@@ -688,6 +688,55 @@ TEST(ChunkedModel, Bf16AcceptsFloatInputsWithoutHandCasts) {
   }
 }
 
+// An op that takes its tensors as a list (cat, stack) with a bf16 parameter among fp32 tensors: the
+// fp32 ones are cast as a user would cast them by hand, so the result is bf16 as the reference's (torch
+// alone would promote the list to fp32), and the gradient reaching the fp32 input goes through the cast.
+struct ListOfTensorsImpl : torch::nn::Module {
+  ListOfTensorsImpl() {
+    torch::manual_seed(31);
+    rows = register_parameter("rows", torch::randn({3, 8}));
+    proj = register_module("proj", torch::nn::Linear(8, 8));
+  }
+  // x: (2, 8) and z: (3, 8), fp32; x is used once, so its gradient has one term (no sum whose rounding
+  // would differ between bf16 and fp32).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& z) {
+    const auto joined = torch::cat({x, rows}, 0);     // (5, 8)
+    const auto stacked = torch::stack({z, rows}, 0);  // (2, 3, 8)
+    return proj->forward(joined).sum(0) + stacked.sum(std::vector<int64_t>{0, 1});
+  }
+  torch::Tensor rows;
+  torch::nn::Linear proj{nullptr};
+};
+TORCH_MODULE(ListOfTensors);
+
+TEST(ChunkedModel, Bf16CastsFloatTensorsInAListWithAParameter) {
+  ListOfTensors ref, net;
+  ref->to(torch::kBFloat16);
+  ChunkedModel model(net.ptr(), with_precision(tiny_config(4 << 10, 0), Precision::kBf16));
+  torch::manual_seed(32);
+  const auto x = torch::randn({2, 8}, torch::requires_grad());
+  const auto z = torch::randn({3, 8});
+  for (int it = 0; it < 3; ++it) {  // the warm-up, the repack, a planned iteration
+    const auto y = model.forward([&] { return net->forward(x, z); });
+    ASSERT_EQ(y.scalar_type(), torch::kBFloat16) << "iteration " << it << ": the list was not cast";
+    const auto xr = x.detach().to(torch::kBFloat16).requires_grad_();
+    const auto y_ref = ref->forward(xr, z.to(torch::kBFloat16));
+    EXPECT_TRUE(torch::equal(y, y_ref)) << "iteration " << it;
+    model.backward(y.to(torch::kFloat).pow(2).sum());
+    y_ref.to(torch::kFloat).pow(2).sum().backward();
+    ASSERT_TRUE(x.grad().defined());
+    EXPECT_EQ(x.grad().scalar_type(), torch::kFloat) << "the casts are part of the graph";
+    EXPECT_TRUE(torch::equal(x.grad(), xr.grad().to(torch::kFloat))) << "iteration " << it;
+    auto ref_params = ref->named_parameters();
+    for (const auto& item : net->named_parameters()) {
+      EXPECT_TRUE(torch::equal(item.value().grad(), ref_params[item.key()].grad())) << item.key() << ", iteration " << it;
+    }
+    x.mutable_grad().reset();
+    zero_grads(*net);
+    zero_grads(*ref);
+  }
+}
+
 // Between iterations every parameter is readable and writable by any op, evicted or not: logging a
 // weight, its norm, an eval forward outside model.forward(), torch::save of the module (these crashed:
 // a null storage, "out of bounds for storage of size 0").

@@ -181,6 +181,48 @@ TEST(CheckpointFiles, SaveResumeIsBitIdentical) {
   test::remove_checkpoint(dir);
 }
 
+// A checkpoint saved with one compute dtype loads into a model with another (trained in bf16 on a GPU,
+// resumed in fp32, or back): the state files hold fp32, so the masters and moments come back exactly,
+// each parameter is its master cast to the loading model's dtype, and training goes on. (ferry warns
+// that the dtype changed.) The budget holds one bf16 state group: 3 fp32 chunks of twice the elements.
+TEST(CheckpointFiles, ACheckpointLoadsIntoAnotherComputeDtype) {
+  const std::pair<Precision, Precision> cases[] = {{Precision::kBf16, Precision::kFp32},
+                                                   {Precision::kFp32, Precision::kBf16}};
+  for (const auto& [saved_as, loaded_as] : cases) {
+    const std::string what = std::string("saved ") + to_string(saved_as) + ", loaded " + to_string(loaded_as);
+    const std::string dir = test::temp_dir("dtype");
+    torch::manual_seed(13);
+    test::TinyLm a_net(test::kVocab, test::kDim);
+    ChunkedModel a(a_net.ptr(), test::sim_config(test::budget_for(3, 2), saved_as));
+    HybridAdam a_adam(a, HybridAdamOptions(test::adamw()).with_device_state_chunks(1));
+    test::train_steps(a, a_net, a_adam, 0, 3);
+    a_adam.save(dir);
+    torch::manual_seed(14);  // other initial values: everything must come from the checkpoint
+    test::TinyLm b_net(test::kVocab, test::kDim);
+    ChunkedModel b(b_net.ptr(), test::sim_config(test::budget_for(3, 2), loaded_as));
+    HybridAdam b_adam(b, HybridAdamOptions(test::adamw()).with_device_state_chunks(1));
+    b_adam.load(dir);
+    ASSERT_NE(a.compute_dtype(), b.compute_dtype()) << what;
+    EXPECT_EQ(b_adam.step_count(0), 3) << what;
+    for (int64_t p = 0; p < b.num_params(); ++p) {
+      const std::string name = what + ": " + b.param_name(p);
+      ASSERT_EQ(b.param_name(p), a.param_name(p));
+      EXPECT_TRUE(torch::equal(b_adam.master(p), a_adam.master(p))) << name;
+      EXPECT_TRUE(torch::equal(b_adam.exp_avg(p), a_adam.exp_avg(p))) << name;
+      EXPECT_TRUE(torch::equal(b_adam.exp_avg_sq(p), a_adam.exp_avg_sq(p))) << name;
+      EXPECT_EQ(b_adam.param_step_count(p), a_adam.param_step_count(p)) << name;
+      EXPECT_EQ(b.param_values(p).scalar_type(), b.compute_dtype()) << name;
+      EXPECT_TRUE(torch::equal(b.param_values(p), a_adam.master(p).to(b.compute_dtype()))) << name;
+    }
+    test::train_steps(b, b_net, b_adam, 3, 2);
+    EXPECT_EQ(b_adam.step_count(0), 5) << what;
+    for (int64_t p = 0; p < b.num_params(); ++p) {
+      EXPECT_TRUE(torch::isfinite(b_adam.master(p)).all().item<bool>()) << what << ": " << b.param_name(p);
+    }
+    test::remove_checkpoint(dir);
+  }
+}
+
 // A checkpoint is per parameter (not per chunk), the compact state's rounding follows an element's
 // place in the model (D86) and the gradient norm is an exact total of per-parameter terms (D87): so a
 // clipped run resumed with another chunk size, device budget and state placement goes on bit for bit

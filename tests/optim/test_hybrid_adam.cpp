@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../../common/exact_sum.h"
+#include "../../common/safetensors_file.h"
 #include "../../cpu_adam/cpu_adam.h"
 #include "../cpu_adam/adam_reference.h"
 #include "hybrid_adam_fixtures.h"
@@ -273,6 +274,23 @@ TEST(HybridAdam, Bf16MastersStartFromTheOriginalFp32Values) {
     EXPECT_EQ(sd[p].first, model.param_name(p));
     EXPECT_TRUE(torch::equal(sd[p].second, original.at(model.param_name(p)))) << sd[p].first;
   }
+  // export_safetensors() writes the same fp32 masters, by name, for Python (read back here).
+  const std::string dir = temp_dir("export");
+  const std::string file = dir.substr(0, dir.rfind('/')) + "/model.safetensors";
+  adam.export_safetensors(file);
+  {
+    const auto exported = SafetensorsFile::open(file);
+    EXPECT_EQ(exported->entries().size(), sd.size());
+    for (const auto& [name, value] : sd) {
+      ASSERT_NE(exported->find(name), nullptr) << name;
+      const at::Tensor t = exported->tensor(name);
+      EXPECT_EQ(t.scalar_type(), at::kFloat) << name;
+      EXPECT_TRUE(torch::equal(t, value)) << name;
+    }
+  }
+  ::unlink(file.c_str());
+  remove_checkpoint(dir);
+
   torch::manual_seed(23);
   TinyLm other_net(kVocab, kDim);
   ChunkedModel other(other_net.ptr(), sim_config(0, Precision::kBf16));

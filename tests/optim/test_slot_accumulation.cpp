@@ -233,6 +233,76 @@ TEST(SlotAccumulation, AFailedMicroBatchBackwardLeavesTheNextBackwardStepPipelin
   }
 }
 
+// The last micro-batch's backward fails inside backward_step (the eager step, accumulation), below l2:
+// chunk {l2, l3} was final and its host update had started, chunk {l0, l1} had not. As documented
+// (Engine::abandon_backward_step_locked): the started update stands, equal bit for bit to the
+// reference's (a twin that stepped by backward() + step() without the failure), and the other chunk
+// keeps its values and its parameters' step counts; zero_grad() discards what is left, and training
+// goes on pipelined.
+TEST(SlotAccumulation, ABackwardStepWhoseLastBackwardFailsKeepsOnlyTheStartedUpdates) {
+  HybridAdamOptions options(adamw());
+  options.device_state_chunks = 0;
+  options.accumulate_grads = true;
+  options.carry_over_host_updates = false;  // the update starts during backward
+  auto made = [](int fail_after) {
+    torch::manual_seed(53);
+    return FourLayers(fail_after);
+  };
+  FourLayers a_net = made(-1), b_net = made(/*fail_after=*/1);
+  const Config config = sim_config(budget_for(1, 0, 4), Precision::kFp32);
+  ChunkedModel a(a_net.ptr(), config), b(b_net.ptr(), config);
+  HybridAdam a_adam(a, options), b_adam(b, options);
+  const int64_t l0 = param_index(b, "l0.weight"), l1 = param_index(b, "l1.bias"), l2 = param_index(b, "l2.weight"),
+                l3 = param_index(b, "l3.bias");
+  auto loss_of = [](FourLayers& net, const torch::Tensor& x) { return net->forward(x).pow(2).mean() / 2; };
+  for (int step = 0; step < 6; ++step) {
+    const std::string when = "step " + std::to_string(step);
+    torch::manual_seed(700 + step);
+    const torch::Tensor x = torch::randn({8, 40});
+    const bool fail = step == 3;
+    const torch::Tensor l0_before = b_adam.master(l0).clone(), l1_before = b_adam.master(l1).clone();
+    const int64_t l0_count = b_adam.param_step_count(l0), l3_count = b_adam.param_step_count(l3);
+    a.backward(a.forward([&] { return loss_of(a_net, x.slice(0, 0, 4)); }));
+    a.backward(a.forward([&] { return loss_of(a_net, x.slice(0, 4, 8)); }));
+    ASSERT_TRUE(a_adam.step().applied) << when;
+    a_adam.zero_grad();
+    b.backward(b.forward([&] { return loss_of(b_net, x.slice(0, 0, 4)); }));
+    StepResult r;
+    g_fail_backward = fail;
+    const std::string error =
+        test::error_of([&] { r = b_adam.backward_step(b.forward([&] { return loss_of(b_net, x.slice(0, 4, 8)); })); });
+    g_fail_backward = false;
+    b_adam.zero_grad();
+    if (!fail) {
+      ASSERT_EQ(error, "(no error)") << when;
+      ASSERT_TRUE(r.applied) << when;
+      if (step > 1) {
+        EXPECT_GT(r.overlapped_chunks, 0) << when;
+      }
+      if (step < 3) {  // equal until the failure
+        ASSERT_NO_FATAL_FAILURE(expect_same_state(a_adam, b_adam, a, b, when));
+      }
+      continue;
+    }
+    EXPECT_NE(error.find("fails on purpose"), std::string::npos) << error;
+    EXPECT_EQ(b.phase(), ModelPhase::kIdle);
+    EXPECT_FALSE(b.any_grad_in_slot());
+    ASSERT_NE(b.layout().slots()[l0].chunk, b.layout().slots()[l3].chunk) << "the test needs two chunks";
+    EXPECT_EQ(b_adam.param_step_count(l3), l3_count + 1) << "l3's update had started: it stands";
+    for (const int64_t p : {l2, l3}) {
+      EXPECT_TRUE(torch::equal(b_adam.master(p), a_adam.master(p))) << b.param_name(p) << ": the reference's update";
+      EXPECT_TRUE(torch::equal(b.param_values(p), a.param_values(p))) << b.param_name(p);
+    }
+    EXPECT_EQ(b_adam.param_step_count(l0), l0_count) << "l0's update had not started";
+    EXPECT_TRUE(torch::equal(b_adam.master(l0), l0_before));
+    EXPECT_TRUE(torch::equal(b_adam.master(l1), l1_before));
+    EXPECT_TRUE(torch::equal(b.param_values(l0), l0_before)) << "the value, not a gradient";
+  }
+  for (int64_t p = 0; p < b.num_params(); ++p) {
+    EXPECT_TRUE(torch::isfinite(b.param_values(p)).all().item<bool>()) << b.param_name(p);
+  }
+}
+
 // The two-phase step with micro-batches takes a gradient its chunk did not have in the previous
 // backward, after that chunk's norm was taken (nothing irreversible had happened: the step takes the
 // norm again), and stays bit-identical to backward() + step(). (PipelinedStepTakesAGradientItsChunkDidNotExpect:
