@@ -128,7 +128,7 @@ Options& Options::also_accepts(const std::string& title, const std::string& help
 }
 
 std::string Options::usage() const {
-  std::string line = "usage: " + program_ + " [options]", body;
+  std::string line = "usage: " + program_ + " " + synopsis_, body;
   for (const auto& [title, text] : sections_) {
     line += " [" + title + "]";
     body += title + ":\n" + text + (text.empty() || text.back() == '\n' ? "" : "\n");

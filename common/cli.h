@@ -8,8 +8,9 @@
 //   int64_t steps = 300; bool ckpt = false; std::string save;
 //   ferry::cli::Options opts("train_gpt");
 //   opts.add("steps", &steps, "optimizer steps", 1).add_flag("checkpoint-activations", &ckpt, "...")
-//       .add("save", &save, "save the training state into DIR at the end");
-//   opts.parse(rest);                        // throws cli::UsageError
+//       .add("save", &save, "save the training state into DIR at the end")
+//       .also_accepts("ferry options", ferry::Config::help());
+//   opts.parse(rest);                        // throws cli::UsageError, or cli::HelpRequested for --help
 //   return ferry::cli::run_main("train_gpt", [&] { ...; return 0; });   // prints errors, no backtrace
 #include <cstdint>
 #include <functional>
@@ -45,7 +46,9 @@ bool option_given(int argc, const char* const* argv, const std::string& key);
 
 class Options {
  public:
-  explicit Options(std::string program) : program_(std::move(program)) {}
+  // `synopsis` follows the program's name in the usage line ("--model=DIR [options]").
+  explicit Options(std::string program, std::string synopsis = "[options]")
+      : program_(std::move(program)), synopsis_(std::move(synopsis)) {}
 
   Options& add(const std::string& name, int64_t* out, const std::string& help,
                int64_t min = std::numeric_limits<int64_t>::min(), int64_t max = std::numeric_limits<int64_t>::max());
@@ -66,7 +69,7 @@ class Options {
   bool given(const std::string& name) const;
   // One line per option: "  --name=VALUE   help".
   std::string help() const;
-  // "usage: PROGRAM [options] [TITLE]...", help(), then each also_accepts() section under its title.
+  // "usage: PROGRAM SYNOPSIS [TITLE]...", help(), then each also_accepts() section under its title.
   std::string usage() const;
 
  private:
@@ -76,7 +79,7 @@ class Options {
     bool given = false;
   };
   Option& option(const std::string& name);
-  std::string program_;
+  std::string program_, synopsis_;
   std::vector<Option> options_;
   std::vector<std::pair<std::string, std::string>> sections_;  // also_accepts(): title, help text
 };

@@ -38,22 +38,17 @@ int main(int argc, char** argv) {
     ferry::Config config = ferry::Config::from_args(argc, argv, &rest);
     if (!ferry::cli::option_given(argc, argv, "precision")) config.precision = ferry::Precision::kBf16;
     std::string device_room = "62GiB", host = "117GiB", state_format = "fp32", presets;
-    bool accumulate = false, help = false;
+    bool accumulate = false;
     int64_t round_trip_slots = 0;
-    ferry::cli::Options o("gpt_capacity");
+    ferry::cli::Options o("gpt_capacity", "[options] [--precision=bf16|fp16|fp32]");
     o.add("device-room", &device_room, "GPU bytes for chunks (default 62GiB)")
         .add("host", &host, "host bytes for chunks (default 117GiB)")
         .add("state-format", &state_format, "optimizer state: fp32 or compact (default fp32)")
         .add_flag("accumulate-grads", &accumulate, "fp32 gradient accumulation in the state")
         .add("round-trip-slots", &round_trip_slots, "HybridAdamOptions::round_trip_slots: host buffers for the "
              "parameter round trips, at most (default 0: one per host-state chunk)", int64_t{0})
-        .add("presets", &presets, "comma-separated preset names (default: every preset)")
-        .add_flag("help", &help, "this text");
+        .add("presets", &presets, "comma-separated preset names (default: every preset)");
     o.parse(rest);
-    if (help) {
-      std::cout << "usage: gpt_capacity [options] [--precision=bf16|fp16|fp32]\n" << o.help();
-      return 0;
-    }
     ferry::CapacityQuery q;
     q.device_room_bytes = ferry::parse_bytes(device_room);
     const int64_t host_bytes = ferry::parse_bytes(host);

@@ -29,7 +29,6 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
-#include <iostream>
 #include <optional>
 #include <random>
 
@@ -54,6 +53,7 @@ struct Args {
 
 ferry::cli::Options options_for(Args& a) {
   ferry::cli::Options o("train_gpt");
+  o.also_accepts("ferry options", ferry::Config::help());
   o.add("preset", &a.preset, "model size: tiny, small, medium, 1b, 2b, 4b, 6b, 8b, 10b, 12b, 15b, 20b, 30b, llama7b")
       .add("steps", &a.steps, "optimizer steps (default 300)", 1)
       .add("batch", &a.batch, "sequences per step (default 8)", 1, int64_t{1} << 24)
@@ -114,14 +114,6 @@ int main(int argc, char** argv) {
 namespace {
 
 int train(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--help") {
-      Args a;
-      std::cout << "usage: train_gpt [options] [ferry options]\n" << options_for(a).help() << "ferry options:\n"
-                << ferry::Config::help();
-      return 0;
-    }
-  }
   std::vector<std::string> rest;
   ferry::Config config = ferry::Config::from_args(argc, argv, &rest);
   // Checkpointed blocks are planned (kept where the device has room) unless told otherwise (D75).

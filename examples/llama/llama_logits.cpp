@@ -10,7 +10,6 @@
 #include "../../ferry.h"
 
 #include <cstdio>
-#include <iostream>
 #include <sstream>
 
 #include "llama.h"
@@ -48,16 +47,10 @@ int run(int argc, char** argv) {
   if (!ferry::cli::option_given(argc, argv, "precision")) config.precision = ferry::Precision::kFp32;
   ferry::log::configure(config.log_level, config.rank);
   std::string dir, tokens_text;
-  ferry::cli::Options options("llama_logits");
+  ferry::cli::Options options("llama_logits", "--model=DIR --tokens=1,2,3 [--precision=fp32|bf16]");
+  options.also_accepts("ferry options", ferry::Config::help());
   options.add("model", &dir, "a Hugging Face LLaMA folder (config.json + safetensors)")
       .add("tokens", &tokens_text, "comma-separated token ids");
-  for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--help") {
-      std::cout << "usage: llama_logits --model=DIR --tokens=1,2,3 [--precision=fp32|bf16] [ferry options]\n"
-                << options.help() << "ferry options:\n" << ferry::Config::help();
-      return 0;
-    }
-  }
   options.parse(rest);
   if (dir.empty()) throw ferry::cli::UsageError("--model is required");
   if (tokens_text.empty()) throw ferry::cli::UsageError("--tokens is required");

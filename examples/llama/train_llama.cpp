@@ -25,7 +25,6 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
-#include <iostream>
 #include <random>
 
 #include "../../common/durable_file.h"
@@ -45,7 +44,8 @@ struct Args {
 };
 
 ferry::cli::Options options_for(Args& a) {
-  ferry::cli::Options o("train_llama");
+  ferry::cli::Options o("train_llama", "--model=DIR | --preset=NAME [options]");
+  o.also_accepts("ferry options", ferry::Config::help());
   o.add("model", &a.model_dir, "a Hugging Face LLaMA folder to fine-tune (config.json + safetensors)")
       .add("preset", &a.preset, "instead of --model: a random model of a published shape (" +
                                     [] {
@@ -138,14 +138,6 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
 }
 
 int train(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--help") {
-      Args a;
-      std::cout << "usage: train_llama --model=DIR | --preset=NAME [options] [ferry options]\n"
-                << options_for(a).help() << "ferry options:\n" << ferry::Config::help();
-      return 0;
-    }
-  }
   std::vector<std::string> rest;
   ferry::Config config = ferry::Config::from_args(argc, argv, &rest);
   if (!ferry::cli::option_given(argc, argv, "activations")) config.activations = ferry::ActivationPolicy::kAuto;
