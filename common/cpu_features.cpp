@@ -43,7 +43,8 @@ CpuFeatures detect() {
     f.avx512_bf16 = eax & (1u << 5);
   }
   char brand[49] = {};
-  if (__get_cpuid_max(0x80000000, nullptr) >= 0x80000004) {
+  // GCC's cpuid.h returns unsigned, Clang's int: the leaf is compared unsigned in both.
+  if (static_cast<unsigned>(__get_cpuid_max(0x80000000, nullptr)) >= 0x80000004u) {
     for (unsigned i = 0; i < 3; ++i) {
       unsigned regs[4];
       __cpuid(0x80000002 + i, regs[0], regs[1], regs[2], regs[3]);

@@ -67,7 +67,7 @@ class ForwardOutputs {
   }
   template <class... T>
   void note(const std::tuple<T...>& out) {
-    std::apply([this](const auto&... t) { (note(t), ...); }, out);
+    std::apply([&](const auto&... t) { (note(t), ...); }, out);
   }
   template <class T>
   void note(const T&) {}

@@ -47,6 +47,7 @@
 #include <random>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "../../examples/gpt/gpt.h"
 #include "bench_args.h"
@@ -339,7 +340,8 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     int64_t activations = 0;
     at::Tensor loss, loss_sum;
     for (int64_t k = 0; k < a.micro_batches; ++k) {
-      auto [x, y] = batch_of(a, gc.vocab, rng, device);
+      at::Tensor x, y;  // not a structured binding: the lambda below captures them (C++17)
+      std::tie(x, y) = batch_of(a, gc.vocab, rng, device);
       const int64_t before_forward = allocated_bytes(cuda);
       auto t0 = Clock::now();
       {

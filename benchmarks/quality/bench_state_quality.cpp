@@ -34,6 +34,7 @@
 #include <iostream>
 #include <random>
 #include <sstream>
+#include <tuple>
 
 #include "../../examples/gpt/corpus.h"
 #include "../../examples/gpt/gpt.h"
@@ -208,7 +209,8 @@ double heldout_loss(gpt::GptImpl& net, const std::vector<std::pair<at::Tensor, a
                     HybridRun* hybrid) {
   at::NoGradGuard no_grad;
   double sum = 0;
-  for (const auto& [x, y] : batches) {
+  for (const auto& batch : batches) {
+    const at::Tensor &x = batch.first, &y = batch.second;  // captured below: not a structured binding
     // Through the ChunkedModel when it holds the parameters (an evaluation forward), else directly.
     auto loss = [&] { return gpt::GptImpl::loss(net.forward(x), y).to(at::kFloat); };
     sum += (hybrid ? hybrid->model.forward(loss) : loss()).item<double>();
@@ -273,7 +275,8 @@ int main(int argc, char** argv) {
       const double progress = static_cast<double>(std::max<int64_t>(0, step - a.warmup)) /
                               static_cast<double>(std::max<int64_t>(1, a.steps - a.warmup));
       const double lr = a.lr * warm * (0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * progress)));
-      auto [x, y] = train.sample(a.batch, a.seq, rng);
+      at::Tensor x, y;  // not a structured binding: the lambdas below capture them (C++17)
+      std::tie(x, y) = train.sample(a.batch, a.seq, rng);
       if (hybrid) {
         hybrid->adam.set_lr(lr);
         const at::Tensor loss =

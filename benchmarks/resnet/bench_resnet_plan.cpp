@@ -17,6 +17,7 @@
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <tuple>
 
 #include "../../examples/resnet/resnet.h"
 #include "../../ferry.h"
@@ -60,7 +61,8 @@ int run(int argc, char** argv) {
     ferry::ChunkedModel model(net.ptr(), config, std::move(model_options));
     ferry::HybridAdam adam(model, ferry::HybridAdamOptions{});
     for (int64_t step = 0; step < steps; ++step) {
-      auto [x, y] = resnet::synthetic_batch(step, batch, 10);
+      torch::Tensor x, y;  // not a structured binding: the lambda below captures them (C++17)
+      std::tie(x, y) = resnet::synthetic_batch(step, batch, 10);
       const auto start = std::chrono::steady_clock::now();
       auto loss = model.forward([&] { return torch::nn::functional::cross_entropy(net->forward(x), y); });
       adam.backward_step(loss);

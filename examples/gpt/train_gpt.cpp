@@ -31,6 +31,7 @@
 #include <cstdio>
 #include <optional>
 #include <random>
+#include <tuple>
 
 #include "corpus.h"
 #include "gpt.h"
@@ -209,7 +210,8 @@ int train(int argc, char** argv) {
     at::Tensor step_loss;  // summed on the device: one host read per step, not one per micro-batch
     ferry::StepResult r;
     for (int64_t k = 0; k < args.micro_batches; ++k) {
-      auto [x, y] = corpus.sample(micro, args.seq, rng);
+      at::Tensor x, y;  // not a structured binding: the lambda below captures them (C++17)
+      std::tie(x, y) = corpus.sample(micro, args.seq, rng);
       x = x.to(device);
       y = y.to(device);
       auto loss = model.forward([&] { return gpt::GptImpl::loss(net->forward(x), y) / args.micro_batches; });

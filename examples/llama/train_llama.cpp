@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <fstream>
 #include <random>
+#include <tuple>
 
 #include "../../common/durable_file.h"
 #include "../../ferry.h"
@@ -259,7 +260,8 @@ int train(int argc, char** argv) {
     adam.set_lr(args.lr * std::min(1.0, static_cast<double>(step + 1) / std::max<int64_t>(1, args.warmup)));
     at::Tensor step_loss;
     for (int64_t k = 0; k < args.micro_batches; ++k) {
-      auto [x, y] = sample();
+      at::Tensor x, y;  // not a structured binding: the lambda below captures them (C++17)
+      std::tie(x, y) = sample();
       at::Tensor loss =
           model.forward([&] { return llama::LlamaImpl::loss(net->forward(x), y) / args.micro_batches; });
       if (k + 1 == args.micro_batches) {

@@ -62,7 +62,7 @@ TEST(Json, MalformedDocumentsAreRefusedWithTheOffset) {
       {"[1 2]", "expected ',' or ']'"},
   };
   for (const auto& [text, why] : cases) {
-    const std::string e = error_of([&] { parse_json(text, "the doc"); });
+    const std::string e = error_of([&text = text] { parse_json(text, "the doc"); });
     EXPECT_NE(e.find("the doc is not valid JSON"), std::string::npos) << text << ": " << e;
     EXPECT_NE(e.find(why), std::string::npos) << text << ": " << e;
     EXPECT_NE(e.find("at byte"), std::string::npos) << text << ": " << e;

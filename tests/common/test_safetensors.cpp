@@ -447,7 +447,7 @@ TEST(Safetensors, AFolderIsShardedIndexedAndReplacesAnEarlierSave) {
     const auto f = SafetensorsFile::open(dir + "/" + file);
     EXPECT_EQ(f->metadata().at("format"), "pt");
     const at::Tensor t = f->tensor(name);
-    const at::Tensor& given = std::find_if(tensors.begin(), tensors.end(), [&](const auto& nt) { return nt.first == name; })->second;
+    const at::Tensor& given = std::find_if(tensors.begin(), tensors.end(), [&name = name](const auto& nt) { return nt.first == name; })->second;
     EXPECT_EQ(t.scalar_type(), name == "d" ? at::kLong : at::kBFloat16) << name;
     EXPECT_TRUE(torch::equal(t, name == "d" ? given : given.to(at::kBFloat16))) << name;
   }

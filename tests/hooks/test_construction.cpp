@@ -148,7 +148,7 @@ TEST(Construction, InitScopeBuildsInTheComputeDtypeAndNeverInFp32) {
   for (int64_t p = 0; p < model.num_params(); ++p) {
     EXPECT_TRUE(torch::equal(model.param_values(p), values[p])) << model.param_name(p);
   }
-  EXPECT_THROW(InitScope(at::kLong), c10::Error);
+  EXPECT_THROW({ InitScope scope(at::kLong); }, c10::Error);
 }
 
 }  // namespace

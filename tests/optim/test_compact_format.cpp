@@ -147,7 +147,7 @@ TEST(CompactFormat, AnFp16OverflowSkipsTheStepAndBacksOff) {
   HybridAdam adam(model, compact_split_state());
   train_steps(model, net, adam, 0, 3);
   const double scale = adam.loss_scale();
-  model.backward(model.forward([&] {
+  model.backward(model.forward([&net = net] {
     const Batch b = batch(3);
     return lm_loss(net, b.idx, b.target) * std::numeric_limits<float>::infinity();
   }));

@@ -316,7 +316,7 @@ TEST_P(HybridAdamOnDevice, StepsBetweenFreezesWritesAndLrChangesGiveTheSameBitsW
                                         {&b_net, &b, &b_adam}}) {
           for (int k = 0; k < micro; ++k) {
             const Batch x = batch(10 * step + k, device);
-            const torch::Tensor loss = model->forward([&] { return (*net)->loss(x.idx, x.target) / micro; });
+            const torch::Tensor loss = model->forward([&, net = net] { return (*net)->loss(x.idx, x.target) / micro; });
             if (pipelined && k + 1 == micro) {
               ASSERT_TRUE(adam->backward_step(loss).applied) << when;
             } else {
