@@ -34,36 +34,22 @@ std::string json(const Timing& t, int64_t bytes) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  std::vector<int64_t> sizes = {16 << 20, 32 << 20, 64 << 20, 128 << 20, int64_t{256} << 20};
+int run(int argc, char** argv) {
+  std::vector<std::string> rest;
+  const ferry::Config config = ferry::Config::from_args(argc, argv, &rest);  // --device among them
+  ferry::log::configure(config.log_level, config.rank);
+  std::string sizes_text = "16M,32M,64M,128M,256M", commit = "unknown";
   double min_time = 0.3;
-  std::string commit = "unknown";
-  ferry::DeviceKind device = ferry::DeviceKind::kAuto;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&](const char* key) -> const char* {
-      const std::string prefix = std::string("--") + key + "=";
-      return arg.rfind(prefix, 0) == 0 ? argv[i] + prefix.size() : nullptr;
-    };
-    if (auto v = value("sizes")) {
-      sizes.clear();
-      std::stringstream ss(v);
-      for (std::string item; std::getline(ss, item, ',');) sizes.push_back(ferry::parse_bytes(item));
-    } else if (auto v = value("min-time")) {
-      min_time = std::stod(v);
-    } else if (auto v = value("commit")) {
-      commit = v;
-    } else if (auto v = value("device")) {
-      ferry::Config c;
-      c.set("device", v);
-      device = c.device;
-    } else {
-      std::cerr << "usage: bench_chunk_move [--sizes=16M,64M] [--min-time=S] [--device=auto|cuda|simulated] "
-                   "[--commit=SHA]\n";
-      return 2;
-    }
-  }
-  device = ferry::resolve_device_kind(device);
+  ferry::cli::Options opts("bench_chunk_move");
+  opts.also_accepts("ferry options", ferry::Config::help());
+  opts.add("sizes", &sizes_text, "chunk bytes per row, comma-separated (default 16M,32M,64M,128M,256M)")
+      .add("min-time", &min_time, "seconds each row runs at least (default 0.3)", 0.0)
+      .add("commit", &commit, "the commit to report");
+  opts.parse(rest);
+  std::vector<int64_t> sizes;
+  std::stringstream ss(sizes_text);
+  for (std::string item; std::getline(ss, item, ',');) sizes.push_back(ferry::parse_bytes(item));
+  const ferry::DeviceKind device = ferry::resolve_device_kind(config.device);
   const bool cuda = device == ferry::DeviceKind::kCuda;
   std::vector<bool> pinned_modes = cuda ? std::vector<bool>{true, false} : std::vector<bool>{false};
 
@@ -118,4 +104,8 @@ int main(int argc, char** argv) {
             << ferry::env_report_json(ferry::collect_env_report()) << ",\n  \"results\": [" << results.str()
             << "\n  ]\n}\n";
   return 0;
+}
+
+int main(int argc, char** argv) {
+  return ferry::cli::run_main("bench_chunk_move", [&] { return run(argc, argv); });
 }

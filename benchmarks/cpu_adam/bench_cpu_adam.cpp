@@ -184,16 +184,14 @@ std::string timing_json(const Timing& t, int64_t n, double bytes_per_param = kDe
   return os.str();
 }
 
-std::vector<int64_t> parse_list(const std::string& s, bool bytes) {
+// "16M,64M" or "1,2,4": positive counts, M = 2^20. `what` names the option in errors.
+std::vector<int64_t> parse_counts(const std::string& what, const std::string& text) {
   std::vector<int64_t> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (!item.empty() && (item.back() == 'M' || item.back() == 'm')) {
-      out.push_back(std::stoll(item.substr(0, item.size() - 1)) << 20);
-    } else {
-      out.push_back(bytes ? ferry::parse_bytes(item) : std::stoll(item));
-    }
+  std::stringstream ss(text);
+  for (std::string item; std::getline(ss, item, ',');) {
+    const bool mebi = !item.empty() && (item.back() == 'M' || item.back() == 'm');
+    if (mebi) item.pop_back();
+    out.push_back(ferry::cli::parse_int(what, item, 1, mebi ? int64_t{1} << 40 : int64_t{1} << 60) << (mebi ? 20 : 0));
   }
   return out;
 }
@@ -234,35 +232,26 @@ class Spinners {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::vector<std::string> rest;
   const ferry::Config config = ferry::Config::from_args(argc, argv, &rest);
   ferry::log::configure(config.log_level, config.rank);
-  std::vector<int64_t> sizes = {int64_t{16} << 20, int64_t{64} << 20, int64_t{256} << 20};
-  std::vector<int64_t> threads;
+  std::string sizes_text = "16M,64M,256M", threads_text, commit = "unknown";
   double min_time = 0.5;
   bool split_ab = false, compact_ab = false;
-  int contenders = 0;
-  std::string commit = "unknown";
-  for (const std::string& a : rest) {
-    auto value = [&](const char* key) -> const char* {
-      const std::string k = std::string("--") + key + "=";
-      return a.rfind(k, 0) == 0 ? a.c_str() + k.size() : nullptr;
-    };
-    if (auto v = value("sizes")) sizes = parse_list(v, false);
-    else if (auto v = value("threads")) threads = parse_list(v, false);
-    else if (auto v = value("min-time")) min_time = std::stod(v);
-    else if (a == "--split-ab") split_ab = true;
-    else if (a == "--compact-ab") compact_ab = true;
-    else if (auto v = value("contend")) contenders = std::stoi(v);
-    else if (auto v = value("commit")) commit = v;
-    else {
-      std::cerr << "bench_cpu_adam: unknown argument " << a << "\n"
-                << "usage: bench_cpu_adam [--sizes=16M,64M] [--threads=1,2] [--min-time=S] [--split-ab] [--contend=K]"
-                   " [--compact-ab] [--commit=SHA]\n";
-      return 2;
-    }
-  }
+  int64_t contenders = 0;
+  ferry::cli::Options options("bench_cpu_adam");
+  options.also_accepts("ferry options", ferry::Config::help());
+  options.add("sizes", &sizes_text, "parameters per row, comma-separated, M = 2^20 (default 16M,64M,256M)")
+      .add("threads", &threads_text, "OpenMP threads per row, comma-separated (default 1, 2, 4, ... and all)", true)
+      .add("min-time", &min_time, "seconds each variant runs at least (default 0.5)", 0.0)
+      .add_flag("split-ab", &split_ab, "add split_ab: the fp32 update's dynamic and static thread splits")
+      .add("contend", &contenders, "threads spinning beside split_ab (default 0)", 0, 1024)
+      .add_flag("compact-ab", &compact_ab, "add compact_ab: the compact kernel's blocks overlapped and not")
+      .add("commit", &commit, "the commit to report");
+  options.parse(rest);
+  const std::vector<int64_t> sizes = parse_counts("--sizes", sizes_text);
+  std::vector<int64_t> threads = threads_text.empty() ? std::vector<int64_t>{} : parse_counts("--threads", threads_text);
   const int max_threads = omp_get_max_threads();
   if (threads.empty()) {
     for (int t = 1; t < max_threads; t *= 2) threads.push_back(t);
@@ -311,7 +300,7 @@ int main(int argc, char** argv) {
         ferry::CpuAdam dynamic_adam(o, dc), static_adam(o, sc);
         PairedTiming ab;
         {
-          const Spinners spin(contenders);
+          const Spinners spin(static_cast<int>(contenders));
           ab = measure_paired([&] { dynamic_adam.advance_step(0); dynamic_adam.update(0, span, checked); },
                               [&] { static_adam.advance_step(0); static_adam.update(0, span, checked); }, min_time);
         }
@@ -469,4 +458,8 @@ int main(int argc, char** argv) {
             << ",\n  \"env\": " << ferry::env_report_json(ferry::collect_env_report()) << ",\n  \"results\": ["
             << results.str() << "\n  ]\n}\n";
   return 0;
+}
+
+int main(int argc, char** argv) {
+  return ferry::cli::run_main("bench_cpu_adam", [&] { return run(argc, argv); });
 }

@@ -11,17 +11,10 @@ int main(int argc, char** argv) {
     const ferry::Config config = ferry::Config::from_args(argc, argv, &rest);
     ferry::log::configure(config.log_level, config.rank);
     bool json = false;
-    for (const std::string& arg : rest) {
-      if (arg == "--json") {
-        json = true;
-      } else if (arg == "--help" || arg == "-h") {
-        std::cout << "usage: ferry_info [--json] [--key=value ...]\n" << ferry::Config::help();
-        return 0;
-      } else {
-        std::cerr << "ferry_info: unknown argument '" << arg << "' (try --help)\n";
-        return 2;
-      }
-    }
+    ferry::cli::Options options("ferry_info");
+    options.also_accepts("ferry options", ferry::Config::help());
+    options.add_flag("json", &json, "the report as one JSON document");
+    options.parse(rest);
     const ferry::EnvReport report = ferry::collect_env_report();
     if (json) {
       std::cout << ferry::env_report_json(report) << "\n";

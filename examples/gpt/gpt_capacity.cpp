@@ -41,6 +41,7 @@ int main(int argc, char** argv) {
     bool accumulate = false;
     int64_t round_trip_slots = 0;
     ferry::cli::Options o("gpt_capacity", "[options] [--precision=bf16|fp16|fp32]");
+    o.also_accepts("ferry options", ferry::Config::help());
     o.add("device-room", &device_room, "GPU bytes for chunks (default 62GiB)")
         .add("host", &host, "host bytes for chunks (default 117GiB)")
         .add("state-format", &state_format, "optimizer state: fp32 or compact (default fp32)")
