@@ -32,8 +32,9 @@ class CudaDevice final : public Device {
     const int count = static_cast<int>(c10::cuda::device_count());
     if (may_share && count > 0 && local_rank >= count) local_rank %= count;
     TORCH_CHECK(local_rank >= 0 && local_rank < count, "ferry: local rank ", local_rank, " needs CUDA device ",
-                local_rank, ", but this host has ", count, " (one rank per GPU: launch at most ", count,
-                " processes per node, e.g. torchrun --nproc-per-node=", count, ")");
+                local_rank, ", but this process sees ", count, " (one rank per GPU: launch at most ", count,
+                " processes per node, e.g. torchrun --nproc-per-node=", count,
+                ", or leave each process one GPU of its own: srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES)");
     c10::cuda::set_device(static_cast<c10::DeviceIndex>(local_rank));
     return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
   }

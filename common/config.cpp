@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "cpu_features.h"
+#include "hostlist.h"
 
 namespace ferry {
 namespace {
@@ -62,9 +63,29 @@ Precision parse_precision(std::string_view text) {
 
 constexpr int kMaxCpuThreads = 1024;
 
-const char* const kEnvKeys[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS",
-                                "SLURM_LOCALID", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE",
-                                "FERRY_DIST_TIMEOUT", "FERRY_LOG_LEVEL"};
+const char* const kEnvKeys[] = {"RANK",
+                                "WORLD_SIZE",
+                                "LOCAL_RANK",
+                                "SLURM_PROCID",
+                                "SLURM_NTASKS",
+                                "SLURM_LOCALID",
+                                "SLURM_STEP_NUM_TASKS",
+                                "SLURM_STEP_NODELIST",
+                                "SLURM_JOB_NODELIST",
+                                "SLURM_NODELIST",
+                                "SLURM_JOB_ID",
+                                "MASTER_ADDR",
+                                "MASTER_PORT",
+                                "TORCHELASTIC_USE_AGENT_STORE",
+                                "CUDA_VISIBLE_DEVICES",
+                                "FERRY_DIST_TIMEOUT",
+                                "FERRY_LOG_LEVEL"};
+
+// The rendezvous port of a SLURM job that names none: one per job, so that two jobs sharing their
+// first node do not both serve at 29500; below Linux's ephemeral ports (32768 and up by default),
+// which outgoing connections take.
+constexpr int kSlurmPortBase = 15000;
+constexpr int kSlurmPortSpan = 10000;
 
 double parse_seconds(std::string_view key, std::string_view text) {
   std::string s(text);
@@ -162,6 +183,17 @@ const char* to_string(CpuSplit split) {
   return "?";
 }
 
+const char* to_string(Launcher launcher) {
+  switch (launcher) {
+    case Launcher::kNone: return "none";
+    case Launcher::kRankVariables: return "RANK/WORLD_SIZE";
+    case Launcher::kSlurmStep: return "slurm-step";
+    case Launcher::kSlurmBatch: return "slurm-batch";
+    case Launcher::kArguments: return "arguments";
+  }
+  return "?";
+}
+
 const char* to_string(Precision precision) {
   switch (precision) {
     case Precision::kFp32: return "fp32";
@@ -196,10 +228,18 @@ void Config::set(std::string_view key, std::string_view value) {
   else if (k == "cpu-isa" || k == "cpu_isa") cpu_isa = lower(value);
   else if (k == "cpu-split" || k == "cpu_split") cpu_split = parse_cpu_split(value);
   else if (k == "log-level" || k == "log_level") log_level = parse_log_level(value);
-  else if (k == "rank") rank = parse_int(key, value);
-  else if (k == "world-size" || k == "world_size") world_size = parse_int(key, value);
+  else if (k == "rank") {
+    rank = parse_int(key, value);
+    launcher = Launcher::kArguments;
+  } else if (k == "world-size" || k == "world_size") {
+    world_size = parse_int(key, value);
+    launcher = Launcher::kArguments;
+  }
   else if (k == "local-rank" || k == "local_rank") local_rank = parse_int(key, value);
-  else if (k == "master-addr" || k == "master_addr") master_addr = std::string(value);
+  else if (k == "master-addr" || k == "master_addr") {
+    master_addr = std::string(value);
+    master_addr_from.clear();
+  }
   else if (k == "master-port" || k == "master_port") master_port = parse_int(key, value);
   else if (k == "agent-store" || k == "agent_store") agent_store = parse_bool(key, value);
   else if (k == "dist-backend" || k == "dist_backend") dist_backend = lower(value);
@@ -216,16 +256,57 @@ Config Config::from_env(const std::map<std::string, std::string>& env) {
   };
   // torchrun / mpirun-style variables first; SLURM's only when no launcher set RANK.
   if (auto v = get("RANK")) {
+    c.launcher = Launcher::kRankVariables;
     c.rank = parse_int("RANK", *v);
     if (auto w = get("WORLD_SIZE")) c.world_size = parse_int("WORLD_SIZE", *w);
     if (auto l = get("LOCAL_RANK")) c.local_rank = parse_int("LOCAL_RANK", *l);
   } else if (auto s = get("SLURM_PROCID")) {
     c.rank = parse_int("SLURM_PROCID", *s);
-    if (auto w = get("SLURM_NTASKS")) c.world_size = parse_int("SLURM_NTASKS", *w);
     if (auto l = get("SLURM_LOCALID")) c.local_rank = parse_int("SLURM_LOCALID", *l);
+    // srun sets SLURM_STEP_NUM_TASKS in each task it starts; sbatch sets SLURM_PROCID=0 and
+    // SLURM_NTASKS (the job's task count) in the batch script too, which is one process.
+    if (auto n = get("SLURM_STEP_NUM_TASKS")) {
+      c.launcher = Launcher::kSlurmStep;
+      c.world_size = parse_int("SLURM_STEP_NUM_TASKS", *n);
+    } else {
+      c.launcher = Launcher::kSlurmBatch;
+      if (auto w = get("SLURM_NTASKS")) c.world_size = parse_int("SLURM_NTASKS", *w);
+    }
   }
-  if (auto v = get("MASTER_ADDR")) c.master_addr = *v;
-  if (auto v = get("MASTER_PORT")) c.master_port = parse_int("MASTER_PORT", *v);
+  if (auto v = get("MASTER_ADDR")) {
+    c.master_addr = *v;
+  } else if (c.launcher == Launcher::kSlurmStep) {
+    for (const char* key : {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"}) {
+      if (auto list = get(key)) {
+        c.master_addr = first_host(*list, key);
+        c.master_addr_from = std::string(key) + "=" + *list;
+        break;
+      }
+    }
+  }
+  if (auto v = get("MASTER_PORT")) {
+    c.master_port = parse_int("MASTER_PORT", *v);
+  } else if (c.launcher == Launcher::kSlurmStep) {
+    if (auto id = get("SLURM_JOB_ID")) {
+      // Job ids are unsigned 32-bit (federated clusters use the high bits).
+      const bool digits = !id->empty() && id->size() <= 10 &&
+                          id->find_first_not_of("0123456789") == std::string::npos;
+      TORCH_CHECK(digits, "ferry config: expected a job number for SLURM_JOB_ID, got '", *id, "'");
+      c.master_port = kSlurmPortBase + static_cast<int>(std::stoull(*id) % kSlurmPortSpan);
+    }
+  }
+  if (auto v = get("CUDA_VISIBLE_DEVICES")) {
+    // Entries as written (indices, GPU-/MIG- UUIDs), separated by commas; "" names none.
+    c.visible_gpus = 0;
+    size_t start = 0;
+    while (start <= v->size()) {
+      const size_t comma = v->find(',', start);
+      const size_t end = comma == std::string::npos ? v->size() : comma;
+      if (end > start) ++c.visible_gpus;
+      if (comma == std::string::npos) break;
+      start = comma + 1;
+    }
+  }
   if (auto v = get("TORCHELASTIC_USE_AGENT_STORE")) c.agent_store = parse_bool("TORCHELASTIC_USE_AGENT_STORE", *v);
   if (auto v = get("FERRY_DIST_TIMEOUT")) c.dist_timeout_s = parse_seconds("FERRY_DIST_TIMEOUT", *v);
   if (auto v = get("FERRY_LOG_LEVEL")) c.log_level = parse_log_level(*v);
@@ -299,9 +380,11 @@ std::string Config::to_string() const {
      << " host-budget=" << (host_budget_bytes ? format_bytes(host_budget_bytes) : "unlimited")
      << " cpu-threads=" << cpu_threads << " cpu-isa=" << cpu_isa << " cpu-split=" << ferry::to_string(cpu_split)
      << " log-level=" << log::to_string(log_level)
-     << " rank=" << rank << "/" << world_size << " local-rank=" << local_rank;
+     << " rank=" << rank << "/" << world_size << " local-rank=" << local_rank
+     << " launcher=" << ferry::to_string(launcher);
   if (world_size > 1) {
     os << " master=" << master_addr << ":" << master_port << (agent_store ? " (agent store)" : "")
+       << (master_addr_from.empty() ? "" : " (first node of " + master_addr_from + ")")
        << " dist-backend=" << dist_backend << " dist-timeout=" << dist_timeout_s << "s";
   }
   return os.str();
@@ -320,8 +403,10 @@ std::string Config::help() {
          "  --cpu-isa=auto|scalar|avx2|avx512|avx512_bf16   CPU Adam kernel\n"
          "  --cpu-split=dynamic|static     CPU Adam threads claim grains as they go (default) or split evenly\n"
          "  --log-level=trace|debug|info|warn|error|off\n"
-         "  --rank=N --world-size=N --local-rank=N   (normally from RANK/WORLD_SIZE/LOCAL_RANK or SLURM_*)\n"
-         "  --master-addr=HOST --master-port=N   rendezvous of rank 0 (normally MASTER_ADDR/MASTER_PORT)\n"
+         "  --rank=N --world-size=N --local-rank=N   (normally from RANK/WORLD_SIZE/LOCAL_RANK or srun's\n"
+         "                                 SLURM_PROCID/SLURM_STEP_NUM_TASKS/SLURM_LOCALID)\n"
+         "  --master-addr=HOST --master-port=N   rendezvous of rank 0 (normally MASTER_ADDR/MASTER_PORT; under\n"
+         "                                 srun without them: the step's first node, port 15000 + job id % 10000)\n"
          "  --agent-store=true|false       the launcher serves the store (torchrun sets it)\n"
          "  --dist-backend=auto|gloo|nccl  collectives of a multi-process run (auto: nccl on CUDA, else gloo)\n"
          "  --dist-timeout=SECONDS         how long to wait for other ranks before failing (default 300)\n";

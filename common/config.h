@@ -2,8 +2,8 @@
 // ferry's one configuration struct, parsed and validated in one place (config.cpp).
 //
 // Sources, later ones win: built-in defaults < environment (launchers' RANK/WORLD_SIZE/LOCAL_RANK or
-// SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, MASTER_ADDR/MASTER_PORT, torchrun's
-// TORCHELASTIC_USE_AGENT_STORE, FERRY_DIST_TIMEOUT and FERRY_LOG_LEVEL) < command line (--key=value).
+// SLURM's task variables, MASTER_ADDR/MASTER_PORT, torchrun's TORCHELASTIC_USE_AGENT_STORE,
+// CUDA_VISIBLE_DEVICES's count, FERRY_DIST_TIMEOUT and FERRY_LOG_LEVEL) < command line (--key=value).
 // No other file of ferry reads the environment (the CUDA allocator's settings, which are torch's, are
 // read here too: cuda_allocator_configured).
 #include <cstdint>
@@ -37,6 +37,21 @@ enum class ActivationPolicy { kRecompute, kKeep, kAuto };
 // static, each thread gets an equal run of grains up front. The same bits either way.
 enum class CpuSplit { kDynamic, kStatic };
 
+// What set rank and world size (Config::from_env, Config::set; docs/ARCHITECTURE.md D97).
+enum class Launcher {
+  kNone,           // nothing: one process
+  kRankVariables,  // RANK / WORLD_SIZE / LOCAL_RANK in the environment (torchrun, or by hand)
+  // A task srun started (SLURM_STEP_NUM_TASKS is set): rank SLURM_PROCID of SLURM_STEP_NUM_TASKS,
+  // local rank SLURM_LOCALID; without MASTER_ADDR / MASTER_PORT, the rendezvous is the first node of
+  // SLURM_STEP_NODELIST at port 15000 + SLURM_JOB_ID % 10000.
+  kSlurmStep,
+  // SLURM's batch script itself (SLURM_PROCID without a step): world size SLURM_NTASKS, but this is
+  // one process and no other rank will come, so dist::connect refuses a world size > 1 here, naming
+  // srun (or --world-size=1 to run alone) instead of waiting dist-timeout for them.
+  kSlurmBatch,
+  kArguments,  // --rank / --world-size on the command line
+};
+
 struct Config {
   DeviceKind device = DeviceKind::kAuto;
   Precision precision = Precision::kFp32;
@@ -56,13 +71,21 @@ struct Config {
   log::Level log_level = log::Level::kInfo;
 
   // Launch (read from the environment; overridable on the command line).
+  Launcher launcher = Launcher::kNone;
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
+  // How many GPUs CUDA_VISIBLE_DEVICES names (-1: not set). Exactly one means the launcher gave this
+  // process a GPU of its own (srun --gpus-per-task=1 or --gpu-bind, a per-process CUDA_VISIBLE_DEVICES):
+  // dist::connect then binds that one, device 0, whatever the local rank.
+  int visible_gpus = -1;
   // Rendezvous of a multi-process run (world_size > 1; dist/process_group.h): the TCPStore of rank 0
   // (or of torchrun's agent) at master_addr:master_port.
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
+  // Where ferry found master_addr when no one gave it (e.g. "SLURM_STEP_NODELIST=node[01-04]"), for
+  // the rendezvous' log and errors; "" when it was given (MASTER_ADDR, --master-addr) or the default.
+  std::string master_addr_from;
   // torchrun already serves the store at MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True): every rank
   // is a client. Otherwise rank 0 serves it.
   bool agent_store = false;
@@ -105,5 +128,6 @@ const char* to_string(DeviceKind kind);
 const char* to_string(Precision precision);
 const char* to_string(ActivationPolicy policy);
 const char* to_string(CpuSplit split);
+const char* to_string(Launcher launcher);
 
 }  // namespace ferry

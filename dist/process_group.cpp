@@ -358,17 +358,26 @@ std::shared_ptr<Communicator> connect(const Config& config, bool even_alone) {
   config.validate();
   // Its lines carry this rank, at the Config's level, unless the program configured the log itself.
   log::configure_default(config.log_level, config.rank);
+  TORCH_CHECK(config.launcher != Launcher::kSlurmBatch || config.world_size == 1, "ferry: SLURM gave this job ",
+              config.world_size, " tasks (SLURM_NTASKS), but this process was not started by srun (no "
+              "SLURM_STEP_NUM_TASKS): it is the batch script itself, one process, and the other ranks would never "
+              "come. Start the program with srun (`srun PROGRAM ...`, one task per rank), or pass --world-size=1 to "
+              "run it alone");
   if (config.world_size == 1 && !even_alone) return nullptr;
   const std::shared_ptr<const Device> chunks_device = make_device(config.device);
   const std::string backend = choose_backend(config, *chunks_device);
-  // One rank per GPU: this process's device is its local rank's, before any chunk is placed.
+  // One rank per GPU: this process's device is its local rank's, before any chunk is placed, or the
+  // one GPU its launcher left visible to it (srun --gpus-per-task=1: each task sees only its own).
   // (NCCL refuses two ranks on one GPU; Gloo does not mind, so several ranks may share one there.)
-  const c10::Device device = chunks_device->bind_local_rank(config.local_rank, /*may_share=*/backend == "gloo");
+  const int unit = config.visible_gpus == 1 ? 0 : config.local_rank;
+  const c10::Device device = chunks_device->bind_local_rank(unit, /*may_share=*/backend == "gloo");
   const bool cuda = device.is_cuda();
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.dist_timeout_s * 1000.0));
   const bool serve = config.rank == 0 && !config.agent_store;
+  const std::string found_at =
+      config.master_addr_from.empty() ? std::string() : " (the first node of " + config.master_addr_from + ")";
   log::info("ferry: rank ", config.rank, " of ", config.world_size, " joining ", config.master_addr, ":",
-            config.master_port, serve ? " (serving the store)" : "", " over ", backend,
+            config.master_port, found_at, serve ? " (serving the store)" : "", " over ", backend,
             cuda ? " on " + device.str() : std::string());
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(config.master_port);
@@ -381,8 +390,14 @@ std::shared_ptr<Communicator> connect(const Config& config, bool even_alone) {
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "ferry: rank ", config.rank, " could not ", serve ? "serve" : "reach", " the rendezvous store at ",
                 config.master_addr, ":", config.master_port, " within dist-timeout (", config.dist_timeout_s,
-                " s): ", serve ? "is the port free?" : "is rank 0 (or torchrun) running there, and are MASTER_ADDR / "
-                "MASTER_PORT right?", " (", cli::message_of(e), ")");
+                " s)", found_at, ": ",
+                serve                             ? "is the port free?"
+                : config.master_addr_from.empty() ? "is rank 0 (or torchrun) running there, and are MASTER_ADDR / "
+                                                    "MASTER_PORT right?"
+                                                  : "is rank 0 running there? srun starts task 0 on the step's first "
+                                                    "node unless a hostfile or --distribution places it elsewhere; "
+                                                    "then export MASTER_ADDR",
+                " (", cli::message_of(e), ")");
   }
   check_launch(*store, config, timeout);
   c10::intrusive_ptr<c10d::Backend> pg;

@@ -2,7 +2,8 @@
 // The process group of a multi-process run, on PyTorch's distributed engine: a c10d TCPStore for the
 // rendezvous and a c10d backend for the collectives (docs/ARCHITECTURE.md D44, D49):
 //  - nccl (ProcessGroupNCCL): the default where the chunks live on CUDA. Each process binds the GPU of
-//    its local rank (LOCAL_RANK / SLURM_LOCALID / --local-rank) before anything is placed; chunks on
+//    its local rank (LOCAL_RANK / SLURM_LOCALID / --local-rank), or the one GPU its launcher left it
+//    (CUDA_VISIBLE_DEVICES naming one: srun --gpus-per-task=1), before anything is placed; chunks on
 //    that GPU are reduced and gathered in place, CPU tensors are staged through it.
 //  - gloo (ProcessGroupGloo): the CPU and the simulated device (CPU tensors); on CUDA it can be asked
 //    for, and the chunks are then staged on the host.
@@ -16,14 +17,17 @@
 // Launchers (Config reads their environment):
 //  - torchrun --nproc-per-node=N --no-python PROGRAM ...: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 //    MASTER_PORT; torchrun's agent serves the store (TORCHELASTIC_USE_AGENT_STORE=True).
-//  - SLURM (srun): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, plus MASTER_ADDR (the first node of the
-//    allocation, e.g. `export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -1)`) and
-//    MASTER_PORT; rank 0 serves the store.
+//  - SLURM: `srun PROGRAM ...` (one task per rank): SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID;
+//    the rendezvous is MASTER_ADDR / MASTER_PORT where exported, otherwise the first node of
+//    SLURM_STEP_NODELIST (where srun starts task 0) at port 15000 + SLURM_JOB_ID % 10000; rank 0
+//    serves the store. A program run by the batch script itself (SLURM_PROCID without a step) is one
+//    process: connect() refuses SLURM_NTASKS > 1 there at once, naming srun (or --world-size=1).
 //  - By hand: --rank, --world-size, --master-addr, --master-port on each process.
 //
 // connect() checks the launch before anything else runs, and fails with a clear error, within
 // Config::dist_timeout_s, when: rank 0's store cannot be reached; not all ranks arrive; two processes
-// claim the same rank; ranks disagree on the world size.
+// claim the same rank; ranks disagree on the world size; at once when a SLURM batch script asks for
+// several ranks.
 #include <memory>
 
 #include "../common/config.h"

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "../../common/config.h"
+#include "../test_util.h"
 
 namespace ferry {
 namespace {
@@ -50,10 +51,14 @@ TEST(Config, EnvironmentTorchrunThenSlurm) {
   EXPECT_EQ(c.rank, 3);
   EXPECT_EQ(c.world_size, 8);
   EXPECT_EQ(c.local_rank, 1);
-  Config s = Config::from_env({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "6"}, {"SLURM_LOCALID", "2"}});
+  EXPECT_EQ(c.launcher, Launcher::kRankVariables);
+  Config s = Config::from_env(
+      {{"SLURM_PROCID", "5"}, {"SLURM_STEP_NUM_TASKS", "6"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "2"}});
   EXPECT_EQ(s.rank, 5);
-  EXPECT_EQ(s.world_size, 6);
+  EXPECT_EQ(s.world_size, 6) << "the step's tasks, not the job's";
   EXPECT_EQ(s.local_rank, 2);
+  EXPECT_EQ(s.launcher, Launcher::kSlurmStep);
+  EXPECT_EQ(Config::from_env({}).launcher, Launcher::kNone);
   Config l = Config::from_env({{"FERRY_LOG_LEVEL", "DEBUG"}});
   EXPECT_EQ(l.log_level, log::Level::kDebug);
 }
@@ -88,6 +93,75 @@ TEST(Config, EnvironmentRendezvousOfTorchrunAndByHand) {
   EXPECT_NE(error({{"TORCHELASTIC_USE_AGENT_STORE", "maybe"}}).find("expected true|false"), std::string::npos);
   Config c;
   EXPECT_THROW(c.set("dist-backend", "mpi"), c10::Error);
+}
+
+// srun's tasks find the rendezvous without MASTER_ADDR / MASTER_PORT: the step's first node (the job's
+// when the step's list is missing) at a port of the job's; what is given still wins.
+TEST(Config, ASlurmStepFindsItsRendezvousWithoutExports) {
+  const std::map<std::string, std::string> step = {
+      {"SLURM_PROCID", "3"},          {"SLURM_STEP_NUM_TASKS", "8"},
+      {"SLURM_LOCALID", "3"},         {"SLURM_STEP_NODELIST", "gpu[07-08]"},
+      {"SLURM_JOB_NODELIST", "gpu[01-08]"}, {"SLURM_JOB_ID", "4817293"}};
+  const Config c = Config::from_env(step);
+  EXPECT_EQ(c.master_addr, "gpu07");
+  EXPECT_EQ(c.master_addr_from, "SLURM_STEP_NODELIST=gpu[07-08]");
+  EXPECT_EQ(c.master_port, 15000 + 4817293 % 10000);
+  EXPECT_NE(c.to_string().find("master=gpu07:22293 (first node of SLURM_STEP_NODELIST=gpu[07-08])"),
+            std::string::npos)
+      << c.to_string();
+  auto with = [&](std::map<std::string, std::string> env) {
+    for (const auto& [k, v] : step) env.emplace(k, v);
+    return Config::from_env(env);
+  };
+  std::map<std::string, std::string> job_only = step;
+  job_only.erase("SLURM_STEP_NODELIST");
+  EXPECT_EQ(Config::from_env(job_only).master_addr, "gpu01");
+  const Config given = with({{"MASTER_ADDR", "10.0.0.9"}, {"MASTER_PORT", "29411"}});
+  EXPECT_EQ(given.master_addr, "10.0.0.9");
+  EXPECT_EQ(given.master_port, 29411);
+  EXPECT_TRUE(given.master_addr_from.empty());
+  std::map<std::string, std::string> no_job = step;
+  no_job.erase("SLURM_JOB_ID");
+  EXPECT_EQ(Config::from_env(no_job).master_port, 29500);
+  Config by_hand = c;
+  by_hand.set("master-addr", "node3");
+  EXPECT_TRUE(by_hand.master_addr_from.empty()) << "the address is the user's now";
+  // Outside a step (the batch script, or RANK set by torchrun inside srun) nothing is derived.
+  const Config batch = Config::from_env({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}, {"SLURM_JOB_ID", "12"},
+                                         {"SLURM_JOB_NODELIST", "gpu[01-02]"}});
+  EXPECT_EQ(batch.launcher, Launcher::kSlurmBatch);
+  EXPECT_EQ(batch.world_size, 4);
+  EXPECT_EQ(batch.master_addr, "127.0.0.1");
+  EXPECT_EQ(batch.master_port, 29500);
+  const Config torchrun = with({{"RANK", "1"}, {"WORLD_SIZE", "2"}});
+  EXPECT_EQ(torchrun.launcher, Launcher::kRankVariables);
+  EXPECT_EQ(torchrun.master_addr, "127.0.0.1");
+  // --world-size (or --rank) takes the launch over: dist::connect then trusts it.
+  const char* argv[] = {"prog", "--world-size=1"};
+  Config alone = batch;
+  alone.set("world-size", "1");
+  EXPECT_EQ(alone.launcher, Launcher::kArguments);
+  EXPECT_EQ(Config::from_args(2, argv).launcher, Launcher::kArguments);
+  // A list that is not one fails naming the variable.
+  std::map<std::string, std::string> bad = step;
+  bad["SLURM_STEP_NODELIST"] = "gpu[07-";
+  EXPECT_NE(test::error_of([&] { Config::from_env(bad); }).find("SLURM_STEP_NODELIST='gpu[07-' is not a SLURM host list"),
+            std::string::npos);
+  bad = step;
+  bad["SLURM_JOB_ID"] = "12x";
+  EXPECT_NE(test::error_of([&] { Config::from_env(bad); }).find("expected a job number for SLURM_JOB_ID, got '12x'"),
+            std::string::npos);
+  bad["SLURM_JOB_ID"] = "4294967295";  // federated job ids use all 32 bits
+  EXPECT_EQ(Config::from_env(bad).master_port, 15000 + 7295);
+}
+
+TEST(Config, VisibleGpusAreCountedAsWritten) {
+  EXPECT_EQ(Config::from_env({}).visible_gpus, -1);
+  EXPECT_EQ(Config::from_env({{"CUDA_VISIBLE_DEVICES", ""}}).visible_gpus, 0);
+  EXPECT_EQ(Config::from_env({{"CUDA_VISIBLE_DEVICES", "3"}}).visible_gpus, 1);
+  EXPECT_EQ(Config::from_env({{"CUDA_VISIBLE_DEVICES", "GPU-8f3a2c1e-0b9d-4c55-a1e2-7d6b5c4a3f21"}}).visible_gpus, 1);
+  EXPECT_EQ(Config::from_env({{"CUDA_VISIBLE_DEVICES", "0,1,2,3"}}).visible_gpus, 4);
+  EXPECT_EQ(Config::from_env({{"CUDA_VISIBLE_DEVICES", "0,,1,"}}).visible_gpus, 2);
 }
 
 TEST(Config, EnvironmentInconsistentRankFails) {

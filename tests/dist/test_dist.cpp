@@ -38,6 +38,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 using ferry::test::free_port;
+using ferry::test::free_port_in;
 
 std::string temp_dir() {
   std::string tmpl = (std::getenv("TMPDIR") ? std::string(std::getenv("TMPDIR")) : "/tmp") + "/ferry-dist-XXXXXX";
@@ -947,6 +948,53 @@ TEST(Dist, AskingForNcclWithoutCudaChunksFailsClearly) {
               std::string::npos)
         << describe(ranks);
   }
+}
+
+// The environment srun gives each task, and nothing else: no MASTER_ADDR, MASTER_PORT or RANK.
+std::map<std::string, std::string> srun_env(int rank, int world, const std::string& nodelist, long long job_id) {
+  return {{"SLURM_PROCID", std::to_string(rank)},    {"SLURM_STEP_NUM_TASKS", std::to_string(world)},
+          {"SLURM_NTASKS", std::to_string(world)},   {"SLURM_LOCALID", std::to_string(rank)},
+          {"SLURM_STEP_NODELIST", nodelist},         {"SLURM_JOB_NODELIST", nodelist},
+          {"SLURM_JOB_ID", std::to_string(job_id)},  {"FERRY_DIST_TIMEOUT", "30"},
+          {"FERRY_LOG_LEVEL", "info"},               {"OMP_NUM_THREADS", "1"}};
+}
+
+bool launcher_variables_inherited() {
+  for (const char* key : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) {
+    if (std::getenv(key)) return true;
+  }
+  return false;
+}
+
+TEST(Dist, SrunTasksRendezvousAtTheStepsFirstNodeWithoutExports) {
+  if (launcher_variables_inherited()) GTEST_SKIP() << "this test's own environment sets RANK or MASTER_*";
+  // The job id that gives a free port: ferry's port for a SLURM job is 15000 + id % 10000.
+  const int port = free_port_in(15000, 25000);
+  const long long job = 3'000'000LL + (port - 15000);
+  const std::vector<Proc> ranks =
+      launch({srun_env(0, 2, "127.0.0.[1-2]", job), srun_env(1, 2, "127.0.0.[1-2]", job)}, {"--steps=2"});
+  const std::string joining =
+      "joining 127.0.0.1:" + std::to_string(port) + " (the first node of SLURM_STEP_NODELIST=127.0.0.[1-2])";
+  for (const Proc& p : ranks) {
+    EXPECT_EQ(p.exit_code, 0) << describe(ranks);
+    EXPECT_NE((p.out + p.err).find(joining), std::string::npos) << describe(ranks);
+  }
+}
+
+TEST(Dist, ABatchScriptOfSeveralTasksFailsAtOnceNamingSrun) {
+  if (launcher_variables_inherited()) GTEST_SKIP() << "this test's own environment sets RANK or MASTER_*";
+  // What sbatch --ntasks=2 gives the script itself: SLURM_PROCID=0 and SLURM_NTASKS=2, no step.
+  std::map<std::string, std::string> batch = srun_env(0, 2, "127.0.0.1", 12);
+  batch.erase("SLURM_STEP_NUM_TASKS");
+  batch.erase("SLURM_STEP_NODELIST");
+  const std::vector<Proc> ran = launch({batch}, {"--steps=1"});
+  EXPECT_EQ(ran[0].exit_code, 1) << describe(ran);
+  EXPECT_NE(ran[0].err.find("SLURM gave this job 2 tasks (SLURM_NTASKS), but this process was not started by srun"),
+            std::string::npos)
+      << describe(ran);
+  EXPECT_LT(ran[0].seconds, 20) << "failed at once, not after dist-timeout (30 s)\n" << describe(ran);
+  const std::vector<Proc> alone = launch({batch}, {"--steps=1", "--world-size=1"});
+  EXPECT_EQ(alone[0].exit_code, 0) << "--world-size=1 runs it alone\n" << describe(alone);
 }
 
 TEST(Dist, AnUnreachableMasterFailsClearlyWithinTheTimeout) {

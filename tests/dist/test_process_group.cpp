@@ -57,6 +57,17 @@ TEST(ProcessGroup, WorldSizeOneIsNoGroupUnlessAskedFor) {
   EXPECT_EQ(dist::connect(c), nullptr);
 }
 
+TEST(ProcessGroup, SeveralTasksInASlurmBatchScriptAreRefusedBeforeAnyWait) {
+  Config c = alone(kBackend);
+  c.world_size = 2;
+  c.launcher = Launcher::kSlurmBatch;
+  const std::string e = test::error_of([&] { dist::connect(c); });
+  EXPECT_NE(e.find("SLURM gave this job 2 tasks (SLURM_NTASKS), but this process was not started by srun"),
+            std::string::npos)
+      << e;
+  EXPECT_NE(e.find("or pass --world-size=1 to run it alone"), std::string::npos) << e;
+}
+
 TEST(ProcessGroup, AGroupOfOneRunsEveryCollectiveAndWritesTheOutputs) {
   FERRY_REQUIRE_BACKEND();
   const std::shared_ptr<dist::Communicator> comm = dist::connect(alone(kBackend), /*even_alone=*/true);
@@ -166,6 +177,18 @@ TEST(ProcessGroup, AutoPicksNcclForCudaChunks) {
   c.device = DeviceKind::kCuda;
   const std::shared_ptr<dist::Communicator> comm = dist::connect(c, /*even_alone=*/true);
   EXPECT_EQ(comm->backend(), "nccl");
+}
+
+// srun --gpus-per-task=1 leaves each task one GPU, device 0, whatever its local rank; without the rule
+// local rank N would need GPU N and fail ("one rank per GPU").
+TEST(ProcessGroup, AProcessLeftOneGpuBindsItWhateverItsLocalRank) {
+  FERRY_REQUIRE_GPU();
+  Config c = alone("nccl");
+  c.local_rank = static_cast<int>(torch::cuda::device_count()) + 3;
+  c.visible_gpus = 1;
+  const std::shared_ptr<dist::Communicator> comm = dist::connect(c, /*even_alone=*/true);
+  ASSERT_NE(comm, nullptr);
+  EXPECT_TRUE(comm->device_ok(c10::Device(c10::kCUDA, 0)));
 }
 #endif
 
