@@ -574,7 +574,9 @@ TEST(Dist, TheActivationPlanIsTheSameOnEveryRank) {
     EXPECT_EQ(text_of(uneven[r], "plan"), text_of(uneven[0], "plan")) << describe(uneven);
     // Under a sanitizer's allocator (invisible to glibc's mallinfo2) the simulated device measures no
     // saved bytes, and everything fits.
-    if (ferry::test::kGlibcSeesTheHeap) EXPECT_EQ(text_of(uneven[r], "plan").substr(0, 1), "r") << describe(uneven);
+    if (ferry::test::kGlibcSeesTheHeap) {
+      EXPECT_EQ(text_of(uneven[r], "plan").substr(0, 1), "r") << describe(uneven);
+    }
     EXPECT_EQ(result_of(uneven[r])["plans"], 1) << describe(uneven);
     EXPECT_EQ(text_of(recomputed[r], "plan"), "-");
     const std::string file = "/rank" + std::to_string(r) + ".bin";
