@@ -78,6 +78,7 @@ const char* const kEnvKeys[] = {"RANK",
                                 "MASTER_PORT",
                                 "TORCHELASTIC_USE_AGENT_STORE",
                                 "CUDA_VISIBLE_DEVICES",
+                                "GLOO_SOCKET_IFNAME",
                                 "FERRY_DIST_TIMEOUT",
                                 "FERRY_LOG_LEVEL"};
 
@@ -307,6 +308,18 @@ Config Config::from_env(const std::map<std::string, std::string>& env) {
       start = comma + 1;
     }
   }
+  if (auto v = get("GLOO_SOCKET_IFNAME")) {
+    size_t start = 0;
+    while (start <= v->size()) {
+      const size_t comma = v->find(',', start);
+      const size_t end = comma == std::string::npos ? v->size() : comma;
+      TORCH_CHECK(end > start, "ferry config: expected GLOO_SOCKET_IFNAME as interface names separated by commas "
+                  "(e.g. eth0 or ib0,ib1), got '", *v, "'");
+      c.gloo_interfaces.push_back(v->substr(start, end - start));
+      if (comma == std::string::npos) break;
+      start = comma + 1;
+    }
+  }
   if (auto v = get("TORCHELASTIC_USE_AGENT_STORE")) c.agent_store = parse_bool("TORCHELASTIC_USE_AGENT_STORE", *v);
   if (auto v = get("FERRY_DIST_TIMEOUT")) c.dist_timeout_s = parse_seconds("FERRY_DIST_TIMEOUT", *v);
   if (auto v = get("FERRY_LOG_LEVEL")) c.log_level = parse_log_level(*v);
@@ -386,6 +399,7 @@ std::string Config::to_string() const {
     os << " master=" << master_addr << ":" << master_port << (agent_store ? " (agent store)" : "")
        << (master_addr_from.empty() ? "" : " (first node of " + master_addr_from + ")")
        << " dist-backend=" << dist_backend << " dist-timeout=" << dist_timeout_s << "s";
+    for (size_t i = 0; i < gloo_interfaces.size(); ++i) os << (i ? "," : " gloo-interfaces=") << gloo_interfaces[i];
   }
   return os.str();
 }

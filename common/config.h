@@ -3,7 +3,8 @@
 //
 // Sources, later ones win: built-in defaults < environment (launchers' RANK/WORLD_SIZE/LOCAL_RANK or
 // SLURM's task variables, MASTER_ADDR/MASTER_PORT, torchrun's TORCHELASTIC_USE_AGENT_STORE,
-// CUDA_VISIBLE_DEVICES's count, FERRY_DIST_TIMEOUT and FERRY_LOG_LEVEL) < command line (--key=value).
+// CUDA_VISIBLE_DEVICES's count, GLOO_SOCKET_IFNAME, FERRY_DIST_TIMEOUT and FERRY_LOG_LEVEL) < command
+// line (--key=value).
 // No other file of ferry reads the environment (the CUDA allocator's settings, which are torch's, are
 // read here too: cuda_allocator_configured).
 #include <cstdint>
@@ -89,6 +90,9 @@ struct Config {
   // torchrun already serves the store at MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True): every rank
   // is a client. Otherwise rank 0 serves it.
   bool agent_store = false;
+  // The network interfaces Gloo binds (GLOO_SOCKET_IFNAME, comma-separated, as torch.distributed reads
+  // it); empty: the loopback where master_addr is one, else the address this host's name resolves to.
+  std::vector<std::string> gloo_interfaces;
   std::string dist_backend = "auto";  // auto (nccl on CUDA, gloo otherwise) | gloo | nccl
   // Seconds a rendezvous or a collective may wait for the other ranks before failing (a dead rank).
   double dist_timeout_s = 300.0;

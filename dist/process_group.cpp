@@ -308,19 +308,40 @@ void check_launch(c10d::Store& store, const Config& config, std::chrono::millise
 }
 
 #ifdef FERRY_WITH_GLOO
+using GlooDevices = std::vector<std::shared_ptr<::gloo::transport::Device>>;
+
+// The network devices Gloo binds: the interfaces GLOO_SOCKET_IFNAME names, as torch.distributed binds
+// them (a host with several networks); otherwise loopback when the whole job is on this host by its
+// master address, else the address this host's name resolves to. Made before the rendezvous, so that
+// an interface this host lacks fails every rank on its own, not the others through a closed store.
+GlooDevices gloo_devices(const Config& config) {
+  GlooDevices devices;
+  for (const std::string& name : config.gloo_interfaces) {
+    try {
+      devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "ferry: rank ", config.rank, ": GLOO_SOCKET_IFNAME names the network interface '", name,
+                  "', which Gloo cannot bind on this host (", cli::message_of(e), "); name one that `ip addr` lists");
+    }
+  }
+  if (devices.empty()) {
+    devices.push_back(is_loopback(config.master_addr) ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                                      : c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  return devices;
+}
+
 c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store, const Config& config,
-                                                    std::chrono::milliseconds timeout) {
+                                                    std::chrono::milliseconds timeout, const GlooDevices& devices) {
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-  // Loopback when the whole job is on this host by its master address; otherwise the address this
-  // host's name resolves to (as torch.distributed does without GLOO_SOCKET_IFNAME).
-  options->devices.push_back(is_loopback(config.master_addr)
-                                 ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-                                 : c10d::ProcessGroupGloo::createDefaultDevice());
+  options->devices = devices;
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, config.rank, config.world_size, options);
 }
 #else
+struct GlooDevices {};
+GlooDevices gloo_devices(const Config&) { return {}; }
 c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>&, const Config&,
-                                                    std::chrono::milliseconds) {
+                                                    std::chrono::milliseconds, const GlooDevices&) {
   TORCH_INTERNAL_ASSERT(false, "choose_backend() refuses gloo in a build without it");
 }
 #endif
@@ -373,6 +394,7 @@ std::shared_ptr<Communicator> connect(const Config& config, bool even_alone) {
   const c10::Device device = chunks_device->bind_local_rank(unit, /*may_share=*/backend == "gloo");
   const bool cuda = device.is_cuda();
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.dist_timeout_s * 1000.0));
+  const GlooDevices gloo = backend == "gloo" ? gloo_devices(config) : GlooDevices{};
   const bool serve = config.rank == 0 && !config.agent_store;
   const std::string found_at =
       config.master_addr_from.empty() ? std::string() : " (the first node of " + config.master_addr_from + ")";
@@ -404,7 +426,7 @@ std::shared_ptr<Communicator> connect(const Config& config, bool even_alone) {
   const auto prefixed = c10::make_intrusive<c10d::PrefixStore>("ferry/" + backend, store);
   try {
     pg = backend == "nccl" ? detail::make_nccl_backend(prefixed, config.rank, config.world_size, timeout, device)
-                           : make_gloo_backend(prefixed, config, timeout);
+                           : make_gloo_backend(prefixed, config, timeout, gloo);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "ferry: rank ", config.rank, " of ", config.world_size, " could not connect ", backend,
                 " to the other ranks within dist-timeout (", config.dist_timeout_s, " s): ", cli::message_of(e));

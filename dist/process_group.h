@@ -6,7 +6,8 @@
 //    (CUDA_VISIBLE_DEVICES naming one: srun --gpus-per-task=1), before anything is placed; chunks on
 //    that GPU are reduced and gathered in place, CPU tensors are staged through it.
 //  - gloo (ProcessGroupGloo): the CPU and the simulated device (CPU tensors); on CUDA it can be asked
-//    for, and the chunks are then staged on the host.
+//    for, and the chunks are then staged on the host. It binds the interfaces GLOO_SOCKET_IFNAME names,
+//    else the loopback (a loopback master) or the address the host name resolves to.
 // dist-backend=auto picks between them; asking for one this build or this device cannot serve fails
 // naming why.
 //

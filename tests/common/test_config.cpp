@@ -164,6 +164,20 @@ TEST(Config, VisibleGpusAreCountedAsWritten) {
   EXPECT_EQ(Config::from_env({{"CUDA_VISIBLE_DEVICES", "0,,1,"}}).visible_gpus, 2);
 }
 
+TEST(Config, GlooInterfacesAreReadAsTorchReadsThem) {
+  EXPECT_TRUE(Config::from_env({}).gloo_interfaces.empty());
+  EXPECT_EQ(Config::from_env({{"GLOO_SOCKET_IFNAME", "eth0"}}).gloo_interfaces, std::vector<std::string>{"eth0"});
+  const Config two = Config::from_env({{"GLOO_SOCKET_IFNAME", "ib0,ib1"}, {"RANK", "0"}, {"WORLD_SIZE", "2"}});
+  EXPECT_EQ(two.gloo_interfaces, (std::vector<std::string>{"ib0", "ib1"}));
+  EXPECT_NE(two.to_string().find(" gloo-interfaces=ib0,ib1"), std::string::npos) << two.to_string();
+  for (const char* bad : {"", "eth0,", ",eth0", "a,,b"}) {
+    EXPECT_NE(test::error_of([&] { Config::from_env({{"GLOO_SOCKET_IFNAME", bad}}); })
+                  .find("expected GLOO_SOCKET_IFNAME as interface names separated by commas"),
+              std::string::npos)
+        << "'" << bad << "'";
+  }
+}
+
 TEST(Config, EnvironmentInconsistentRankFails) {
   EXPECT_THROW(Config::from_env({{"RANK", "8"}, {"WORLD_SIZE", "8"}}), c10::Error);
   EXPECT_THROW(Config::from_env({{"RANK", "two"}}), c10::Error);

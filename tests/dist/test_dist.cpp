@@ -999,6 +999,30 @@ TEST(Dist, ABatchScriptOfSeveralTasksFailsAtOnceNamingSrun) {
   EXPECT_EQ(alone[0].exit_code, 0) << "--world-size=1 runs it alone\n" << describe(alone);
 }
 
+// GLOO_SOCKET_IFNAME is honoured: the loopback interface by name trains; an interface this host lacks
+// fails on every rank naming the variable (ignored, it would train over the loopback).
+TEST(Dist, GlooBindsTheInterfacesGlooSocketIfnameNames) {
+  const int port = free_port();
+  std::vector<std::map<std::string, std::string>> envs;
+  for (int r = 0; r < 2; ++r) {
+    envs.push_back(rank_env(r, 2, port, 10));
+    envs.back()["GLOO_SOCKET_IFNAME"] = "lo";
+  }
+  const std::vector<Proc> named = launch(envs, {"--steps=1"});
+  for (const Proc& p : named) EXPECT_EQ(p.exit_code, 0) << describe(named);
+  const int other_port = free_port();
+  for (int r = 0; r < 2; ++r) {
+    envs[r] = rank_env(r, 2, other_port, 10);
+    envs[r]["GLOO_SOCKET_IFNAME"] = "ferrynone0";
+  }
+  const std::vector<Proc> missing = launch(envs, {"--steps=1"});
+  for (const Proc& p : missing) {
+    EXPECT_EQ(p.exit_code, 1) << describe(missing);
+    EXPECT_NE(p.err.find("GLOO_SOCKET_IFNAME names the network interface 'ferrynone0'"), std::string::npos)
+        << describe(missing);
+  }
+}
+
 TEST(Dist, AnUnreachableMasterFailsClearlyWithinTheTimeout) {
   const std::vector<Proc> ranks = launch({rank_env(1, 2, free_port(), 3)}, {"--steps=1"});
   EXPECT_EQ(ranks[0].exit_code, 1) << describe(ranks);
