@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
@@ -87,6 +88,17 @@ const char* const kEnvKeys[] = {"RANK",
 // which outgoing connections take.
 constexpr int kSlurmPortBase = 15000;
 constexpr int kSlurmPortSpan = 10000;
+
+// "a,b,,c" -> {"a", "b", "", "c"}; "" -> {""}.
+std::vector<std::string> comma_items(const std::string& text) {
+  std::vector<std::string> items;
+  size_t start = 0;
+  for (size_t comma; (comma = text.find(',', start)) != std::string::npos; start = comma + 1) {
+    items.push_back(text.substr(start, comma - start));
+  }
+  items.push_back(text.substr(start));
+  return items;
+}
 
 double parse_seconds(std::string_view key, std::string_view text) {
   std::string s(text);
@@ -297,27 +309,16 @@ Config Config::from_env(const std::map<std::string, std::string>& env) {
     }
   }
   if (auto v = get("CUDA_VISIBLE_DEVICES")) {
-    // Entries as written (indices, GPU-/MIG- UUIDs), separated by commas; "" names none.
-    c.visible_gpus = 0;
-    size_t start = 0;
-    while (start <= v->size()) {
-      const size_t comma = v->find(',', start);
-      const size_t end = comma == std::string::npos ? v->size() : comma;
-      if (end > start) ++c.visible_gpus;
-      if (comma == std::string::npos) break;
-      start = comma + 1;
-    }
+    // Entries as written (indices, GPU-/MIG- UUIDs); "" names none.
+    const std::vector<std::string> entries = comma_items(*v);
+    c.visible_gpus = static_cast<int>(
+        std::count_if(entries.begin(), entries.end(), [](const std::string& e) { return !e.empty(); }));
   }
   if (auto v = get("GLOO_SOCKET_IFNAME")) {
-    size_t start = 0;
-    while (start <= v->size()) {
-      const size_t comma = v->find(',', start);
-      const size_t end = comma == std::string::npos ? v->size() : comma;
-      TORCH_CHECK(end > start, "ferry config: expected GLOO_SOCKET_IFNAME as interface names separated by commas "
+    c.gloo_interfaces = comma_items(*v);
+    for (const std::string& name : c.gloo_interfaces) {
+      TORCH_CHECK(!name.empty(), "ferry config: expected GLOO_SOCKET_IFNAME as interface names separated by commas "
                   "(e.g. eth0 or ib0,ib1), got '", *v, "'");
-      c.gloo_interfaces.push_back(v->substr(start, end - start));
-      if (comma == std::string::npos) break;
-      start = comma + 1;
     }
   }
   if (auto v = get("TORCHELASTIC_USE_AGENT_STORE")) c.agent_store = parse_bool("TORCHELASTIC_USE_AGENT_STORE", *v);

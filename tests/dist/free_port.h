@@ -8,17 +8,28 @@
 
 namespace ferry::test {
 
-inline int free_port() {
+// Binds a TCP socket to `port` on the loopback interface (0: any free one) and closes it; the port it
+// got, or -1 when that one was taken.
+inline int bind_loopback(int port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  int got = -1;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    socklen_t len = sizeof(addr);
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    got = ntohs(addr.sin_port);
+  }
   ::close(fd);
-  return ntohs(addr.sin_port);
+  return got;
+}
+
+inline int free_port() {
+  const int port = bind_loopback(0);
+  EXPECT_GT(port, 0);
+  return port;
 }
 
 // A port in [lo, hi) on the loopback interface that was free a moment ago (tried from a random start).
@@ -27,14 +38,7 @@ inline int free_port_in(int lo, int hi) {
   const int start = static_cast<int>(::getpid()) % span;
   for (int k = 0; k < span; ++k) {
     const int port = lo + (start + k * 7919) % span;  // 7919 is prime: every port of the span once
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-    ::close(fd);
-    if (free) return port;
+    if (bind_loopback(port) == port) return port;
   }
   ADD_FAILURE() << "no free port in [" << lo << ", " << hi << ")";
   return lo;
