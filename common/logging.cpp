@@ -87,15 +87,17 @@ void write(Level lvl, std::string_view message) {
   logger()->log(to_spdlog(lvl), "{}", message);
 }
 
-bool warn_once(std::string_view key, std::string_view message) {
-  // Below the level nothing is written and the key is kept: the warning appears once the level allows.
-  if (!enabled(Level::kWarn)) return false;
+bool warn_once(std::string_view key, std::string_view message) { return write_once(Level::kWarn, key, message); }
+
+bool write_once(Level level, std::string_view key, std::string_view message) {
+  // Below the level nothing is written and the key is kept: the line appears once the level allows.
+  if (!enabled(level)) return false;
   {
     State& s = state();
     std::lock_guard<std::mutex> lock(s.mutex);
     if (!s.warned.emplace(key).second) return false;
   }
-  write(Level::kWarn, message);
+  write(level, message);
   return true;
 }
 

@@ -34,6 +34,8 @@ void write(Level level, std::string_view message);
 // Writes `message` at Warn the first time `key` is seen in this process while Warn is enabled; returns
 // whether it wrote (below Warn the key is not used up).
 bool warn_once(std::string_view key, std::string_view message);
+// The same at any level: the first time `key` is seen while `level` is enabled (keys are shared by levels).
+bool write_once(Level level, std::string_view key, std::string_view message);
 // "1.10.0": the spdlog this binary runs with (for the environment report).
 std::string spdlog_version();
 const char* to_string(Level level);
