@@ -266,7 +266,10 @@ bool ChunkStore::prefetch(ChunkId id) {
   Chunk& chunk = chunk_at(id);
   if (chunk.location() == Location::kDevice) return true;
   if (chunk.location() == Location::kNone) return false;
-  return start_move(chunk, Location::kDevice, /*must=*/false);
+  const int64_t h2d_before = moves_.h2d_bytes;
+  const bool started = start_move(chunk, Location::kDevice, /*must=*/false);
+  moves_.prefetch_h2d_bytes += moves_.h2d_bytes - h2d_before;
+  return started;
 }
 
 void ChunkStore::wait(ChunkId id, WaitFrom from) {

@@ -117,6 +117,9 @@ struct TierStats {
 struct MoveStats {
   int64_t h2d_count = 0;      // host->device moves started
   int64_t h2d_bytes = 0;
+  // ... of them, moved by prefetch() ahead of a use; the rest were moved for a use that needed them then
+  // (on a GPU: a copy the use waits for, unless it was ready in time).
+  int64_t prefetch_h2d_bytes = 0;
   int64_t d2h_count = 0;      // device->host moves started
   int64_t d2h_bytes = 0;
   int64_t evictions = 0;      // device->host moves chosen by the eviction policy (count)

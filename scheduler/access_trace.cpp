@@ -39,7 +39,7 @@ void AccessTrace::finalize(int64_t num_chunks) {
   for (int64_t i = n - 2; i >= 0; --i) run_end_[i] = chunks_[i + 1] != chunks_[i] ? i + 1 : run_end_[i + 1];
 }
 
-int64_t AccessTrace::next_use(ChunkId chunk, int64_t position) const {
+int64_t AccessTrace::next_use(ChunkId chunk, int64_t position, const std::vector<char>* passed_over) const {
   if (chunk < 0 || chunk >= static_cast<ChunkId>(positions_of_chunk_.size())) return kNever;
   const auto& p = positions_of_chunk_[chunk];
   if (p.empty()) return kNever;
@@ -48,6 +48,10 @@ int64_t AccessTrace::next_use(ChunkId chunk, int64_t position) const {
   const int64_t n = size();
   const int64_t base = position > 0 ? position / n * n : 0;
   auto it = std::lower_bound(p.begin(), p.end(), position - base);
+  // Positions passed over belong to this iteration only; a later one uses the whole trace.
+  if (passed_over != nullptr && base == 0) {
+    while (it != p.end() && (*passed_over)[*it]) ++it;
+  }
   return base + (it != p.end() ? *it : p.front() + n);  // else the iteration after's first use
 }
 

@@ -40,8 +40,9 @@ class AccessTrace {
   // Builds the next-use index; call after recording or remapping, before next_use().
   void finalize(int64_t num_chunks);
   // The first position q >= position where `chunk` is used (wrapping into the next iteration), or
-  // kNever if the trace never uses it.
-  int64_t next_use(ChunkId chunk, int64_t position) const;
+  // kNever if the trace never uses it. `passed_over` (null: none; else one entry per position): this
+  // iteration's positions known not to come (TraceAlignment::passed_over), never a next use in it.
+  int64_t next_use(ChunkId chunk, int64_t position, const std::vector<char>* passed_over = nullptr) const;
   // The largest non-model bytes in positions [position, position + window).
   int64_t non_model_peak(int64_t position, int64_t window) const;
   // Tensors in order of first use (each once): the packing order.

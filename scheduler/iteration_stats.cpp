@@ -24,6 +24,7 @@ void IterationMeter::baseline(ChunkStore& store) {
 
 const IterationStats& IterationMeter::end(const ChunkStoreStats& now, bool aborted, bool forward_only) {
   current_.h2d_bytes = now.moves.h2d_bytes - at_begin_.moves.h2d_bytes;
+  current_.prefetched_bytes = now.moves.prefetch_h2d_bytes - at_begin_.moves.prefetch_h2d_bytes;
   current_.d2h_bytes = now.moves.d2h_bytes - at_begin_.moves.d2h_bytes;
   current_.evictions = now.moves.evictions - at_begin_.moves.evictions;
   current_.wait_ns = now.moves.wait_ns - at_begin_.moves.wait_ns;

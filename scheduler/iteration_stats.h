@@ -15,10 +15,19 @@ namespace ferry {
 struct IterationStats {
   int64_t index = 0;
   bool traced = false;      // this iteration recorded the trace (warm-up or re-trace)
-  bool diverged = false;    // it stopped matching the trace
+  // It gave the trace up (too many uses the trace lacks, or any difference where alignment is off):
+  // LRU and no prefetch for its rest, and the next iteration re-traces (TraceState).
+  bool diverged = false;
+  // Departures from the trace it followed (Note [A run that departs from its trace]): trace positions
+  // it did not use, uses the trace did not have (counts), and whether its end merged them into the
+  // trace (a new trace version, no recording).
+  int64_t trace_skipped = 0;
+  int64_t trace_unforeseen = 0;
+  bool trace_merged = false;
   bool aborted = false;     // an exception ended it
   int64_t accesses = 0;     // pre-use events (count)
   int64_t h2d_bytes = 0;
+  int64_t prefetched_bytes = 0;  // ... of h2d_bytes moved ahead of their use (MoveStats::prefetch_h2d_bytes)
   int64_t d2h_bytes = 0;
   int64_t evictions = 0;    // count
   int64_t prefetches = 0;   // prefetch moves started (count)
@@ -30,6 +39,8 @@ struct IterationStats {
   bool forward_only = false;      // no backward in this iteration (evaluation)
   int64_t optimal_bytes = -1;     // Belady moves of the trace at this budget (-1: no trace yet)
   double moved_over_optimal() const;
+  // Host->device bytes a use had to wait for (moved when it came, not ahead of it).
+  int64_t demand_h2d_bytes() const { return h2d_bytes - prefetched_bytes; }
 };
 
 class IterationMeter {
@@ -41,6 +52,11 @@ class IterationMeter {
   void count_access() { ++current_.accesses; }
   void count_prefetch() { ++current_.prefetches; }
   void diverged() { current_.diverged = true; }
+  void departures(int64_t skipped, int64_t unforeseen, bool merged) {
+    current_.trace_skipped = skipped;
+    current_.trace_unforeseen = unforeseen;
+    current_.trace_merged = merged;
+  }
   // Closes the iteration with the store's statistics now; the result is also last().
   const IterationStats& end(const ChunkStoreStats& now, bool aborted, bool forward_only);
   // The last iteration ended (zeros before the first).

@@ -14,13 +14,20 @@ void OptEvictionPolicy::set_position(int64_t position) {
   position_ = position;
 }
 
+void OptEvictionPolicy::set_passed_over(std::shared_ptr<const std::vector<char>> passed_over) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  passed_over_ = std::move(passed_over);
+}
+
 std::vector<ChunkId> OptEvictionPolicy::choose(const EvictionRequest& request) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!trace_ || position_ < 0) return lru_.choose(request);
+  const std::vector<char>* over = passed_over_.get();
+  auto next_use = [&](ChunkId chunk, int64_t from) { return trace_->next_use(chunk, from, over); };
   // A demand access needs its chunk now, wherever the trace next uses it (a gradient landing after the
   // parameter's last traced use): Belady over the candidates as they are.
   const int64_t incoming_next =
-      request.incoming >= 0 && !request.demand ? trace_->next_use(request.incoming, position_) : position_;
+      request.incoming >= 0 && !request.demand ? next_use(request.incoming, position_) : position_;
   // A prefetch decides now what Belady would decide when the incoming chunk is needed (at
   // incoming_next). Then Belady compares every resident chunk by its next use *after that moment*,
   // including the current chunk (in COMPUTE now, so not a candidate) and the chunks used before that
@@ -29,10 +36,10 @@ std::vector<ChunkId> OptEvictionPolicy::choose(const EvictionRequest& request) {
   // out chunks used after all of those.
   int64_t threshold = incoming_next;
   if (incoming_next > position_ && position_ < trace_->size()) {
-    threshold = std::max(threshold, trace_->next_use(trace_->chunk_at(position_), incoming_next));
+    threshold = std::max(threshold, next_use(trace_->chunk_at(position_), incoming_next));
     for (const auto& c : request.candidates) {
-      if (trace_->next_use(c.chunk, position_) < incoming_next) {
-        threshold = std::max(threshold, trace_->next_use(c.chunk, incoming_next));
+      if (next_use(c.chunk, position_) < incoming_next) {
+        threshold = std::max(threshold, next_use(c.chunk, incoming_next));
       }
     }
   }
@@ -42,7 +49,7 @@ std::vector<ChunkId> OptEvictionPolicy::choose(const EvictionRequest& request) {
   };
   std::vector<Ranked> ranked;
   for (const auto& c : request.candidates) {
-    const int64_t next = trace_->next_use(c.chunk, position_);
+    const int64_t next = next_use(c.chunk, position_);
     // A prefetch must not push out a chunk needed before the one it brings in.
     if (incoming_next > position_ && next <= threshold) continue;
     ranked.push_back({next, c});

@@ -12,6 +12,7 @@
 // autograd's threads); they are serialized by the policy's mutex.
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "../chunk/eviction_policy.h"
 #include "access_trace.h"
@@ -27,11 +28,14 @@ class OptEvictionPolicy final : public EvictionPolicy {
   void set_trace(std::shared_ptr<const AccessTrace> trace);
   // The position of the access about to happen; -1: not following the trace (LRU).
   void set_position(int64_t position);
+  // This iteration's trace positions known not to come (null: none): never a chunk's next use.
+  void set_passed_over(std::shared_ptr<const std::vector<char>> passed_over);
 
  private:
   std::mutex mutex_;
   std::shared_ptr<const AccessTrace> trace_;
   int64_t position_ = -1;
+  std::shared_ptr<const std::vector<char>> passed_over_;
   LruEvictionPolicy lru_;
 };
 

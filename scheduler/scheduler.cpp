@@ -42,7 +42,7 @@ Scheduler::Scheduler(ChunkStore& store, std::shared_ptr<OptEvictionPolicy> polic
       options_(validated(options)),
       tensor_of_param_(std::move(tensor_of_param)),
       chunk_of_param_(std::move(chunk_of_param)),
-      trace_(options_.warmup_iterations),
+      trace_(options_.warmup_iterations, options_.align_to_trace),
       budget_(DeviceBudget{options_.device_budget_bytes, options_.device_capacity_bytes},
               store.stats().device.budget_bytes),
       releases_(options_.reshard_after_forward, options_.reshard_min_gap) {
@@ -61,6 +61,9 @@ void Scheduler::set_remote(std::shared_ptr<RemoteChunks> remote) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(!in_iteration_, "ferry: Scheduler::set_remote() inside an iteration");
   remote_ = std::move(remote);
+  // Sharded groups are fetched by collectives in the order of the uses: every rank must follow one trace
+  // exactly, or give it up at the same use (D98).
+  trace_.set_align(options_.align_to_trace && !remote_);
   releases_.invalidate();
 }
 
@@ -83,8 +86,9 @@ void Scheduler::release_until_locked(int64_t position) {
 void Scheduler::begin_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!in_iteration_) return;
-  if (AccessTrace* recording = trace_.recording()) recording->mark_backward_start();
-  release_until_locked(trace_.position());
+  passed_over_ = trace_.begin_backward();
+  policy_->set_passed_over(passed_over_);
+  release_until_locked(trace_.cursor());
 }
 
 void Scheduler::begin_iteration() {
@@ -107,8 +111,12 @@ int64_t Scheduler::non_model_now_locked() {
 }
 
 void Scheduler::apply_budget_locked(int64_t position) {
-  const int64_t non_model =
-      trace_.following() ? trace_.trace()->non_model_peak(position, options_.non_model_window) : -1;
+  int64_t non_model = -1;
+  if (trace_.following()) {
+    // An unforeseen use (-1) sits before the expected position: the reserve covers the one before too.
+    const int64_t from = position >= 0 ? position : std::max<int64_t>(0, trace_.cursor() - 1);
+    non_model = trace_.trace()->non_model_peak(from, options_.non_model_window + (position >= 0 ? 0 : 1));
+  }
   budget_.apply(*store_, budget_.at_moment(non_model, *store_));
 }
 
@@ -116,31 +124,34 @@ void Scheduler::pre_use(int64_t param) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(param >= 0 && param < static_cast<int64_t>(tensor_of_param_.size()), "ferry: parameter index ",
               param, " out of range [0, ", tensor_of_param_.size(), ")");
-  // Pass 1: follow the trace (or record it); a use the trace did not expect ends the following.
-  const int64_t position = trace_.next_position();
+  // Pass 1: follow the trace (or record it). A use aligned a little ahead or behind moves the position
+  // there; one the trace lacks (-1) is served on demand; too many of those give the trace up.
   meter_.count_access();
   const bool following = trace_.following();
+  const int64_t position = trace_.use(param, chunk_of_param_[param]);
   if (following) {
-    if (trace_.matches(position, param)) {
-      policy_->set_position(position);
-    } else {
+    if (!trace_.following()) {
       meter_.diverged();
       policy_->set_position(-1);
+    } else {
+      // Unforeseen: OPT plans from the use expected next.
+      policy_->set_position(position >= 0 ? position : trace_.cursor());
     }
   }
   // Pass 2: the budget of this moment.
   apply_budget_locked(position);
   AccessTrace* recording = trace_.recording();
   const int64_t non_model = recording ? non_model_now_locked() : 0;
-  // Pass 3: sharded groups given up behind the trace, this one fetched.
+  // Pass 3: sharded groups given up behind the trace, this one fetched. (Strict while sharded: a
+  // position, when following, is this use's index.)
   if (remote_) {
-    if (trace_.following()) release_until_locked(position);
+    if (trace_.following() && position >= 0) release_until_locked(position);
     if (remote_->remote(chunk_of_param_[param])) remote_->fetch(chunk_of_param_[param]);
   }
-  // Pass 4: the use, then what comes next.
+  // Pass 4: the use, then what comes next (after an unforeseen use, the last match's prefetch stands).
   store_->access(tensor_of_param_[param]);
   if (recording) recording->record(param, chunk_of_param_[param], non_model);
-  if (trace_.following()) prefetch_locked(position);
+  if (trace_.following() && position >= 0) prefetch_locked(position);
 }
 
 void Scheduler::prefetch_locked(int64_t position) {
@@ -151,6 +162,7 @@ void Scheduler::prefetch_locked(int64_t position) {
   const int64_t end = std::min(trace.size(), position + 1 + options_.prefetch_window);
   for (int64_t q = trace.run_end(position); q < end && static_cast<int>(seen.size()) <= options_.prefetch_depth;
        q = trace.run_end(q)) {
+    if (passed_over_ && run_passed_over(q)) continue;  // a run this backward will not come to
     const ChunkId c = trace.chunk_at(q);
     if (std::find(seen.begin(), seen.end(), c) != seen.end()) continue;
     seen.push_back(c);
@@ -161,6 +173,14 @@ void Scheduler::prefetch_locked(int64_t position) {
     if (store_->location(c) == Location::kDevice) continue;
     if (store_->prefetch(c)) meter_.count_prefetch();
   }
+}
+
+bool Scheduler::run_passed_over(int64_t position) const {
+  const AccessTrace& trace = *trace_.trace();
+  for (int64_t q = position, end = trace.run_end(position); q < end; ++q) {
+    if (!(*passed_over_)[q]) return false;
+  }
+  return true;
 }
 
 void Scheduler::post_use(int64_t param, TensorState after) {
@@ -176,8 +196,12 @@ IterationStats Scheduler::end_iteration(bool aborted, bool forward_only) {
     const TensorState s = store_->tensor_info(t).state;
     if (s == TensorState::kHoldAfterFwd || s == TensorState::kHoldAfterBwd) store_->set_state(t, TensorState::kHold);
   }
+  const TraceState::IterationEnd end = trace_.end_iteration(aborted, forward_only);
+  meter_.departures(end.skipped, end.unforeseen, end.merged);
   const IterationStats stats = meter_.end(store_->stats(), aborted, forward_only);
-  if (trace_.end_iteration(aborted, forward_only)) finalize_trace_locked();
+  passed_over_.reset();
+  policy_->set_passed_over(nullptr);
+  if (end.adopted) finalize_trace_locked();
   policy_->set_position(-1);
   budget_.apply(*store_, budget_.chunk_budget(*store_));
   return stats;

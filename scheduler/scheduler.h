@@ -9,9 +9,12 @@
 //  - The first `warmup_iterations` record the trace with LRU eviction; the trace is then finalized
 //    and end_iteration() says the layout should be repacked in first-use order (the caller does it and
 //    calls relayout()).
-//  - Afterwards every pre_use compares the parameter with the trace at the current position. On a
-//    mismatch (a branch taken differently, a parameter unused this time) the scheduler warns once,
-//    switches to LRU for the rest of the iteration and records the next iteration as a new trace.
+//  - Afterwards every pre_use aligns the parameter against the trace (TraceState, Note [A run that
+//    departs from its trace]): a use the trace has a little ahead or behind (a layer skipped, uses in
+//    another order) keeps OPT and prefetch going from there; a use it lacks is served on demand; the
+//    iteration's end merges such departures into the trace. When the uses stop resembling the trace (or,
+//    with sharded parameters, at any difference) the scheduler warns once, switches to LRU for the rest
+//    of the iteration and records the next iteration as a new trace.
 //
 // Parameters are named by their index in the model (stable across repacks); `tensor_of_param` and
 // `chunk_of_param` map them into the current ChunkStore.
@@ -41,6 +44,10 @@ struct SchedulerOptions {
   int prefetch_depth = 2;         // distinct chunks ahead to start moving in (0: no prefetch)
   int64_t prefetch_window = 256;  // trace positions searched for them
   int64_t non_model_window = 4;   // positions ahead whose non-model peak the budget reserves
+  // Uses that differ from the trace are aligned against it (Note [A run that departs from its trace]).
+  // false: strict, any difference gives the trace up for the rest of the iteration and re-traces (as
+  // before D98; always so while parameters are sharded).
+  bool align_to_trace = true;
   // The DeviceBudget (chunk/device.h; ChunkedModel sets both from the one it makes of its Config):
   // device bytes for chunks of every store: parameters + state (0: no limit).
   int64_t device_budget_bytes = 0;
@@ -116,6 +123,8 @@ class Scheduler {
  private:
   void finalize_trace_locked();
   void prefetch_locked(int64_t position);
+  // Whether every use of the run of one chunk's uses starting at `position` is passed over.
+  bool run_passed_over(int64_t position) const;
   // Gives the store the chunk budget of the use at `position` (MomentBudget::at_moment).
   void apply_budget_locked(int64_t position);
   int64_t non_model_now_locked();
@@ -134,6 +143,8 @@ class Scheduler {
   std::vector<ChunkId> chunk_of_param_;
   bool in_iteration_ = false;
   TraceState trace_;       // the trace through warm-up, following, divergence and re-trace
+  // This iteration's backward positions that will not come (TraceAlignment::begin_backward; null: none).
+  std::shared_ptr<const std::vector<char>> passed_over_;
   MomentBudget budget_;    // the parameter chunks' device budget at each moment
   ReleasePlan releases_;   // sharded parameters: groups given up after their forward uses
   IterationMeter meter_;   // this iteration's counters, and the last one's

@@ -14,6 +14,8 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <chrono>
+#include <iostream>
+#include <random>
 #include <utility>
 #include <functional>
 #include <thread>
@@ -78,6 +80,23 @@ struct TinyGptImpl : torch::nn::Module {
   torch::nn::LayerNorm ln_f{nullptr};
 };
 TORCH_MODULE(TinyGpt);
+
+// The same decoder with LayerDrop (stochastic depth): block i is skipped where skip[i] (the test draws
+// it per iteration, the same for both twins), so the parameter uses differ from one iteration to the
+// next.
+struct LayerDropGptImpl : TinyGptImpl {
+  using TinyGptImpl::TinyGptImpl;
+  torch::Tensor forward(torch::Tensor idx) {
+    auto pos = torch::arange(idx.size(1), torch::kLong);
+    auto x = wte(idx) + wpe(pos);
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      if (i >= skip.size() || !skip[i]) x = blocks[i]->forward(x);
+    }
+    return torch::matmul(ln_f(x), wte->weight.t());
+  }
+  std::vector<bool> skip;
+};
+TORCH_MODULE(LayerDropGpt);
 
 struct ConvNetImpl : torch::nn::Module {
   ConvNetImpl() {
@@ -282,6 +301,60 @@ TEST(ChunkedModel, ConvNetWithBatchNormMatches) {
   expect_same_parameters(ref, net);  // running stats of BatchNorm included
 }
 
+// LayerDrop on 6 blocks, each skipped with probability 1/4 per iteration, under a budget of 4 chunks
+// and copies that lag as CUDA's do: every iteration's loss and gradients equal the unwrapped twin's,
+// and after the warm-up no iteration gives the trace up or re-traces; the trace is followed and
+// prefetched from in every one (D98). The same draws under the strict rule (align_to_trace false:
+// give up at the first difference, re-trace the next) leave the uses waiting for more bytes.
+TEST(ChunkedModel, LayerDropMatchesUnwrappedAndKeepsFollowingTheTrace) {
+  const int64_t V = 64, D = 32, L = 6, T = 8, chunk = 8 << 10;
+  std::mt19937 rng(5);
+  std::vector<std::vector<bool>> skips(14, std::vector<bool>(L, false));
+  int64_t skipped_blocks = 0;
+  for (size_t it = 1; it < skips.size(); ++it) {
+    for (int64_t b = 0; b < L; ++b) skipped_blocks += (skips[it][b] = rng() % 4 == 0) ? 1 : 0;
+  }
+  ASSERT_GT(skipped_blocks, 10);
+  auto train = [&](bool align) {
+    torch::manual_seed(11);
+    LayerDropGpt ref(V, D, L, T);
+    torch::manual_seed(11);
+    LayerDropGpt net(V, D, L, T);
+    const int64_t budget = 4 * largest_chunk_bytes(*net, chunk);
+    ChunkedModelOptions options = lagging_copies();
+    options.scheduler.align_to_trace = align;
+    ChunkedModel model(net.ptr(), tiny_config(chunk, budget), std::move(options));
+    auto loss_of = [&](LayerDropGpt& m) {
+      torch::manual_seed(42);
+      auto idx = torch::randint(0, V, {2, T}, torch::kLong);
+      return torch::nn::functional::cross_entropy(m->forward(idx).view({-1, V}), idx.view({-1}));
+    };
+    int64_t demand = 0, gave_up_or_traced = 0;
+    for (size_t it = 0; it < skips.size(); ++it) {
+      const std::string what = std::string(align ? "aligned" : "strict") + " iteration " + std::to_string(it);
+      ref->skip = net->skip = skips[it];
+      compare_iteration(ref, net, model, loss_of, what);
+      const IterationStats s = model.last_iteration();
+      EXPECT_LE(s.device_peak_bytes, budget) << what;
+      if (it < 2) continue;  // the warm-up, and the first iteration after the repack
+      demand += s.demand_h2d_bytes();
+      gave_up_or_traced += (s.diverged || s.traced) ? 1 : 0;
+      if (align) {
+        EXPECT_FALSE(s.diverged) << what;
+        EXPECT_FALSE(s.traced) << what;
+        EXPECT_GT(s.prefetched_bytes, 0) << what;
+      }
+    }
+    return std::make_pair(demand, gave_up_or_traced);
+  };
+  const auto strict = train(false), aligned = train(true);
+  EXPECT_GT(strict.second, 6) << "the strict rule gives the trace up or re-traces in most iterations";
+  EXPECT_EQ(aligned.second, 0);
+  EXPECT_LT(aligned.first, strict.first) << "bytes the uses waited for";
+  std::cout << "LayerDrop GPT, 12 iterations: host->device bytes the uses waited for: strict " << strict.first
+            << ", aligned " << aligned.first << "\n";
+}
+
 TEST(ChunkedModel, SharedFrozenUnusedAndDivergence) {
   torch::manual_seed(3);
   OddNet ref;
@@ -296,15 +369,29 @@ TEST(ChunkedModel, SharedFrozenUnusedAndDivergence) {
   };
   compare_iteration(ref, net, model, loss_of, "warm-up");
   EXPECT_FALSE(net->frozen->weight.grad().defined());
-  ref->use_extra = net->use_extra = false;  // `extra` unused from now on: the trace diverges
-  compare_iteration(ref, net, model, loss_of, "without extra");
-  EXPECT_TRUE(model.last_iteration().diverged);
-  EXPECT_FALSE(net->extra->weight.grad().defined());
-  compare_iteration(ref, net, model, loss_of, "re-traced");
-  EXPECT_TRUE(model.last_iteration().traced);
+  // `extra` unused from now on: its uses in the trace are skipped, and dropped from it after
+  // TraceState::kPruneAfter iterations without them (D98).
+  ref->use_extra = net->use_extra = false;
+  for (int i = 1; i <= TraceState::kPruneAfter; ++i) {
+    compare_iteration(ref, net, model, loss_of, "without extra " + std::to_string(i));
+    const IterationStats s = model.last_iteration();
+    EXPECT_FALSE(s.diverged);
+    EXPECT_FALSE(s.traced);
+    EXPECT_GT(s.trace_skipped, 0);
+    EXPECT_EQ(s.trace_merged, i == TraceState::kPruneAfter) << "iteration " << i << " without extra";
+    EXPECT_FALSE(net->extra->weight.grad().defined());
+  }
+  compare_iteration(ref, net, model, loss_of, "following the trace without extra");
+  EXPECT_EQ(model.last_iteration().trace_skipped, 0);
+  // Used again: its uses are unforeseen once, and merged back.
+  ref->use_extra = net->use_extra = true;
+  compare_iteration(ref, net, model, loss_of, "with extra again");
+  EXPECT_GT(model.last_iteration().trace_unforeseen, 0);
+  EXPECT_TRUE(model.last_iteration().trace_merged);
   compare_iteration(ref, net, model, loss_of, "following");
   EXPECT_FALSE(model.last_iteration().traced);
   EXPECT_FALSE(model.last_iteration().diverged);
+  EXPECT_EQ(model.last_iteration().trace_unforeseen + model.last_iteration().trace_skipped, 0);
   EXPECT_LE(model.store().stats().device.peak_bytes, budget);
 }
 

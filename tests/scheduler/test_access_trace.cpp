@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "../../scheduler/access_trace.h"
@@ -111,6 +112,45 @@ TEST(AccessTrace, NextUseAndRunEndEqualTheirDefinitionsOnRandomTraces) {
       int64_t end = p + 1;
       while (end < length && chunks[end] == chunks[p]) ++end;
       ASSERT_EQ(t.run_end(p), end) << "position " << p;
+    }
+  }
+}
+
+// With positions passed over in this iteration: the first q >= position not passed over, else the
+// chunk's first use in the next iteration (which passes over nothing); from a position in the next
+// iteration the mask does not apply.
+TEST(AccessTrace, NextUseSkipsPassedOverPositionsOfThisIterationOnly) {
+  std::mt19937_64 rng(12);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int num_chunks = 1 + static_cast<int>(rng() % 5);
+    const int length = 1 + static_cast<int>(rng() % 30);
+    std::vector<ChunkId> chunks;
+    std::vector<char> over(length, 0);
+    AccessTrace t;
+    for (int i = 0; i < length; ++i) {
+      chunks.push_back(static_cast<ChunkId>(rng() % num_chunks));
+      over[i] = rng() % 3 == 0 ? 1 : 0;
+      t.record(i, chunks.back(), 0);
+    }
+    t.finalize(num_chunks);
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    for (ChunkId c = 0; c < num_chunks; ++c) {
+      for (int64_t p = 0; p <= 2 * length; ++p) {
+        int64_t want = next_use_by_scan(chunks, c, p >= length ? p - length : p);
+        if (p >= length && want != AccessTrace::kNever) want += length;
+        if (p < length) {
+          want = AccessTrace::kNever;
+          for (int64_t q = p; q < length && want == AccessTrace::kNever; ++q) {
+            if (chunks[q] == c && !over[q]) want = q;
+          }
+          if (want == AccessTrace::kNever) {
+            for (int64_t q = 0; q < length && want == AccessTrace::kNever; ++q) {
+              if (chunks[q] == c) want = q + length;
+            }
+          }
+        }
+        ASSERT_EQ(t.next_use(c, p, &over), want) << "chunk " << c << " at " << p;
+      }
     }
   }
 }

@@ -221,5 +221,27 @@ TEST(OptEvictionPolicy, WithoutATraceOrOffItIsLru) {
   }
 }
 
+// Positions this iteration will not come to (a backward use of a parameter its forward skipped,
+// TraceAlignment::begin_backward) are no next use: such a chunk's next use is in the next iteration.
+TEST(OptEvictionPolicy, APassedOverUseIsNoNextUse) {
+  auto trace = std::make_shared<AccessTrace>();
+  for (ChunkId c : {0, 1, 2, 2, 1, 0}) trace->record(c, c, 0);
+  trace->finalize(3);
+  OptEvictionPolicy opt;
+  opt.set_trace(trace);
+  opt.set_position(3);  // chunk 2's backward use; next uses: 1 at 4, 0 at 5
+  EvictionRequest r;
+  r.demand = true;
+  r.incoming = 2;
+  r.bytes_needed = 100;
+  r.candidates = {{0, 100, 1}, {1, 100, 2}};
+  EXPECT_EQ(opt.choose(r), (std::vector<ChunkId>{0}));
+  // Position 4 (chunk 1) passed over: chunk 1 is next used at 1 + 6 = 7, after chunk 0 at 5.
+  opt.set_passed_over(std::make_shared<std::vector<char>>(std::vector<char>{0, 0, 0, 0, 1, 0}));
+  EXPECT_EQ(opt.choose(r), (std::vector<ChunkId>{1}));
+  opt.set_passed_over(nullptr);
+  EXPECT_EQ(opt.choose(r), (std::vector<ChunkId>{0}));
+}
+
 }  // namespace
 }  // namespace ferry

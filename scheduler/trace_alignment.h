@@ -1,0 +1,100 @@
+#pragma once
+// TraceAlignment: one iteration's parameter uses aligned against the trace it follows, and the trace
+// that iteration leaves behind (Note [A run that departs from its trace]).
+//
+// Note [A run that departs from its trace]
+// A model whose uses differ from one iteration to the next is common: layers skipped at random
+// (LayerDrop, stochastic depth), experts that receive no token this step, an auxiliary head used every
+// k-th step. Until D98 the first use that differed from the trace ended the following: LRU and no
+// prefetch for the rest of the iteration, and the next iteration recorded again (LRU, no prefetch
+// either), so such a model never had a prefetch in a whole iteration. Now each use is aligned:
+//  - the expected position (the cursor) matches: it advances;
+//  - else the position nearest to the cursor, ahead or behind, that holds the parameter and was not
+//    used in this iteration yet matches, and the cursor goes to just after it: ahead, the positions
+//    passed over were skipped (a branch not taken, however long: an early exit); behind, the uses came
+//    in another order. Nearest, not ahead first: a parameter used again later (tied weights, its
+//    backward use) must not pull the cursor past uses that are merely swapped;
+//  - else (the trace has no unused position of it left) the use is unforeseen: served on demand (no
+//    prefetch brought it), remembered with the cursor it came at, and the cursor stays.
+// OPT, prefetch and the per-moment budget read the matched position, so the next chunks keep moving
+// in ahead of their uses. When backward begins, the trace's backward uses of parameters this forward
+// did not use are known not to come (autograd computes no gradient for them): OPT does not keep their
+// chunks for them and prefetch passes them over (begin_backward()). The iteration's end merges what it
+// saw into the trace (merged_trace()): each unforeseen use is inserted before the position it came at;
+// positions no training iteration used for TraceState::kPruneAfter iterations in a row are dropped.
+// The trace becomes the order of what recent iterations used, a superset of each: a skipped forward
+// use costs a prefetch that was not needed, an unforeseen use a demand move.
+// The caller (TraceState) gives up aligning (the old rule: LRU, record the next iteration) when
+// unforeseen uses pile up: the trace is no longer this program's.
+//
+// What it buys and costs (D98, tests/scheduler/test_scheduler.cpp, LayerDrop on 24 one-chunk layers,
+// room for 14, each layer skipped with probability 1/10): the bytes the uses waited for fell from
+// 66,600 to 4,300 over 38 iterations, and the bytes moved rose from 66,800 to 71,300 (prefetches of
+// layers the iteration then skipped).
+//
+// Contract: not thread-safe (TraceState calls it with the scheduler's mutex held). The trace must
+// outlive the alignment and stay unchanged while it aligns.
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "access_trace.h"
+
+namespace ferry {
+
+class TraceAlignment {
+ public:
+  explicit TraceAlignment(const AccessTrace& trace);
+
+  // Aligns the next use of `param` (its chunk now: `chunk`). Returns the trace position it matched, or
+  // -1: unforeseen.
+  int64_t align(TensorId param, ChunkId chunk);
+  // The backward pass begins: unforeseen uses from here on are backward's. When the iteration departed
+  // from the trace before it, a parameter it did not use has no gradient to compute (autograd only
+  // reaches what forward used), so the trace's backward positions of such parameters will not come:
+  // returns them (one entry per position, 1 where passed over), or null when there are none (always
+  // when nothing departed). They can still match.
+  std::shared_ptr<const std::vector<char>> begin_backward();
+
+  // The trace position expected next (size() of the trace: past its end).
+  int64_t cursor() const { return cursor_; }
+  int64_t matched() const { return matched_; }                  // uses matched (count)
+  int64_t unforeseen() const { return static_cast<int64_t>(unforeseen_.size()); }  // count
+  // Whether trace position q was used in this iteration.
+  bool used(int64_t position) const { return used_[position] != 0; }
+  // Trace positions not used in this iteration (count).
+  int64_t skipped() const { return trace_->size() - matched_; }
+
+  // The trace after this iteration: its unforeseen uses inserted (each before the position expected
+  // when it came; several there in the order they came), and the positions where `keep` is false
+  // dropped (keep: one entry per position of the trace). An inserted use's non-model bytes are the
+  // larger of its neighbours'. origin[i]: the old position of new position i, or -1 where inserted.
+  struct Merged {
+    std::shared_ptr<AccessTrace> trace;
+    std::vector<int64_t> origin;
+  };
+  Merged merged_trace(const std::vector<char>& keep) const;
+
+ private:
+  struct Unforeseen {
+    int64_t before;  // the cursor when it came
+    TensorId param;
+    ChunkId chunk;
+    bool backward;
+  };
+  // The unused position holding `param` nearest to the cursor (ahead first at equal distance); -1 if
+  // none (within kWalk used positions of it on each side of the cursor).
+  int64_t find_nearest(TensorId param);
+  static constexpr int64_t kWalk = 64;
+  void take(int64_t position);
+
+  const AccessTrace* trace_;
+  int64_t cursor_ = 0;
+  int64_t matched_ = 0;
+  bool in_backward_ = false;
+  std::vector<char> used_;
+  std::vector<int64_t> by_param_;  // the trace's positions ordered by (parameter, position); made when first needed
+  std::vector<Unforeseen> unforeseen_;
+};
+
+}  // namespace ferry
