@@ -1,0 +1,176 @@
+// bench_layer_drop: a model whose parameter uses change from step to step (LayerDrop: each block of the
+// GPT example skipped with probability --layer-drop in each step), trained through ChunkedModel +
+// HybridAdam twice in one process, with the same initial values, batches and draws: under the strict
+// trace rule (SchedulerOptions::align_to_trace false: the first use that differs from the trace ends
+// its following, LRU and no prefetch for the rest of the step, and the next step records again) and
+// with the uses aligned against the trace (D98, Note [A run that departs from its trace]). Prints one
+// JSON object: per rule the step time, the parameter bytes moved in per step, the part of them a use
+// had to wait for (not moved ahead), the moves against the Belady count of the trace followed
+// (moved_over_optimal: the floor of the run's own trace), and how many steps gave the trace up,
+// re-traced or merged; and whether the two runs' losses are bit-identical (they must be: the rule
+// decides only where chunks are).
+//
+//   bench_layer_drop [--preset=small] [--layer-drop=0.1] [--steps=12] [--warmup-steps=3] [--batch=4]
+//                    [--seq=128] [--checkpoint-activations] [--copies=stream|sync] + ferry options
+//
+// On the simulated device (the default) the bytes are what a GPU would move; the times are the host's.
+#include <chrono>
+#include <iostream>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "../../examples/gpt/gpt.h"
+#include "../../ferry.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct RuleResult {
+  double step_s = 0;                  // mean over the measured steps
+  double h2d_bytes = 0;               // parameter bytes moved to the device, per step
+  double demand_h2d_bytes = 0;        // ... of them not moved ahead of their use, per step
+  double prefetched_bytes = 0;        // ... of them moved ahead, per step
+  double moved_over_optimal = 0;      // mean over the measured steps that had a trace to follow
+  int64_t gave_up = 0, traced = 0, merged = 0, skipped_uses = 0, unforeseen_uses = 0;  // over the measured steps
+  int64_t device_peak_bytes = 0;
+  std::vector<double> losses;
+};
+
+struct Run {
+  gpt::GptConfig gc;
+  double layer_drop = 0.1;
+  int64_t steps = 12, warmup_steps = 3, batch = 4, seq = 128;
+  bool checkpoint = false, stream_copies = true;
+};
+
+RuleResult train(const Run& run, const ferry::Config& config, bool align) {
+  torch::manual_seed(1);
+  auto net = std::make_shared<gpt::GptImpl>(run.gc);
+  // The draws of one step, the same under both rules: block i is skipped where skip[i].
+  std::vector<bool> skip(static_cast<size_t>(run.gc.layers), false);
+  size_t next_block = 0;
+  net->run_block = [&](gpt::Block& b, const torch::Tensor& x) {
+    const bool dropped = skip[next_block++ % skip.size()];
+    if (dropped) return x;
+    if (!run.checkpoint) return b->forward(x);
+    return ferry::checkpoint([b](const std::vector<at::Tensor>& in) mutable { return b->forward(in[0]); }, {x});
+  };
+  ferry::ChunkedModelOptions options;
+  options.scheduler.align_to_trace = align;
+  const bool simulated = ferry::resolve_device_kind(config.device) == ferry::DeviceKind::kSimulated;
+  if (simulated && run.stream_copies) options.copy_engine = [] { return std::make_unique<ferry::StreamModelCopyEngine>(); };
+  ferry::ChunkedModel model(net, config, std::move(options));
+  ferry::HybridAdam adam(model, ferry::HybridAdamOptions{});
+  const c10::Device device = model.store().device();
+  RuleResult r;
+  int64_t with_optimal = 0;
+  for (int64_t step = 0; step < run.warmup_steps + run.steps; ++step) {
+    std::mt19937_64 draw(1000 + static_cast<uint64_t>(step));
+    std::uniform_real_distribution<double> u(0.0, 1.0);
+    for (size_t i = 0; i < skip.size(); ++i) skip[i] = step > 0 && u(draw) < run.layer_drop;  // warm-up: all
+    next_block = 0;
+    torch::manual_seed(static_cast<uint64_t>(step));
+    const at::Tensor tokens = torch::randint(0, run.gc.vocab, {run.batch, run.seq + 1}, torch::kLong).to(device);
+    const at::Tensor x = tokens.slice(1, 0, run.seq), y = tokens.slice(1, 1, run.seq + 1);
+    const bool measured = step >= run.warmup_steps;
+    if (measured && step == run.warmup_steps) model.store().reset_peak_stats();
+    const auto start = Clock::now();
+    at::Tensor loss = model.forward([&] { return gpt::GptImpl::loss(net->forward(x), y); });
+    adam.backward_step(loss);
+    const double l = loss.item<double>();  // waits for the step's device work
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    r.losses.push_back(l);
+    const ferry::IterationStats s = model.last_iteration();
+    std::cerr << "bench_layer_drop: " << (align ? "aligned" : "strict") << " step " << step
+              << (measured ? "" : " (warm-up)") << ": " << seconds << " s, loss " << l << ", moved in "
+              << ferry::format_bytes(s.h2d_bytes) << " (" << ferry::format_bytes(s.demand_h2d_bytes())
+              << " on demand)" << (s.diverged ? ", gave the trace up" : "") << (s.traced ? ", traced" : "")
+              << (s.trace_merged ? ", merged" : "") << "\n";
+    if (!measured) continue;
+    const double n = static_cast<double>(run.steps);
+    r.step_s += seconds / n;
+    r.h2d_bytes += static_cast<double>(s.h2d_bytes) / n;
+    r.demand_h2d_bytes += static_cast<double>(s.demand_h2d_bytes()) / n;
+    r.prefetched_bytes += static_cast<double>(s.prefetched_bytes) / n;
+    if (s.moved_over_optimal() > 0) {
+      r.moved_over_optimal += s.moved_over_optimal();
+      ++with_optimal;
+    }
+    r.gave_up += s.diverged ? 1 : 0;
+    r.traced += s.traced ? 1 : 0;
+    r.merged += s.trace_merged ? 1 : 0;
+    r.skipped_uses += s.trace_skipped;
+    r.unforeseen_uses += s.trace_unforeseen;
+  }
+  if (with_optimal > 0) r.moved_over_optimal /= static_cast<double>(with_optimal);
+  r.device_peak_bytes = model.store().stats().device.peak_bytes;
+  return r;
+}
+
+std::string json(const RuleResult& r) {
+  std::ostringstream o;
+  o.precision(6);
+  o << "{\"step_s\": " << r.step_s << ", \"h2d_bytes_per_step\": " << r.h2d_bytes
+    << ", \"demand_h2d_bytes_per_step\": " << r.demand_h2d_bytes << ", \"prefetched_bytes_per_step\": "
+    << r.prefetched_bytes << ", \"moved_over_optimal\": " << r.moved_over_optimal << ", \"steps_gave_up\": "
+    << r.gave_up << ", \"steps_traced\": " << r.traced << ", \"steps_merged\": " << r.merged
+    << ", \"trace_uses_skipped\": " << r.skipped_uses << ", \"unforeseen_uses\": " << r.unforeseen_uses
+    << ", \"device_peak_bytes\": " << r.device_peak_bytes << "}";
+  return o.str();
+}
+
+int run_benchmark(int argc, char** argv) {
+  std::vector<std::string> rest;
+  ferry::Config config = ferry::Config::from_args(argc, argv, &rest);
+  ferry::log::configure(config.log_level, config.rank);
+  Run run;
+  std::string preset = "small", commit = "unknown", copies = "stream";
+  ferry::cli::Options options("bench_layer_drop");
+  options.also_accepts("ferry options", ferry::Config::help());
+  options.add("preset", &preset, "GPT preset (default small)")
+      .add("layer-drop", &run.layer_drop, "probability that a block is skipped in a step (default 0.1)", 0.0, 1.0)
+      .add("steps", &run.steps, "measured steps (default 12)", 1)
+      .add("warmup-steps", &run.warmup_steps, "unmeasured steps first, the first with every block (default 3)", 1)
+      .add("batch", &run.batch, "sequences per step (default 4)", 1, int64_t{1} << 20)
+      .add("seq", &run.seq, "tokens per sequence (default 128)", 2, int64_t{1} << 20)
+      .add_flag("checkpoint-activations", &run.checkpoint, "each block a ferry::checkpoint segment")
+      .add("copies", &copies, "simulated device: stream (the default: queued as on a CUDA copy stream) or sync")
+      .add("commit", &commit, "commit id recorded in the JSON");
+  options.parse(rest);
+  if (copies != "stream" && copies != "sync") {
+    throw ferry::cli::UsageError("--copies must be stream or sync, got '" + copies + "'");
+  }
+  run.stream_copies = copies == "stream";
+  run.gc = gpt::preset(preset);
+  run.gc.seq = std::max(run.gc.seq, run.seq);
+  const RuleResult strict = train(run, config, /*align=*/false);
+  const RuleResult aligned = train(run, config, /*align=*/true);
+  std::ostringstream out;
+  out.precision(6);
+  out << "{\n  \"benchmark\": \"layer_drop\",\n  \"commit\": \"" << commit << "\",\n  \"env\": "
+      << ferry::env_report_json(ferry::collect_env_report()) << ",\n  \"device\": \""
+      << ferry::to_string(ferry::resolve_device_kind(config.device)) << "\", \"copies\": \"" << copies
+      << "\",\n  \"config\": {\"preset\": \"" << run.gc.name << "\", \"params\": " << run.gc.num_params()
+      << ", \"layers\": " << run.gc.layers << ", \"layer_drop\": " << run.layer_drop << ", \"batch\": " << run.batch
+      << ", \"seq\": " << run.seq << ", \"steps\": " << run.steps << ", \"warmup_steps\": " << run.warmup_steps
+      << ", \"checkpoint_activations\": " << (run.checkpoint ? "true" : "false") << ", \"chunk_size_bytes\": "
+      << config.chunk_size_bytes << ", \"device_budget_bytes\": " << config.device_budget_bytes
+      << ", \"precision\": \"" << ferry::to_string(config.precision) << "\"},\n  \"strict\": " << json(strict)
+      << ",\n  \"aligned\": " << json(aligned) << ",\n  \"aligned_over_strict\": {\"step_s\": "
+      << aligned.step_s / strict.step_s << ", \"demand_h2d_bytes\": "
+      << (strict.demand_h2d_bytes > 0 ? aligned.demand_h2d_bytes / strict.demand_h2d_bytes : 0.0)
+      << ", \"h2d_bytes\": " << (strict.h2d_bytes > 0 ? aligned.h2d_bytes / strict.h2d_bytes : 0.0)
+      << "},\n  \"losses_bit_identical\": " << (strict.losses == aligned.losses ? "true" : "false") << "\n}\n";
+  std::cout << out.str();
+  return strict.losses == aligned.losses ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return ferry::cli::run_main("bench_layer_drop", [&] { return run_benchmark(argc, argv); });
+}
