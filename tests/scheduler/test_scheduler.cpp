@@ -504,7 +504,8 @@ TEST(Scheduler, LayerDropAlignedWaitsForFewerMovesThanRetracing) {
   EXPECT_LT(aligned.moved, strict.moved * 5 / 4) << "prefetches of skipped layers, bounded";
   std::cout << "LayerDrop (24 layers, room for 14, p = 0.1), 38 iterations: host->device bytes a use waited "
             << "for: strict " << strict.demand << ", aligned " << aligned.demand << "; host->device bytes moved: "
-            << "strict " << strict.moved << ", aligned " << aligned.moved << "\n";
+            << "strict " << strict.moved << ", aligned " << aligned.moved << "; iterations that gave the trace up or "
+            << "re-traced: strict " << strict.diverged_or_traced << ", aligned " << aligned.diverged_or_traced << "\n";
 }
 
 }  // namespace
