@@ -55,6 +55,13 @@ int64_t AccessTrace::next_use(ChunkId chunk, int64_t position, const std::vector
   return base + (it != p.end() ? *it : p.front() + n);  // else the iteration after's first use
 }
 
+bool AccessTrace::run_passed_over(int64_t position, const std::vector<char>& passed_over) const {
+  for (int64_t q = position, end = run_end(position); q < end; ++q) {
+    if (!passed_over[q]) return false;
+  }
+  return true;
+}
+
 int64_t AccessTrace::non_model_peak(int64_t position, int64_t window) const {
   int64_t peak = 0;
   const int64_t end = std::min<int64_t>(size(), position + window);

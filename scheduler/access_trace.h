@@ -43,6 +43,8 @@ class AccessTrace {
   // kNever if the trace never uses it. `passed_over` (null: none; else one entry per position): this
   // iteration's positions known not to come (TraceAlignment::passed_over), never a next use in it.
   int64_t next_use(ChunkId chunk, int64_t position, const std::vector<char>* passed_over = nullptr) const;
+  // Whether every position of the run starting at `position` (up to run_end) is passed over.
+  bool run_passed_over(int64_t position, const std::vector<char>& passed_over) const;
   // The largest non-model bytes in positions [position, position + window).
   int64_t non_model_peak(int64_t position, int64_t window) const;
   // Tensors in order of first use (each once): the packing order.

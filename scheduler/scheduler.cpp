@@ -86,8 +86,7 @@ void Scheduler::release_until_locked(int64_t position) {
 void Scheduler::begin_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!in_iteration_) return;
-  passed_over_ = trace_.begin_backward();
-  policy_->set_passed_over(passed_over_);
+  policy_->set_passed_over(trace_.begin_backward());
   release_until_locked(trace_.cursor());
 }
 
@@ -157,12 +156,13 @@ void Scheduler::pre_use(int64_t param) {
 void Scheduler::prefetch_locked(int64_t position) {
   if (options_.prefetch_depth == 0) return;
   const AccessTrace& trace = *trace_.trace();
+  const std::vector<char>* passed_over = trace_.passed_over();
   // Walk the trace run by run (a chunk's consecutive uses are one run): O(depth) per use, not O(window).
   c10::SmallVector<ChunkId, 8> seen = {trace.chunk_at(position)};
   const int64_t end = std::min(trace.size(), position + 1 + options_.prefetch_window);
   for (int64_t q = trace.run_end(position); q < end && static_cast<int>(seen.size()) <= options_.prefetch_depth;
        q = trace.run_end(q)) {
-    if (passed_over_ && run_passed_over(q)) continue;  // a run this backward will not come to
+    if (passed_over && trace.run_passed_over(q, *passed_over)) continue;  // a run this backward will not come to
     const ChunkId c = trace.chunk_at(q);
     if (std::find(seen.begin(), seen.end(), c) != seen.end()) continue;
     seen.push_back(c);
@@ -173,14 +173,6 @@ void Scheduler::prefetch_locked(int64_t position) {
     if (store_->location(c) == Location::kDevice) continue;
     if (store_->prefetch(c)) meter_.count_prefetch();
   }
-}
-
-bool Scheduler::run_passed_over(int64_t position) const {
-  const AccessTrace& trace = *trace_.trace();
-  for (int64_t q = position, end = trace.run_end(position); q < end; ++q) {
-    if (!(*passed_over_)[q]) return false;
-  }
-  return true;
 }
 
 void Scheduler::post_use(int64_t param, TensorState after) {
@@ -199,7 +191,6 @@ IterationStats Scheduler::end_iteration(bool aborted, bool forward_only) {
   const TraceState::IterationEnd end = trace_.end_iteration(aborted, forward_only);
   meter_.departures(end.skipped, end.unforeseen, end.merged);
   const IterationStats stats = meter_.end(store_->stats(), aborted, forward_only);
-  passed_over_.reset();
   policy_->set_passed_over(nullptr);
   if (end.adopted) finalize_trace_locked();
   policy_->set_position(-1);

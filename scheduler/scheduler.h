@@ -123,8 +123,6 @@ class Scheduler {
  private:
   void finalize_trace_locked();
   void prefetch_locked(int64_t position);
-  // Whether every use of the run of one chunk's uses starting at `position` is passed over.
-  bool run_passed_over(int64_t position) const;
   // Gives the store the chunk budget of the use at `position` (MomentBudget::at_moment).
   void apply_budget_locked(int64_t position);
   int64_t non_model_now_locked();
@@ -143,8 +141,6 @@ class Scheduler {
   std::vector<ChunkId> chunk_of_param_;
   bool in_iteration_ = false;
   TraceState trace_;       // the trace through warm-up, following, divergence and re-trace
-  // This iteration's backward positions that will not come (TraceAlignment::begin_backward; null: none).
-  std::shared_ptr<const std::vector<char>> passed_over_;
   MomentBudget budget_;    // the parameter chunks' device budget at each moment
   ReleasePlan releases_;   // sharded parameters: groups given up after their forward uses
   IterationMeter meter_;   // this iteration's counters, and the last one's

@@ -22,8 +22,8 @@ int64_t TraceAlignment::find_nearest(TensorId param) {
   // The parameter's positions, ascending: those at or after the cursor are ahead, the others behind.
   const auto first = std::lower_bound(by_param_.begin(), by_param_.end(), param,
                                       [&](int64_t q, TensorId p) { return trace_->tensor_at(q) < p; });
-  auto last = first;
-  while (last != by_param_.end() && trace_->tensor_at(*last) == param) ++last;
+  const auto last = std::upper_bound(first, by_param_.end(), param,
+                                     [&](TensorId p, int64_t q) { return p < trace_->tensor_at(q); });
   const auto split = std::lower_bound(first, last, cursor_);
   // Each side walks past at most kWalk positions used already (a parameter used many times, one loop
   // iteration after another): the search stays O(log n + kWalk) per departing use.
@@ -58,7 +58,7 @@ std::shared_ptr<const std::vector<char>> TraceAlignment::begin_backward() {
   const int64_t n = trace_->size();
   // A forward that used exactly the trace's forward positions departed in nothing: its backward is the
   // trace's.
-  if (unforeseen_.empty() && matched_ == cursor_ && cursor_ == trace_->backward_start()) return nullptr;
+  if (unforeseen_.empty() && matched_ == cursor_ && cursor_ == trace_->backward_start()) return passed_over_;
   TensorId largest = -1;
   for (TensorId t : trace_->tensors()) largest = std::max(largest, t);
   for (const Unforeseen& u : unforeseen_) largest = std::max(largest, u.param);
@@ -73,7 +73,8 @@ std::shared_ptr<const std::vector<char>> TraceAlignment::begin_backward() {
     if (!passed_over) passed_over = std::make_shared<std::vector<char>>(static_cast<size_t>(n), 0);
     (*passed_over)[q] = 1;
   }
-  return passed_over;
+  passed_over_ = std::move(passed_over);
+  return passed_over_;
 }
 
 int64_t TraceAlignment::align(TensorId param, ChunkId chunk) {

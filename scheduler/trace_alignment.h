@@ -27,10 +27,7 @@
 // The caller (TraceState) gives up aligning (the old rule: LRU, record the next iteration) when
 // unforeseen uses pile up: the trace is no longer this program's.
 //
-// What it buys and costs (D98, tests/scheduler/test_scheduler.cpp, LayerDrop on 24 one-chunk layers,
-// room for 14, each layer skipped with probability 1/10): the bytes the uses waited for fell from
-// 66,600 to 4,300 over 38 iterations, and the bytes moved rose from 66,800 to 71,300 (prefetches of
-// layers the iteration then skipped).
+// What it buys and costs, measured: docs/ARCHITECTURE.md D98.
 //
 // Contract: not thread-safe (TraceState calls it with the scheduler's mutex held). The trace must
 // outlive the alignment and stay unchanged while it aligns.
@@ -53,8 +50,9 @@ class TraceAlignment {
   // from the trace before it, a parameter it did not use has no gradient to compute (autograd only
   // reaches what forward used), so the trace's backward positions of such parameters will not come:
   // returns them (one entry per position, 1 where passed over), or null when there are none (always
-  // when nothing departed). They can still match.
+  // when nothing departed); passed_over() has them from then on. They can still match.
   std::shared_ptr<const std::vector<char>> begin_backward();
+  const std::shared_ptr<const std::vector<char>>& passed_over() const { return passed_over_; }
 
   // The trace position expected next (size() of the trace: past its end).
   int64_t cursor() const { return cursor_; }
@@ -95,6 +93,7 @@ class TraceAlignment {
   std::vector<char> used_;
   std::vector<int64_t> by_param_;  // the trace's positions ordered by (parameter, position); made when first needed
   std::vector<Unforeseen> unforeseen_;
+  std::shared_ptr<const std::vector<char>> passed_over_;  // set by begin_backward()
 };
 
 }  // namespace ferry

@@ -52,6 +52,10 @@ class TraceState {
   // The backward pass begins (recorded in a recording; unforeseen uses from here are backward's).
   // While following: the trace's positions this backward will not come to (TraceAlignment), or null.
   std::shared_ptr<const std::vector<char>> begin_backward();
+  // Those positions from begin_backward() to the iteration's end (null: none, or not following).
+  const std::vector<char>* passed_over() const {
+    return following() && alignment_ ? alignment_->passed_over().get() : nullptr;
+  }
   // Whether this iteration follows the trace: there is one, it records nothing, and it has not given up.
   bool following() const { return trace_ && !recording_ && !diverged_; }
   // The recording of this iteration, or null when it does not record.

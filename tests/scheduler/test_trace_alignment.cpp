@@ -199,7 +199,9 @@ TEST(TraceAlignment, RandomDeparturesFromRandomTraces) {
     for (int64_t q = 0; q < t.size(); ++q) all[q] = q;
     ASSERT_EQ(old_positions, all) << "the old positions keep their order";
     for (size_t i = 0; i < m.origin.size(); ++i) {
-      if (m.origin[i] >= 0) ASSERT_EQ(m.trace->tensor_at(static_cast<int64_t>(i)), t.tensor_at(m.origin[i]));
+      if (m.origin[i] >= 0) {
+        ASSERT_EQ(m.trace->tensor_at(static_cast<int64_t>(i)), t.tensor_at(m.origin[i]));
+      }
     }
     if (a.unforeseen() > 0) {
       TraceAlignment again(*m.trace);
