@@ -174,16 +174,18 @@ ChunkSizeSearch search_chunk_size(const std::vector<int64_t>& numels, const std:
 }
 
 AutoChunkSize auto_chunk_size(const std::vector<int64_t>& numels, const std::vector<int64_t>& order,
-                              int64_t elem_bytes) {
+                              int64_t elem_bytes, int64_t max_bytes) {
   TORCH_CHECK(elem_bytes == 2 || elem_bytes == 4, "ferry: auto_chunk_size: element size must be 2 or 4, got ",
               elem_bytes);
+  TORCH_CHECK(max_bytes >= 0, "ferry: auto_chunk_size: max_bytes must be >= 0 (0: no cap), got ", max_bytes);
   int64_t total = 0;
   for (int64_t n : numels) total += n;
   TORCH_CHECK(total > 0, "ferry: auto_chunk_size: the tensors hold no elements");
   const int64_t align = 64 / elem_bytes;
   constexpr int64_t kMin = 4096, kHiCap = int64_t{1} << 30, kLoCap = int64_t{32} << 20;
   const int64_t total_bytes = total * elem_bytes;
-  const int64_t hi = std::min(kHiCap, std::max(kMin, total_bytes / 4));
+  const int64_t uncapped = std::min(kHiCap, std::max(kMin, total_bytes / 4));
+  const int64_t hi = max_bytes > 0 ? std::max(kMin, std::min(uncapped, max_bytes)) : uncapped;
   const int64_t lo = std::min(kLoCap, std::max(kMin, hi / 4));
   const int64_t lo_numel = round_up(lo / elem_bytes, align);
   const int64_t hi_numel = std::max(lo_numel, hi / elem_bytes / align * align);
@@ -198,7 +200,16 @@ AutoChunkSize auto_chunk_size(const std::vector<int64_t>& numels, const std::vec
       break;
     }
   }
-  return {pick.chunk_numel * elem_bytes, pick.waste, lo, hi};
+  return {pick.chunk_numel * elem_bytes, pick.waste, lo, hi, hi < uncapped};
+}
+
+int64_t auto_chunk_cap_bytes(int64_t room_bytes, int64_t chunks_per_use) {
+  TORCH_CHECK(room_bytes >= 0, "ferry: auto_chunk_cap_bytes: the device's room must be >= 0 bytes (0: unknown), got ",
+              room_bytes);
+  TORCH_CHECK(chunks_per_use >= 1, "ferry: auto_chunk_cap_bytes: chunks per use must be >= 1, got ", chunks_per_use);
+  if (room_bytes == 0) return 0;
+  constexpr int64_t kMin = 4096;
+  return std::max(kMin, room_bytes / kAutoChunksInRoom / chunks_per_use);
 }
 
 CommGroups::CommGroups(int64_t num_chunks, int world_size)

@@ -98,18 +98,30 @@ ChunkSizeSearch search_chunk_size(const std::vector<int64_t>& numels, const std:
 
 // The chunk size ferry uses when the user sets none (Config::chunk_size_bytes == 0): the least
 // packing waste (search_chunk_size) over sizes of the compute copy between `lo` and `hi` bytes, where
-// hi = min(1 GiB, a quarter of the model) so that even a small model makes several chunks (the
-// device can hold part of it), and lo = min(32 MiB, hi / 4) so that a large model's chunks stay large
-// enough for full-speed PCIe copies. 1024 sizes are tried, and the smallest whose waste is within half a
-// point of the least is taken (smaller chunks offload finer). Waste is the allocation share no tensor
-// uses. `elem_bytes` is the compute dtype's element size; slots align to 64 bytes.
+// hi = min(1 GiB, a quarter of the model, `max_bytes` where > 0) so that even a small model makes
+// several chunks (the device can hold part of it) and the device's room holds enough of them for
+// prefetch to get ahead (auto_chunk_cap_bytes), and lo = min(32 MiB, hi / 4) so that a large model's
+// chunks stay large enough for full-speed PCIe copies. 1024 sizes are tried, and the smallest whose
+// waste is within half a point of the least is taken (smaller chunks offload finer). Waste is the
+// allocation share no tensor uses. `elem_bytes` is the compute dtype's element size; slots align to 64
+// bytes. A size below the largest tensor gives it a dedicated chunk of its own size (pack()).
 struct AutoChunkSize {
   int64_t chunk_bytes = 0;  // the choice
   double waste = 0.0;       // of the layout it gives
   int64_t lo_bytes = 0, hi_bytes = 0;
+  bool capped = false;      // `max_bytes` lowered hi (below the other two bounds)
 };
 AutoChunkSize auto_chunk_size(const std::vector<int64_t>& numels, const std::vector<int64_t>& order,
-                              int64_t elem_bytes);
+                              int64_t elem_bytes, int64_t max_bytes = 0);
+
+// The largest chunk auto_chunk_size may pick for a device whose room for chunks (Config::
+// device_budget_bytes, else the device's capacity) is `room_bytes`: the room must hold
+// kAutoChunksInRoom times what one use brings in, `chunks_per_use` chunks (1; the world size where
+// chunks are sharded, since a use gathers a whole communication group). 0 where the room is unknown
+// (room_bytes == 0): no cap. Why sixteen: D99 in docs/ARCHITECTURE.md (a budget holding four or eight
+// chunks left the prefetch no room ahead of the chunks in use). Never below 4 KiB.
+inline constexpr int64_t kAutoChunksInRoom = 16;
+int64_t auto_chunk_cap_bytes(int64_t room_bytes, int64_t chunks_per_use = 1);
 
 // Chunks laid out for sharding across `world_size` ranks: the chunk list is padded with empty chunks
 // to a multiple of world_size; chunk i belongs to communication group i / world_size and is owned

@@ -58,7 +58,9 @@ struct Config {
   Precision precision = Precision::kFp32;
   ActivationPolicy activations = ActivationPolicy::kRecompute;
   // Bytes per chunk of the compute copy; 0 (the default, "auto" on the command line): the size with
-  // the least packing waste for the model (auto_chunk_size in chunk/layout.h).
+  // the least packing waste for the model, at most a sixteenth of the device's room for chunks (the
+  // budget, else the capacity; per rank's share of a gathered group) so that prefetch has room ahead
+  // of the chunks in use (auto_chunk_size in chunk/layout.h, D99).
   int64_t chunk_size_bytes = 0;
   int64_t device_budget_bytes = 0;               // bytes for chunks on the device; 0 = no limit
   // The device's memory for chunks and everything else (activations, temporaries); 0 = the GPU's

@@ -5,6 +5,7 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <unordered_map>
 #include <unordered_set>
@@ -52,6 +53,10 @@ ParamChunksOptions chunk_options(const Config& config, const ChunkedModelOptions
   ParamChunksOptions o;
   o.chunk_size_bytes = config.chunk_size_bytes;
   o.device_budget_bytes = options.scheduler.device_budget_bytes;  // the DeviceBudget's (with_budget)
+  // D99: the auto size leaves the device's room (the budget, else the capacity) sixteen uses' worth of
+  // chunks; sharded, a use gathers a group of world_size chunks.
+  const int64_t room = o.device_budget_bytes > 0 ? o.device_budget_bytes : options.scheduler.device_capacity_bytes;
+  o.auto_chunk_max_bytes = auto_chunk_cap_bytes(room, std::max(1, config.world_size));
   o.host_budget_bytes = config.host_budget_bytes;
   o.host_cache_bytes = options.host_cache_bytes;
   o.copy_engine = options.copy_engine;

@@ -26,16 +26,17 @@ void ParamChunks::build(const std::vector<int64_t>& order, int64_t device_room_b
   const bool first = store_ == nullptr;
   int64_t chunk_bytes = options_.chunk_size_bytes;
   if (chunk_bytes == 0) {  // auto: the least packing waste for this order
-    const AutoChunkSize choice =
-        auto_chunk_size(params_.numels(), order, static_cast<int64_t>(c10::elementSize(dtype_)));
+    const AutoChunkSize choice = auto_chunk_size(params_.numels(), order, static_cast<int64_t>(c10::elementSize(dtype_)),
+                                                 options_.auto_chunk_max_bytes);
     chunk_bytes = choice.chunk_bytes;
     // Said once at info, at construction; the repack's choice (for the order of first use) at debug.
     const log::Level level = first ? log::Level::kInfo : log::Level::kDebug;
     if (log::enabled(level)) {
       log::write(level, log::detail::concat("ferry: chunk size ", format_bytes(chunk_bytes), first ? "" : " for the "
                                             "repack", " (auto: least packing waste between ", format_bytes(choice.lo_bytes),
-                                            " and ", format_bytes(choice.hi_bytes), ", waste ",
-                                            static_cast<int>(choice.waste * 1000) / 10.0, "%)"));
+                                            " and ", format_bytes(choice.hi_bytes),
+                                            choice.capped ? ", at most a sixteenth of the device's room for chunks" : "",
+                                            ", waste ", static_cast<int>(choice.waste * 1000) / 10.0, "%)"));
     }
   }
   const PackOptions pack = PackOptions::from_bytes(chunk_bytes, dtype_);

@@ -32,6 +32,7 @@ namespace ferry {
 
 struct ParamChunksOptions {
   int64_t chunk_size_bytes = 0;    // of the compute copy; 0: the least packing waste (auto_chunk_size)
+  int64_t auto_chunk_max_bytes = 0;  // auto's cap (auto_chunk_cap_bytes of the device's room; 0: none)
   int64_t device_budget_bytes = 0; // the parameter store's at construction: DeviceBudget::budget_bytes
   int64_t host_budget_bytes = 0;   // the parameter store's host tier (0: no limit)
   int64_t host_cache_bytes = int64_t{256} << 20;

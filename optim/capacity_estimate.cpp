@@ -48,7 +48,9 @@ CapacityEstimate estimate_capacity(const CapacityQuery& q) {
 
   const int64_t elem = static_cast<int64_t>(c10::elementSize(q.compute_dtype));
   CapacityEstimate e;
-  e.chunk_bytes = q.chunk_bytes > 0 ? q.chunk_bytes : auto_chunk_size(q.param_numels, {}, elem).chunk_bytes;
+  e.chunk_bytes = q.chunk_bytes > 0 ? q.chunk_bytes
+                                    : auto_chunk_size(q.param_numels, {}, elem, auto_chunk_cap_bytes(q.device_room_bytes))
+                                          .chunk_bytes;
   const ChunkLayout layout = ChunkLayout::pack(q.param_numels, {}, PackOptions::from_bytes(e.chunk_bytes, q.compute_dtype));
   const std::vector<int64_t> state =
       StateChunks::group_bytes_for(layout, optim::state_role_specs(q.state_format, q.accumulate_grads));

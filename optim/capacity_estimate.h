@@ -5,10 +5,11 @@
 //
 // The model is the one HybridAdam runs (D76's on-paper sums, checked against the H100: the 20b preset
 // with compact state is 80.5 GiB of host here, its run's host RSS peak 82.3 GB): the parameters packed
-// into chunks of the size ChunkedModel picks (auto_chunk_size, unless given); each chunk's state group
-// at its real bytes for the format (StateChunks::group_bytes_for: chunk padding and the compact scales
-// in); the default placement policy (first chunks first) deciding which groups' state the device's room
-// holds beside every parameter chunk; the parameter chunks the room then has no space for on the host;
+// into chunks of the size ChunkedModel picks (auto_chunk_size, capped for device_room_bytes as D99
+// caps it for the budget, unless given); each chunk's state group at its real bytes for the format
+// (StateChunks::group_bytes_for: chunk padding and the compact scales in); the default placement
+// policy (first chunks first) deciding which groups' state the device's room holds beside every
+// parameter chunk; the parameter chunks the room then has no space for on the host;
 // and the pinned buffers the host-state groups' parameter round trips keep (host_cache_bytes_for; with
 // round_trip_slots, that many of the largest parameter chunk at most: Note [Round trips through K
 // buffers], optim/round_trips.h).

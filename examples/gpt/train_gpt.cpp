@@ -146,15 +146,11 @@ int train(int argc, char** argv) {
   if (args.init_scope) scope.emplace(config.precision);
   auto net = std::make_shared<gpt::GptImpl>(gc);
   scope.reset();
-  int64_t chunk_bytes = config.chunk_size_bytes;
-  if (chunk_bytes == 0) {  // auto (ferry's default): the size ChunkedModel will pick, for the budget below
-    std::vector<int64_t> numels;
-    for (const auto& p : net->parameters()) numels.push_back(p.numel());
-    chunk_bytes = ferry::auto_chunk_size(numels, {}, elem).chunk_bytes;
-  }
   if (!given(argc, argv, {"device-budget", "device_budget"})) {
+    // The simulated device: half the model (and four chunks of a size given; auto sizes chunks so that
+    // the budget holds sixteen, D99).
     config.device_budget_bytes = cuda ? static_cast<int64_t>(0.9 * ferry::query_gpus().total_memory_bytes)
-                                      : std::max<int64_t>(n_params * elem / 2, 4 * chunk_bytes);
+                                      : std::max<int64_t>(n_params * elem / 2, 4 * config.chunk_size_bytes);
   }
   config.validate();
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <numeric>
 #include <random>
+#include <string>
 
 #include "../../chunk/layout.h"
 #include "../test_util.h"
@@ -162,6 +163,41 @@ TEST(ChunkSizeSearch, PicksLeastWaste) {
   EXPECT_THROW(search_chunk_size(numels, {}, 1, 10, 0, 1), c10::Error);
 }
 
+// D99: a device room caps the auto size so that it holds sixteen uses' worth of chunks; without a room
+// (0) the choice is the uncapped one, and a room too large to bind changes nothing.
+TEST(AutoChunkSize, TheDevicesRoomHoldsSixteenUses) {
+  std::vector<int64_t> numels = {50304 * 64};  // an embedding, then GPT-2-shaped blocks of width 64
+  for (int layer = 0; layer < 12; ++layer) {
+    for (int64_t n : {64 * 192, 192, 64 * 64, 64, 64 * 256, 256, 256 * 64, 64, 64, 64}) numels.push_back(n);
+  }
+  const AutoChunkSize uncapped = auto_chunk_size(numels, {}, 4);
+  EXPECT_FALSE(uncapped.capped);
+  const AutoChunkSize no_room = auto_chunk_size(numels, {}, 4, auto_chunk_cap_bytes(0));
+  EXPECT_EQ(auto_chunk_cap_bytes(0), 0);
+  EXPECT_EQ(no_room.chunk_bytes, uncapped.chunk_bytes);
+  for (const int64_t room : {int64_t{1} << 20, int64_t{4} << 20, int64_t{16} << 20, int64_t{1} << 30}) {
+    for (const int64_t per_use : {1, 2, 8}) {
+      const std::string what = "room " + std::to_string(room) + ", chunks per use " + std::to_string(per_use);
+      const int64_t cap = auto_chunk_cap_bytes(room, per_use);
+      EXPECT_EQ(cap, std::max<int64_t>(4096, room / kAutoChunksInRoom / per_use)) << what;
+      const AutoChunkSize choice = auto_chunk_size(numels, {}, 4, cap);
+      EXPECT_LE(choice.chunk_bytes, cap) << what;
+      EXPECT_LE(choice.hi_bytes, cap) << what;
+      EXPECT_GE(room / choice.chunk_bytes, kAutoChunksInRoom * per_use) << what;
+      EXPECT_EQ(choice.capped, cap < uncapped.hi_bytes) << what;
+      if (!choice.capped) EXPECT_EQ(choice.chunk_bytes, uncapped.chunk_bytes) << what;
+      const PackOptions pack = PackOptions::from_bytes(choice.chunk_bytes, at::kFloat);
+      EXPECT_NEAR(ChunkLayout::pack(numels, {}, pack).waste(), choice.waste, 1e-12) << what;
+    }
+  }
+  // The room of a few KiB: 4 KiB chunks, the smallest Config allows; the embedding takes a dedicated one.
+  EXPECT_EQ(auto_chunk_cap_bytes(16 << 10), 4096);
+  EXPECT_EQ(auto_chunk_size(numels, {}, 4, 4096).chunk_bytes, 4096);
+  EXPECT_THROW(auto_chunk_cap_bytes(-1), c10::Error);
+  EXPECT_THROW(auto_chunk_cap_bytes(1 << 20, 0), c10::Error);
+  EXPECT_THROW(auto_chunk_size(numels, {}, 4, -1), c10::Error);
+}
+
 TEST(CommGroups, LayoutForWorldSizesOneToEight) {
   for (int world = 1; world <= 8; ++world) {
     for (int64_t n = 0; n <= 20; ++n) {
@@ -225,7 +261,9 @@ TEST(ChunkLayout, DeriveKeepsChunksAndTensorsWithTheirOwnSizes) {
     EXPECT_EQ(s.numel, want[j]) << j;
     EXPECT_EQ(s.chunk, base.slots()[j].chunk) << j;
     EXPECT_EQ(s.offset % 16, 0) << j;
-    if (s.chunk == previous_chunk) EXPECT_GE(s.offset, previous_end) << j << " overlaps the tensor before it";
+    if (s.chunk == previous_chunk) {
+      EXPECT_GE(s.offset, previous_end) << j << " overlaps the tensor before it";
+    }
     EXPECT_LE(s.offset + s.numel, d.chunks()[s.chunk].numel) << j;
     previous_end = s.offset + s.numel;
     previous_chunk = s.chunk;

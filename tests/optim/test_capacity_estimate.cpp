@@ -151,6 +151,21 @@ TEST(CapacityEstimate, TheCompactStateIsAboutFourBytesPerParameter) {
   EXPECT_GE(estimate_capacity(q).param_bytes, 4 * compact.params);
 }
 
+// The chunk size auto picks is ChunkedModel's (D99): at most a sixteenth of a small room, and the
+// uncapped search's where the room is large.
+TEST(CapacityEstimate, TheAutoChunkSizeIsCappedByTheRoomAsChunkedModelCapsIt) {
+  CapacityQuery q;
+  for (int i = 0; i < 48; ++i) q.param_numels.push_back(int64_t{1} << 16);
+  const int64_t uncapped = auto_chunk_size(q.param_numels, {}, 2).chunk_bytes;
+  q.device_room_bytes = int64_t{1} << 30;
+  EXPECT_EQ(estimate_capacity(q).chunk_bytes, uncapped);
+  q.device_room_bytes = int64_t{4} << 20;
+  const CapacityEstimate small = estimate_capacity(q);
+  EXPECT_LT(small.chunk_bytes, uncapped);
+  EXPECT_EQ(small.chunk_bytes, auto_chunk_size(q.param_numels, {}, 2, auto_chunk_cap_bytes(q.device_room_bytes)).chunk_bytes);
+  EXPECT_LE(small.chunk_bytes * kAutoChunksInRoom, q.device_room_bytes);
+}
+
 TEST(CapacityEstimate, RefusesBadInputByName) {
   CapacityQuery q;
   q.device_room_bytes = int64_t{1} << 30;
