@@ -37,6 +37,8 @@ struct RuleResult {
   double moved_over_optimal = 0;      // mean over the measured steps that had a trace to follow
   int64_t gave_up = 0, traced = 0, merged = 0, skipped_uses = 0, unforeseen_uses = 0;  // over the measured steps
   int64_t device_peak_bytes = 0;
+  int64_t chunk_size_bytes = 0;  // the compute copy's, as ChunkedModel chose it (auto: D99's cap in)
+  double waste = 0;              // of the final layout
   std::vector<double> losses;
 };
 
@@ -108,6 +110,8 @@ RuleResult train(const Run& run, const ferry::Config& config, bool align) {
   }
   if (with_optimal > 0) r.moved_over_optimal /= static_cast<double>(with_optimal);
   r.device_peak_bytes = model.store().stats().device.peak_bytes;
+  r.chunk_size_bytes = model.chunk_size_bytes();
+  r.waste = model.layout().waste();
   return r;
 }
 
@@ -119,7 +123,8 @@ std::string json(const RuleResult& r) {
     << r.prefetched_bytes << ", \"moved_over_optimal\": " << r.moved_over_optimal << ", \"steps_gave_up\": "
     << r.gave_up << ", \"steps_traced\": " << r.traced << ", \"steps_merged\": " << r.merged
     << ", \"trace_uses_skipped\": " << r.skipped_uses << ", \"unforeseen_uses\": " << r.unforeseen_uses
-    << ", \"device_peak_bytes\": " << r.device_peak_bytes << "}";
+    << ", \"device_peak_bytes\": " << r.device_peak_bytes << ", \"chunk_size_bytes\": " << r.chunk_size_bytes
+    << ", \"waste\": " << r.waste << "}";
   return o.str();
 }
 
