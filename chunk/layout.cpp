@@ -7,6 +7,9 @@
 namespace ferry {
 namespace {
 
+// The smallest size auto_chunk_size picks or its cap allows (Config allows no smaller chunk).
+constexpr int64_t kMinAutoChunkBytes = 4096;
+
 int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
 std::vector<int64_t> resolve_order(size_t n, const std::vector<int64_t>& order) {
@@ -182,11 +185,11 @@ AutoChunkSize auto_chunk_size(const std::vector<int64_t>& numels, const std::vec
   for (int64_t n : numels) total += n;
   TORCH_CHECK(total > 0, "ferry: auto_chunk_size: the tensors hold no elements");
   const int64_t align = 64 / elem_bytes;
-  constexpr int64_t kMin = 4096, kHiCap = int64_t{1} << 30, kLoCap = int64_t{32} << 20;
+  constexpr int64_t kHiCap = int64_t{1} << 30, kLoCap = int64_t{32} << 20;
   const int64_t total_bytes = total * elem_bytes;
-  const int64_t uncapped = std::min(kHiCap, std::max(kMin, total_bytes / 4));
-  const int64_t hi = max_bytes > 0 ? std::max(kMin, std::min(uncapped, max_bytes)) : uncapped;
-  const int64_t lo = std::min(kLoCap, std::max(kMin, hi / 4));
+  const int64_t uncapped = std::min(kHiCap, std::max(kMinAutoChunkBytes, total_bytes / 4));
+  const int64_t hi = max_bytes > 0 ? std::max(kMinAutoChunkBytes, std::min(uncapped, max_bytes)) : uncapped;
+  const int64_t lo = std::min(kLoCap, std::max(kMinAutoChunkBytes, hi / 4));
   const int64_t lo_numel = round_up(lo / elem_bytes, align);
   const int64_t hi_numel = std::max(lo_numel, hi / elem_bytes / align * align);
   const int64_t step = std::max<int64_t>(align, (hi_numel - lo_numel) / 1024 / align * align);
@@ -208,8 +211,7 @@ int64_t auto_chunk_cap_bytes(int64_t room_bytes, int64_t chunks_per_use) {
               room_bytes);
   TORCH_CHECK(chunks_per_use >= 1, "ferry: auto_chunk_cap_bytes: chunks per use must be >= 1, got ", chunks_per_use);
   if (room_bytes == 0) return 0;
-  constexpr int64_t kMin = 4096;
-  return std::max(kMin, room_bytes / kAutoChunksInRoom / chunks_per_use);
+  return std::max(kMinAutoChunkBytes, room_bytes / kAutoChunksInRoom / chunks_per_use);
 }
 
 CommGroups::CommGroups(int64_t num_chunks, int world_size)

@@ -58,7 +58,7 @@ std::shared_ptr<const std::vector<char>> TraceAlignment::begin_backward() {
   const int64_t n = trace_->size();
   // A forward that used exactly the trace's forward positions departed in nothing: its backward is the
   // trace's.
-  if (unforeseen_.empty() && matched_ == cursor_ && cursor_ == trace_->backward_start()) return passed_over_;
+  if (unforeseen_.empty() && matched_ == cursor_ && cursor_ == trace_->backward_start()) return nullptr;
   TensorId largest = -1;
   for (TensorId t : trace_->tensors()) largest = std::max(largest, t);
   for (const Unforeseen& u : unforeseen_) largest = std::max(largest, u.param);

@@ -8,7 +8,6 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <algorithm>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -20,6 +19,7 @@
 #include "../../hooks/checkpoint.h"
 #include "../../hooks/chunked_model.h"
 #include "../../optim/hybrid_adam.h"
+#include "../hooks/module_twins.h"
 
 namespace ferry {
 namespace {
@@ -78,10 +78,8 @@ TEST(GptPrefetchRoom, TheAutoChunkSizeLeavesABudgetOfFourOldChunksRoomToPrefetch
   gc.heads = 4;
   const std::vector<int64_t> numels = gc.param_numels();
   const int64_t old_auto = auto_chunk_size(numels, {}, 4).chunk_bytes;  // no cap: before D99
-  const ChunkLayout layout = ChunkLayout::pack(numels, {}, PackOptions::from_bytes(old_auto, at::kFloat));
-  int64_t largest = 0;
-  for (const ChunkExtent& c : layout.chunks()) largest = std::max(largest, c.numel * 4);
-  const int64_t budget = 4 * largest;
+  gpt::Gpt probe(gc);
+  const int64_t budget = 4 * test::largest_chunk_bytes(*probe, old_auto);
   ASSERT_LT(auto_chunk_cap_bytes(budget), old_auto) << "the cap binds at this budget";
 
   TrainingRun capped, old;
