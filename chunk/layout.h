@@ -118,8 +118,8 @@ AutoChunkSize auto_chunk_size(const std::vector<int64_t>& numels, const std::vec
 // device_budget_bytes, else the device's capacity) is `room_bytes`: the room must hold
 // kAutoChunksInRoom times what one use brings in, `chunks_per_use` chunks (1; the world size where
 // chunks are sharded, since a use gathers a whole communication group). 0 where the room is unknown
-// (room_bytes == 0): no cap. Why sixteen: D99 in docs/ARCHITECTURE.md (a budget holding four or eight
-// chunks left the prefetch no room ahead of the chunks in use). Never below 4 KiB.
+// (room_bytes == 0): no cap. Why sixteen: D99 in docs/ARCHITECTURE.md (where uses jump, a layer skipped,
+// four or eight chunks in a budget leave the prefetch no room ahead of those in use). Never below 4 KiB.
 inline constexpr int64_t kAutoChunksInRoom = 16;
 int64_t auto_chunk_cap_bytes(int64_t room_bytes, int64_t chunks_per_use = 1);
 
