@@ -420,6 +420,13 @@ void ChunkedModel::land_grad(int64_t param, const at::Tensor& variable) {
     if (chunks_.remote_param(param)) chunks_.remote()->fetch(chunks_.chunk_of(param));
     slot = store.access(t);
   }
+  auto release = [&] {
+    if (traced) {
+      scheduler_->post_use(param, TensorState::kHoldAfterBwd);
+    } else {
+      store.release(t, TensorState::kHoldAfterBwd);
+    }
+  };
   try {
     if (slots_.holds_grad(param)) {
       slot.add_(grad);  // a second accumulation in this backward (the graph reached the parameter twice)
@@ -429,12 +436,10 @@ void ChunkedModel::land_grad(int64_t param, const at::Tensor& variable) {
     }
     grad_sink_->land_grad(param, slot);
   } catch (...) {
-    if (traced) scheduler_->post_use(param, TensorState::kHoldAfterBwd);
-    else store.release(t, TensorState::kHoldAfterBwd);
+    release();
     throw;
   }
-  if (traced) scheduler_->post_use(param, TensorState::kHoldAfterBwd);
-  else store.release(t, TensorState::kHoldAfterBwd);
+  release();
   grad_sink_->after_landing(param);
 }
 
