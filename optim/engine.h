@@ -161,6 +161,11 @@ class Engine final : private GradSink, private LayoutListener, private PlanAgree
   void stage_param_chunks_locked(bool skip_launched = false);
   // After the updates: the parameter chunks hold values again; sets writeback_ns and written_back_chunks.
   void finish_values_locked(StepResult& result);
+  // Note [The step's round trips in the reference]: the layout chunks this step applied landings to
+  // (before the ledger forgets them), and, at the step's end (after a joint placement may have moved
+  // state), those of them updated on the host, told to the scheduler.
+  void note_landed_chunks_locked();
+  void tell_round_trips_locked();
   // Writes the fp32 masters of the landed parameters into their slots (default mode: the gradients
   // there are given up), or zeroes the accumulation chunks; then forgets the landings.
   void discard_grads_locked();
@@ -209,6 +214,7 @@ class Engine final : private GradSink, private LayoutListener, private PlanAgree
   JointRates joint_rates_;  // of the joint placement, once it has run
   JointSolves solves_;      // when it solves (Note [The joint placement])
   int64_t plans_seen_ = 0;  // the model's plans() at the end of the last step
+  std::vector<char> landed_chunks_;  // per layout chunk: the last applied step had a landing in it
   DeferredUpdates deferred_;
   ChunkUpdates updates_;
   PipelinedStep pipeline_;

@@ -32,6 +32,7 @@
 #include "../common/event_trace.h"
 #include "../common/logging.h"
 #include "../hooks/interceptor.h"
+#include "../scheduler/scheduler.h"
 #include "engine.h"
 
 namespace ferry::optim {
@@ -58,6 +59,7 @@ StepResult Engine::step() {
   StepResult result = step_locked();
   result.host_norm_bytes = updates_.take_host_norm_bytes();
   place_jointly_if_due_locked();
+  tell_round_trips_locked();
   return result;
 }
 
@@ -370,11 +372,47 @@ void Engine::finish_values_locked(StepResult& result) {
   if (options_.accumulate_grads) {
     result.written_back_chunks = updates_.write_back(/*after_update=*/true);
   } else {
+    note_landed_chunks_locked();
     model().clear_grad_slots();
     ledger_.clear();
   }
   result.writeback_ns = now_ns() - t0;
   trace::complete("adam", "adam.writeback", t0, t0 + result.writeback_ns);
+}
+
+// Note [The step's round trips in the reference]
+// A parameter chunk whose update runs on the host goes there once per step, after its last use in
+// backward (with its gradients: in the pipeline at its last landing, else in the step), and comes back
+// for its first use in the next forward, whatever the budget: a round trip no eviction order avoids.
+// The scheduler is told which chunks those are, from the landings the step applied and where their
+// state is at the step's end (a joint placement may have just moved it). Its OPT policy then gives
+// such a chunk up first once its last use is behind (it is leaving anyway; before, OPT kept it for the
+// next forward and gave up a chunk that would have stayed), its Belady reference counts the trips
+// (scheduler/access_trace.h), and its meter the step's moves between two iterations
+// (IterationStats::between_*): moved / optimal is 1 where eviction and prefetch did as well as Belady
+// could with this placement (D101). A chunk updated on the device has no trip: where the step (not the
+// pipeline) runs its update it may bring the chunk back to the device, and that move is the
+// unpipelined step's excess over the reference. Not told: with accumulate_grads (the gradients go to
+// the accumulation chunks each micro-batch, the update once per step) and across ranks (the owner's
+// update, the others' chunks released): the reference there stays the trace's alone.
+void Engine::note_landed_chunks_locked() {
+  const ChunkLayout& layout = model().layout();
+  landed_chunks_.assign(static_cast<size_t>(layout.num_chunks()), 0);
+  for (int64_t p = 0; p < ledger_.num_params(); ++p) {
+    const Slot& slot = layout.slots()[p];
+    if (ledger_.landed(p) && slot.numel > 0) landed_chunks_[slot.chunk] = 1;
+  }
+}
+
+void Engine::tell_round_trips_locked() {
+  if (options_.accumulate_grads || ownership_.world() > 1 || !placement_.placed()) return;
+  ChunkedModel& m = model();
+  if (static_cast<int64_t>(landed_chunks_.size()) != placement_.num_chunks()) return;  // of another layout
+  std::vector<char> trips(static_cast<size_t>(m.store().num_chunks()), 0);
+  for (int64_t c = 0; c < placement_.num_chunks(); ++c) {
+    if (landed_chunks_[c] && !placement_.on_device(c)) trips[m.param_chunk(c)] = 1;
+  }
+  m.scheduler().set_round_trips(std::move(trips));
 }
 
 void Engine::discard_grads_locked() {
@@ -475,6 +513,7 @@ StepResult Engine::backward_step_at_one_rank(const at::Tensor& loss) {
   StepResult result = pipelined ? finish_pipelined_locked() : step_locked();
   result.host_norm_bytes = updates_.take_host_norm_bytes();
   place_jointly_if_due_locked();
+  tell_round_trips_locked();
   return result;
 }
 

@@ -81,7 +81,18 @@ std::vector<TensorId> AccessTrace::first_use_order(int64_t num_tensors) const {
   return order;
 }
 
-MoveCount belady_moves(const AccessTrace& trace, const std::vector<int64_t>& chunk_bytes, int64_t budget_bytes) {
+MoveCount belady_moves(const AccessTrace& trace, const std::vector<int64_t>& chunk_bytes, int64_t budget_bytes,
+                       const std::vector<char>& round_trips) {
+  TORCH_CHECK(round_trips.empty() || round_trips.size() == chunk_bytes.size(), "ferry: belady_moves: ",
+              round_trips.size(), " round-trip flags for ", chunk_bytes.size(), " chunks");
+  // The position of each round-tripping chunk's last use in an iteration (-1: none or not used).
+  std::vector<int64_t> last_use(chunk_bytes.size(), -1);
+  if (!round_trips.empty()) {
+    for (int64_t p = 0; p < trace.size(); ++p) {
+      const ChunkId c = trace.chunk_at(p);
+      if (round_trips[c]) last_use[c] = p;
+    }
+  }
   // Two iterations back to back; the second one's moves are the steady-state count.
   AccessTrace indexed;
   for (int pass = 0; pass < 2; ++pass) {
@@ -94,7 +105,15 @@ MoveCount belady_moves(const AccessTrace& trace, const std::vector<int64_t>& chu
   for (int64_t p = 0; p < indexed.size(); ++p) {
     if (p == trace.size()) first_pass = count;
     const ChunkId c = indexed.chunk_at(p);
-    if (resident.count(c)) continue;
+    const bool leaves = last_use[c] == p % trace.size();  // its last use in this iteration: it goes now
+    if (resident.count(c)) {
+      if (leaves) {
+        resident.erase(c);
+        used -= chunk_bytes[c];
+        count.d2h_bytes += chunk_bytes[c];
+      }
+      continue;
+    }
     const int64_t need = chunk_bytes[c];
     while (budget_bytes > 0 && used + need > budget_bytes && !resident.empty()) {
       ChunkId victim = -1;
@@ -110,9 +129,13 @@ MoveCount belady_moves(const AccessTrace& trace, const std::vector<int64_t>& chu
       used -= chunk_bytes[victim];
       count.d2h_bytes += chunk_bytes[victim];
     }
+    count.h2d_bytes += need;
+    if (leaves) {  // in for one use only
+      count.d2h_bytes += need;
+      continue;
+    }
     resident.insert(c);
     used += need;
-    count.h2d_bytes += need;
   }
   return MoveCount{count.h2d_bytes - first_pass.h2d_bytes, count.d2h_bytes - first_pass.d2h_bytes};
 }

@@ -65,11 +65,18 @@ class AccessTrace {
 // the resident chunk with the furthest next use out. With equal chunk sizes this is the minimum
 // number of moves (Belady); with mixed sizes it is the Belady schedule's count, a reference rather
 // than a proven minimum.
+//
+// `round_trips` (empty: none; else one entry per chunk): the chunks that leave the device once per
+// iteration right after their last use in it, whatever the budget, and come back for their first use
+// in the next (their update runs on the host: Note [The step's round trips in the reference]). Each
+// such departure is a move out; it also frees the chunk's room for the rest of the iteration. Belady's
+// choice stays optimal with those departures fixed: they are moves no schedule can avoid.
 struct MoveCount {
   int64_t h2d_bytes = 0;
   int64_t d2h_bytes = 0;
   int64_t total() const { return h2d_bytes + d2h_bytes; }
 };
-MoveCount belady_moves(const AccessTrace& trace, const std::vector<int64_t>& chunk_bytes, int64_t budget_bytes);
+MoveCount belady_moves(const AccessTrace& trace, const std::vector<int64_t>& chunk_bytes, int64_t budget_bytes,
+                       const std::vector<char>& round_trips = {});
 
 }  // namespace ferry

@@ -5,7 +5,7 @@ namespace ferry {
 
 double IterationStats::moved_over_optimal() const {
   if (optimal_bytes < 0) return -1.0;
-  const int64_t moved = h2d_bytes + d2h_bytes;
+  const int64_t moved = h2d_bytes + d2h_bytes + between_h2d_bytes + between_d2h_bytes;
   if (optimal_bytes == 0) return moved == 0 ? 1.0 : -1.0;
   return static_cast<double>(moved) / static_cast<double>(optimal_bytes);
 }
@@ -19,6 +19,10 @@ void IterationMeter::begin(int64_t index, bool traced, int64_t optimal_bytes) {
 
 void IterationMeter::baseline(ChunkStore& store) {
   at_begin_ = store.stats();
+  if (have_end_) {
+    between_h2d_ += at_begin_.moves.h2d_bytes - at_end_.moves.h2d_bytes;
+    between_d2h_ += at_begin_.moves.d2h_bytes - at_end_.moves.d2h_bytes;
+  }
   store.reset_peak_stats();
 }
 
@@ -32,6 +36,13 @@ const IterationStats& IterationMeter::end(const ChunkStoreStats& now, bool abort
   current_.working_set_peak_bytes = now.compute_peak_bytes;
   current_.aborted = aborted;
   current_.forward_only = forward_only;
+  if (!forward_only) {
+    current_.between_h2d_bytes = between_h2d_;
+    current_.between_d2h_bytes = between_d2h_;
+    between_h2d_ = between_d2h_ = 0;
+  }
+  at_end_ = now;
+  have_end_ = true;
   last_ = current_;
   return last_;
 }

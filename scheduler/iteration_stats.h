@@ -4,7 +4,8 @@
 // the parameter store's statistics between the iteration's begin and end.
 //
 // Contract: IterationMeter is not thread-safe (the Scheduler calls it with its mutex held). Call order:
-// begin, baseline (after anything at the iteration's start that moves chunks), counts, end.
+// begin, baseline (after anything at the iteration's start that moves chunks), counts, end. Between
+// two iterations the store must be the same one, or store_replaced() called.
 #include <cstdint>
 
 #include "../chunk/chunk_store.h"
@@ -38,6 +39,14 @@ struct IterationStats {
   int64_t working_set_peak_bytes = 0;
   bool forward_only = false;      // no backward in this iteration (evaluation)
   int64_t optimal_bytes = -1;     // Belady moves of the trace at this budget (-1: no trace yet)
+  // Parameter chunk bytes moved outside any iteration since the last training iteration ended (a
+  // training iteration's only; 0 in a forward-only one, whose gap goes to the next): the optimizer's
+  // step of the iteration before, which sends host-updated chunks to the host (Note [The step's round
+  // trips in the reference]), and whatever else ran between (a read of the state).
+  int64_t between_h2d_bytes = 0;
+  int64_t between_d2h_bytes = 0;
+  // (h2d + d2h + between_h2d + between_d2h) / optimal_bytes: 1 when eviction and prefetch moved what
+  // Belady would (-1: no reference).
   double moved_over_optimal() const;
   // Host->device bytes a use had to wait for (moved when it came, not ahead of it).
   int64_t demand_h2d_bytes() const { return h2d_bytes - prefetched_bytes; }
@@ -47,8 +56,11 @@ class IterationMeter {
  public:
   // Iteration `index` begins (`traced`: it records the trace; `optimal_bytes`: IterationStats's).
   void begin(int64_t index, bool traced, int64_t optimal_bytes);
-  // The store's statistics now are the iteration's start; its peaks are reset.
+  // The store's statistics now are the iteration's start; its peaks are reset. What it moved since the
+  // last iteration's end counts as between the iterations.
   void baseline(ChunkStore& store);
+  // The parameters were repacked into a new store: what it moved before this begin is not counted.
+  void store_replaced() { have_end_ = false; }
   void count_access() { ++current_.accesses; }
   void count_prefetch() { ++current_.prefetches; }
   void diverged() { current_.diverged = true; }
@@ -66,6 +78,9 @@ class IterationMeter {
   IterationStats current_;
   IterationStats last_;
   ChunkStoreStats at_begin_;
+  ChunkStoreStats at_end_;  // the store's statistics at the last iteration's end
+  bool have_end_ = false;
+  int64_t between_h2d_ = 0, between_d2h_ = 0;  // since the last training iteration's end
 };
 
 }  // namespace ferry

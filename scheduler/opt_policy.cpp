@@ -19,11 +19,22 @@ void OptEvictionPolicy::set_passed_over(std::shared_ptr<const std::vector<char>>
   passed_over_ = std::move(passed_over);
 }
 
+void OptEvictionPolicy::set_round_trips(std::vector<char> round_trips) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  round_trips_ = std::move(round_trips);
+}
+
 std::vector<ChunkId> OptEvictionPolicy::choose(const EvictionRequest& request) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!trace_ || position_ < 0) return lru_.choose(request);
   const std::vector<char>* over = passed_over_.get();
-  auto next_use = [&](ChunkId chunk, int64_t from) { return trace_->next_use(chunk, from, over); };
+  const int64_t n = trace_->size();
+  auto next_use = [&](ChunkId chunk, int64_t from) {
+    const int64_t next = trace_->next_use(chunk, from, over);
+    // Past its last use in the iteration of `from`, a round-tripping chunk leaves at the step anyway.
+    const bool trips = chunk >= 0 && chunk < static_cast<ChunkId>(round_trips_.size()) && round_trips_[chunk] != 0;
+    return trips && n > 0 && next != AccessTrace::kNever && next >= (from / n + 1) * n ? AccessTrace::kNever : next;
+  };
   // A demand access needs its chunk now, wherever the trace next uses it (a gradient landing after the
   // parameter's last traced use): Belady over the candidates as they are.
   const int64_t incoming_next =
@@ -34,13 +45,16 @@ std::vector<ChunkId> OptEvictionPolicy::choose(const EvictionRequest& request) {
   // moment (which the prefetch must not push out). If one of those would be Belady's victim, any
   // victim chosen now is wrong: the prefetch waits for the demand access. So a prefetch may only push
   // out chunks used after all of those.
+  // A round-tripping chunk with no use left after incoming_next in its iteration (kNever above) has
+  // left the device by then: it bounds nothing.
   int64_t threshold = incoming_next;
+  auto bound = [&](int64_t next) {
+    if (next != AccessTrace::kNever) threshold = std::max(threshold, next);
+  };
   if (incoming_next > position_ && position_ < trace_->size()) {
-    threshold = std::max(threshold, next_use(trace_->chunk_at(position_), incoming_next));
+    bound(next_use(trace_->chunk_at(position_), incoming_next));
     for (const auto& c : request.candidates) {
-      if (next_use(c.chunk, position_) < incoming_next) {
-        threshold = std::max(threshold, next_use(c.chunk, incoming_next));
-      }
+      if (next_use(c.chunk, position_) < incoming_next) bound(next_use(c.chunk, incoming_next));
     }
   }
   struct Ranked {

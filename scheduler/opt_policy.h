@@ -8,6 +8,11 @@
 // nor makes a choice Belady would not make once the current chunk leaves COMPUTE. Without a trace (or once the run diverged from it) it falls
 // back to LRU.
 //
+// A chunk that leaves the device at the step whatever the policy does (set_round_trips: its update
+// runs on the host, Note [The step's round trips in the reference]) is, once its last use in this
+// iteration is behind, never used again here: it goes before any chunk that will still be on the
+// device for its next use, as Belady's count with those departures (belady_moves) has it.
+//
 // Contract: set_trace/set_position and choose() may be called from different threads (hooks run on
 // autograd's threads); they are serialized by the policy's mutex.
 #include <memory>
@@ -30,12 +35,16 @@ class OptEvictionPolicy final : public EvictionPolicy {
   void set_position(int64_t position);
   // This iteration's trace positions known not to come (null: none): never a chunk's next use.
   void set_passed_over(std::shared_ptr<const std::vector<char>> passed_over);
+  // The chunks that leave the device after their last use in each iteration (one entry per chunk;
+  // empty: none).
+  void set_round_trips(std::vector<char> round_trips);
 
  private:
   std::mutex mutex_;
   std::shared_ptr<const AccessTrace> trace_;
   int64_t position_ = -1;
   std::shared_ptr<const std::vector<char>> passed_over_;
+  std::vector<char> round_trips_;
   LruEvictionPolicy lru_;
 };
 

@@ -97,10 +97,13 @@ void Scheduler::begin_iteration() {
   releases_.begin_iteration();
   const bool record = trace_.begin_iteration();
   if (record) policy_->set_position(-1);  // LRU while recording
+  // Optimizer state placed on the device since, or other chunks updated on the host: the optimal moves
+  // at the parameters' new budget, with their round trips, before this iteration is measured against them.
+  if (trace_.trace() && (optimal_stale_ || budget_.optimal_stale(store_->device_bytes_elsewhere()))) {
+    finalize_trace_locked();
+  }
   meter_.begin(trace_.iterations(), record, budget_.optimal_bytes());
   if (record) probe_->begin_iteration();
-  // Optimizer state placed on the device since: the optimal moves at the parameters' new budget.
-  if (trace_.trace() && budget_.optimal_stale(store_->device_bytes_elsewhere())) finalize_trace_locked();
   meter_.baseline(*store_);
 }
 
@@ -209,8 +212,13 @@ void Scheduler::finalize_trace_locked() {
     largest = std::max(largest, bytes[c]);
   }
   budget_.set_largest_chunk(largest);
-  budget_.set_optimal(belady_moves(trace, bytes, budget_.at_moment(trace_non_model_peak_locked(), *store_)).total(),
+  const bool trips = round_trips_.size() == bytes.size();
+  budget_.set_optimal(belady_moves(trace, bytes, budget_.at_moment(trace_non_model_peak_locked(), *store_),
+                                   trips ? round_trips_ : std::vector<char>{})
+                          .total(),
                       store_->device_bytes_elsewhere());
+  optimal_stale_ = false;
+  policy_->set_round_trips(trips ? round_trips_ : std::vector<char>{});
   policy_->set_trace(trace_.trace());
   releases_.invalidate();
 }
@@ -228,8 +236,17 @@ void Scheduler::relayout(ChunkStore& store, std::vector<TensorId> tensor_of_para
   budget_.store_replaced(store_->stats().device.budget_bytes);
   tensor_of_param_ = std::move(tensor_of_param);
   chunk_of_param_ = std::move(chunk_of_param);
+  round_trips_.clear();  // of the old chunks
+  meter_.store_replaced();
   trace_.repacked();
   if (trace_.trace()) finalize_trace_locked();
+}
+
+void Scheduler::set_round_trips(std::vector<char> chunks) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (chunks == round_trips_) return;
+  round_trips_ = std::move(chunks);
+  optimal_stale_ = true;  // recomputed when the next iteration begins
 }
 
 void Scheduler::admit_device_bytes(int64_t bytes) {

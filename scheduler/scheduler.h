@@ -112,6 +112,13 @@ class Scheduler {
   // the device budget, capped at capacity - non-model peak when the capacity is known. 0: no limit.
   int64_t device_room_bytes() const;
 
+  // The parameter chunks whose update runs on the host (one entry per chunk; empty: none). Each leaves
+  // the device once per iteration after its last use and comes back for its first: the Belady
+  // reference (IterationStats::optimal_bytes) counts those round trips from the next iteration on
+  // (Note [The step's round trips in the reference]). The optimizer says so after each step; a
+  // relayout clears it.
+  void set_round_trips(std::vector<char> chunks);
+
   bool following_trace() const;
   // The caller changed what iterations do (which segments recompute, hence which uses backward makes
   // and the non-model memory at each moment): the next iteration records a new trace. Between iterations.
@@ -139,6 +146,8 @@ class Scheduler {
   SchedulerOptions options_;
   std::vector<TensorId> tensor_of_param_;
   std::vector<ChunkId> chunk_of_param_;
+  std::vector<char> round_trips_;  // set_round_trips
+  bool optimal_stale_ = false;     // round_trips_ changed since the reference was computed
   bool in_iteration_ = false;
   TraceState trace_;       // the trace through warm-up, following, divergence and re-trace
   MomentBudget budget_;    // the parameter chunks' device budget at each moment

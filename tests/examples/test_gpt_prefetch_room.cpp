@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -40,6 +41,10 @@ struct TrainingRun {
   int64_t trace_size = 0;  // uses in the trace after the last step
   int64_t num_params = 0;
   int64_t layout_bytes = 0;  // the parameter chunks' bytes, packing waste included
+  // Over the measured steps: the least and the most of moved / optimal (Belady with the step's round
+  // trips, D101), and the bytes the step moved between two iterations.
+  double least_over_optimal = 1e9, most_over_optimal = 0;
+  int64_t between_bytes = 0;
 };
 
 int64_t demand_bytes(const ChunkStoreStats& s) { return s.moves.h2d_bytes - s.moves.prefetch_h2d_bytes; }
@@ -85,6 +90,9 @@ void train(const gpt::GptConfig& gc, int64_t budget, TrainingRun& run) {
     run.h2d_bytes += s.h2d_bytes;
     run.demand_bytes += s.demand_h2d_bytes();
     run.backward_demand_bytes += backward_demand;
+    run.least_over_optimal = std::min(run.least_over_optimal, s.moved_over_optimal());
+    run.most_over_optimal = std::max(run.most_over_optimal, s.moved_over_optimal());
+    run.between_bytes += s.between_h2d_bytes + s.between_d2h_bytes;
   }
   run.trace_size = model.scheduler().trace()->size();
   run.num_params = model.num_params();
@@ -139,6 +147,23 @@ TEST(GptPrefetchRoom, AGradientsLandingIsAUseOfItsChunk) {
   EXPECT_EQ(with_adam.losses[0], alone.losses[0]) << "the first forward, before any update";
 }
 
+TEST(GptPrefetchRoom, TheStepsRoundTripsAreInTheReference) {
+  // D101: the chunks still on the device when backward ends go to the host for their update and come
+  // back for the next forward. The reference counts that round trip, the meter the step's moves out:
+  // what OPT and the prefetch moved is then Belady's count for this placement (before: 1.11x, the
+  // trips alone).
+  const gpt::GptConfig gc = narrow_gpt();
+  const OldSize o = old_size(gc);
+  TrainingRun run;
+  run.chunk_bytes = o.chunk_bytes;
+  train(gc, o.budget, run);
+  std::cout << "moved / optimal over " << kSteps << " steps: " << run.least_over_optimal << " to "
+            << run.most_over_optimal << "; the steps moved " << run.between_bytes << " B between iterations\n";
+  EXPECT_GT(run.between_bytes, 0) << "the steps' moves out are counted";
+  EXPECT_GE(run.least_over_optimal, 0.98);
+  EXPECT_LE(run.most_over_optimal, 1.02);
+}
+
 TEST(GptPrefetchRoom, TheAutoChunkSizeLeavesABudgetOfFourOldChunksRoomToPrefetch) {
   const gpt::GptConfig gc = narrow_gpt();
   const OldSize o = old_size(gc);
@@ -151,7 +176,8 @@ TEST(GptPrefetchRoom, TheAutoChunkSizeLeavesABudgetOfFourOldChunksRoomToPrefetch
   train(gc, budget, old);
   std::cout << "GPT of 12 narrow blocks in a budget of " << budget << " B, " << kSteps << " steps: auto chunk "
             << capped.chosen_chunk_bytes << " B (layout " << capped.layout_bytes << " B) moved in " << capped.h2d_bytes
-            << " B, waited for " << capped.demand_bytes << " B; the old auto size " << old.chosen_chunk_bytes
+            << " B, waited for " << capped.demand_bytes << " B (in backward " << capped.backward_demand_bytes
+            << " B); the old auto size " << old.chosen_chunk_bytes
             << " B (layout " << old.layout_bytes << " B) moved in " << old.h2d_bytes << " B, waited for "
             << old.demand_bytes << " B\n";
   EXPECT_LE(capped.chosen_chunk_bytes, budget / kAutoChunksInRoom);

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "../../common/durable_file.h"
+#include "../../hooks/checkpoint.h"
 #include "../../hooks/chunked_model.h"
 #include "../../optim/hybrid_adam.h"
 #include "../cpu_adam_twin.h"
@@ -67,14 +68,22 @@ struct TinyLmImpl : torch::nn::Module {
     auto x = wte(idx);
     if (gate) x = WaitForHostAdam::apply(x);
     if (after_embedding) x = after_embedding(x);
-    for (int i = 0; i < 2; ++i) x = x + out[i](torch::gelu(fc[i](ln[i](x))));
+    for (int i = 0; i < 2; ++i) {
+      if (checkpointed) {
+        x = checkpoint([this, i](const std::vector<at::Tensor>& in) { return block(i, in[0]); }, {x});
+      } else {
+        x = block(i, x);
+      }
+    }
     return torch::matmul(ln_f(x), wte->weight.t());
   }
+  torch::Tensor block(int i, const torch::Tensor& x) { return x + out[i](torch::gelu(fc[i](ln[i](x)))); }
   torch::nn::Embedding wte{nullptr};
   std::vector<torch::nn::LayerNorm> ln;
   std::vector<torch::nn::Linear> fc, out;
   torch::nn::LayerNorm ln_f{nullptr};
-  bool gate = false;  // WaitForHostAdam after the embedding
+  bool gate = false;          // WaitForHostAdam after the embedding
+  bool checkpointed = false;  // each block a ferry::checkpoint segment (the model's activation policy decides)
   std::function<torch::Tensor(const torch::Tensor&)> after_embedding;  // null: none
 };
 TORCH_MODULE(TinyLm);

@@ -13,7 +13,11 @@
 // chunk and all state on the device, backward() + step()): the loss of every forward, what each step
 // reports, and in the end every master, moment and parameter bit for bit; between two steps, what a
 // training loop does (an evaluation forward, an in-place write to a parameter, a read of the state, a new
-// lr), the same in both. In half of the cases the run
+// lr), the same in both. In half of the cases the blocks are ferry::checkpoint segments (semantics:
+// the reference's too, recomputed), and the activation policy (recompute, keep, auto; a capacity; the
+// joint placement of state) is one more mechanism: a segment's gradients land together after its
+// recompute, through the scheduler (D100), where the budget, the copies, the round trips and the host
+// updates meet them. In half of the cases the run
 // saves a checkpoint after its third step and goes on in a model and optimizer built afresh, from other
 // initial values, with mechanisms drawn again. A failure names the seed and the whole draw.
 #include <gtest/gtest.h>
@@ -47,6 +51,10 @@ struct Mechanisms {
   int warmup_iterations = 1;     // the scheduler's: iterations traced before the trace is followed
   int prefetch_depth = 2;        // 0: no prefetch
   bool repack = true;            // repack the parameters in first-use order after the warm-up
+  // Checkpointed blocks only: which segments keep their activations, and the state placed with them.
+  ActivationPolicy activations = ActivationPolicy::kRecompute;
+  int64_t capacity_over_budget = -1;  // the device's capacity, beside the budget (-1: unknown)
+  bool joint = false;                 // plan_state_with_activations (auto, device_state_chunks -1)
 };
 
 // What the result depends on: the same in the run and its reference.
@@ -57,13 +65,14 @@ struct Semantics {
   int micro_batches = 1;
   bool frozen = false;       // fc0's bias does not train (requires_grad off from the start)
   bool extra = false;        // a parameter 'extra' that only the even steps use: its gradient lands last
+  bool checkpointed = false; // each block a ferry::checkpoint segment: its gradients land after its recompute
 };
 
 std::string describe(const Semantics& s) {
   std::ostringstream o;
   o << to_string(s.precision) << " compute, " << to_string(s.format) << " state, clipping at " << s.max_grad_norm
     << ", " << s.micro_batches << " micro-batch(es), frozen bias " << s.frozen << ", even-step parameter "
-    << s.extra;
+    << s.extra << (s.checkpointed ? ", checkpointed blocks" : "");
   return o.str();
 }
 
@@ -75,6 +84,10 @@ std::string describe(const Mechanisms& m) {
     << m.lagging_worker << ", " << m.round_trip_slots
     << " round-trip slot(s), lagging copies " << m.lagging_copies << ", warm-up " << m.warmup_iterations
     << ", prefetch " << m.prefetch_depth << ", repack " << m.repack;
+  if (m.activations != ActivationPolicy::kRecompute || m.capacity_over_budget >= 0) {
+    o << ", activations " << to_string(m.activations) << (m.joint ? " with the joint placement" : "")
+      << ", capacity budget + " << m.capacity_over_budget << " B";
+  }
   return o.str();
 }
 
@@ -125,6 +138,18 @@ Mechanisms draw_mechanisms(std::mt19937& rng, const Semantics& s) {
   return m;
 }
 
+// The activation side, for checkpointed blocks, from a generator of its own (the draws of the cases
+// without checkpointed blocks stay as they were before these were added).
+void draw_activations(std::mt19937& rng, const Semantics& s, Mechanisms& m) {
+  if (!s.checkpointed) return;
+  const ActivationPolicy policies[] = {ActivationPolicy::kRecompute, ActivationPolicy::kKeep, ActivationPolicy::kAuto,
+                                       ActivationPolicy::kAuto};
+  m.activations = policies[rng() % 4];
+  const int64_t over[] = {-1, 0, 48 << 10, 4 << 20};  // unknown, no room, some segments, every segment
+  m.capacity_over_budget = over[rng() % 4];
+  m.joint = m.activations == ActivationPolicy::kAuto && m.device_state_chunks < 0 && rng() % 2;
+}
+
 HybridAdamOptions options_for(const Semantics& s, const Mechanisms& m) {
   HybridAdamOptions o = HybridAdamOptions::no_decay_for_bias_and_norm(adamw());
   o.max_grad_norm = s.max_grad_norm;
@@ -136,6 +161,7 @@ HybridAdamOptions options_for(const Semantics& s, const Mechanisms& m) {
   o.update_behind_forward = m.behind_forward;
   o.carry_over_host_updates = m.carry_over;
   o.round_trip_slots = m.round_trip_slots;
+  o.plan_state_with_activations = m.joint;
   return o;
 }
 
@@ -145,7 +171,12 @@ Config config_for(const Semantics& s, const Mechanisms& m) {
   // the size.
   const int64_t per_group = s.precision == Precision::kFp32 ? 1 : 2;
   const int64_t on_device = m.device_state_chunks < 0 ? 1 : m.device_state_chunks;
-  return sim_config(m.tight ? budget_for(3, per_group * on_device, roles) : budget_for(64, 128, roles), s.precision);
+  Config c =
+      sim_config(m.tight ? budget_for(3, per_group * on_device, roles) : budget_for(64, 128, roles), s.precision);
+  c.activations = m.activations;
+  c.device_capacity_bytes = m.capacity_over_budget < 0 ? 0 : c.device_budget_bytes + m.capacity_over_budget;
+  c.validate();
+  return c;
 }
 
 ChunkedModelOptions model_options_for(const Mechanisms& m) {
@@ -164,6 +195,7 @@ struct Trainee {
           torch::manual_seed(seed);
           TinyLm n(kVocab, kDim);
           if (s.frozen) n->fc[0]->bias.set_requires_grad(false);
+          n->checkpointed = s.checkpointed;
           if (s.extra) {
             torch::Tensor extra = n->register_parameter("extra", torch::randn({kDim}) * 0.1);
             n->after_embedding = [this, extra](const torch::Tensor& x) { return use_extra ? x + extra : x; };
@@ -259,10 +291,14 @@ class MechanismCombinations : public ::testing::TestWithParam<int> {};
 
 TEST_P(MechanismCombinations, ChangeNoBitAgainstTheRunWithoutThem) {
   std::mt19937 rng(static_cast<uint32_t>(7919 * GetParam() + 17));
-  const Semantics semantics = draw_semantics(rng);
-  const Mechanisms first = draw_mechanisms(rng, semantics);
+  Semantics semantics = draw_semantics(rng);
+  Mechanisms first = draw_mechanisms(rng, semantics);
   const bool resume = rng() % 2;
-  const Mechanisms second = draw_mechanisms(rng, semantics);
+  Mechanisms second = draw_mechanisms(rng, semantics);
+  std::mt19937 activations_rng(static_cast<uint32_t>(104723 * GetParam() + 29));
+  semantics.checkpointed = activations_rng() % 2;
+  draw_activations(activations_rng, semantics, first);
+  draw_activations(activations_rng, semantics, second);
   std::mt19937 between_rng(static_cast<uint32_t>(31 * GetParam() + 5));
   const Between between = static_cast<Between>(between_rng() % 5);
   const int between_at = 1 + static_cast<int>(between_rng() % 5);
@@ -281,7 +317,9 @@ TEST_P(MechanismCombinations, ChangeNoBitAgainstTheRunWithoutThem) {
   auto run = std::make_unique<Trainee>(51, semantics, first);
   const std::string dir = resume ? temp_dir("mechanisms") : std::string();
   int64_t applied = 0, clipped = 0, overflows = 0;
-  constexpr int kSteps = 6;
+  // Checkpointed: room after the warm-up for auto's measuring iteration, its plan and (joint) the
+  // state's placement with it, also in a run resumed after step 2.
+  const int kSteps = semantics.checkpointed ? 9 : 6;
   for (int step = 0; step < kSteps; ++step) {
     if (step == between_at) {
       ASSERT_NO_FATAL_FAILURE(between_steps(between, step, reference, *run));
@@ -314,6 +352,9 @@ TEST_P(MechanismCombinations, ChangeNoBitAgainstTheRunWithoutThem) {
   }
   if (semantics.precision == Precision::kFp16) {
     EXPECT_GT(overflows, 0) << "the overflow path must be exercised";
+  }
+  if ((resume ? second : first).activations == ActivationPolicy::kAuto) {
+    EXPECT_GT(run->model.activations().plans(), 0) << "auto plans after its measuring iteration";
   }
   if (resume) remove_checkpoint(dir);
 }

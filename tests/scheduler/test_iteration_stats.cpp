@@ -1,5 +1,6 @@
 // IterationStats and IterationMeter (scheduler/iteration_stats.h): counts as they happen, moves and
-// peaks as the store's differences between an iteration's begin and end, and moved_over_optimal().
+// peaks as the store's differences between an iteration's begin and end, the moves between two
+// training iterations (the step's), and moved_over_optimal().
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -41,6 +42,47 @@ TEST(IterationMeter, CountsAndTheStoresDifferencesMakeTheIteration) {
   EXPECT_EQ(meter.last().h2d_bytes, 2048) << "the last iteration is kept";
   meter.begin(8, false, 2048);
   EXPECT_EQ(meter.last().index, 7) << "until the next one ends";
+}
+
+TEST(IterationMeter, TheMovesBetweenTrainingIterationsCountInTheNext) {
+  // What the optimizer's step moved between two training iterations (a host update's trip) is the
+  // next training iteration's between_*; a forward-only iteration in the gap passes it on.
+  ChunkStoreOptions o;
+  o.device = DeviceKind::kSimulated;
+  ChunkStore store(o);
+  const ChunkId a = store.add_chunk(ChunkRole::kParam, at::kFloat, 256, Location::kHost);  // 1 KiB
+  IterationMeter meter;
+  auto iteration = [&](bool forward_only, int h2d) {
+    meter.begin(0, false, 4096);
+    meter.baseline(store);
+    for (int k = 0; k < h2d; ++k) {
+      store.move(a, Location::kDevice);
+      store.move(a, Location::kHost);
+    }
+    store.move(a, Location::kDevice);
+    return meter.end(store.stats(), false, forward_only);
+  };
+  store.move(a, Location::kDevice);
+  store.move(a, Location::kHost);  // before the first iteration: no gap to count
+  IterationStats s = iteration(false, 0);
+  EXPECT_EQ(s.between_h2d_bytes + s.between_d2h_bytes, 0);
+  store.move(a, Location::kHost);  // the step: the chunk goes to the host
+  s = iteration(true, 0);          // an evaluation
+  EXPECT_EQ(s.h2d_bytes, 1024);
+  EXPECT_EQ(s.between_d2h_bytes, 0) << "a forward-only iteration passes the gap on";
+  store.move(a, Location::kHost);
+  s = iteration(false, 1);
+  EXPECT_EQ(s.h2d_bytes, 2048);
+  EXPECT_EQ(s.d2h_bytes, 1024);
+  EXPECT_EQ(s.between_d2h_bytes, 2048) << "both gaps since the last training iteration";
+  EXPECT_EQ(s.between_h2d_bytes, 0);
+  EXPECT_DOUBLE_EQ(s.moved_over_optimal(), (2048 + 1024 + 2048) / 4096.0);
+  s = iteration(false, 0);
+  EXPECT_EQ(s.between_d2h_bytes, 0) << "counted once";
+  store.move(a, Location::kHost);
+  meter.store_replaced();  // a repack: the new store's earlier moves are not this run's gap
+  s = iteration(false, 0);
+  EXPECT_EQ(s.between_d2h_bytes, 0);
 }
 
 TEST(IterationStats, MovedOverOptimalWithoutATraceOrWithNothingToMove) {

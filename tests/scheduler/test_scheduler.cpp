@@ -52,6 +52,32 @@ TEST(Belady, HandComputedMoves) {
   EXPECT_EQ(belady_moves(t, {100, 100, 100}, 300).total(), 0);  // everything fits
 }
 
+TEST(Belady, RoundTripsLeaveAfterTheirLastUseAndFreeTheirRoom) {
+  // Chunks of 100 B; forward 0 1 2, backward 2 1 0 (positions 0-5).
+  AccessTrace t = make_trace({0, 1, 2, 2, 1, 0});
+  const std::vector<int64_t> bytes = {100, 100, 100};
+  // Room for two, no round trips. Steady state (positions 6-11, {0, 1} resident on entry): 2 misses at
+  // 8 (next uses 0 -> 11, 1 -> 10): 0 out; 0 misses at 11 (1 -> 13, 2 -> 14): 2 out. 2 in, 2 out.
+  MoveCount m = belady_moves(t, bytes, 200);
+  EXPECT_EQ(m.h2d_bytes, 200);
+  EXPECT_EQ(m.d2h_bytes, 200);
+  // Chunks 1 and 2 updated on the host: each leaves after its last use (2 at 9, 1 at 10) and comes back
+  // at its first (1 at 7, 2 at 8). Entering with {0}: 1 in at 7; 2 misses at 8 with {0, 1} (0 -> 11,
+  // 1 -> 10): 0 out, 2 in; 2 leaves at 9, 1 at 10; 0 in at 11, in the room they left. In: 1, 2, 0;
+  // out: 0, 2, 1.
+  m = belady_moves(t, bytes, 200, {0, 1, 1});
+  EXPECT_EQ(m.h2d_bytes, 300);
+  EXPECT_EQ(m.d2h_bytes, 300);
+  // Without a limit only the round trips move: 1 and 2 in and out once each.
+  m = belady_moves(t, bytes, 0, {0, 1, 1});
+  EXPECT_EQ(m.h2d_bytes, 200);
+  EXPECT_EQ(m.d2h_bytes, 200);
+  // A chunk used once is in for that use only.
+  m = belady_moves(make_trace({0, 1, 0}), {100, 100}, 0, {0, 1});
+  EXPECT_EQ(m.total(), 200);
+  EXPECT_THROW(belady_moves(t, bytes, 200, {1, 1}), c10::Error) << "one flag per chunk";
+}
+
 TEST(OptEvictionPolicy, FurthestNextUseAndPrefetchGuard) {
   auto trace = std::make_shared<AccessTrace>(make_trace({0, 1, 2, 3, 3, 1, 0, 2}));
   trace->finalize(4);
@@ -97,7 +123,7 @@ TEST(OptEvictionPolicy, FurthestNextUseAndPrefetchGuard) {
 struct Fixture {
   // `chunks` chunks of 100 B, parameter i alone in chunk i.
   explicit Fixture(int64_t budget, std::function<int64_t()> probe = nullptr, int64_t capacity = 0, int chunks = 4,
-                   bool align = true) {
+                   bool align = true, int prefetch_depth = 1) {
     ChunkStoreOptions o;
     o.device = DeviceKind::kSimulated;
     o.device_budget_bytes = budget;
@@ -113,7 +139,7 @@ struct Fixture {
     so.align_to_trace = align;
     so.device_budget_bytes = budget;
     so.device_capacity_bytes = capacity;
-    so.prefetch_depth = 1;
+    so.prefetch_depth = prefetch_depth;
     auto p = probe ? make_function_probe(probe) : make_memory_probe(DeviceKind::kSimulated);
     scheduler = std::make_unique<Scheduler>(*store, policy, std::move(p), so, tensors, chunk_ids);
   }
@@ -163,6 +189,49 @@ TEST(Scheduler, StrictWarmupThenFollowThenRetrace) {
   EXPECT_FALSE(f.last.diverged);
   // Every tensor is back in HOLD at the end of an iteration.
   for (TensorId t = 0; t < 4; ++t) EXPECT_EQ(f.store->tensor_info(t).state, TensorState::kHold);
+}
+
+TEST(Scheduler, TheStepsRoundTripsAreInTheReferenceAndInTheMeter) {
+  // Chunks 0 and 1 updated on the host: after each iteration the "step" sends them to the host. The
+  // reference counts their round trips once told (set_round_trips), the meter the step's moves out,
+  // and OPT gives chunk 1 up first once its last use (6) is behind: at 7 chunk 0 comes in in its room,
+  // Belady's choice (before, OPT kept 1 for the next forward and gave up 3, which then came back).
+  // Without prefetch: a prefetch of 0 issued at 6 finds 1 in use, and takes 3 (Note [The step's round
+  // trips in the reference]).
+  Fixture f(/*budget=*/300, nullptr, 0, 4, true, /*prefetch_depth=*/0);
+  const std::vector<int64_t> order = {0, 1, 2, 3, 3, 2, 1, 0};
+  auto step = [&] {
+    for (ChunkId c : {0, 1}) {
+      if (f.store->location(c) == Location::kDevice) f.store->move(c, Location::kHost);
+    }
+  };
+  f.run(order);
+  f.relayout();
+  step();
+  f.run(order);
+  step();
+  const int64_t trace_alone = belady_moves(*f.scheduler->trace(), {100, 100, 100, 100}, 300).total();
+  EXPECT_EQ(f.last.optimal_bytes, trace_alone);
+  f.scheduler->set_round_trips({1, 1, 0, 0});
+  const int64_t with_trips = belady_moves(*f.scheduler->trace(), {100, 100, 100, 100}, 300, {1, 1, 0, 0}).total();
+  EXPECT_GT(with_trips, trace_alone);
+  f.run(order);  // from the device the last iteration left, chosen without the flags
+  step();
+  EXPECT_EQ(f.last.optimal_bytes, with_trips) << "from the iteration after it was told";
+  EXPECT_EQ(f.last.between_d2h_bytes, 200) << "the step sent 0 and 1 to the host";
+  for (int i = 0; i < 3; ++i) {
+    f.run(order);
+    step();
+    SCOPED_TRACE("iteration " + std::to_string(i));
+    EXPECT_EQ(f.last.optimal_bytes, with_trips);
+    EXPECT_EQ(f.last.between_d2h_bytes, 100) << "the step sent 0 to the host; OPT had sent 1 at 7";
+    EXPECT_DOUBLE_EQ(f.last.moved_over_optimal(), 1.0)
+        << "moved " << f.last.h2d_bytes << " + " << f.last.d2h_bytes << " + " << f.last.between_d2h_bytes;
+  }
+  f.relayout();  // new chunks: the flags were of the old ones
+  f.run(order);
+  EXPECT_EQ(f.last.optimal_bytes, trace_alone);
+  EXPECT_EQ(f.last.between_d2h_bytes, 0) << "a repack starts the meter's gap over";
 }
 
 TEST(Scheduler, ASkippedParameterKeepsTheTraceItsPrefetchesAndIsDroppedWhenItStaysUnused) {
