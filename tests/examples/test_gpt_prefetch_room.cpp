@@ -1,7 +1,8 @@
 // D99: the auto chunk size leaves the device's room sixteen chunks; D100: a gradient's landing is a use
-// of its chunk. A narrow GPT of the example, every block a ferry::checkpoint segment, trained with
-// HybridAdam on the simulated device with copies that lag as CUDA's, in a budget of four chunks of the
-// size auto picked before D99 (a quarter of the model at most, whatever the budget).
+// of its chunk; D101: the step's round trips are in the reference. A narrow GPT of the example, every
+// block a ferry::checkpoint segment, trained with HybridAdam on the simulated device with copies that
+// lag as CUDA's, in a budget of four chunks of the size auto picked before D99 (a quarter of the model
+// at most, whatever the budget).
 //  - D100: a segment's gradients land after its whole backward (its recompute's autograd::grad returns
 //    them together), and the landings used to reach the store past the scheduler: OPT had given the
 //    chunks of the block's last ops up for the next forward and the prefetch had filled the room, so a
@@ -9,6 +10,8 @@
 //    nothing, as without an optimizer (no landings then: the gradients stay in .grad).
 //  - D99: with the size auto picks now the same budget holds sixteen chunks or more, and the forward's
 //    first use after the step (whose update sent its chunk to the host) waits for one smaller chunk.
+//  - D101: what moved beyond the trace's Belady count was the step's round trips; the reference counts
+//    them now, and what moved equals it.
 // The chunk size changes no bit of training (Invariants: where a chunk is changes no bit), so the
 // losses of the two sizes are equal.
 #include <gtest/gtest.h>
