@@ -212,13 +212,13 @@ void Scheduler::finalize_trace_locked() {
     largest = std::max(largest, bytes[c]);
   }
   budget_.set_largest_chunk(largest);
-  const bool trips = round_trips_.size() == bytes.size();
-  budget_.set_optimal(belady_moves(trace, bytes, budget_.at_moment(trace_non_model_peak_locked(), *store_),
-                                   trips ? round_trips_ : std::vector<char>{})
-                          .total(),
-                      store_->device_bytes_elsewhere());
+  // Flags of another chunk count (told before a relayout the optimizer has not followed yet): none.
+  if (round_trips_.size() != bytes.size()) round_trips_.clear();
+  budget_.set_optimal(
+      belady_moves(trace, bytes, budget_.at_moment(trace_non_model_peak_locked(), *store_), round_trips_).total(),
+      store_->device_bytes_elsewhere());
   optimal_stale_ = false;
-  policy_->set_round_trips(trips ? round_trips_ : std::vector<char>{});
+  policy_->set_round_trips(round_trips_);
   policy_->set_trace(trace_.trace());
   releases_.invalidate();
 }
