@@ -46,6 +46,9 @@ int64_t AccessTrace::next_use(ChunkId chunk, int64_t position, const std::vector
   // The trace repeats: a position past its end is in a later iteration (prefetching into the next
   // one asks so), whose uses are this iteration's shifted by a multiple of size().
   const int64_t n = size();
+  // Never is never: within two iterations of kNever the answer (at most position + 2n) is past what
+  // int64_t holds, so it is kNever too (OptEvictionPolicy asks from kNever for a chunk next used never).
+  if (position > kNever - 2 * n) return kNever;
   const int64_t base = position > 0 ? position / n * n : 0;
   auto it = std::lower_bound(p.begin(), p.end(), position - base);
   // Positions passed over belong to this iteration only; a later one uses the whole trace.

@@ -169,6 +169,21 @@ TEST(AccessTrace, NextUseFromAPositionInTheNextIterationIsNotBeforeIt) {
   EXPECT_EQ(t.next_use(1, 6), 7);
 }
 
+// Never is never: next_use from kNever (OptEvictionPolicy asked it, for a prefetch whose incoming chunk
+// is next used "never", until 2026-12-02: UBSan's signed overflow in CI) or from just below it answers
+// kNever, not a position past what int64_t holds.
+TEST(AccessTrace, NextUseFromNeverIsNever) {
+  AccessTrace t;
+  for (ChunkId c : {0, 1, 0, 1}) t.record(c, c, 0);
+  t.finalize(2);
+  EXPECT_EQ(t.next_use(1, AccessTrace::kNever), AccessTrace::kNever);
+  EXPECT_EQ(t.next_use(0, AccessTrace::kNever), AccessTrace::kNever) << "its iteration after's first use";
+  EXPECT_EQ(t.next_use(0, AccessTrace::kNever - 1), AccessTrace::kNever);
+  EXPECT_EQ(t.next_use(1, AccessTrace::kNever - 8), AccessTrace::kNever - 8)
+      << "two iterations below the edge a position still answers (there, position 3 of its iteration)";
+  EXPECT_EQ(t.next_use(1, 1000), 1001);
+}
+
 // After a repack the tensors live in other chunks: remap_chunks rewrites every position's chunk from
 // its tensor, and after finalize() next_use answers for the new chunks.
 TEST(AccessTrace, RemapChunksFollowsTheTensorsIntoTheirNewChunks) {

@@ -243,5 +243,29 @@ TEST(OptEvictionPolicy, APassedOverUseIsNoNextUse) {
   EXPECT_EQ(opt.choose(r), (std::vector<ChunkId>{0}));
 }
 
+// A prefetch of a round trip's chunk past its last use in this iteration (D101: next used "never", it
+// leaves at the step) is needed after every candidate: it pushes nothing out. Before 2026-12-02 the
+// policy went on to ask the trace for next uses after "never", a signed overflow (UBSan in CI, from
+// test_round_trips, test_mechanism_combinations and test_config_space); without the sanitizer the
+// wrapped answer happened to give the same empty choice.
+TEST(OptEvictionPolicy, APrefetchOfALeavingRoundTripChunkPushesNothingOut) {
+  auto trace = std::make_shared<AccessTrace>();
+  for (ChunkId c : {0, 1, 2, 3, 3, 2, 1, 0}) trace->record(c, c, 0);
+  trace->finalize(4);
+  OptEvictionPolicy opt;
+  opt.set_trace(trace);
+  opt.set_round_trips({0, 1, 0, 0});
+  opt.set_position(7);  // chunk 0's last use; chunk 1 (last used at 6) has left for its update
+  EvictionRequest r;
+  r.demand = false;
+  r.incoming = 1;
+  r.bytes_needed = 100;
+  r.candidates = {{2, 100, 5}, {3, 100, 4}};
+  EXPECT_TRUE(opt.choose(r).empty());
+  // A demand access of it still takes the furthest next use: chunk 3's (11; chunk 2's is 10).
+  r.demand = true;
+  EXPECT_EQ(opt.choose(r), (std::vector<ChunkId>{3}));
+}
+
 }  // namespace
 }  // namespace ferry
