@@ -113,52 +113,57 @@ function(ferry_test_environment name)
   endif()
 endfunction()
 
+# ferry_use_test_pch(target sources...): the target compiles against ferry_test_pch's precompiled
+# <torch/torch.h> (FERRY_TEST_PCH; D102) where its sources, or the test headers they include
+# ("fixtures.h", one level deep), include <torch/torch.h>; other tests are left to their own includes,
+# so those stay honest.
+function(ferry_use_test_pch target)
+  if(NOT FERRY_TEST_PCH OR NOT TARGET ferry_test_pch)
+    return()
+  endif()
+  foreach(source IN LISTS ARGN)
+    get_filename_component(source "${source}" ABSOLUTE)
+    get_filename_component(dir "${source}" DIRECTORY)
+    set(files "${source}")
+    file(STRINGS "${source}" quoted REGEX "^#include \"[^\"]+\"")
+    foreach(line IN LISTS quoted)
+      string(REGEX REPLACE "^#include \"([^\"]+)\".*" "\\1" header "${line}")
+      if(EXISTS "${dir}/${header}")
+        list(APPEND files "${dir}/${header}")
+      endif()
+    endforeach()
+    foreach(file IN LISTS files)
+      file(STRINGS "${file}" torch_all REGEX "^#include <torch/torch\\.h>")
+      if(torch_all)
+        target_precompile_headers(${target} REUSE_FROM ferry_test_pch)
+        # A header GCC refuses (settings that differ from the host's) fails the build rather than
+        # doubling its time without a word.
+        target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Werror=invalid-pch>)
+        return()
+      endif()
+    endforeach()
+  endforeach()
+endfunction()
+
 # ferry_add_test(NAME SOURCES src... [LABELS l...] [LINK deps...])
-# One gtest binary per test file; tests labelled `gpu` skip themselves without a GPU.
-# A test whose sources include <torch/torch.h> compiles against ferry_test_pch's precompiled header
-# of it (FERRY_TEST_PCH; D102); the others are left to their own includes, so those stay honest.
-# Without FERRY_BUILD_GPU_TESTS a gpu-labelled binary is still defined (its folder may set its
-# properties) but neither built by default nor added as a test.
+# One gtest binary per test file; tests labelled `gpu` skip themselves without a GPU. Without
+# FERRY_BUILD_GPU_TESTS a gpu-labelled binary is still defined (its folder may set its properties) but
+# neither built by default nor added as a test.
 function(ferry_add_test name)
   cmake_parse_arguments(ARG "" "" "SOURCES;LABELS;LINK" ${ARGN})
   set(labels cpu)
   if(ARG_LABELS)
     set(labels ${ARG_LABELS})
   endif()
+  set(not_built "")
   if("gpu" IN_LIST labels AND NOT FERRY_BUILD_GPU_TESTS)
-    add_executable(${name} EXCLUDE_FROM_ALL ${ARG_SOURCES})
-  else()
-    add_executable(${name} ${ARG_SOURCES})
+    set(not_built EXCLUDE_FROM_ALL)
   endif()
+  add_executable(${name} ${not_built} ${ARG_SOURCES})
   target_link_libraries(${name} PRIVATE ferry::ferry ferry_test_main ${ARG_LINK})
   ferry_target_defaults(${name})
-  if(FERRY_TEST_PCH AND TARGET ferry_test_pch)
-    # The sources and the test headers they include ("fixtures.h"), one level deep.
-    set(files "")
-    foreach(source IN LISTS ARG_SOURCES)
-      get_filename_component(source "${source}" ABSOLUTE)
-      get_filename_component(dir "${source}" DIRECTORY)
-      list(APPEND files "${source}")
-      file(STRINGS "${source}" quoted REGEX "^#include \"[^\"]+\"")
-      foreach(line IN LISTS quoted)
-        string(REGEX REPLACE "^#include \"([^\"]+)\".*" "\\1" header "${line}")
-        if(EXISTS "${dir}/${header}")
-          list(APPEND files "${dir}/${header}")
-        endif()
-      endforeach()
-    endforeach()
-    foreach(file IN LISTS files)
-      file(STRINGS "${file}" torch_all REGEX "^#include <torch/torch\\.h>")
-      if(torch_all)
-        target_precompile_headers(${name} REUSE_FROM ferry_test_pch)
-        # A header GCC refuses (settings that differ from the host's) fails the build rather than
-        # doubling its time without a word.
-        target_compile_options(${name} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Werror=invalid-pch>)
-        break()
-      endif()
-    endforeach()
-  endif()
-  if("gpu" IN_LIST labels AND NOT FERRY_BUILD_GPU_TESTS)
+  ferry_use_test_pch(${name} ${ARG_SOURCES})
+  if(not_built)
     return()
   endif()
   add_test(NAME ${name} COMMAND ${name})

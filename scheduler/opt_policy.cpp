@@ -49,12 +49,12 @@ std::vector<ChunkId> OptEvictionPolicy::choose(const EvictionRequest& request) {
   // left the device by then: it bounds nothing.
   // An incoming chunk next used "never" (a round trip's chunk with no use left in this iteration, or
   // one the trace does not have) is needed after every candidate's next use: such a prefetch pushes
-  // nothing out (the threshold is kNever), and there is no moment after never to ask about.
+  // nothing out (the threshold stays kNever: AccessTrace::next_use answers kNever after kNever).
   int64_t threshold = incoming_next;
   auto bound = [&](int64_t next) {
     if (next != AccessTrace::kNever) threshold = std::max(threshold, next);
   };
-  if (incoming_next > position_ && incoming_next != AccessTrace::kNever && position_ < trace_->size()) {
+  if (incoming_next > position_ && position_ < trace_->size()) {
     bound(next_use(trace_->chunk_at(position_), incoming_next));
     for (const auto& c : request.candidates) {
       if (next_use(c.chunk, position_) < incoming_next) bound(next_use(c.chunk, incoming_next));
