@@ -15,11 +15,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -45,6 +47,24 @@ std::string temp_dir() {
   char* made = ::mkdtemp(tmpl.data());
   EXPECT_NE(made, nullptr);
   return tmpl;
+}
+
+// The worker is built beside this test (tests/dist/CMakeLists.txt) and found from this executable's
+// path at run time: a build path compiled in would differ per clone, and the object would miss the
+// compiler cache in every fresh clone (D102).
+const std::string& worker_path() {
+  static const std::string path = [] {
+    std::error_code error;
+    const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
+    if (error) throw std::runtime_error("test_dist: cannot read /proc/self/exe: " + error.message());
+    const std::filesystem::path worker = self.parent_path() / FERRY_DIST_WORKER_NAME;
+    if (!std::filesystem::exists(worker)) {
+      throw std::runtime_error("test_dist: expected the worker " + worker.string() + " beside " + self.string() +
+                               " (built with this test); it is not there");
+    }
+    return worker.string();
+  }();
+  return path;
 }
 
 std::string slurp(const std::string& path) {
@@ -75,7 +95,7 @@ std::vector<Proc> launch(const std::vector<std::map<std::string, std::string>>& 
       if (!envs[i].count(key)) env_strings.push_back(s);
     }
     for (const auto& [k, v] : envs[i]) env_strings.push_back(k + "=" + v);
-    std::vector<std::string> argv_strings{FERRY_DIST_WORKER};
+    std::vector<std::string> argv_strings{worker_path()};
     argv_strings.insert(argv_strings.end(), args.begin(), args.end());
     if (i < per_rank.size()) argv_strings.insert(argv_strings.end(), per_rank[i].begin(), per_rank[i].end());
     const std::string out = dir + "/" + std::to_string(i) + ".out", err = dir + "/" + std::to_string(i) + ".err";
