@@ -45,15 +45,17 @@ std::vector<ChunkId> OptEvictionPolicy::choose(const EvictionRequest& request) {
   // moment (which the prefetch must not push out). If one of those would be Belady's victim, any
   // victim chosen now is wrong: the prefetch waits for the demand access. So a prefetch may only push
   // out chunks used after all of those.
-  // A round-tripping chunk with no use left after incoming_next in its iteration (kNever above) has
-  // left the device by then: it bounds nothing.
+  // One of those next used "never" after incoming_next (a round trip's chunk with no use left in its
+  // iteration, above) has left the device by then or is Belady's first victim there: the room the
+  // incoming chunk takes is its room, and any chunk pushed out now is a move Belady would not make (its
+  // trip out and back; before 2026-12-02 such a chunk bounded nothing, and a prefetch issued during a
+  // round trip's last use pushed out a chunk that stays: D101's 1.33x). The threshold is then kNever:
+  // the prefetch waits, and the next use's prefetch finds that chunk gone or a candidate.
   // An incoming chunk next used "never" (a round trip's chunk with no use left in this iteration, or
   // one the trace does not have) is needed after every candidate's next use: such a prefetch pushes
   // nothing out (the threshold stays kNever: AccessTrace::next_use answers kNever after kNever).
   int64_t threshold = incoming_next;
-  auto bound = [&](int64_t next) {
-    if (next != AccessTrace::kNever) threshold = std::max(threshold, next);
-  };
+  auto bound = [&](int64_t next) { threshold = std::max(threshold, next); };
   if (incoming_next > position_ && position_ < trace_->size()) {
     bound(next_use(trace_->chunk_at(position_), incoming_next));
     for (const auto& c : request.candidates) {
@@ -67,8 +69,11 @@ std::vector<ChunkId> OptEvictionPolicy::choose(const EvictionRequest& request) {
   std::vector<Ranked> ranked;
   for (const auto& c : request.candidates) {
     const int64_t next = next_use(c.chunk, position_);
-    // A prefetch must not push out a chunk needed before the one it brings in.
-    if (incoming_next > position_ && next <= threshold) continue;
+    // A prefetch must not push out a chunk needed before the one it brings in, nor one Belady would
+    // keep at incoming_next. A chunk never used again (here) may always go, for an incoming chunk that is
+    // used: it ties with whatever set the threshold to kNever.
+    const bool never_again = next == AccessTrace::kNever && incoming_next != AccessTrace::kNever;
+    if (incoming_next > position_ && next <= threshold && !never_again) continue;
     ranked.push_back({next, c});
   }
   std::sort(ranked.begin(), ranked.end(), [](const Ranked& a, const Ranked& b) {

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -34,30 +35,43 @@ int64_t next_use_by_scan(const std::vector<ChunkId>& seq, ChunkId chunk, int64_t
   }
 }
 
+// With round trips (D101; one flag per chunk, empty: none): a flagged chunk leaves the device after
+// its last use in each iteration, so from `position` it is next used "never" once the scan reaches the
+// next iteration.
+int64_t next_use_by_scan(const std::vector<ChunkId>& seq, const std::vector<char>& trips, ChunkId chunk,
+                         int64_t position) {
+  const int64_t next = next_use_by_scan(seq, chunk, position);
+  const int64_t n = static_cast<int64_t>(seq.size());
+  const bool leaves = chunk < static_cast<ChunkId>(trips.size()) && trips[chunk] != 0;
+  return leaves && next != kNever && next >= (position / n + 1) * n ? kNever : next;
+}
+
 // The reference: which candidates may go, in which order, how many.
-std::vector<ChunkId> reference_choice(const std::vector<ChunkId>& seq, int64_t position, const EvictionRequest& r) {
+std::vector<ChunkId> reference_choice(const std::vector<ChunkId>& seq, int64_t position, const EvictionRequest& r,
+                                      const std::vector<char>& trips = {}) {
+  auto next_use = [&](ChunkId chunk, int64_t from) { return next_use_by_scan(seq, trips, chunk, from); };
   const bool prefetch = r.incoming >= 0 && !r.demand;
-  const int64_t incoming_next = prefetch ? next_use_by_scan(seq, r.incoming, position) : position;
+  const int64_t incoming_next = prefetch ? next_use(r.incoming, position) : position;
   std::vector<EvictionCandidate> eligible;
   for (const auto& c : r.candidates) {
-    const int64_t next = next_use_by_scan(seq, c.chunk, position);
+    const int64_t next = next_use(c.chunk, position);
     if (prefetch && incoming_next > position) {
       if (next <= incoming_next) continue;  // needed before (or with) the incoming chunk
       // Belady at incoming_next compares by next use after it: the current chunk (in COMPUTE now) and
-      // every candidate used before incoming_next must come before c, or c would not be its victim.
-      if (next <= next_use_by_scan(seq, seq[position], incoming_next)) continue;
+      // every candidate used before incoming_next must come before c, or c would not be its victim. One
+      // of those never used again ties with a c never used again (either may go); any other c stays.
+      auto kept_for = [&](int64_t other_next) { return next <= other_next && next != kNever; };
+      if (kept_for(next_use(seq[position], incoming_next))) continue;
       bool blocked = false;
       for (const auto& d : r.candidates) {
-        if (next_use_by_scan(seq, d.chunk, position) < incoming_next && next <= next_use_by_scan(seq, d.chunk, incoming_next)) {
-          blocked = true;
-        }
+        if (next_use(d.chunk, position) < incoming_next && kept_for(next_use(d.chunk, incoming_next))) blocked = true;
       }
       if (blocked) continue;
     }
     eligible.push_back(c);
   }
   std::stable_sort(eligible.begin(), eligible.end(), [&](const EvictionCandidate& a, const EvictionCandidate& b) {
-    const int64_t na = next_use_by_scan(seq, a.chunk, position), nb = next_use_by_scan(seq, b.chunk, position);
+    const int64_t na = next_use(a.chunk, position), nb = next_use(b.chunk, position);
     if (na != nb) return na > nb;
     if (a.last_use != b.last_use) return a.last_use < b.last_use;
     return a.chunk < b.chunk;
@@ -108,6 +122,24 @@ std::vector<EvictionCandidate> random_candidates(std::mt19937_64& rng, const Ran
   return out;
 }
 
+// A prefetch drawn at `position`: the incoming chunk one the trace uses, other than the one in use
+// (`next_iteration`: also one next used only in the next iteration), random candidates and bytes.
+// Empty when the draw has nothing to check.
+std::optional<EvictionRequest> random_prefetch(std::mt19937_64& rng, const RandomCase& rc, int64_t position,
+                                               bool equal_sizes, bool next_iteration) {
+  EvictionRequest r;
+  r.demand = false;
+  r.incoming = static_cast<ChunkId>(rng() % (rc.num_chunks - 1));
+  if (r.incoming == rc.seq[position]) return std::nullopt;
+  if (!next_iteration && next_use_by_scan(rc.seq, r.incoming, position) >= static_cast<int64_t>(rc.seq.size())) {
+    return std::nullopt;
+  }
+  r.candidates = random_candidates(rng, rc, position, r.incoming, equal_sizes);
+  if (r.candidates.empty()) return std::nullopt;
+  r.bytes_needed = 1 + static_cast<int64_t>(rng() % 200);
+  return r;
+}
+
 TEST(OptEvictionPolicy, ADemandAccessEvictsTheFurthestNextUseFirst) {
   std::mt19937_64 rng(21);
   OptEvictionPolicy opt;
@@ -147,15 +179,10 @@ TEST(OptEvictionPolicy, APrefetchNeverEvictsAChunkNeededBeforeTheOneItBringsIn) 
     opt.set_trace(rc.trace);
     const int64_t position = static_cast<int64_t>(rng() % rc.seq.size());
     opt.set_position(position);
-    EvictionRequest r;
-    r.demand = false;
-    r.incoming = static_cast<ChunkId>(rng() % (rc.num_chunks - 1));
-    if (r.incoming == rc.seq[position]) continue;
-    // Incoming chunks next used in the next iteration: see the disabled test below.
-    if (next_use_by_scan(rc.seq, r.incoming, position) >= static_cast<int64_t>(rc.seq.size())) continue;
-    r.candidates = random_candidates(rng, rc, position, r.incoming, trial % 2 == 0);
-    if (r.candidates.empty()) continue;
-    r.bytes_needed = 1 + static_cast<int64_t>(rng() % 200);
+    // Incoming chunks next used in the next iteration: see the hand-made test below.
+    const std::optional<EvictionRequest> drawn = random_prefetch(rng, rc, position, trial % 2 == 0, false);
+    if (!drawn) continue;
+    const EvictionRequest& r = *drawn;
     const std::vector<ChunkId> got = opt.choose(r);
     SCOPED_TRACE("trial " + std::to_string(trial));
     ASSERT_EQ(got, reference_choice(rc.seq, position, r));
@@ -265,6 +292,75 @@ TEST(OptEvictionPolicy, APrefetchOfALeavingRoundTripChunkPushesNothingOut) {
   // A demand access of it still takes the furthest next use: chunk 3's (11; chunk 2's is 10).
   r.demand = true;
   EXPECT_EQ(opt.choose(r), (std::vector<ChunkId>{3}));
+}
+
+// D101's 1.33x, at the policy: at position 6 chunk 1 is in use for the last time in the iteration and
+// leaves for its host update; a prefetch of chunk 0 (needed at 7) would take chunk 1's room at 7, as
+// Belady does there. Pushing out chunk 3 or 2 now is a move Belady would not make (they stay, and
+// would come back): the prefetch waits. A chunk never used again may still go.
+TEST(OptEvictionPolicy, APrefetchDuringALeavingChunksLastUseTakesItsRoomLater) {
+  auto trace = std::make_shared<AccessTrace>();
+  for (ChunkId c : {0, 1, 2, 3, 3, 2, 1, 0}) trace->record(c, c, 0);
+  trace->finalize(5);  // chunk 4: not in the trace
+  OptEvictionPolicy opt;
+  opt.set_trace(trace);
+  opt.set_round_trips({1, 1, 0, 0, 0});
+  opt.set_position(6);
+  EvictionRequest r;
+  r.demand = false;
+  r.incoming = 0;
+  r.bytes_needed = 100;
+  r.candidates = {{2, 100, 5}, {3, 100, 4}};
+  EXPECT_TRUE(opt.choose(r).empty()) << "chunk 3 stays on the device; chunk 1's room is chunk 0's at 7";
+  r.candidates.push_back({4, 100, 0});
+  EXPECT_EQ(opt.choose(r), (std::vector<ChunkId>{4})) << "never used again: it may go";
+  // Without the trip chunk 1 comes back at 9, before 3 (11): Belady at 7 takes 3, so may the prefetch.
+  r.candidates.pop_back();
+  opt.set_round_trips({});
+  EXPECT_EQ(opt.choose(r), (std::vector<ChunkId>{3}));
+  // A chunk used before 7 and leaving after it (here chunk 1 again, as a candidate at position 5) bounds
+  // the same way.
+  opt.set_round_trips({1, 1, 0, 0, 0});
+  opt.set_position(5);
+  r.candidates = {{1, 100, 2}, {3, 100, 4}};
+  EXPECT_TRUE(opt.choose(r).empty());
+}
+
+// The random prefetch test above, with chunks that leave after their last use (random flags, incoming
+// chunks wherever they are next used): the policy makes the reference's choice, and a chunk it pushes
+// out is never one that stays on the device while a leaving chunk's room would do.
+TEST(OptEvictionPolicy, APrefetchWithRoundTripsMakesBeladysChoiceOrWaits) {
+  std::mt19937_64 rng(23);
+  OptEvictionPolicy opt;
+  int checked = 0, refused = 0, evicted = 0, waited_for_a_leaver = 0;
+  for (int trial = 0; trial < 2000; ++trial) {
+    const RandomCase rc = random_trace(rng);
+    std::vector<char> trips(rc.num_chunks);
+    for (auto& t : trips) t = rng() % 2 == 0;
+    opt.set_trace(rc.trace);
+    opt.set_round_trips(trips);
+    const int64_t position = static_cast<int64_t>(rng() % rc.seq.size());
+    opt.set_position(position);
+    const std::optional<EvictionRequest> drawn = random_prefetch(rng, rc, position, trial % 2 == 0, true);
+    if (!drawn) continue;
+    const EvictionRequest& r = *drawn;
+    const std::vector<ChunkId> got = opt.choose(r);
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    ASSERT_EQ(got, reference_choice(rc.seq, position, r, trips));
+    const int64_t incoming_next = next_use_by_scan(rc.seq, trips, r.incoming, position);
+    for (ChunkId v : got) {
+      ASSERT_GT(next_use_by_scan(rc.seq, trips, v, position), incoming_next) << "victim " << v << " is needed first";
+    }
+    ++checked;
+    (got.empty() ? refused : evicted) += 1;
+    const bool leaver_in_use = incoming_next != kNever &&
+                               next_use_by_scan(rc.seq, trips, rc.seq[position], incoming_next) == kNever;
+    if (got.empty() && leaver_in_use) ++waited_for_a_leaver;
+  }
+  EXPECT_GT(checked, 500);
+  EXPECT_GT(refused, 50);
+  EXPECT_GT(evicted, 50);
+  EXPECT_GT(waited_for_a_leaver, 10) << "the case of D101's 1.33x must be drawn";
 }
 
 }  // namespace
