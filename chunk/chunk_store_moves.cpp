@@ -126,7 +126,12 @@ void ChunkStore::evict_for_locked(int64_t bytes, ChunkId incoming, bool must) {
   request.demand = must;
   int64_t candidate_bytes = 0;
   for (const auto& c : chunks_) {
-    if (!c->has_device_memory() || !evictable(*c) || c->id() == incoming) continue;
+    if (!c->has_device_memory() || c->id() == incoming) continue;
+    // In COMPUTE, or a copy in so far unused: it stays (a chunk on its way out has no device memory).
+    if (!evictable(*c)) {
+      request.held.push_back(c->id());
+      continue;
+    }
     request.candidates.push_back({c->id(), c->nbytes(), c->last_use});
     candidate_bytes += c->nbytes();
   }

@@ -3,8 +3,9 @@
 //
 // The ChunkStore (mechanism) asks the policy only when a tier's budget would be exceeded, with the
 // candidates it may legally move (resident in that tier, not in COMPUTE, not being moved unless a use
-// has been ordered after the copy: Note [In flight but used], chunk_store.h) and the bytes
-// it needs. The policy returns chunks to move out, in order; the store moves them until enough is free.
+// has been ordered after the copy: Note [In flight but used], chunk_store.h), the chunks that stay in the
+// tier without being candidates, and the bytes it needs. The policy returns chunks to move out, in
+// order; the store moves them until enough is free.
 // The scheduler (scheduler/) adds OPT/Belady from the traced access order; LRU here needs no trace.
 //
 // Contract: choose() must return only candidates' ids, without repeats; it may return more than
@@ -30,6 +31,10 @@ struct EvictionRequest {
   uint64_t now = 0;          // the store's access tick (one per access() call)
   bool demand = false;       // the incoming chunk is needed now (access, move), not prefetched
   std::vector<EvictionCandidate> candidates;
+  // The chunks with memory in the tier that are no candidates (in COMPUTE, a copy in so far unused), the
+  // incoming one left out: they stay for now, and a policy that decides for a later moment (OPT's
+  // prefetch guard, D104) must weigh them as resident then too.
+  std::vector<ChunkId> held;
 };
 
 class EvictionPolicy {

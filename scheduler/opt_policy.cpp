@@ -41,8 +41,10 @@ std::vector<ChunkId> OptEvictionPolicy::choose(const EvictionRequest& request) {
       request.incoming >= 0 && !request.demand ? next_use(request.incoming, position_) : position_;
   // A prefetch decides now what Belady would decide when the incoming chunk is needed (at
   // incoming_next). Then Belady compares every resident chunk by its next use *after that moment*,
-  // including the current chunk (in COMPUTE now, so not a candidate) and the chunks used before that
-  // moment (which the prefetch must not push out). If one of those would be Belady's victim, any
+  // including the current chunk (in COMPUTE now, so not a candidate), the chunks the store holds without
+  // offering them (request.held: in COMPUTE beside it, a prefetch still in flight; before D104 they were
+  // left out, and a prefetch pushed out a chunk Belady keeps at incoming_next while it takes one of
+  // those) and the chunks used before that moment (which the prefetch must not push out). If one of those would be Belady's victim, any
   // victim chosen now is wrong: the prefetch waits for the demand access. So a prefetch may only push
   // out chunks used after all of those.
   // One of those next used "never" after incoming_next (a round trip's chunk with no use left in its
@@ -58,6 +60,7 @@ std::vector<ChunkId> OptEvictionPolicy::choose(const EvictionRequest& request) {
   auto bound = [&](int64_t next) { threshold = std::max(threshold, next); };
   if (incoming_next > position_ && position_ < trace_->size()) {
     bound(next_use(trace_->chunk_at(position_), incoming_next));
+    for (ChunkId h : request.held) bound(next_use(h, incoming_next));
     for (const auto& c : request.candidates) {
       if (next_use(c.chunk, position_) < incoming_next) bound(next_use(c.chunk, incoming_next));
     }

@@ -628,6 +628,57 @@ TEST(ChunkStore, AUsedChunkIsEvictedWhileTheHostHasNotSeenItsCopyDone) {
   }
 }
 
+// What a policy is told (D104): the candidates, and the chunks that stay on the device without being
+// candidates: one in COMPUTE, a prefetch in flight no use was ordered after. A chunk on its way to the
+// host is neither (its device memory went when its copy was issued).
+class RecordingPolicy final : public EvictionPolicy {
+ public:
+  const char* name() const override { return "recording"; }
+  std::vector<ChunkId> choose(const EvictionRequest& request) override {
+    requests.push_back(request);
+    return lru.choose(request);
+  }
+  std::vector<EvictionRequest> requests;
+  LruEvictionPolicy lru;
+};
+
+TEST(ChunkStore, APolicyIsToldTheChunksThatStayWithoutBeingCandidates) {
+  auto policy = std::make_shared<RecordingPolicy>();
+  ChunkStoreOptions o = simulated(/*device=*/3 * 1024);
+  o.policy = policy;
+  ChunkStore store(o, std::make_unique<StreamModelCopyEngine>());
+  std::vector<ChunkId> c;
+  std::vector<TensorId> t;
+  for (int i = 0; i < 5; ++i) {
+    c.push_back(store.add_chunk(ChunkRole::kParam, at::kFloat, 256, Location::kHost));
+    t.push_back(store.add_tensor(c.back(), 0, {256}));
+    store.view(t.back()).fill_(static_cast<float>(i + 1));
+  }
+  store.synchronize();
+  const auto in_use = store.access(t[0]);  // chunk 0: in COMPUTE
+  store.access(t[4]);
+  store.release(t[4], TensorState::kHold);
+  store.move_async(c[4], Location::kHost);  // chunk 4: on its way out
+  store.access(t[1]);
+  store.release(t[1], TensorState::kHold);  // chunk 1: used, a candidate
+  EXPECT_TRUE(store.prefetch(c[2]));        // chunk 2: in flight, unused
+  EXPECT_TRUE(policy->requests.empty()) << "three chunks fit";
+  const auto v = store.access(t[3]);        // chunk 3 must come in
+  ASSERT_EQ(policy->requests.size(), 1u);
+  const EvictionRequest& r = policy->requests[0];
+  EXPECT_EQ(r.incoming, c[3]);
+  EXPECT_TRUE(r.demand);
+  ASSERT_EQ(r.candidates.size(), 1u);
+  EXPECT_EQ(r.candidates[0].chunk, c[1]);
+  EXPECT_EQ(r.held, (std::vector<ChunkId>{c[0], c[2]}));
+  EXPECT_TRUE(torch::equal(v, torch::full({256}, 4.0f)));
+  store.release(t[3], TensorState::kHold);
+  store.release(t[0], TensorState::kHold);
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_TRUE(torch::equal(store.view(t[i]), torch::full({256}, static_cast<float>(i + 1)))) << i;
+  }
+}
+
 TEST(StreamMark, TheSimulatedDeviceClockIsTheHostClock) {
   ChunkStore store(simulated());
   auto begin = store.make_mark();

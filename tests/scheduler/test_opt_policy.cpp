@@ -4,9 +4,10 @@
 //    recently used, then lower id), as few as free the bytes needed; in particular, with one chunk
 //    needed, the victim is one whose next use is the furthest;
 //  - a prefetch (the incoming chunk's next use is ahead): only candidates used after the incoming chunk,
-//    after the next use (from then on) of the chunk at the current position, and after the next use
-//    (from then on) of every candidate needed before the incoming chunk may go; among them the same
-//    order. So a prefetch never evicts a chunk needed before the one it brings in.
+//    after the next use (from then on) of the chunk at the current position, of every chunk the request
+//    holds on the device without offering it (in COMPUTE, a prefetch in flight: D104), and of every
+//    candidate needed before the incoming chunk may go; among them the same order. So a prefetch never
+//    evicts a chunk needed before the one it brings in.
 //  - without a trace or off it (position -1): the LRU policy's answer.
 // (Hand-computed cases are in test_scheduler.cpp.)
 #include <gtest/gtest.h>
@@ -63,6 +64,9 @@ std::vector<ChunkId> reference_choice(const std::vector<ChunkId>& seq, int64_t p
       auto kept_for = [&](int64_t other_next) { return next <= other_next && next != kNever; };
       if (kept_for(next_use(seq[position], incoming_next))) continue;
       bool blocked = false;
+      for (ChunkId h : r.held) {
+        if (kept_for(next_use(h, incoming_next))) blocked = true;
+      }
       for (const auto& d : r.candidates) {
         if (next_use(d.chunk, position) < incoming_next && kept_for(next_use(d.chunk, incoming_next))) blocked = true;
       }
@@ -123,10 +127,11 @@ std::vector<EvictionCandidate> random_candidates(std::mt19937_64& rng, const Ran
 }
 
 // A prefetch drawn at `position`: the incoming chunk one the trace uses, other than the one in use
-// (`next_iteration`: also one next used only in the next iteration), random candidates and bytes.
-// Empty when the draw has nothing to check.
+// (`next_iteration`: also one next used only in the next iteration), random candidates and bytes;
+// `with_held`: also chunks held on the device that are no candidates (each of the others, the one in
+// use among them, by a coin). Empty when the draw has nothing to check.
 std::optional<EvictionRequest> random_prefetch(std::mt19937_64& rng, const RandomCase& rc, int64_t position,
-                                               bool equal_sizes, bool next_iteration) {
+                                               bool equal_sizes, bool next_iteration, bool with_held = false) {
   EvictionRequest r;
   r.demand = false;
   r.incoming = static_cast<ChunkId>(rng() % (rc.num_chunks - 1));
@@ -137,6 +142,30 @@ std::optional<EvictionRequest> random_prefetch(std::mt19937_64& rng, const Rando
   r.candidates = random_candidates(rng, rc, position, r.incoming, equal_sizes);
   if (r.candidates.empty()) return std::nullopt;
   r.bytes_needed = 1 + static_cast<int64_t>(rng() % 200);
+  if (with_held) {
+    for (ChunkId c = 0; c < rc.num_chunks; ++c) {
+      const bool offered = std::any_of(r.candidates.begin(), r.candidates.end(),
+                                       [c](const EvictionCandidate& e) { return e.chunk == c; });
+      if (!offered && c != r.incoming && rng() % 2 == 0) r.held.push_back(c);
+    }
+  }
+  return r;
+}
+
+// A finalized trace of `seq` (tensor i in chunk i) over `num_chunks` chunks.
+std::shared_ptr<AccessTrace> finalized_trace(const std::vector<ChunkId>& seq, int64_t num_chunks) {
+  auto trace = std::make_shared<AccessTrace>();
+  for (ChunkId c : seq) trace->record(c, c, 0);
+  trace->finalize(num_chunks);
+  return trace;
+}
+
+EvictionRequest prefetch_request(ChunkId incoming, int64_t bytes_needed, std::vector<EvictionCandidate> candidates) {
+  EvictionRequest r;
+  r.demand = false;
+  r.incoming = incoming;
+  r.bytes_needed = bytes_needed;
+  r.candidates = std::move(candidates);
   return r;
 }
 
@@ -326,6 +355,28 @@ TEST(OptEvictionPolicy, APrefetchDuringALeavingChunksLastUseTakesItsRoomLater) {
   EXPECT_TRUE(opt.choose(r).empty());
 }
 
+// A prefetch drawn with round trips (each chunk's flag one in `trip_odds`) at a random position of a
+// random trace, `opt` set to them; `with_held`: held chunks too (random_prefetch).
+struct TripDraw {
+  RandomCase rc;
+  std::vector<char> trips;
+  int64_t position = 0;
+  std::optional<EvictionRequest> request;
+};
+TripDraw draw_with_trips(std::mt19937_64& rng, OptEvictionPolicy& opt, bool equal_sizes, uint64_t trip_odds,
+                         bool with_held) {
+  TripDraw d;
+  d.rc = random_trace(rng);
+  d.trips.resize(d.rc.num_chunks);
+  for (auto& t : d.trips) t = rng() % trip_odds == 0;
+  opt.set_trace(d.rc.trace);
+  opt.set_round_trips(d.trips);
+  d.position = static_cast<int64_t>(rng() % d.rc.seq.size());
+  opt.set_position(d.position);
+  d.request = random_prefetch(rng, d.rc, d.position, equal_sizes, true, with_held);
+  return d;
+}
+
 // The random prefetch test above, with chunks that leave after their last use (random flags, incoming
 // chunks wherever they are next used): the policy makes the reference's choice, and a chunk it pushes
 // out is never one that stays on the device while a leaving chunk's room would do.
@@ -334,16 +385,12 @@ TEST(OptEvictionPolicy, APrefetchWithRoundTripsMakesBeladysChoiceOrWaits) {
   OptEvictionPolicy opt;
   int checked = 0, refused = 0, evicted = 0, waited_for_a_leaver = 0;
   for (int trial = 0; trial < 2000; ++trial) {
-    const RandomCase rc = random_trace(rng);
-    std::vector<char> trips(rc.num_chunks);
-    for (auto& t : trips) t = rng() % 2 == 0;
-    opt.set_trace(rc.trace);
-    opt.set_round_trips(trips);
-    const int64_t position = static_cast<int64_t>(rng() % rc.seq.size());
-    opt.set_position(position);
-    const std::optional<EvictionRequest> drawn = random_prefetch(rng, rc, position, trial % 2 == 0, true);
-    if (!drawn) continue;
-    const EvictionRequest& r = *drawn;
+    const TripDraw d = draw_with_trips(rng, opt, trial % 2 == 0, 2, false);
+    if (!d.request) continue;
+    const RandomCase& rc = d.rc;
+    const std::vector<char>& trips = d.trips;
+    const int64_t position = d.position;
+    const EvictionRequest& r = *d.request;
     const std::vector<ChunkId> got = opt.choose(r);
     SCOPED_TRACE("trial " + std::to_string(trial));
     ASSERT_EQ(got, reference_choice(rc.seq, position, r, trips));
@@ -361,6 +408,53 @@ TEST(OptEvictionPolicy, APrefetchWithRoundTripsMakesBeladysChoiceOrWaits) {
   EXPECT_GT(refused, 50);
   EXPECT_GT(evicted, 50);
   EXPECT_GT(waited_for_a_leaver, 10) << "the case of D101's 1.33x must be drawn";
+}
+
+// D104: a chunk the store holds on the device without offering it (a prefetch still in flight, one in
+// COMPUTE beside the current chunk) is as resident at the incoming chunk's use as the current chunk,
+// and Belady there may take it. Trace 0 1 2 0 3 1: at position 0, chunk 1's prefetch is in flight and
+// chunk 2's is asked for. Belady at 2 takes chunk 1 (next used at 5) and keeps chunk 3 (at 4); pushing
+// chunk 3 out now brings it back at 4, a move Belady does not make: the prefetch waits. Not told of
+// chunk 1, the policy pushed chunk 3 out.
+TEST(OptEvictionPolicy, AChunkHeldOnTheDeviceBoundsAPrefetchAsTheCurrentOneDoes) {
+  OptEvictionPolicy opt;
+  opt.set_trace(finalized_trace({0, 1, 2, 0, 3, 1}, 4));
+  opt.set_position(0);
+  EvictionRequest r = prefetch_request(/*incoming=*/2, /*bytes=*/100, {{3, 100, 0}});
+  EXPECT_EQ(opt.choose(r), (std::vector<ChunkId>{3})) << "without the held chunk: chunk 0 (at 3) bounds alone";
+  r.held = {1};
+  EXPECT_TRUE(opt.choose(r).empty()) << "chunk 1 (next at 5) is Belady's victim at 2, not chunk 3";
+  // Belady's own choice at 2, with all three resident and chunk 2 needed now.
+  opt.set_position(2);
+  r.demand = true;
+  r.held = {};
+  r.candidates = {{0, 100, 0}, {1, 100, 1}, {3, 100, 0}};
+  EXPECT_EQ(opt.choose(r), (std::vector<ChunkId>{1}));
+}
+
+// The random prefetch tests with held chunks too (and round trips): the policy makes the reference's
+// choice, and the held chunks decide it in some of the draws.
+TEST(OptEvictionPolicy, APrefetchWithHeldChunksMakesBeladysChoiceOrWaits) {
+  std::mt19937_64 rng(24);
+  OptEvictionPolicy opt;
+  int checked = 0, refused = 0, evicted = 0, decided_by_held = 0;
+  for (int trial = 0; trial < 2000; ++trial) {
+    const TripDraw d = draw_with_trips(rng, opt, trial % 2 == 0, 3, true);
+    if (!d.request) continue;
+    const EvictionRequest& r = *d.request;
+    const std::vector<ChunkId> got = opt.choose(r);
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    ASSERT_EQ(got, reference_choice(d.rc.seq, d.position, r, d.trips));
+    ++checked;
+    (got.empty() ? refused : evicted) += 1;
+    EvictionRequest unheld = r;
+    unheld.held.clear();
+    if (reference_choice(d.rc.seq, d.position, unheld, d.trips) != got) ++decided_by_held;
+  }
+  EXPECT_GT(checked, 500);
+  EXPECT_GT(refused, 50);
+  EXPECT_GT(evicted, 50);
+  EXPECT_GT(decided_by_held, 20) << "the held chunks must change the answer in some draws";
 }
 
 }  // namespace
