@@ -38,7 +38,7 @@ struct IterationStats {
   // this iteration could have run with at this chunk size (ChunkStoreStats::compute_peak_bytes).
   int64_t working_set_peak_bytes = 0;
   bool forward_only = false;      // no backward in this iteration (evaluation)
-  int64_t optimal_bytes = -1;     // Belady moves of the trace at this budget (-1: no trace yet)
+  int64_t optimal_bytes = -1;     // Belady moves per iteration of the trace at this budget, long run (-1: no trace yet)
   // Parameter chunk bytes moved outside any iteration since the last training iteration ended (a
   // training iteration's only; 0 in a forward-only one, whose gap goes to the next): the optimizer's
   // step of the iteration before, which sends host-updated chunks to the host (Note [The step's round
@@ -46,7 +46,8 @@ struct IterationStats {
   int64_t between_h2d_bytes = 0;
   int64_t between_d2h_bytes = 0;
   // (h2d + d2h + between_h2d + between_d2h) / optimal_bytes: 1 when eviction and prefetch moved what
-  // Belady would (-1: no reference).
+  // Belady would (-1: no reference). Where Belady's iterations cycle through several resident sets one
+  // iteration's ratio swings around 1 (belady_moves, D104): sum the moves over iterations to compare.
   double moved_over_optimal() const;
   // Host->device bytes a use had to wait for (moved when it came, not ahead of it).
   int64_t demand_h2d_bytes() const { return h2d_bytes - prefetched_bytes; }

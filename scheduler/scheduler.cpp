@@ -152,7 +152,14 @@ void Scheduler::pre_use(int64_t param) {
   }
   // Pass 4: the use, then what comes next (after an unforeseen use, the last match's prefetch stands).
   store_->access(tensor_of_param_[param]);
-  if (recording) recording->record(param, chunk_of_param_[param], non_model);
+  if (recording) {
+    std::vector<TensorId> others;
+    for (int64_t q : in_use_) {
+      if (q != param) others.push_back(q);
+    }
+    recording->record(param, chunk_of_param_[param], non_model, others);
+  }
+  in_use_.push_back(param);
   if (trace_.following() && position >= 0) prefetch_locked(position);
 }
 
@@ -181,6 +188,8 @@ void Scheduler::prefetch_locked(int64_t position) {
 void Scheduler::post_use(int64_t param, TensorState after) {
   std::lock_guard<std::mutex> lock(mutex_);
   store_->release(tensor_of_param_[param], after);
+  const auto it = std::find(in_use_.begin(), in_use_.end(), param);
+  if (it != in_use_.end()) in_use_.erase(it);
 }
 
 IterationStats Scheduler::end_iteration(bool aborted, bool forward_only) {

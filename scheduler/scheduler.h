@@ -149,6 +149,9 @@ class Scheduler {
   std::vector<char> round_trips_;  // set_round_trips
   bool optimal_stale_ = false;     // round_trips_ changed since the reference was computed
   bool in_iteration_ = false;
+  // The parameters between pre_use and post_use (one used twice at once: twice); the trace records
+  // them with each use, so the reference keeps their chunks on the device through it (D104).
+  std::vector<int64_t> in_use_;
   TraceState trace_;       // the trace through warm-up, following, divergence and re-trace
   MomentBudget budget_;    // the parameter chunks' device budget at each moment
   ReleasePlan releases_;   // sharded parameters: groups given up after their forward uses

@@ -127,7 +127,7 @@ TraceAlignment::Merged TraceAlignment::merged_trace(const std::vector<char>& kee
     }
     if (q == n || !keep[q]) continue;
     mark(q >= old_backward);
-    t.record(trace_->tensor_at(q), trace_->chunk_at(q), trace_->non_model_at(q));
+    t.record(trace_->tensor_at(q), trace_->chunk_at(q), trace_->non_model_at(q), trace_->in_use_at(q));
     out.origin.push_back(q);
   }
   TORCH_INTERNAL_ASSERT(next == inserts.size(), "an unforeseen use was not merged");
