@@ -151,9 +151,10 @@ std::pair<at::Tensor, at::Tensor> batch_of(const Args& a, int64_t vocab, std::mt
 
 struct FerryResult {
   StepTimes mean;
-  // moved_bytes: the parameter chunks' per step, the step's own between two iterations included (D101):
-  // what moved_over_optimal compares with the reference.
-  double moved_bytes = 0, moved_over_optimal = 0, device_peak = 0, host_peak = 0, pinned_peak = 0;
+  // moved_bytes: the parameter chunks' per step, the step's own between two iterations included (D101);
+  // optimal_bytes: the reference's per step (-1: a measured iteration had none); moved_over_optimal:
+  // their ratio over the measured steps (D104: one iteration's alone swings with the reference's cycle).
+  double moved_bytes = 0, optimal_bytes = 0, moved_over_optimal = 0, device_peak = 0, host_peak = 0, pinned_peak = 0;
   double state_device = 0, state_host = 0, loss_first = 0, loss_last = 0, activation_bytes = 0;
   int64_t chunks = 0, device_state_chunks = 0, evictions = 0;
   // Note [Writes to parameters]: one look for writes over every parameter tensor, none written (us).
@@ -336,7 +337,10 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     const auto shards_before = adam.param_shards() ? adam.param_shards()->stats() : ferry::dist::ParamShardStats{};
     // Micro-batches before the last: forward + backward (accumulating), each phase summed; the last one's
     // backward is the step's (pipelined or not).
-    double f = 0, b = 0, o_s = 0, moved = 0, wait_s = 0;
+    double f = 0, b = 0, o_s = 0, moved = 0, optimal = 0, wait_s = 0;
+    auto count_optimal = [&](const ferry::IterationStats& it) {
+      optimal = optimal < 0 || it.optimal_bytes < 0 ? -1.0 : optimal + static_cast<double>(it.optimal_bytes);
+    };
     int64_t evictions = 0;
     double present_after_forward = 0, present_after_backward = 0;
     int64_t activations = 0;
@@ -365,6 +369,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
       b += since(t1);
       const ferry::IterationStats it = model.last_iteration();
       moved += static_cast<double>(it.h2d_bytes + it.d2h_bytes + it.between_h2d_bytes + it.between_d2h_bytes);
+      count_optimal(it);
       wait_s += static_cast<double>(it.wait_ns) * 1e-9;
       evictions += it.evictions;
       present_after_backward = std::max(present_after_backward, present_param_bytes(model));
@@ -415,6 +420,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     }
     const ferry::IterationStats it = model.last_iteration();
     moved += static_cast<double>(it.h2d_bytes + it.d2h_bytes + it.between_h2d_bytes + it.between_d2h_bytes);
+    count_optimal(it);
     wait_s += static_cast<double>(it.wait_ns) * 1e-9;
     evictions += it.evictions;
     const double l = loss_sum.item<double>();
@@ -435,7 +441,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
     r.mean.wait += wait_s / a.steps;
     r.mean.total += (f + b + o_s) / a.steps;
     r.moved_bytes += moved / a.steps;
-    r.moved_over_optimal = it.moved_over_optimal();
+    r.optimal_bytes = r.optimal_bytes < 0 || optimal < 0 ? -1.0 : r.optimal_bytes + optimal / a.steps;
     r.evictions += evictions;
     r.syncs += static_cast<double>(moves.sync_count - moves_before.sync_count + step.device_syncs) / a.steps;
     r.background_syncs += static_cast<double>(moves.background_sync_count - moves_before.background_sync_count) / a.steps;
@@ -453,6 +459,9 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
       r.comm_s += static_cast<double>(cs.wait_ns - comm_before.wait_ns) * 1e-9 / a.steps;
     }
   }
+  r.moved_over_optimal = r.optimal_bytes < 0 ? -1.0
+                         : r.optimal_bytes > 0 ? r.moved_bytes / r.optimal_bytes
+                                               : (r.moved_bytes == 0 ? 1.0 : -1.0);  // as IterationStats says
   for (int64_t c = 0; c < model.layout().num_chunks(); ++c) {
     r.param_chunk_bytes += static_cast<double>(model.store().chunk_info(model.param_chunk(c)).nbytes);
   }
@@ -684,7 +693,8 @@ int run(int argc, char** argv) {
       << ", \"peak_held\": " << f.round_trips.peak_held << ", \"param_host_peak_bytes_in_steps\": "
       << f.param_host_peak_in_steps << "}"
       << ", \"optimizer_state_device_bytes\": " << f.state_device << ", \"optimizer_state_host_bytes\": " << f.state_host
-      << ", \"moved_bytes_per_step\": " << f.moved_bytes << ", \"moved_over_optimal\": " << f.moved_over_optimal
+      << ", \"moved_bytes_per_step\": " << f.moved_bytes << ", \"optimal_bytes_per_step\": " << f.optimal_bytes
+      << ", \"moved_over_optimal\": " << f.moved_over_optimal
       << ", \"activation_bytes\": " << f.activation_bytes << ", \"evictions\": " << f.evictions << ", \"chunks\": " << f.chunks << ", \"device_state_chunks\": "
       << f.device_state_chunks << ", \"loss_first\": " << f.loss_first << ", \"loss_last\": " << f.loss_last
       << ",\n    \"startup_s\": " << f.startup_s << ", \"construction_s\": " << f.construction_s
