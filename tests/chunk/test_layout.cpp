@@ -185,7 +185,9 @@ TEST(AutoChunkSize, TheDevicesRoomHoldsSixteenUses) {
       EXPECT_LE(choice.hi_bytes, cap) << what;
       EXPECT_GE(room / choice.chunk_bytes, kAutoChunksInRoom * per_use) << what;
       EXPECT_EQ(choice.capped, cap < uncapped.hi_bytes) << what;
-      if (!choice.capped) EXPECT_EQ(choice.chunk_bytes, uncapped.chunk_bytes) << what;
+      if (!choice.capped) {
+        EXPECT_EQ(choice.chunk_bytes, uncapped.chunk_bytes) << what;
+      }
       const PackOptions pack = PackOptions::from_bytes(choice.chunk_bytes, at::kFloat);
       EXPECT_NEAR(ChunkLayout::pack(numels, {}, pack).waste(), choice.waste, 1e-12) << what;
     }
