@@ -1,12 +1,12 @@
 #pragma once
 // The recorded order of parameter uses of one iteration, and what OPT needs from it.
 //
-// One entry per pre-use event: the tensor used and its chunk at recording time, the device's
-// non-model bytes at that moment (activations, temporaries: what the memory probe saw minus the chunk
-// payloads), and the other tensors in use then (in COMPUTE: an op that needs two chunks at once, a
-// weight at the end of one and its bias at the start of the next). Positions are indices into this sequence; "next use" of a chunk at position p is the
-// smallest q >= p whose entry is that chunk, and iterations repeat: a chunk not used again in this
-// iteration is next used at (its first position + size()), in the next one.
+// One entry per pre-use event: the tensor used and its chunk at recording time, the device's non-model
+// bytes at that moment (activations, temporaries: what the memory probe saw minus the chunk payloads),
+// and the other tensors in use then (in COMPUTE: an op that needs two chunks at once, a weight ending one
+// and its bias opening the next). Positions are indices into this sequence; "next use" of a chunk at
+// position p is the smallest q >= p whose entry is that chunk, and iterations repeat: a chunk not used
+// again in this iteration is next used at (its first position + size()), in the next one.
 #include <cstdint>
 #include <limits>
 #include <vector>

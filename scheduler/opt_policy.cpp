@@ -44,9 +44,9 @@ std::vector<ChunkId> OptEvictionPolicy::choose(const EvictionRequest& request) {
   // including the current chunk (in COMPUTE now, so not a candidate), the chunks the store holds without
   // offering them (request.held: in COMPUTE beside it, a prefetch still in flight; before D104 they were
   // left out, and a prefetch pushed out a chunk Belady keeps at incoming_next while it takes one of
-  // those) and the chunks used before that moment (which the prefetch must not push out). If one of those would be Belady's victim, any
-  // victim chosen now is wrong: the prefetch waits for the demand access. So a prefetch may only push
-  // out chunks used after all of those.
+  // those) and the chunks used before that moment (which the prefetch must not push out). If one of
+  // those would be Belady's victim, any victim chosen now is wrong: the prefetch waits for the demand
+  // access. So a prefetch may only push out chunks used after all of those.
   // One of those next used "never" after incoming_next (a round trip's chunk with no use left in its
   // iteration, above) has left the device by then or is Belady's first victim there: the room the
   // incoming chunk takes is its room, and any chunk pushed out now is a move Belady would not make (its

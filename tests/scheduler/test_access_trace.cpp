@@ -357,7 +357,8 @@ TEST(Belady, TheLongRunCountIsTheFewestMovesPerIteration) {
     if (trial % 3 == 0) {
       for (auto& f : trips) f = rng() % 3 == 0;
     }
-    const MoveCount m = belady_moves(t, std::vector<int64_t>(chunks, 100), 100 * room, trial % 3 == 0 ? trips : std::vector<char>{});
+    const MoveCount m =
+        belady_moves(t, std::vector<int64_t>(chunks, 100), 100 * room, trial % 3 == 0 ? trips : std::vector<char>{});
     const double fewest = fewest_moves_per_iteration(seq, pins, trips, chunks, room, 100);
     std::vector<std::vector<ChunkId>> no_pins(length);
     if (std::abs(fewest_moves_per_iteration(seq, no_pins, trips, chunks, room, 100) - fewest) > 1.0) ++pins_counted;

@@ -129,20 +129,17 @@ TEST(OptEvictionPolicy, FurthestNextUseAndPrefetchGuard) {
   EXPECT_EQ(opt.choose(r), (std::vector<ChunkId>{1}));
 }
 
-struct Copies {
-  bool stream = false;  // the stream-model engine: a prefetch stays in flight until a use waits for it
-};
-
 struct Fixture {
   // `chunks` chunks of 100 B, parameter i alone in chunk i.
   explicit Fixture(int64_t budget, std::function<int64_t()> probe = nullptr, int64_t capacity = 0, int chunks = 4,
-                   bool align = true, int prefetch_depth = 1, Copies copies = {}) {
+                   bool align = true, int prefetch_depth = 1, bool stream_copies = false) {
     ChunkStoreOptions o;
     o.device = DeviceKind::kSimulated;
     o.device_budget_bytes = budget;
     policy = std::make_shared<OptEvictionPolicy>();
     o.policy = policy;
-    store = copies.stream ? std::make_unique<ChunkStore>(o, std::make_unique<StreamModelCopyEngine>())
+    // stream_copies: the stream-model engine, where a prefetch stays in flight until a use waits for it.
+    store = stream_copies ? std::make_unique<ChunkStore>(o, std::make_unique<StreamModelCopyEngine>())
                           : std::make_unique<ChunkStore>(o);
     std::vector<ChunkId> chunk_ids;
     for (int i = 0; i < chunks; ++i) {
@@ -287,7 +284,7 @@ TEST(Scheduler, OnRandomTracesTheRunMovesWhatTheReferenceCounts) {
     if (with_trips) {
       for (auto& t : trips) t = rng() % 2 == 0;
     }
-    Fixture f(budget, nullptr, 0, chunks, true, depth, Copies{stream});
+    Fixture f(budget, nullptr, 0, chunks, true, depth, stream);
     auto run = [&] {
       f.scheduler->begin_iteration();
       int64_t in_use = -1;
