@@ -5,7 +5,7 @@ namespace ferry {
 
 double IterationStats::moved_over_optimal() const {
   if (optimal_bytes < 0) return -1.0;
-  const int64_t moved = h2d_bytes + d2h_bytes + between_h2d_bytes + between_d2h_bytes;
+  const int64_t moved = moved_bytes();
   if (optimal_bytes == 0) return moved == 0 ? 1.0 : -1.0;
   return static_cast<double>(moved) / static_cast<double>(optimal_bytes);
 }

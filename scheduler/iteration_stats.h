@@ -45,9 +45,12 @@ struct IterationStats {
   // trips in the reference]), and whatever else ran between (a read of the state).
   int64_t between_h2d_bytes = 0;
   int64_t between_d2h_bytes = 0;
-  // (h2d + d2h + between_h2d + between_d2h) / optimal_bytes: 1 when eviction and prefetch moved what
-  // Belady would (-1: no reference). Where Belady's iterations cycle through several resident sets one
-  // iteration's ratio swings around 1 (belady_moves, D104): sum the moves over iterations to compare.
+  // The parameter chunk bytes this iteration moved, both ways, its between-iterations share included:
+  // what optimal_bytes counts.
+  int64_t moved_bytes() const { return h2d_bytes + d2h_bytes + between_h2d_bytes + between_d2h_bytes; }
+  // moved_bytes() / optimal_bytes: 1 when eviction and prefetch moved what Belady would (-1: no
+  // reference). Where Belady's iterations cycle through several resident sets one iteration's ratio
+  // swings around 1 (belady_moves, D104): sum the moves over iterations to compare.
   double moved_over_optimal() const;
   // Host->device bytes a use had to wait for (moved when it came, not ahead of it).
   int64_t demand_h2d_bytes() const { return h2d_bytes - prefetched_bytes; }

@@ -76,6 +76,7 @@ TEST(IterationMeter, TheMovesBetweenTrainingIterationsCountInTheNext) {
   EXPECT_EQ(s.d2h_bytes, 1024);
   EXPECT_EQ(s.between_d2h_bytes, 2048) << "both gaps since the last training iteration";
   EXPECT_EQ(s.between_h2d_bytes, 0);
+  EXPECT_EQ(s.moved_bytes(), 2048 + 1024 + 2048) << "both directions, the gap included";
   EXPECT_DOUBLE_EQ(s.moved_over_optimal(), (2048 + 1024 + 2048) / 4096.0);
   s = iteration(false, 0);
   EXPECT_EQ(s.between_d2h_bytes, 0) << "counted once";

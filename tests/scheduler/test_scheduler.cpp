@@ -310,7 +310,7 @@ TEST(Scheduler, OnRandomTracesTheRunMovesWhatTheReferenceCounts) {
     int64_t moved = 0, optimal = 0;
     for (int i = 0; i < 48; ++i) {
       run();
-      moved += f.last.h2d_bytes + f.last.d2h_bytes + f.last.between_h2d_bytes + f.last.between_d2h_bytes;
+      moved += f.last.moved_bytes();
       optimal += f.last.optimal_bytes;
       ASSERT_LE(f.last.device_peak_bytes, budget);
     }
