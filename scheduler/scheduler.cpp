@@ -130,7 +130,7 @@ void Scheduler::pre_use(int64_t param) {
   // there; one the trace lacks (-1) is served on demand; too many of those give the trace up.
   meter_.count_access();
   const bool following = trace_.following();
-  const int64_t position = trace_.use(param, chunk_of_param_[param]);
+  const int64_t position = trace_.use(param, chunk_of_param_[param], in_use_);
   if (following) {
     if (!trace_.following()) {
       meter_.diverged();

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <utility>
 
 namespace ferry {
 
@@ -77,7 +78,7 @@ std::shared_ptr<const std::vector<char>> TraceAlignment::begin_backward() {
   return passed_over_;
 }
 
-int64_t TraceAlignment::align(TensorId param, ChunkId chunk) {
+int64_t TraceAlignment::align(TensorId param, ChunkId chunk, const std::vector<TensorId>& in_use) {
   if (cursor_ < trace_->size() && trace_->tensor_at(cursor_) == param && !used_[cursor_]) {
     const int64_t at = cursor_;
     take(at);
@@ -88,7 +89,11 @@ int64_t TraceAlignment::align(TensorId param, ChunkId chunk) {
     take(at);
     return at;
   }
-  unforeseen_.push_back(Unforeseen{cursor_, param, chunk, in_backward_});
+  Unforeseen u{cursor_, param, chunk, in_backward_, {}};
+  for (TensorId t : in_use) {
+    if (t != param) u.in_use.push_back(t);
+  }
+  unforeseen_.push_back(std::move(u));
   return -1;
 }
 
@@ -122,7 +127,7 @@ TraceAlignment::Merged TraceAlignment::merged_trace(const std::vector<char>& kee
     for (; next < inserts.size() && inserts[next].before == q; ++next) {
       const Unforeseen& u = inserts[next];
       mark(u.backward);
-      t.record(u.param, u.chunk, neighbours_non_model(q));
+      t.record(u.param, u.chunk, neighbours_non_model(q), u.in_use);
       out.origin.push_back(-1);
     }
     if (q == n || !keep[q]) continue;

@@ -34,11 +34,11 @@ std::shared_ptr<const std::vector<char>> TraceState::begin_backward() {
   return alignment_ && !diverged_ ? alignment_->begin_backward() : nullptr;
 }
 
-int64_t TraceState::use(int64_t param, ChunkId chunk) {
+int64_t TraceState::use(int64_t param, ChunkId chunk, const std::vector<TensorId>& in_use) {
   const int64_t position = uses_++;
   if (!following()) return -1;
   if (alignment_) {
-    const int64_t at = alignment_->align(param, chunk);
+    const int64_t at = alignment_->align(param, chunk, in_use);
     const int64_t limit = std::max<int64_t>(kGiveUpMin, trace_->size() / 4);
     if (at < 0 && alignment_->unforeseen() > limit) {
       give_up("ferry scheduler: " + std::to_string(alignment_->unforeseen()) +

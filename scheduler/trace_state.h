@@ -40,11 +40,12 @@ class TraceState {
 
   // An iteration begins; returns whether it records (warm-up, no trace yet, or a re-trace).
   bool begin_iteration();
-  // A use of `param` (in chunk `chunk` now). While following(): aligned against the trace; returns the
+  // A use of `param` (in chunk `chunk` now; `in_use`: the parameters in use beside it, kept with an
+  // unforeseen use for the merged trace). While following(): aligned against the trace; returns the
   // trace position it matched, or -1 (an unforeseen use, or the iteration gave up the trace here: see
   // following()). -1 also while not following. Uses of a diverged iteration are said in the log once
   // per process (unless the trace was an evaluation's).
-  int64_t use(int64_t param, ChunkId chunk);
+  int64_t use(int64_t param, ChunkId chunk, const std::vector<TensorId>& in_use = {});
   // Uses so far in this iteration.
   int64_t position() const { return uses_; }
   // While following(): the trace position expected next.

@@ -1,7 +1,7 @@
 // TraceAlignment (scheduler/trace_alignment.h): uses aligned against a trace by hand-made examples
 // (skips, long ones, another order, nearest positions, unforeseen uses, repeated uses), the merged
-// trace with its backward start and non-model bytes, the positions backward passes over, and a
-// property test over random departures from random traces.
+// trace with its backward start, non-model bytes and parameters in use, the positions backward passes
+// over, and a property test over random departures from random traces.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -99,6 +99,24 @@ TEST(TraceAlignment, UnforeseenUsesAreMergedBeforeThePositionExpectedWhenTheyCam
   std::vector<int64_t> non_model;
   for (int64_t p = 0; p < n.size(); ++p) non_model.push_back(n.non_model_at(p));
   EXPECT_EQ(non_model, (std::vector<int64_t>{0, 10, 10, 10, 20, 30, 30}));
+}
+
+TEST(TraceAlignment, AMergedUseKeepsTheParametersInUseBesideIt) {
+  // Kept positions keep theirs; an unforeseen use gets those it came with, itself left out (a parameter
+  // in use twice at once is in the list it is given), so the reference pins their chunks at it (D104).
+  AccessTrace t;
+  t.record(0, 100, 0);
+  t.record(1, 101, 0, {0});
+  TraceAlignment a(t);
+  EXPECT_EQ(a.align(0, 100), 0);
+  EXPECT_EQ(a.align(9, 109, {0, 9}), -1);
+  EXPECT_EQ(a.align(1, 101, {0}), 1);
+  const TraceAlignment::Merged m = a.merged_trace({1, 1});
+  const AccessTrace& n = *m.trace;
+  ASSERT_EQ(n.tensors(), (std::vector<TensorId>{0, 9, 1}));
+  EXPECT_TRUE(n.in_use_at(0).empty());
+  EXPECT_EQ(n.in_use_at(1), (std::vector<TensorId>{0}));
+  EXPECT_EQ(n.in_use_at(2), (std::vector<TensorId>{0}));
 }
 
 TEST(TraceAlignment, KeepDropsPositionsAndABackwardUseBeforeTheOldStartMarksIt) {
