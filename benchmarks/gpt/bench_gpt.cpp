@@ -52,6 +52,7 @@
 #include "../../examples/gpt/gpt.h"
 #include "bench_args.h"
 #include "machine_rates.h"
+#include "step_floor.h"
 
 namespace {
 
@@ -94,18 +95,6 @@ class StepProfile {
  private:
   std::string path_;
 };
-
-// Whether the host updates after backward run behind the next forward (Note [Update behind the next
-// forward]): unless --sync-update; across ranks only with sharded parameters (replicated ones are
-// gathered by the step itself).
-// Bytes the host Adam moves per parameter (read + written), bf16 gradients: fp32 state 28 (the grad
-// 2, master and moments 12 read and 12 written, the new value 2); compact 12.06 (the grad 2, master 2 +
-// 2, codes 2 + 2, the new value 2, two fp32 scales per 256 read and written).
-double host_adam_bytes_per_param(const Args& a) {
-  return a.format == ferry::StateFormat::kCompact ? ferry::kCompactUpdateBytesPerParam : 28.0;
-}
-
-bool behind_forward_option(const Args& a, int world) { return !a.sync_update && (world == 1 || !a.replicate_params); }
 
 // Peak resident set of this process so far (getrusage; Linux reports KiB).
 int64_t rss_peak_bytes() {
@@ -368,7 +357,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
       }
       b += since(t1);
       const ferry::IterationStats it = model.last_iteration();
-      moved += static_cast<double>(it.h2d_bytes + it.d2h_bytes + it.between_h2d_bytes + it.between_d2h_bytes);
+      moved += static_cast<double>(it.moved_bytes());
       count_optimal(it);
       wait_s += static_cast<double>(it.wait_ns) * 1e-9;
       evictions += it.evictions;
@@ -419,7 +408,7 @@ FerryResult run_ferry(const Args& a, const gpt::GptConfig& gc, ferry::Config con
       ferry::trace::write_chrome_json(a.trace);
     }
     const ferry::IterationStats it = model.last_iteration();
-    moved += static_cast<double>(it.h2d_bytes + it.d2h_bytes + it.between_h2d_bytes + it.between_d2h_bytes);
+    moved += static_cast<double>(it.moved_bytes());
     count_optimal(it);
     wait_s += static_cast<double>(it.wait_ns) * 1e-9;
     evictions += it.evictions;
@@ -621,7 +610,7 @@ int run(int argc, char** argv) {
       << ", \"state_format\": \"" << ferry::to_string(a.format) << "\"" << ", \"round_trip_slots\": " << a.round_trip_slots
       << ", \"trace\": \"" << a.trace << "\", \"step\": \"" << (a.unpipelined ? "unpipelined" : "pipelined")
       << "\", \"max_grad_norm\": " << a.max_grad_norm << ", \"micro_batches\": " << a.micro_batches
-      << ", \"update_behind_forward\": " << (behind_forward_option(a, world) ? "true" : "false")
+      << ", \"update_behind_forward\": " << (bench_gpt::behind_forward_option(a, world) ? "true" : "false")
       << ", \"copies\": \"" << (cuda ? "cuda" : a.copies) << "\", \"cpu_threads\": " << config.cpu_threads
       << ", \"cpu_split\": \"" << ferry::to_string(config.cpu_split) << "\"},\n";
 
@@ -743,63 +732,20 @@ int run(int argc, char** argv) {
   double baseline_loss = 0;
   if (a.baseline) b = run_baseline(a, gc, cuda, &baseline_loss);
   {
-    // Floors: each resource alone at its measured rate; overlapped perfectly, the step takes the largest.
     const bench_gpt::Rates rates = bench_gpt::measure_rates(config, cuda);
-    const double flops = (a.checkpoint ? 8 : 6) * n * tokens;
-    const bool from_baseline = a.baseline && b.total > 0;
-    const double flops_rate = from_baseline ? 6 * n * tokens / b.total : rates.gemm_flops_per_s;
-    const double compute_s = flops / flops_rate;
-    const double pcie_s = std::max(f.h2d_bytes / rates.h2d_bytes_per_s, f.d2h_bytes / rates.d2h_bytes_per_s);
-    const double adam_s = host_adam_bytes_per_param(a) * f.host_state_params / rates.adam_bytes_per_s;
-    // Host memory: the host Adam's 28 B/param and every chunk transfer cross the host's DRAM, which the
-    // roof measures (a DMA copy crosses it once; on the CPU's simulated device a copy reads and writes it).
-    // With micro-batches, each one's accumulation on the host too (Note [Accumulation per chunk]): 16 B
-    // per host-state parameter (the 16-bit slot and the fp32 sum read, the sum written, the slot's value
-    // restored from the fp32 master).
-    const double copy_host_bytes = (cuda ? 1.0 : 2.0) * (f.h2d_bytes + f.d2h_bytes);
-    const double accumulation_bytes = a.micro_batches > 1 ? 16.0 * a.micro_batches * f.host_state_params : 0.0;
-    const double host_memory_s =
-        (host_adam_bytes_per_param(a) * f.host_state_params + accumulation_bytes + copy_host_bytes) /
-        rates.adam_bytes_per_s;
-    const double floor_s = std::max({compute_s, pcie_s, host_memory_s});
-    // The schedule's floor (D52): the host Adam overlaps backward only, so forward's compute adds to the
-    // larger of backward's compute and the host memory traffic (and the link can be busy throughout).
-    // Forward is 2N flops per token of the 6N (8N with recompute). With clipping or fp16 loss scaling
-    // (two-phase, Note [Pipelined step]) the host Adam waits for the global norm: only the copies
-    // overlap backward, and the host Adam follows it; unpipelined, the same bound. With micro-batches
-    // every backward counts as one window (optimistic: the host Adam overlaps only the last one's), so
-    // the floor stays a lower bound. Behind the next forward (not eager: Note [Update behind the next
-    // forward]) the host Adam after backward runs beside forward's compute: the two take the
-    // larger of them, forward_s + max(0, adam_s - forward_s).
-    const double forward_s = compute_s * 2.0 / (a.checkpoint ? 8.0 : 6.0);
-    const bool eager = !a.unpipelined && a.max_grad_norm == 0 && config.precision != ferry::Precision::kFp16;
-    const double backward_host_s =
-        eager ? host_memory_s : (accumulation_bytes + copy_host_bytes) / rates.adam_bytes_per_s;
-    const bool behind_forward = !eager && behind_forward_option(a, world);
-    const double after_backward_s = eager ? 0.0 : behind_forward ? std::max(0.0, adam_s - forward_s) : adam_s;
-    // Eager at N = 1 with the carry-over (D79): the host updates still queued at backward's end run
-    // beside the next forward, so the host's traffic can overlap backward and forward: the plain floor.
-    const bool carried = eager && world == 1 && a.micro_batches == 1 && behind_forward_option(a, world);
-    const double schedule_s =
-        carried ? floor_s
-                : std::max(forward_s + std::max(compute_s - forward_s, backward_host_s) + after_backward_s, pcie_s);
-    std::cerr << "bench_gpt: floors: compute " << compute_s << " s, transfers " << pcie_s << " s, host Adam " << adam_s
-              << " s, host memory " << host_memory_s << " s; measured / floor " << f.mean.total / floor_s
-              << ", measured / schedule floor " << f.mean.total / schedule_s << "\n";
-    out << ",\n  \"floor\": {\"rates\": {\"h2d_bytes_per_s\": " << rates.h2d_bytes_per_s << ", \"d2h_bytes_per_s\": "
-        << rates.d2h_bytes_per_s << ", \"host_adam_bytes_per_s\": " << rates.adam_bytes_per_s
-        << ", \"compute_flops_per_s\": " << flops_rate << ", \"compute_rate_from\": \""
-        << (from_baseline ? "baseline step (6N)" : (cuda ? "bf16 GEMM probe" : "fp32 GEMM probe"))
-        << "\"}, \"compute_s\": " << compute_s << ", \"transfers_s\": " << pcie_s << ", \"host_adam_s\": " << adam_s
-        << ", \"host_adam_bytes_per_param\": " << host_adam_bytes_per_param(a)
-        << ", \"host_memory_s\": " << host_memory_s << ", \"floor_s\": " << floor_s
-        << ", \"measured_over_floor\": " << f.mean.total / floor_s << ", \"schedule\": \""
-        << (carried ? "host Adam inside backward and behind the next forward"
-            : eager ? "host Adam inside backward"
-            : behind_forward ? "host Adam behind the next forward" : "host Adam after backward")
-        << "\", \"schedule_floor_s\": " << schedule_s
-        << ", \"measured_over_schedule_floor\": " << f.mean.total / schedule_s
-        << ", \"measured_over_compute\": " << f.mean.total / compute_s << "}";
+    bench_gpt::StepCounts counts;
+    counts.params = n;
+    counts.tokens = tokens;
+    counts.h2d_bytes = f.h2d_bytes;
+    counts.d2h_bytes = f.d2h_bytes;
+    counts.host_state_params = f.host_state_params;
+    counts.baseline_step_s = a.baseline ? b.total : 0.0;
+    const bench_gpt::StepFloor floor = bench_gpt::step_floor(a, config, world, cuda, counts, rates);
+    std::cerr << "bench_gpt: floors: compute " << floor.compute_s << " s, transfers " << floor.transfers_s
+              << " s, host Adam " << floor.host_adam_s << " s, host memory " << floor.host_memory_s
+              << " s; measured / floor " << f.mean.total / floor.floor_s << ", measured / schedule floor "
+              << f.mean.total / floor.schedule_floor_s << "\n";
+    out << ",\n  \"floor\": " << bench_gpt::floor_json(floor, a, rates, cuda, f.mean.total);
   }
   if (a.baseline) {
     const double loss = baseline_loss;
