@@ -6,8 +6,9 @@
 // with the uses aligned against the trace (D98, Note [A run that departs from its trace]). Prints one
 // JSON object: per rule the step time, the parameter bytes moved in per step, the part of them a use
 // had to wait for (not moved ahead), the moves against the Belady count of the trace followed
-// (moved_over_optimal: the floor of the run's own trace), and how many steps gave the trace up,
-// re-traced or merged; and whether the two runs' losses are bit-identical (they must be: the rule
+// (moved_over_optimal; that count includes the uses a step skipped, so it is a floor only over the
+// steps that used exactly their trace: moved_over_optimal_exact_steps), and how many steps gave the
+// trace up, re-traced or merged; and whether the two runs' losses are bit-identical (they must be: the rule
 // decides only where chunks are).
 //
 //   bench_layer_drop [--preset=small] [--layer-drop=0.1] [--steps=12] [--warmup-steps=3] [--batch=4]
@@ -35,7 +36,11 @@ struct RuleResult {
   double demand_h2d_bytes = 0;        // ... of them not moved ahead of their use, per step
   double prefetched_bytes = 0;        // ... of them moved ahead, per step
   // Over the measured steps that had a trace to follow: their moves over their references' sum (D104).
-  double moved_over_optimal = 0;
+  // The reference is the followed trace's Belady count, which counts the uses a step skipped too: over
+  // steps that departed it is no floor (it can read below 1). Hence also the ratio over the steps that
+  // used exactly their trace (no use skipped, none unforeseen), and how many there were.
+  double moved_over_optimal = 0, moved_over_optimal_exact = 0;
+  int64_t exact_steps = 0;
   int64_t gave_up = 0, traced = 0, merged = 0, skipped_uses = 0, unforeseen_uses = 0;  // over the measured steps
   int64_t device_peak_bytes = 0;
   int64_t chunk_size_bytes = 0;  // the compute copy's, as ChunkedModel chose it (auto: D99's cap in)
@@ -70,7 +75,7 @@ RuleResult train(const Run& run, const ferry::Config& config, bool align) {
   ferry::HybridAdam adam(model, ferry::HybridAdamOptions{});
   const c10::Device device = model.store().device();
   RuleResult r;
-  int64_t with_optimal = 0, moved_with_optimal = 0, optimal = 0;
+  int64_t with_optimal = 0, moved_with_optimal = 0, optimal = 0, moved_exact = 0, optimal_exact = 0;
   for (int64_t step = 0; step < run.warmup_steps + run.steps; ++step) {
     std::mt19937_64 draw(1000 + static_cast<uint64_t>(step));
     std::uniform_real_distribution<double> u(0.0, 1.0);
@@ -100,9 +105,14 @@ RuleResult train(const Run& run, const ferry::Config& config, bool align) {
     r.demand_h2d_bytes += static_cast<double>(s.demand_h2d_bytes()) / n;
     r.prefetched_bytes += static_cast<double>(s.prefetched_bytes) / n;
     if (s.moved_over_optimal() > 0) {
-      moved_with_optimal += s.h2d_bytes + s.d2h_bytes + s.between_h2d_bytes + s.between_d2h_bytes;
+      moved_with_optimal += s.moved_bytes();
       optimal += s.optimal_bytes;
       ++with_optimal;
+      if (s.trace_skipped == 0 && s.trace_unforeseen == 0 && !s.diverged) {
+        moved_exact += s.moved_bytes();
+        optimal_exact += s.optimal_bytes;
+        ++r.exact_steps;
+      }
     }
     r.gave_up += s.diverged ? 1 : 0;
     r.traced += s.traced ? 1 : 0;
@@ -112,6 +122,10 @@ RuleResult train(const Run& run, const ferry::Config& config, bool align) {
   }
   if (with_optimal > 0) {  // a reference of 0 counted only where nothing moved: 1
     r.moved_over_optimal = optimal > 0 ? static_cast<double>(moved_with_optimal) / static_cast<double>(optimal) : 1.0;
+  }
+  if (r.exact_steps > 0) {
+    r.moved_over_optimal_exact =
+        optimal_exact > 0 ? static_cast<double>(moved_exact) / static_cast<double>(optimal_exact) : 1.0;
   }
   r.device_peak_bytes = model.store().stats().device.peak_bytes;
   r.chunk_size_bytes = model.chunk_size_bytes();
@@ -124,7 +138,9 @@ std::string json(const RuleResult& r) {
   o.precision(6);
   o << "{\"step_s\": " << r.step_s << ", \"h2d_bytes_per_step\": " << r.h2d_bytes
     << ", \"demand_h2d_bytes_per_step\": " << r.demand_h2d_bytes << ", \"prefetched_bytes_per_step\": "
-    << r.prefetched_bytes << ", \"moved_over_optimal\": " << r.moved_over_optimal << ", \"steps_gave_up\": "
+    << r.prefetched_bytes << ", \"moved_over_optimal\": " << r.moved_over_optimal
+    << ", \"moved_over_optimal_exact_steps\": " << r.moved_over_optimal_exact << ", \"exact_steps\": " << r.exact_steps
+    << ", \"steps_gave_up\": "
     << r.gave_up << ", \"steps_traced\": " << r.traced << ", \"steps_merged\": " << r.merged
     << ", \"trace_uses_skipped\": " << r.skipped_uses << ", \"unforeseen_uses\": " << r.unforeseen_uses
     << ", \"device_peak_bytes\": " << r.device_peak_bytes << ", \"chunk_size_bytes\": " << r.chunk_size_bytes
