@@ -56,11 +56,23 @@ std::vector<ChunkId> OptEvictionPolicy::choose(const EvictionRequest& request) {
   // An incoming chunk next used "never" (a round trip's chunk with no use left in this iteration, or
   // one the trace does not have) is needed after every candidate's next use: such a prefetch pushes
   // nothing out (the threshold stays kNever: AccessTrace::next_use answers kNever after kNever).
+  // Waiting is right only for a held chunk that becomes a candidate before the incoming chunk is
+  // needed, so that a later use's prefetch finds its room: one in use beside this use (pinned at it),
+  // or one the trace uses before incoming_next. A held chunk that is neither is a copy whose use did not
+  // come (a block the step skipped, D98): the store learns that copy is done only from a later wait,
+  // so waiting for its room makes the prefetch the demand access it was to avoid (D105: 2-8x the bytes
+  // a use waited for under LayerDrop). It bounds nothing; the prefetch takes Belady's choice among the
+  // candidates, as before D104.
   int64_t threshold = incoming_next;
   auto bound = [&](int64_t next) { threshold = std::max(threshold, next); };
   if (incoming_next > position_ && position_ < trace_->size()) {
     bound(next_use(trace_->chunk_at(position_), incoming_next));
-    for (ChunkId h : request.held) bound(next_use(h, incoming_next));
+    const AccessTrace::ChunkRange beside = trace_->pinned_at(position_);
+    for (ChunkId h : request.held) {
+      const bool in_use = std::find(beside.begin(), beside.end(), h) != beside.end();
+      if (!in_use && next_use(h, position_) > incoming_next) continue;  // a copy whose use did not come
+      bound(next_use(h, incoming_next));
+    }
     for (const auto& c : request.candidates) {
       if (next_use(c.chunk, position_) < incoming_next) bound(next_use(c.chunk, incoming_next));
     }

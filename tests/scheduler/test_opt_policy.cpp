@@ -48,8 +48,9 @@ int64_t next_use_by_scan(const std::vector<ChunkId>& seq, const std::vector<char
 }
 
 // The reference: which candidates may go, in which order, how many.
+// `stale_copies_bound`: D104's rule before D105, every held chunk bounding (to count the draws D105 decides).
 std::vector<ChunkId> reference_choice(const std::vector<ChunkId>& seq, int64_t position, const EvictionRequest& r,
-                                      const std::vector<char>& trips = {}) {
+                                      const std::vector<char>& trips = {}, bool stale_copies_bound = false) {
   auto next_use = [&](ChunkId chunk, int64_t from) { return next_use_by_scan(seq, trips, chunk, from); };
   const bool prefetch = r.incoming >= 0 && !r.demand;
   const int64_t incoming_next = prefetch ? next_use(r.incoming, position) : position;
@@ -65,6 +66,9 @@ std::vector<ChunkId> reference_choice(const std::vector<ChunkId>& seq, int64_t p
       if (kept_for(next_use(seq[position], incoming_next))) continue;
       bool blocked = false;
       for (ChunkId h : r.held) {
+        // A held chunk the trace does not use before the incoming chunk (these traces pin nothing) is a
+        // copy whose use did not come: waiting for it would be the demand access (D105).
+        if (!stale_copies_bound && next_use(h, position) > incoming_next) continue;
         if (kept_for(next_use(h, incoming_next))) blocked = true;
       }
       for (const auto& d : r.candidates) {
@@ -432,13 +436,35 @@ TEST(OptEvictionPolicy, AChunkHeldOnTheDeviceBoundsAPrefetchAsTheCurrentOneDoes)
   EXPECT_EQ(opt.choose(r), (std::vector<ChunkId>{1}));
 }
 
+// D105: a held chunk bounds a prefetch only where it becomes a candidate before the incoming chunk is
+// needed. Trace 0 2 0 3 1: at position 0 chunk 2's prefetch is asked for, chunk 3 is a candidate (next
+// at 3), chunk 0 is in use (next after 1: at 2), and chunk 1 is held, a copy the trace uses only at 4
+// (its block was skipped). Belady at 1 would take chunk 1, but the store learns chunk 1's copy is done
+// only from a later wait, so waiting makes the prefetch a demand access: chunk 3 goes. Were chunk 1 in
+// use beside this use (pinned at 0), it would be released before position 1 and waiting is right.
+TEST(OptEvictionPolicy, AHeldCopyWhoseUseDidNotComeDoesNotHoldAPrefetchBack) {
+  OptEvictionPolicy opt;
+  opt.set_trace(finalized_trace({0, 2, 0, 3, 1}, 4));
+  opt.set_position(0);
+  EvictionRequest r = prefetch_request(/*incoming=*/2, /*bytes=*/100, {{3, 100, 0}});
+  r.held = {1};
+  EXPECT_EQ(opt.choose(r), (std::vector<ChunkId>{3})) << "chunk 1 is next used after chunk 2: it bounds nothing";
+  auto pinned = std::make_shared<AccessTrace>();
+  pinned->record(0, 0, 0, {1});  // tensor 1 (chunk 1) in use beside position 0's use
+  for (ChunkId c : {2, 0, 3, 1}) pinned->record(c, c, 0);
+  pinned->finalize(4);
+  opt.set_trace(pinned);
+  opt.set_position(0);
+  EXPECT_TRUE(opt.choose(r).empty()) << "chunk 1 in use beside this use: Belady's victim at 1, so the prefetch waits";
+}
+
 // The random prefetch tests with held chunks too (and round trips): the policy makes the reference's
 // choice, and the held chunks decide it in some of the draws.
 TEST(OptEvictionPolicy, APrefetchWithHeldChunksMakesBeladysChoiceOrWaits) {
   std::mt19937_64 rng(24);
   OptEvictionPolicy opt;
-  int checked = 0, refused = 0, evicted = 0, decided_by_held = 0;
-  for (int trial = 0; trial < 2000; ++trial) {
+  int checked = 0, refused = 0, evicted = 0, decided_by_held = 0, decided_by_stale = 0;
+  for (int trial = 0; trial < 40000; ++trial) {
     const TripDraw d = draw_with_trips(rng, opt, trial % 2 == 0, 3, true);
     if (!d.request) continue;
     const EvictionRequest& r = *d.request;
@@ -450,11 +476,15 @@ TEST(OptEvictionPolicy, APrefetchWithHeldChunksMakesBeladysChoiceOrWaits) {
     EvictionRequest unheld = r;
     unheld.held.clear();
     if (reference_choice(d.rc.seq, d.position, unheld, d.trips) != got) ++decided_by_held;
+    if (reference_choice(d.rc.seq, d.position, r, d.trips, /*stale_copies_bound=*/true) != got) ++decided_by_stale;
   }
   EXPECT_GT(checked, 500);
   EXPECT_GT(refused, 50);
   EXPECT_GT(evicted, 50);
   EXPECT_GT(decided_by_held, 20) << "the held chunks must change the answer in some draws";
+  EXPECT_GT(decided_by_stale, 20) << "and so must the held copies whose use did not come (D105)";
+  std::cout << checked << " prefetches checked: " << refused << " refused, " << evicted << " evicted; decided by a held chunk "
+            << decided_by_held << ", by a held copy whose use did not come " << decided_by_stale << "\n";
 }
 
 }  // namespace
