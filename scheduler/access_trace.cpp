@@ -14,7 +14,10 @@ void AccessTrace::record(TensorId tensor, ChunkId chunk, int64_t non_model_bytes
   chunks_.push_back(chunk);
   non_model_.push_back(non_model_bytes);
   in_use_begin_.push_back(static_cast<int64_t>(in_use_.size()));
-  in_use_.insert(in_use_.end(), in_use.begin(), in_use.end());
+  // The other tensors in use: `tensor` itself, in the list when in use twice at once, is not beside itself.
+  for (TensorId t : in_use) {
+    if (t != tensor) in_use_.push_back(t);
+  }
 }
 
 std::vector<TensorId> AccessTrace::in_use_at(int64_t position) const {

@@ -152,13 +152,7 @@ void Scheduler::pre_use(int64_t param) {
   }
   // Pass 4: the use, then what comes next (after an unforeseen use, the last match's prefetch stands).
   store_->access(tensor_of_param_[param]);
-  if (recording) {
-    std::vector<TensorId> others;
-    for (int64_t q : in_use_) {
-      if (q != param) others.push_back(q);
-    }
-    recording->record(param, chunk_of_param_[param], non_model, others);
-  }
+  if (recording) recording->record(param, chunk_of_param_[param], non_model, in_use_);
   in_use_.push_back(param);
   if (trace_.following() && position >= 0) prefetch_locked(position);
 }

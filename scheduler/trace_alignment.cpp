@@ -4,7 +4,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <utility>
 
 namespace ferry {
 
@@ -89,11 +88,7 @@ int64_t TraceAlignment::align(TensorId param, ChunkId chunk, const std::vector<T
     take(at);
     return at;
   }
-  Unforeseen u{cursor_, param, chunk, in_backward_, {}};
-  for (TensorId t : in_use) {
-    if (t != param) u.in_use.push_back(t);
-  }
-  unforeseen_.push_back(std::move(u));
+  unforeseen_.push_back(Unforeseen{cursor_, param, chunk, in_backward_, in_use});
   return -1;
 }
 

@@ -43,9 +43,9 @@ class TraceAlignment {
  public:
   explicit TraceAlignment(const AccessTrace& trace);
 
-  // Aligns the next use of `param` (its chunk now: `chunk`; `in_use`: the parameters in use beside it,
-  // AccessTrace::record's, `param` itself skipped if there). Returns the trace position it matched, or
-  // -1: unforeseen (remembered with `in_use`, so that the merged trace pins their chunks at it too).
+  // Aligns the next use of `param` (its chunk now: `chunk`; `in_use`: the parameters in use beside it, as
+  // AccessTrace::record takes them). Returns the trace position it matched, or -1: unforeseen
+  // (remembered with `in_use`, so that the merged trace pins their chunks at it too).
   int64_t align(TensorId param, ChunkId chunk, const std::vector<TensorId>& in_use = {});
   // The backward pass begins: unforeseen uses from here on are backward's. When the iteration departed
   // from the trace before it, a parameter it did not use has no gradient to compute (autograd only
@@ -64,10 +64,10 @@ class TraceAlignment {
   // Trace positions not used in this iteration (count).
   int64_t skipped() const { return trace_->size() - matched_; }
 
-  // The trace after this iteration: its unforeseen uses inserted (each before the position expected
-  // when it came; several there in the order they came), and the positions where `keep` is false
-  // dropped (keep: one entry per position of the trace). An inserted use's non-model bytes are the
-  // larger of its neighbours'; its parameters in use beside it are those align() was given. origin[i]: the old position of new position i, or -1 where inserted.
+  // The trace after this iteration: its unforeseen uses inserted (each before the position expected when it came;
+  // several there in the order they came), and the positions where `keep` is false dropped (keep: one entry per
+  // position of the trace). An inserted use's non-model bytes are the larger of its neighbours', its tensors in use
+  // those align() was given. origin[i]: the old position of new position i, or -1 where inserted.
   struct Merged {
     std::shared_ptr<AccessTrace> trace;
     std::vector<int64_t> origin;
