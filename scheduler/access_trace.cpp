@@ -118,70 +118,101 @@ std::vector<TensorId> AccessTrace::first_use_order(int64_t num_tensors) const {
   return order;
 }
 
-MoveCount belady_moves(const AccessTrace& trace, const std::vector<int64_t>& chunk_bytes, int64_t budget_bytes,
-                       const std::vector<char>& round_trips) {
-  TORCH_CHECK(round_trips.empty() || round_trips.size() == chunk_bytes.size(), "ferry: belady_moves: ",
-              round_trips.size(), " round-trip flags for ", chunk_bytes.size(), " chunks");
-  const int64_t n = trace.size();
-  if (n == 0) return {};
-  // Indexed for next uses and pins (the trace given need not be finalized); next uses run on into the
-  // next iteration: the trace repeats.
-  AccessTrace indexed;
-  for (int64_t p = 0; p < n; ++p) indexed.record(trace.tensor_at(p), trace.chunk_at(p), 0, trace.in_use_at(p));
-  indexed.finalize(static_cast<int64_t>(chunk_bytes.size()));
-  // The round-tripping chunks that leave after each position: after the last one they are used or
-  // pinned at in an iteration.
-  std::vector<int64_t> last_need(chunk_bytes.size(), -1);
-  if (!round_trips.empty()) {
+namespace {
+
+// Belady's schedule over one iteration of a trace, from whatever is resident when it begins: the
+// moves of belady_moves (repeated) and belady_moves_from (once) alike. Next uses run on into the next
+// iteration (the trace repeats); over a sequence not repeated that only orders the chunks it does not
+// use again, and any of those is as good a victim as another.
+class BeladyPass {
+ public:
+  BeladyPass(const AccessTrace& trace, const std::vector<int64_t>& chunk_bytes, int64_t budget_bytes,
+             const std::vector<char>& round_trips)
+      : bytes_(chunk_bytes), budget_(budget_bytes), leaving_(trace.size()) {
+    TORCH_CHECK(round_trips.empty() || round_trips.size() == chunk_bytes.size(), "ferry: belady_moves: ",
+                round_trips.size(), " round-trip flags for ", chunk_bytes.size(), " chunks");
+    // Indexed for next uses and pins (the trace given need not be finalized).
+    const int64_t n = trace.size();
     for (int64_t p = 0; p < n; ++p) {
-      if (round_trips[indexed.chunk_at(p)]) last_need[indexed.chunk_at(p)] = p;
-      for (ChunkId c : indexed.pinned_at(p)) {
+      const ChunkId c = trace.chunk_at(p);
+      TORCH_CHECK(c >= 0 && c < static_cast<ChunkId>(chunk_bytes.size()), "ferry: belady_moves: position ", p,
+                  " uses chunk ", c, ", expected one of the ", chunk_bytes.size(), " chunks");
+      indexed_.record(trace.tensor_at(p), c, 0, trace.in_use_at(p));
+    }
+    indexed_.finalize(static_cast<int64_t>(chunk_bytes.size()));
+    // The round-tripping chunks leave after the last position they are used or pinned at in an iteration.
+    if (round_trips.empty()) return;
+    std::vector<int64_t> last_need(chunk_bytes.size(), -1);
+    for (int64_t p = 0; p < n; ++p) {
+      if (round_trips[indexed_.chunk_at(p)]) last_need[indexed_.chunk_at(p)] = p;
+      for (ChunkId c : indexed_.pinned_at(p)) {
         if (round_trips[c]) last_need[c] = p;
       }
     }
+    for (ChunkId c = 0; c < static_cast<ChunkId>(last_need.size()); ++c) {
+      if (last_need[c] >= 0) leaving_[last_need[c]].push_back(c);
+    }
   }
-  std::vector<std::vector<ChunkId>> leaving(n);
-  for (ChunkId c = 0; c < static_cast<ChunkId>(last_need.size()); ++c) {
-    if (last_need[c] >= 0) leaving[last_need[c]].push_back(c);
+
+  void make_resident(ChunkId c) {
+    TORCH_CHECK(c >= 0 && c < static_cast<ChunkId>(bytes_.size()), "ferry: belady_moves_from: resident chunk ", c,
+                ", expected one of the ", bytes_.size(), " chunks");
+    if (resident_.insert(c).second) used_ += bytes_[c];
   }
-  // One iteration from `resident`.
-  std::set<ChunkId> resident;
-  int64_t used = 0;
-  auto iteration = [&] {
+  std::vector<ChunkId> resident() const { return {resident_.begin(), resident_.end()}; }
+
+  // One iteration from the chunks resident now.
+  MoveCount run() {
     MoveCount count;
-    for (int64_t p = 0; p < n; ++p) {
-      const ChunkId c = indexed.chunk_at(p);
-      if (!resident.count(c)) {
-        const int64_t need = chunk_bytes[c];
-        const AccessTrace::ChunkRange pinned = indexed.pinned_at(p);
-        while (budget_bytes > 0 && used + need > budget_bytes) {
+    for (int64_t p = 0; p < indexed_.size(); ++p) {
+      const ChunkId c = indexed_.chunk_at(p);
+      if (!resident_.count(c)) {
+        const int64_t need = bytes_[c];
+        const AccessTrace::ChunkRange pinned = indexed_.pinned_at(p);
+        while (budget_ > 0 && used_ + need > budget_) {
           ChunkId victim = -1;
           int64_t furthest = -1;
-          for (ChunkId r : resident) {
+          for (ChunkId r : resident_) {
             if (std::find(pinned.begin(), pinned.end(), r) != pinned.end()) continue;
-            const int64_t next = indexed.next_use(r, p);
+            const int64_t next = indexed_.next_use(r, p);
             if (next > furthest) {
               furthest = next;
               victim = r;
             }
           }
           if (victim < 0) break;  // all pinned: over the budget, as no schedule could avoid
-          resident.erase(victim);
-          used -= chunk_bytes[victim];
-          count.d2h_bytes += chunk_bytes[victim];
+          resident_.erase(victim);
+          used_ -= bytes_[victim];
+          count.d2h_bytes += bytes_[victim];
         }
         count.h2d_bytes += need;
-        resident.insert(c);
-        used += need;
+        resident_.insert(c);
+        used_ += need;
       }
-      for (ChunkId x : leaving[p]) {  // its last use or pin in this iteration: it goes now
-        if (resident.erase(x) == 0) continue;
-        used -= chunk_bytes[x];
-        count.d2h_bytes += chunk_bytes[x];
+      for (ChunkId x : leaving_[p]) {  // its last use or pin in this iteration: it goes now
+        if (resident_.erase(x) == 0) continue;
+        used_ -= bytes_[x];
+        count.d2h_bytes += bytes_[x];
       }
     }
     return count;
-  };
+  }
+
+ private:
+  const std::vector<int64_t>& bytes_;
+  int64_t budget_;
+  AccessTrace indexed_;
+  std::vector<std::vector<ChunkId>> leaving_;  // per position: the round trips that leave after it
+  std::set<ChunkId> resident_;
+  int64_t used_ = 0;
+};
+
+}  // namespace
+
+MoveCount belady_moves(const AccessTrace& trace, const std::vector<int64_t>& chunk_bytes, int64_t budget_bytes,
+                       const std::vector<char>& round_trips) {
+  if (trace.size() == 0) return {};
+  BeladyPass pass(trace, chunk_bytes, budget_bytes, round_trips);
   // Belady's choices depend only on what is resident when an iteration begins, so from an empty device
   // those sets run into a cycle; its mean moves per iteration are the long-run count. (The count of the
   // second iteration alone, used before 2026-12-03, is off where the cycle is longer than one
@@ -191,19 +222,26 @@ MoveCount belady_moves(const AccessTrace& trace, const std::vector<int64_t>& chu
   std::vector<MoveCount> cumulative{MoveCount{}};
   int first = 1, last = kBeladyIterations;  // the mean is over iterations [first, last)
   for (int k = 0; k < kBeladyIterations; ++k) {
-    const auto [at, fresh] = seen.emplace(std::vector<ChunkId>(resident.begin(), resident.end()), k);
+    const auto [at, fresh] = seen.emplace(pass.resident(), k);
     if (!fresh) {
       first = at->second;
       last = k;
       break;
     }
-    const MoveCount m = iteration();
+    const MoveCount m = pass.run();
     cumulative.push_back({cumulative.back().h2d_bytes + m.h2d_bytes, cumulative.back().d2h_bytes + m.d2h_bytes});
   }
   const int64_t iterations = last - first;
   auto mean = [&](int64_t total) { return (total + iterations / 2) / iterations; };  // to the byte
   return MoveCount{mean(cumulative[last].h2d_bytes - cumulative[first].h2d_bytes),
                    mean(cumulative[last].d2h_bytes - cumulative[first].d2h_bytes)};
+}
+
+MoveCount belady_moves_from(const AccessTrace& uses, const std::vector<int64_t>& chunk_bytes, int64_t budget_bytes,
+                            const std::vector<ChunkId>& resident, const std::vector<char>& round_trips) {
+  BeladyPass pass(uses, chunk_bytes, budget_bytes, round_trips);
+  for (ChunkId c : resident) pass.make_resident(c);
+  return pass.run();
 }
 
 }  // namespace ferry

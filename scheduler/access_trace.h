@@ -105,4 +105,13 @@ constexpr int kBeladyIterations = 64;
 MoveCount belady_moves(const AccessTrace& trace, const std::vector<int64_t>& chunk_bytes, int64_t budget_bytes,
                        const std::vector<char>& round_trips = {});
 
+// Bytes moved by one Belady pass over `uses` (once, not repeated) from the chunks in `resident` on the
+// device, under the budget, with the round trips as above (they leave after their last use or pin in
+// `uses`). With chunks of one size this is the fewest moves of that sequence from that start (Belady is
+// optimal over every prefix, whatever the start; a chunk `uses` does not need again is as good a
+// victim as another): an iteration's own floor, given where it began (SchedulerOptions::step_floor).
+// A start over the budget gives up its furthest chunks at the first use that needs room.
+MoveCount belady_moves_from(const AccessTrace& uses, const std::vector<int64_t>& chunk_bytes, int64_t budget_bytes,
+                            const std::vector<ChunkId>& resident, const std::vector<char>& round_trips = {});
+
 }  // namespace ferry

@@ -52,6 +52,11 @@ struct IterationStats {
   // reference). Where Belady's iterations cycle through several resident sets one iteration's ratio
   // swings around 1 (belady_moves, D104): sum the moves over iterations to compare.
   double moved_over_optimal() const;
+  // With SchedulerOptions::measure_iteration_floor: the fewest bytes this iteration's own uses could have
+  // moved from the chunks on the device when it began (IterationFloor; -1: not measured). Unlike
+  // optimal_bytes a floor also where the iteration departed from its trace; sum it over iterations
+  // against moved_bytes() (the round trips fall one iteration apart in the two).
+  int64_t floor_bytes = -1;
   // Host->device bytes a use had to wait for (moved when it came, not ahead of it).
   int64_t demand_h2d_bytes() const { return h2d_bytes - prefetched_bytes; }
 };
@@ -73,6 +78,7 @@ class IterationMeter {
     current_.trace_unforeseen = unforeseen;
     current_.trace_merged = merged;
   }
+  void floor(int64_t bytes) { current_.floor_bytes = bytes; }
   // Closes the iteration with the store's statistics now; the result is also last().
   const IterationStats& end(const ChunkStoreStats& now, bool aborted, bool forward_only);
   // The last iteration ended (zeros before the first).

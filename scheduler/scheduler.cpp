@@ -105,6 +105,7 @@ void Scheduler::begin_iteration() {
   meter_.begin(trace_.iterations(), record, budget_.optimal_bytes());
   if (record) probe_->begin_iteration();
   meter_.baseline(*store_);
+  if (options_.measure_iteration_floor) floor_.begin(*store_, round_trips_);
 }
 
 int64_t Scheduler::non_model_now_locked() {
@@ -112,14 +113,16 @@ int64_t Scheduler::non_model_now_locked() {
   return probe_->non_model_bytes(store_->device_accountant().current_bytes());
 }
 
-void Scheduler::apply_budget_locked(int64_t position) {
+int64_t Scheduler::apply_budget_locked(int64_t position) {
   int64_t non_model = -1;
   if (trace_.following()) {
     // An unforeseen use (-1) sits before the expected position: the reserve covers the one before too.
     const int64_t from = position >= 0 ? position : std::max<int64_t>(0, trace_.cursor() - 1);
     non_model = trace_.trace()->non_model_peak(from, options_.non_model_window + (position >= 0 ? 0 : 1));
   }
-  budget_.apply(*store_, budget_.at_moment(non_model, *store_));
+  const int64_t budget = budget_.at_moment(non_model, *store_);
+  budget_.apply(*store_, budget);
+  return budget;
 }
 
 void Scheduler::pre_use(int64_t param) {
@@ -141,7 +144,8 @@ void Scheduler::pre_use(int64_t param) {
     }
   }
   // Pass 2: the budget of this moment.
-  apply_budget_locked(position);
+  const int64_t budget = apply_budget_locked(position);
+  if (options_.measure_iteration_floor) floor_.use(param, chunk_of_param_[param], in_use_, budget);
   AccessTrace* recording = trace_.recording();
   const int64_t non_model = recording ? non_model_now_locked() : 0;
   // Pass 3: sharded groups given up behind the trace, this one fetched. (Strict while sharded: a
@@ -196,6 +200,7 @@ IterationStats Scheduler::end_iteration(bool aborted, bool forward_only) {
   }
   const TraceState::IterationEnd end = trace_.end_iteration(aborted, forward_only);
   meter_.departures(end.skipped, end.unforeseen, end.merged);
+  if (options_.measure_iteration_floor && !aborted) meter_.floor(floor_.end(*store_));
   const IterationStats stats = meter_.end(store_->stats(), aborted, forward_only);
   policy_->set_passed_over(nullptr);
   if (end.adopted) finalize_trace_locked();

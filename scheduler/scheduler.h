@@ -29,6 +29,7 @@
 
 #include "../chunk/chunk_store.h"
 #include "access_trace.h"
+#include "iteration_floor.h"
 #include "iteration_stats.h"
 #include "memory_probe.h"
 #include "moment_budget.h"
@@ -61,6 +62,9 @@ struct SchedulerOptions {
   // all-gather of those groups per step. Off (or a nearer next use): kept until the step releases it.
   bool reshard_after_forward = true;
   int64_t reshard_min_gap = 16;
+  // Measure each iteration's own floor (IterationStats::floor_bytes, IterationFloor): a record of each use
+  // and one Belady pass at the iteration's end. A benchmark's measure; off in training.
+  bool measure_iteration_floor = false;
   // Checked by the Scheduler's constructor (and by ChunkedModel before it touches the module).
   void validate() const;
 };
@@ -130,8 +134,8 @@ class Scheduler {
  private:
   void finalize_trace_locked();
   void prefetch_locked(int64_t position);
-  // Gives the store the chunk budget of the use at `position` (MomentBudget::at_moment).
-  void apply_budget_locked(int64_t position);
+  // Gives the store the chunk budget of the use at `position` (MomentBudget::at_moment); returns it.
+  int64_t apply_budget_locked(int64_t position);
   int64_t non_model_now_locked();
   int64_t trace_non_model_peak_locked() const;  // max non-model bytes over the trace (0: no trace)
   // Sharded parameters: gives up the groups planned up to `position` (ReleasePlan), when the trace
@@ -156,6 +160,7 @@ class Scheduler {
   MomentBudget budget_;    // the parameter chunks' device budget at each moment
   ReleasePlan releases_;   // sharded parameters: groups given up after their forward uses
   IterationMeter meter_;   // this iteration's counters, and the last one's
+  IterationFloor floor_;   // measure_iteration_floor: this iteration's uses, for its own floor
 };
 
 }  // namespace ferry

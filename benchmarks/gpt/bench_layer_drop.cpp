@@ -7,8 +7,10 @@
 // JSON object: per rule the step time, the parameter bytes moved in per step, the part of them a use
 // had to wait for (not moved ahead), the moves against the Belady count of the trace followed
 // (moved_over_optimal; that count includes the uses a step skipped, so it is a floor only over the
-// steps that used exactly their trace: moved_over_optimal_exact_steps), and how many steps gave the
-// trace up, re-traced or merged; and whether the two runs' losses are bit-identical (they must be: the rule
+// steps that used exactly their trace: moved_over_optimal_exact_steps), the moves against each step's
+// own floor (IterationFloor: the fewest moves of the uses it made from the chunks on the device when it
+// began; moved_over_floor, over every measured step and over those that departed from their trace), and
+// how many steps gave the trace up, re-traced or merged; and whether the two runs' losses are bit-identical (they must be: the rule
 // decides only where chunks are).
 //
 //   bench_layer_drop [--preset=small] [--layer-drop=0.1] [--steps=12] [--warmup-steps=3] [--batch=4]
@@ -41,6 +43,10 @@ struct RuleResult {
   // used exactly their trace (no use skipped, none unforeseen), and how many there were.
   double moved_over_optimal = 0, moved_over_optimal_exact = 0;
   int64_t exact_steps = 0;
+  // Over all measured steps and over those that departed (skipped or unforeseen uses, or gave the trace
+  // up): moved both ways over the steps' own floors summed (IterationFloor), and those floors per step.
+  double moved_over_floor = 0, moved_over_floor_departing = 0, floor_bytes = 0;
+  int64_t departing_steps = 0;
   int64_t gave_up = 0, traced = 0, merged = 0, skipped_uses = 0, unforeseen_uses = 0;  // over the measured steps
   int64_t device_peak_bytes = 0;
   int64_t chunk_size_bytes = 0;  // the compute copy's, as ChunkedModel chose it (auto: D99's cap in)
@@ -69,6 +75,7 @@ RuleResult train(const Run& run, const ferry::Config& config, bool align) {
   };
   ferry::ChunkedModelOptions options;
   options.scheduler.align_to_trace = align;
+  options.scheduler.measure_iteration_floor = true;
   const bool simulated = ferry::resolve_device_kind(config.device) == ferry::DeviceKind::kSimulated;
   if (simulated && run.stream_copies) options.copy_engine = [] { return std::make_unique<ferry::StreamModelCopyEngine>(); };
   ferry::ChunkedModel model(net, config, std::move(options));
@@ -76,6 +83,7 @@ RuleResult train(const Run& run, const ferry::Config& config, bool align) {
   const c10::Device device = model.store().device();
   RuleResult r;
   int64_t with_optimal = 0, moved_with_optimal = 0, optimal = 0, moved_exact = 0, optimal_exact = 0;
+  int64_t moved_all = 0, floor_all = 0, moved_departing = 0, floor_departing = 0;
   for (int64_t step = 0; step < run.warmup_steps + run.steps; ++step) {
     std::mt19937_64 draw(1000 + static_cast<uint64_t>(step));
     std::uniform_real_distribution<double> u(0.0, 1.0);
@@ -114,6 +122,13 @@ RuleResult train(const Run& run, const ferry::Config& config, bool align) {
         ++r.exact_steps;
       }
     }
+    moved_all += s.moved_bytes();
+    floor_all += s.floor_bytes;
+    if (s.trace_skipped > 0 || s.trace_unforeseen > 0 || s.diverged) {
+      moved_departing += s.moved_bytes();
+      floor_departing += s.floor_bytes;
+      ++r.departing_steps;
+    }
     r.gave_up += s.diverged ? 1 : 0;
     r.traced += s.traced ? 1 : 0;
     r.merged += s.trace_merged ? 1 : 0;
@@ -127,6 +142,13 @@ RuleResult train(const Run& run, const ferry::Config& config, bool align) {
     r.moved_over_optimal_exact =
         optimal_exact > 0 ? static_cast<double>(moved_exact) / static_cast<double>(optimal_exact) : 1.0;
   }
+  // A floor of 0 is met only where nothing moved: 1.
+  auto over = [](int64_t moved, int64_t floor) {
+    return floor > 0 ? static_cast<double>(moved) / static_cast<double>(floor) : moved == 0 ? 1.0 : -1.0;
+  };
+  r.moved_over_floor = over(moved_all, floor_all);
+  r.moved_over_floor_departing = r.departing_steps > 0 ? over(moved_departing, floor_departing) : 0.0;
+  r.floor_bytes = static_cast<double>(floor_all) / static_cast<double>(run.steps);
   r.device_peak_bytes = model.store().stats().device.peak_bytes;
   r.chunk_size_bytes = model.chunk_size_bytes();
   r.waste = model.layout().waste();
@@ -140,6 +162,9 @@ std::string json(const RuleResult& r) {
     << ", \"demand_h2d_bytes_per_step\": " << r.demand_h2d_bytes << ", \"prefetched_bytes_per_step\": "
     << r.prefetched_bytes << ", \"moved_over_optimal\": " << r.moved_over_optimal
     << ", \"moved_over_optimal_exact_steps\": " << r.moved_over_optimal_exact << ", \"exact_steps\": " << r.exact_steps
+    << ", \"floor_bytes_per_step\": " << r.floor_bytes << ", \"moved_over_floor\": " << r.moved_over_floor
+    << ", \"moved_over_floor_departing_steps\": " << r.moved_over_floor_departing
+    << ", \"departing_steps\": " << r.departing_steps
     << ", \"steps_gave_up\": "
     << r.gave_up << ", \"steps_traced\": " << r.traced << ", \"steps_merged\": " << r.merged
     << ", \"trace_uses_skipped\": " << r.skipped_uses << ", \"unforeseen_uses\": " << r.unforeseen_uses

@@ -242,15 +242,14 @@ TEST(AccessTrace, RemapChunksFollowsTheTensorsIntoTheirNewChunks) {
   EXPECT_EQ(t.run_end(2), 4) << "positions 2 and 3 (tensors 1 and 3) now share chunk 0";
 }
 
-// The fewest moves (in + out) per iteration, in the long run, of `seq` repeated with room for `room`
-// chunks of `bytes` each, chunks flagged in `trips` leaving after their last use in each iteration:
-// exhaustively, independent of Belady. A node is the set of chunks resident when an iteration begins;
-// an edge S -> T costs the fewest moves of one iteration that starts with S and ends with T (dynamic
-// programming over the resident sets, position by position: a use of a chunk not resident brings it
-// in, pushing out any one resident chunk when the room is full). The long run is the cycle of least
-// mean cost reachable from the empty device (Karp's algorithm).
-double fewest_moves_per_iteration(const std::vector<ChunkId>& seq, const std::vector<std::vector<ChunkId>>& pins,
-                                  const std::vector<char>& trips, int chunks, int room, int64_t bytes) {
+// cost[s][t]: the fewest moves (in + out) of one pass over `seq` that starts with the chunks in set s
+// resident (a bit per chunk) and ends with those in t, with room for `room` chunks of `bytes` each,
+// chunks flagged in `trips` leaving after their last use or pin in it: exhaustively, independent of
+// Belady (dynamic programming over the resident sets, position by position: a use of a chunk not
+// resident brings it in, pushing out any one resident chunk not pinned when the room is full).
+std::vector<std::vector<double>> one_pass_costs(const std::vector<ChunkId>& seq,
+                                                const std::vector<std::vector<ChunkId>>& pins,
+                                                const std::vector<char>& trips, int chunks, int room, int64_t bytes) {
   constexpr double kInf = std::numeric_limits<double>::infinity();
   const int states = 1 << chunks;
   const int64_t n = static_cast<int64_t>(seq.size());
@@ -263,7 +262,6 @@ double fewest_moves_per_iteration(const std::vector<ChunkId>& seq, const std::ve
     }
   }
   auto size_of = [](int s) { return static_cast<int>(std::bitset<32>(static_cast<unsigned>(s)).count()); };
-  // cost[s][t]: one iteration from s to t.
   std::vector<std::vector<double>> cost(states, std::vector<double>(states, kInf));
   for (int start = 0; start < states; ++start) {
     std::vector<double> best(states, kInf);
@@ -299,6 +297,20 @@ double fewest_moves_per_iteration(const std::vector<ChunkId>& seq, const std::ve
     }
     cost[start] = best;
   }
+  return cost;
+}
+
+// The fewest moves (in + out) per iteration, in the long run, of `seq` repeated with room for `room`
+// chunks of `bytes` each, chunks flagged in `trips` leaving after their last use in each iteration:
+// exhaustively, independent of Belady. A node is the set of chunks resident when an iteration begins;
+// an edge S -> T costs the fewest moves of one iteration that starts with S and ends with T
+// (one_pass_costs). The long run is the cycle of least mean cost reachable from the empty device
+// (Karp's algorithm).
+double fewest_moves_per_iteration(const std::vector<ChunkId>& seq, const std::vector<std::vector<ChunkId>>& pins,
+                                  const std::vector<char>& trips, int chunks, int room, int64_t bytes) {
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  const int states = 1 << chunks;
+  const std::vector<std::vector<double>> cost = one_pass_costs(seq, pins, trips, chunks, room, bytes);
   // Karp: d[k][v], the least cost of k iterations from the empty device to v.
   std::vector<std::vector<double>> d(states + 1, std::vector<double>(states, kInf));
   d[0][0] = 0;
@@ -320,6 +332,49 @@ double fewest_moves_per_iteration(const std::vector<ChunkId>& seq, const std::ve
   return mean;
 }
 
+// A random case for the Belady tests: 2-5 chunks, `min_length` + [0, `spread`) uses, room for fewer
+// chunks than there are; in odd trials pins (the tensor used at q, tensor q in chunk seq[q], held
+// through the next 0-2 uses, as long as the pinned chunks leave a victim when the room is full); in
+// every third trial round trips (`given`: the flags passed on, empty otherwise).
+struct RandomCase {
+  int chunks = 0, room = 0;
+  std::vector<ChunkId> seq;
+  std::vector<std::vector<ChunkId>> pins;
+  std::vector<char> trips, given;
+  AccessTrace trace;
+};
+
+RandomCase draw_case(std::mt19937_64& rng, int trial, int min_length, int spread) {
+  RandomCase c;
+  c.chunks = 2 + static_cast<int>(rng() % 4);
+  const int length = min_length + static_cast<int>(rng() % spread);
+  c.room = 1 + static_cast<int>(rng() % (c.chunks - 1));
+  for (int i = 0; i < length; ++i) c.seq.push_back(static_cast<ChunkId>(rng() % c.chunks));
+  std::vector<std::vector<TensorId>> in_use(length);
+  c.pins.resize(length);
+  if (trial % 2 == 1) {
+    for (int q = 0; q < length; ++q) {
+      const int hold = static_cast<int>(rng() % 3);
+      for (int p = q + 1; p <= std::min(length - 1, q + hold); ++p) {
+        std::vector<ChunkId> more = c.pins[p];
+        if (c.seq[q] != c.seq[p] && std::find(more.begin(), more.end(), c.seq[q]) == more.end()) {
+          more.push_back(c.seq[q]);
+        }
+        if (static_cast<int>(more.size()) >= c.room) continue;
+        in_use[p].push_back(q);
+        c.pins[p] = more;
+      }
+    }
+  }
+  for (int i = 0; i < length; ++i) c.trace.record(i, c.seq[i], 0, in_use[i]);
+  c.trips.assign(c.chunks, 0);
+  if (trial % 3 == 0) {
+    for (auto& f : c.trips) f = rng() % 3 == 0;
+    c.given = c.trips;
+  }
+  return c;
+}
+
 // With chunks of one size Belady is optimal over every prefix, so its long-run count is the fewest
 // moves per iteration there are; with pins (chunks in use with a use, held from one of their uses on)
 // too, none of them a victim. Random traces, rooms, pins and round trips; the cycles longer than one
@@ -330,35 +385,12 @@ TEST(Belady, TheLongRunCountIsTheFewestMovesPerIteration) {
   std::mt19937_64 rng(12);
   int longer_cycles = 0, pins_counted = 0;
   for (int trial = 0; trial < 600; ++trial) {
-    const int chunks = 2 + static_cast<int>(rng() % 4);
-    const int length = 2 + static_cast<int>(rng() % 11);
-    const int room = 1 + static_cast<int>(rng() % (chunks - 1));
-    std::vector<ChunkId> seq;
-    for (int i = 0; i < length; ++i) seq.push_back(static_cast<ChunkId>(rng() % chunks));
-    // Pins (every other trial): the tensor used at q (tensor q, in chunk seq[q]) held through the next
-    // 0-2 uses, as long as the pinned chunks leave a victim when the room is full.
-    std::vector<std::vector<TensorId>> in_use(length);
-    std::vector<std::vector<ChunkId>> pins(length);
-    if (trial % 2 == 1) {
-      for (int q = 0; q < length; ++q) {
-        const int hold = static_cast<int>(rng() % 3);
-        for (int p = q + 1; p <= std::min(length - 1, q + hold); ++p) {
-          std::vector<ChunkId> more = pins[p];
-          if (seq[q] != seq[p] && std::find(more.begin(), more.end(), seq[q]) == more.end()) more.push_back(seq[q]);
-          if (static_cast<int>(more.size()) >= room) continue;
-          in_use[p].push_back(q);
-          pins[p] = more;
-        }
-      }
-    }
-    AccessTrace t;
-    for (int i = 0; i < length; ++i) t.record(i, seq[i], 0, in_use[i]);
-    std::vector<char> trips(chunks, 0);
-    if (trial % 3 == 0) {
-      for (auto& f : trips) f = rng() % 3 == 0;
-    }
-    const MoveCount m =
-        belady_moves(t, std::vector<int64_t>(chunks, 100), 100 * room, trial % 3 == 0 ? trips : std::vector<char>{});
+    const RandomCase c = draw_case(rng, trial, 2, 11);
+    const int chunks = c.chunks, room = c.room, length = static_cast<int>(c.seq.size());
+    const std::vector<ChunkId>& seq = c.seq;
+    const std::vector<std::vector<ChunkId>>& pins = c.pins;
+    const std::vector<char>& trips = c.trips;
+    const MoveCount m = belady_moves(c.trace, std::vector<int64_t>(chunks, 100), 100 * room, c.given);
     const double fewest = fewest_moves_per_iteration(seq, pins, trips, chunks, room, 100);
     std::vector<std::vector<ChunkId>> no_pins(length);
     if (std::abs(fewest_moves_per_iteration(seq, no_pins, trips, chunks, room, 100) - fewest) > 1.0) ++pins_counted;
@@ -370,6 +402,58 @@ TEST(Belady, TheLongRunCountIsTheFewestMovesPerIteration) {
   }
   EXPECT_GT(longer_cycles, 20);
   EXPECT_GT(pins_counted, 20);
+}
+
+// One pass from a given start (an iteration's own floor, IterationFloor): with chunks of one size
+// Belady's count is the fewest moves of that sequence from that start, whatever it leaves behind.
+// Random sequences, rooms, pins, round trips and start sets (within the room); the start must change
+// the count in many trials, or the start set would be going unread.
+TEST(Belady, OnePassFromAStartIsTheFewestMovesOfThatSequence) {
+  std::mt19937_64 rng(31);
+  int start_counted = 0;
+  for (int trial = 0; trial < 800; ++trial) {
+    const RandomCase c = draw_case(rng, trial, 1, 12);
+    const int chunks = c.chunks, room = c.room, length = static_cast<int>(c.seq.size());
+    // A start of at most `room` chunks, as a set of bits and as the list belady_moves_from takes.
+    int start = 0;
+    std::vector<ChunkId> resident;
+    for (ChunkId x = 0; x < chunks; ++x) {
+      if (static_cast<int>(resident.size()) < room && rng() % 2 == 0) {
+        start |= 1 << x;
+        resident.push_back(x);
+      }
+    }
+    const std::vector<int64_t> bytes(chunks, 100);
+    const MoveCount m = belady_moves_from(c.trace, bytes, 100 * room, resident, c.given);
+    const std::vector<std::vector<double>> cost = one_pass_costs(c.seq, c.pins, c.trips, chunks, room, 100);
+    const double fewest = *std::min_element(cost[start].begin(), cost[start].end());
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": " + std::to_string(chunks) + " chunks, room " +
+                 std::to_string(room) + ", " + std::to_string(length) + " uses, start " + std::to_string(start));
+    ASSERT_EQ(static_cast<double>(m.total()), fewest);
+    if (belady_moves_from(c.trace, bytes, 100 * room, {}, c.given).total() != m.total()) ++start_counted;
+  }
+  EXPECT_GT(start_counted, 100);
+}
+
+// A start over the budget (the device held more before the iteration's budget tightened): the first
+// use that needs room gives up the chunks needed furthest ahead, all it takes; one already resident
+// needs none. Chunk ids the sizes do not cover are refused, naming them.
+TEST(Belady, OnePassFromAStartOverTheBudgetGivesUpTheFurthestFirst) {
+  AccessTrace t;
+  for (TensorId i = 0; i < 4; ++i) t.record(i, std::vector<ChunkId>{3, 0, 3, 1}[i], 0);
+  const std::vector<int64_t> bytes{100, 100, 100, 100};
+  // {0, 1, 2} resident, room for 2: chunk 3 comes in for the first use, pushing out 2 (never used
+  // again) and then 1 (used last): 0 stays for its use.
+  const MoveCount m = belady_moves_from(t, bytes, 200, {0, 1, 2});
+  EXPECT_EQ(m.h2d_bytes, 200) << "3 at the start, 1 at the end";
+  EXPECT_EQ(m.d2h_bytes, 300) << "2 and 1 to make room for 3, then 0 or 3 for 1";
+  AccessTrace resident_use;
+  resident_use.record(0, 0, 0);
+  EXPECT_EQ(belady_moves_from(resident_use, bytes, 100, {0, 1}).total(), 0) << "no room needed";
+  EXPECT_THROW(belady_moves_from(t, bytes, 200, {7}), c10::Error);
+  AccessTrace bad;
+  bad.record(0, 9, 0);
+  EXPECT_THROW(belady_moves_from(bad, bytes, 200, {}), c10::Error);
 }
 
 }  // namespace

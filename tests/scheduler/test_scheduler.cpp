@@ -132,7 +132,7 @@ TEST(OptEvictionPolicy, FurthestNextUseAndPrefetchGuard) {
 struct Fixture {
   // `chunks` chunks of 100 B, parameter i alone in chunk i.
   explicit Fixture(int64_t budget, std::function<int64_t()> probe = nullptr, int64_t capacity = 0, int chunks = 4,
-                   bool align = true, int prefetch_depth = 1, bool stream_copies = false) {
+                   bool align = true, int prefetch_depth = 1, bool stream_copies = false, bool measure_floor = false) {
     ChunkStoreOptions o;
     o.device = DeviceKind::kSimulated;
     o.device_budget_bytes = budget;
@@ -151,6 +151,7 @@ struct Fixture {
     so.device_budget_bytes = budget;
     so.device_capacity_bytes = capacity;
     so.prefetch_depth = prefetch_depth;
+    so.measure_iteration_floor = measure_floor;
     auto p = probe ? make_function_probe(probe) : make_memory_probe(DeviceKind::kSimulated);
     scheduler = std::make_unique<Scheduler>(*store, policy, std::move(p), so, tensors, chunk_ids);
   }
@@ -284,7 +285,7 @@ TEST(Scheduler, OnRandomTracesTheRunMovesWhatTheReferenceCounts) {
     if (with_trips) {
       for (auto& t : trips) t = rng() % 2 == 0;
     }
-    Fixture f(budget, nullptr, 0, chunks, true, depth, stream);
+    Fixture f(budget, nullptr, 0, chunks, true, depth, stream, /*measure_floor=*/true);
     auto run = [&] {
       f.scheduler->begin_iteration();
       int64_t in_use = -1;
@@ -307,17 +308,23 @@ TEST(Scheduler, OnRandomTracesTheRunMovesWhatTheReferenceCounts) {
     f.relayout();
     if (with_trips) f.scheduler->set_round_trips(trips);
     for (int i = 0; i < 4; ++i) run();  // the reference from the next iteration on, and settling
-    int64_t moved = 0, optimal = 0;
+    int64_t moved = 0, optimal = 0, floor = 0;
     for (int i = 0; i < 48; ++i) {
       run();
       moved += f.last.moved_bytes();
       optimal += f.last.optimal_bytes;
+      floor += f.last.floor_bytes;
       ASSERT_LE(f.last.device_peak_bytes, budget);
+      // No schedule of this iteration's uses from where it began moves less; its round trips are in
+      // the next one's moves (between the two).
+      if (!with_trips) ASSERT_LE(f.last.floor_bytes, f.last.moved_bytes()) << "iteration " << i;
     }
     SCOPED_TRACE("trial " + std::to_string(trial) + ": budget " + std::to_string(budget) + ", depth " +
                  std::to_string(depth) + (overlap ? ", overlapping" : "") + (stream ? ", stream copies" : "") +
                  (with_trips ? ", round trips" : ""));
     ASSERT_LE(std::abs(moved - optimal), budget) << "moved " << moved << ", the reference " << optimal;
+    ASSERT_LE(floor, moved + 100 * chunks) << "the iterations' own floors: the round trips one iteration apart";
+    ASSERT_GE(floor, 0);
     ++checked;
     overlapping += overlap ? 1 : 0;
     if (f.last.optimal_bytes % 200 != 0) ++longer_cycles;  // in and out: a whole chunk each per iteration
@@ -436,6 +443,33 @@ TEST(Scheduler, PerMomentBudgetLeavesRoomForNonModelMemory) {
   EXPECT_LE(run_recording_peak_at_1(f, current_param, {0, 2, 3, 1}), 250);  // following: the reserve applies
   EXPECT_FALSE(f.last.diverged);
   EXPECT_EQ(f.scheduler->device_room_bytes(), 250);
+}
+
+// An iteration's own floor takes the room of its roomiest moment: no schedule had more, so none moves
+// less. Five chunks on a device of 500 B, 300 B of non-model memory while parameter 2 is used: the
+// moments around it leave room for two chunks, the last ones for all five. Taken at the tightest
+// moment instead (room for two), the floor of five chunks used in turn is above what the run moves.
+TEST(Scheduler, TheIterationFloorHasTheRoomOfItsRoomiestMoment) {
+  int64_t current_param = -1;
+  Fixture* fp = nullptr;
+  Fixture f(/*budget=*/0, [&] {
+    const int64_t chunks = fp ? fp->store->stats().device.current_bytes : 0;
+    return chunks + (current_param == 2 ? 300 : 0);
+  }, /*capacity=*/500, /*chunks=*/5, true, 1, false, /*measure_floor=*/true);
+  fp = &f;
+  run_recording_peak_at_1(f, current_param, {0, 1, 2, 3, 4});
+  f.relayout();
+  int64_t moved = 0, floor = 0;
+  for (int i = 0; i < 6; ++i) {
+    run_recording_peak_at_1(f, current_param, {0, 1, 2, 3, 4});
+    ASSERT_FALSE(f.last.diverged);
+    ASSERT_GE(f.last.floor_bytes, 0);
+    EXPECT_LE(f.last.floor_bytes, f.last.moved_bytes()) << "iteration " << i;
+    moved += f.last.moved_bytes();
+    floor += f.last.floor_bytes;
+  }
+  EXPECT_GT(moved, 0) << "the tight moments make the run move";
+  EXPECT_LT(floor, moved);
 }
 
 TEST(Scheduler, DeviceBudgetIsForChunksWhateverTheNonModelMemory) {
@@ -643,9 +677,10 @@ TEST(Scheduler, LayerDropAlignedWaitsForFewerMovesThanRetracing) {
   }
   struct Totals {
     int64_t demand = 0, moved = 0, diverged_or_traced = 0, without_prefetch = 0;
+    int64_t both_ways = 0, floor = 0;  // moved_bytes() and the iterations' own floors, summed
   };
   auto train = [&](bool align, bool stream = false) {
-    Fixture f(/*budget=*/kRoom * 100, nullptr, 0, kLayers, align, 1, stream);
+    Fixture f(/*budget=*/kRoom * 100, nullptr, 0, kLayers, align, 1, stream, /*measure_floor=*/true);
     Totals t;
     for (int it = 0; it < kIterations; ++it) {
       const std::vector<int64_t>& fwd = forwards[it];
@@ -657,6 +692,9 @@ TEST(Scheduler, LayerDropAlignedWaitsForFewerMovesThanRetracing) {
       t.moved += f.last.h2d_bytes;
       t.diverged_or_traced += (f.last.diverged || f.last.traced) ? 1 : 0;
       t.without_prefetch += f.last.prefetched_bytes == 0 ? 1 : 0;
+      EXPECT_LE(f.last.floor_bytes, f.last.moved_bytes()) << "iteration " << it;
+      t.both_ways += f.last.moved_bytes();
+      t.floor += f.last.floor_bytes;
     }
     return t;
   };
@@ -672,7 +710,9 @@ TEST(Scheduler, LayerDropAlignedWaitsForFewerMovesThanRetracing) {
               << " copies: host->device bytes a use waited for: strict " << strict.demand << ", aligned "
               << aligned.demand << "; host->device bytes moved: strict " << strict.moved << ", aligned "
               << aligned.moved << "; iterations that gave the trace up or re-traced: strict "
-              << strict.diverged_or_traced << ", aligned " << aligned.diverged_or_traced << "\n";
+              << strict.diverged_or_traced << ", aligned " << aligned.diverged_or_traced
+              << "; moved both ways over the iterations' own floors: strict " << strict.both_ways << " / "
+              << strict.floor << ", aligned " << aligned.both_ways << " / " << aligned.floor << "\n";
   }
 }
 
