@@ -25,6 +25,7 @@
 #include "hooks/checkpoint.h"
 #include "hooks/chunked_model.h"
 #include "hooks/init_scope.h"
+#include "hooks/skip_hint.h"
 #include "hooks/weight_source.h"
 #include "optim/capacity_estimate.h"
 #include "optim/hybrid_adam.h"

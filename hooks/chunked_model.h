@@ -92,6 +92,7 @@
 #include "param_chunks.h"
 #include "param_table.h"
 #include "phase_timer.h"
+#include "skip_hint.h"
 #include "write_watch.h"
 
 namespace ferry {
@@ -119,7 +120,7 @@ struct ChunkedModelOptions {
 enum class ModelPhase { kIdle, kForward, kForwardDone, kBackward };
 const char* to_string(ModelPhase phase);
 
-class ChunkedModel final : private UseListener {
+class ChunkedModel final : private UseListener, private SkipListener {
  public:
   ChunkedModel(std::shared_ptr<torch::nn::Module> module, const Config& config, ChunkedModelOptions options = {});
   // A TORCH_MODULE holder (`Classifier net(64, 10); ferry::ChunkedModel model(net, config);`): wraps the
@@ -140,6 +141,7 @@ class ChunkedModel final : private UseListener {
     try {
       InterceptionScope scope;
       ActivationSegments::Scope segments(&activations_);  // ferry::checkpoint asks it what to do
+      SkipListener::Scope skips(this);                    // ferry::will_skip reaches will_skip()
       auto out = fn();
       outputs_.note(out);  // Note [Several forwards]
       end_forward();
@@ -310,6 +312,8 @@ class ChunkedModel final : private UseListener {
   void pre_use(int64_t param) override;
   void post_use(int64_t param) override;
   Outside before_outside_use(int64_t param) override;  // Note [Ops outside the scopes] (interceptor.h)
+  // ferry::will_skip inside forward(): the module's own parameters to the scheduler (hooks/skip_hint.h).
+  void will_skip(const torch::nn::Module& module) override;
   // Between iterations: waits for `param`'s chunk's update; fails if its storage has no memory here.
   void check_outside_use(int64_t param);
   // pre_use found `param`'s slot holding its gradient: fails saying why and what to do.

@@ -266,6 +266,11 @@ ChunkedModel::Outside ChunkedModel::before_outside_use(int64_t param) {
   return Outside::kChecked;
 }
 
+void ChunkedModel::will_skip(const torch::nn::Module& module) {
+  if (phase_.load() != ModelPhase::kForward) return;  // the Scope is forward()'s: always so but in a nested one
+  scheduler_->will_not_use(params_only_in(*module_, module, table_));
+}
+
 void ChunkedModel::check_outside_use(int64_t param) {
   // An op between iterations on a parameter chunk that an update left running may still write.
   if (grad_sink_) grad_sink_->await_param(param);

@@ -25,6 +25,10 @@ struct IterationStats {
   int64_t trace_skipped = 0;
   int64_t trace_unforeseen = 0;
   bool trace_merged = false;
+  // Trace positions passed over on the model's word (ferry::will_skip, Note [Skips said ahead]), and
+  // those of them used anyway (a hint proven wrong: its chunk may have come on demand). Counts.
+  int64_t trace_hinted = 0;
+  int64_t trace_hints_broken = 0;
   bool aborted = false;     // an exception ended it
   int64_t accesses = 0;     // pre-use events (count)
   int64_t h2d_bytes = 0;
@@ -73,10 +77,12 @@ class IterationMeter {
   void count_access() { ++current_.accesses; }
   void count_prefetch() { ++current_.prefetches; }
   void diverged() { current_.diverged = true; }
-  void departures(int64_t skipped, int64_t unforeseen, bool merged) {
+  void departures(int64_t skipped, int64_t unforeseen, bool merged, int64_t hinted = 0, int64_t hints_broken = 0) {
     current_.trace_skipped = skipped;
     current_.trace_unforeseen = unforeseen;
     current_.trace_merged = merged;
+    current_.trace_hinted = hinted;
+    current_.trace_hints_broken = hints_broken;
   }
   void floor(int64_t bytes) { current_.floor_bytes = bytes; }
   // Closes the iteration with the store's statistics now; the result is also last().

@@ -90,6 +90,17 @@ void Scheduler::begin_backward() {
   release_until_locked(trace_.cursor());
 }
 
+void Scheduler::will_not_use(const std::vector<int64_t>& params) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (int64_t p : params) {
+    TORCH_CHECK(p >= 0 && p < static_cast<int64_t>(tensor_of_param_.size()), "ferry: will_not_use: parameter index ",
+                p, " out of range [0, ", tensor_of_param_.size(), ")");
+  }
+  if (!in_iteration_ || params.empty()) return;
+  // The trace names parameters by their index (TensorId is that index there).
+  if (auto over = trace_.pass_over(params)) policy_->set_passed_over(std::move(over));
+}
+
 void Scheduler::begin_iteration() {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_INTERNAL_ASSERT(!in_iteration_, "begin_iteration twice");
@@ -199,7 +210,7 @@ IterationStats Scheduler::end_iteration(bool aborted, bool forward_only) {
     if (s == TensorState::kHoldAfterFwd || s == TensorState::kHoldAfterBwd) store_->set_state(t, TensorState::kHold);
   }
   const TraceState::IterationEnd end = trace_.end_iteration(aborted, forward_only);
-  meter_.departures(end.skipped, end.unforeseen, end.merged);
+  meter_.departures(end.skipped, end.unforeseen, end.merged, end.hinted, end.hints_broken);
   if (options_.measure_iteration_floor && !aborted) meter_.floor(floor_.end(*store_));
   const IterationStats stats = meter_.end(store_->stats(), aborted, forward_only);
   policy_->set_passed_over(nullptr);

@@ -86,6 +86,13 @@ class Scheduler {
   void allow_forward_releases(int64_t trace_version, bool allow);
 
   void begin_iteration();
+  // The model says, ahead, that this iteration's forward will not use `params` (indices; a block it
+  // skips, ferry::will_skip): while the trace is followed aligning, prefetch and OPT pass their trace
+  // positions over, forward and backward (Note [Skips said ahead], trace_alignment.h). A parameter used
+  // anyway is served as any use (on demand if its chunk went): a wrong hint costs moves, never a
+  // result. Ignored outside an iteration, in backward, while recording or strict (sharded), and for a
+  // parameter this iteration used already. Fails for an index out of range.
+  void will_not_use(const std::vector<int64_t>& params);
   // The backward pass starts (ChunkedModel::backward): recorded in the trace, so that sharded groups are
   // given up after their forward uses only.
   void begin_backward();

@@ -10,8 +10,9 @@ namespace ferry {
 TraceAlignment::TraceAlignment(const AccessTrace& trace)
     : trace_(&trace), used_(static_cast<size_t>(trace.size()), 0) {}
 
-int64_t TraceAlignment::find_nearest(TensorId param) {
-  if (by_param_.empty()) {  // at the first departure: an iteration that follows exactly never sorts
+std::pair<std::vector<int64_t>::const_iterator, std::vector<int64_t>::const_iterator> TraceAlignment::positions_of(
+    TensorId param) {
+  if (by_param_.empty()) {  // at the first departure or hint: an iteration that follows exactly never sorts
     const AccessTrace& trace = *trace_;
     by_param_.resize(static_cast<size_t>(trace.size()));
     for (int64_t q = 0; q < trace.size(); ++q) by_param_[q] = q;
@@ -19,11 +20,16 @@ int64_t TraceAlignment::find_nearest(TensorId param) {
       return trace.tensor_at(a) != trace.tensor_at(b) ? trace.tensor_at(a) < trace.tensor_at(b) : a < b;
     });
   }
-  // The parameter's positions, ascending: those at or after the cursor are ahead, the others behind.
-  const auto first = std::lower_bound(by_param_.begin(), by_param_.end(), param,
+  const auto first = std::lower_bound(by_param_.cbegin(), by_param_.cend(), param,
                                       [&](int64_t q, TensorId p) { return trace_->tensor_at(q) < p; });
-  const auto last = std::upper_bound(first, by_param_.end(), param,
+  const auto last = std::upper_bound(first, by_param_.cend(), param,
                                      [&](TensorId p, int64_t q) { return p < trace_->tensor_at(q); });
+  return {first, last};
+}
+
+int64_t TraceAlignment::find_nearest(TensorId param) {
+  // The parameter's positions, ascending: those at or after the cursor are ahead, the others behind.
+  const auto [first, last] = positions_of(param);
   const auto split = std::lower_bound(first, last, cursor_);
   // Each side walks past at most kWalk positions used already (a parameter used many times, one loop
   // iteration after another): the search stays O(log n + kWalk) per departing use.
@@ -48,6 +54,7 @@ int64_t TraceAlignment::find_nearest(TensorId param) {
 }
 
 void TraceAlignment::take(int64_t position) {
+  if (!hinted_at_.empty() && hinted_at_[position]) ++hints_broken_;
   used_[position] = 1;
   ++matched_;
   cursor_ = position + 1;
@@ -58,7 +65,10 @@ std::shared_ptr<const std::vector<char>> TraceAlignment::begin_backward() {
   const int64_t n = trace_->size();
   // A forward that used exactly the trace's forward positions departed in nothing: its backward is the
   // trace's.
-  if (unforeseen_.empty() && matched_ == cursor_ && cursor_ == trace_->backward_start()) return nullptr;
+  if (unforeseen_.empty() && matched_ == cursor_ && cursor_ == trace_->backward_start()) {
+    passed_over_.reset();  // a hint forward proved wrong
+    return nullptr;
+  }
   TensorId largest = -1;
   for (TensorId t : trace_->tensors()) largest = std::max(largest, t);
   for (const Unforeseen& u : unforeseen_) largest = std::max(largest, u.param);
@@ -74,6 +84,34 @@ std::shared_ptr<const std::vector<char>> TraceAlignment::begin_backward() {
     (*passed_over)[q] = 1;
   }
   passed_over_ = std::move(passed_over);
+  return passed_over_;
+}
+
+std::shared_ptr<const std::vector<char>> TraceAlignment::pass_over(const std::vector<TensorId>& params) {
+  if (in_backward_) return passed_over_;
+  const auto n = static_cast<size_t>(trace_->size());
+  std::shared_ptr<std::vector<char>> over;  // copied on the first position added: the policy holds the old one
+  for (TensorId param : params) {
+    const auto [first, last] = positions_of(param);
+    // Used already in this iteration (matched, or unforeseen): its backward comes.
+    if (std::any_of(first, last, [&](int64_t q) { return used_[q] != 0; }) ||
+        std::any_of(unforeseen_.begin(), unforeseen_.end(), [&](const Unforeseen& u) { return u.param == param; })) {
+      continue;
+    }
+    for (auto it = first; it != last; ++it) {
+      const int64_t q = *it;
+      if (passed_over_ && (*passed_over_)[q]) continue;
+      if (!over) {
+        over = passed_over_ ? std::make_shared<std::vector<char>>(*passed_over_)
+                            : std::make_shared<std::vector<char>>(n, 0);
+      }
+      if (hinted_at_.empty()) hinted_at_.assign(n, 0);
+      (*over)[q] = 1;
+      hinted_at_[q] = 1;
+      ++hinted_;
+    }
+  }
+  if (over) passed_over_ = std::move(over);
   return passed_over_;
 }
 

@@ -29,10 +29,23 @@
 //
 // What it buys and costs, measured: docs/ARCHITECTURE.md D98.
 //
+// Note [Skips said ahead]
+// A skip learnt only when it comes is paid for by then: the prefetches issued in ahead of the skipped
+// block have moved its chunks in, and pushed out others (D106 measured 8-13 % more bytes than the
+// departing steps' own floors). A model that draws its skips when the step begins (LayerDrop draws
+// every block's at once) can say them then: ferry::will_skip(block) (hooks/skip_hint.h) ->
+// Scheduler::will_not_use -> pass_over(), which marks every position of the block's parameters passed
+// over, forward and backward, so prefetch walks past them and OPT counts no next use there, as
+// begin_backward() does for backward alone. What a hint can get wrong changes no result and no use:
+// a hinted parameter that is used anyway still matches its position (its chunk may have to come on
+// demand: counted in hints_broken()), and begin_backward() recomputes backward's passed-over
+// positions from the uses forward made, hints or not.
+//
 // Contract: not thread-safe (TraceState calls it with the scheduler's mutex held). The trace must
 // outlive the alignment and stay unchanged while it aligns.
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "access_trace.h"
@@ -53,7 +66,18 @@ class TraceAlignment {
   // returns them (one entry per position, 1 where passed over), or null when there are none (always
   // when nothing departed); passed_over() has them from then on. They can still match.
   std::shared_ptr<const std::vector<char>> begin_backward();
+  // The model says, ahead, that this iteration will not use `params` (a block it skips: ferry::will_skip,
+  // Note [Skips said ahead]): their positions are passed over from now on, forward and backward, as
+  // begin_backward() passes over the backward positions of a parameter forward did not use. Ignored in
+  // backward (begin_backward() knows what forward used) and for a parameter this iteration used already
+  // (its backward comes). Returns passed_over() (unchanged when nothing was added). The positions can
+  // still match: a hint proven wrong costs moves, never a use.
+  std::shared_ptr<const std::vector<char>> pass_over(const std::vector<TensorId>& params);
+  // The passed-over positions (one entry per position, 1 where passed over; null: none so far).
   const std::shared_ptr<const std::vector<char>>& passed_over() const { return passed_over_; }
+  // Positions passed over on the model's word (pass_over), and those of them matched anyway (count).
+  int64_t hinted() const { return hinted_; }
+  int64_t hints_broken() const { return hints_broken_; }
 
   // The trace position expected next (size() of the trace: past its end).
   int64_t cursor() const { return cursor_; }
@@ -87,6 +111,8 @@ class TraceAlignment {
   int64_t find_nearest(TensorId param);
   static constexpr int64_t kWalk = 64;
   void take(int64_t position);
+  // The trace's positions of `param`, ascending (a range of by_param_, sorted when first needed).
+  std::pair<std::vector<int64_t>::const_iterator, std::vector<int64_t>::const_iterator> positions_of(TensorId param);
 
   const AccessTrace* trace_;
   int64_t cursor_ = 0;
@@ -95,7 +121,9 @@ class TraceAlignment {
   std::vector<char> used_;
   std::vector<int64_t> by_param_;  // the trace's positions ordered by (parameter, position); made when first needed
   std::vector<Unforeseen> unforeseen_;
-  std::shared_ptr<const std::vector<char>> passed_over_;  // set by begin_backward()
+  std::shared_ptr<const std::vector<char>> passed_over_;  // set by pass_over() and begin_backward()
+  std::vector<char> hinted_at_;                           // per position: passed over by pass_over()
+  int64_t hinted_ = 0, hints_broken_ = 0;
 };
 
 }  // namespace ferry

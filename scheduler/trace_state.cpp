@@ -34,6 +34,10 @@ std::shared_ptr<const std::vector<char>> TraceState::begin_backward() {
   return alignment_ && !diverged_ ? alignment_->begin_backward() : nullptr;
 }
 
+std::shared_ptr<const std::vector<char>> TraceState::pass_over(const std::vector<TensorId>& params) {
+  return alignment_ && !diverged_ ? alignment_->pass_over(params) : nullptr;
+}
+
 int64_t TraceState::use(int64_t param, ChunkId chunk, const std::vector<TensorId>& in_use) {
   const int64_t position = uses_++;
   if (!following()) return -1;
@@ -94,6 +98,16 @@ void TraceState::merge_departures(IterationEnd& end) {
   }
   end.skipped = a.skipped();
   end.unforeseen = a.unforeseen();
+  end.hinted = a.hinted();
+  end.hints_broken = a.hints_broken();
+  if (end.hints_broken > 0) {
+    log::write_once(log::Level::kWarn, "scheduler-hint-broken",
+                    log::detail::concat("ferry scheduler: ", end.hints_broken, " of the ", end.hinted,
+                                        " trace uses said skipped in this iteration (ferry::will_skip) came "
+                                        "anyway; their chunks were not prefetched. Say a skip only for a part "
+                                        "the step will not run (said once per process; the count is in "
+                                        "IterationStats::trace_hints_broken)"));
+  }
   if (end.unforeseen == 0 && pruned == 0) return;
   TraceAlignment::Merged merged = a.merged_trace(keep);
   // A trace more than twice an iteration's uses is more skip than guide: record one afresh.

@@ -53,7 +53,11 @@ class TraceState {
   // The backward pass begins (recorded in a recording; unforeseen uses from here are backward's).
   // While following: the trace's positions this backward will not come to (TraceAlignment), or null.
   std::shared_ptr<const std::vector<char>> begin_backward();
-  // Those positions from begin_backward() to the iteration's end (null: none, or not following).
+  // The model says this iteration will not use `params` (TraceAlignment::pass_over, Note [Skips said
+  // ahead]). While following aligning: the positions passed over since; else null (nothing to pass over:
+  // recording, strict mode, given up).
+  std::shared_ptr<const std::vector<char>> pass_over(const std::vector<TensorId>& params);
+  // The positions passed over (pass_over, begin_backward) to the iteration's end (null: none, or not following).
   const std::vector<char>* passed_over() const {
     return following() && alignment_ ? alignment_->passed_over().get() : nullptr;
   }
@@ -67,6 +71,8 @@ class TraceState {
     bool merged = false;      // ... made by merging this iteration's departures (no recording)
     int64_t skipped = 0;      // trace positions this training iteration did not use (count)
     int64_t unforeseen = 0;   // uses the trace did not have (count)
+    int64_t hinted = 0;       // positions passed over on the model's word (TraceAlignment::hinted)
+    int64_t hints_broken = 0; // ... of them used anyway
   };
   // Ends the iteration (`forward_only`: no backward).
   IterationEnd end_iteration(bool aborted, bool forward_only);

@@ -10,8 +10,9 @@
 // steps that used exactly their trace: moved_over_optimal_exact_steps), the moves against each step's
 // own floor (IterationFloor: the fewest moves of the uses it made from the chunks on the device when it
 // began; moved_over_floor, over every measured step and over those that departed from their trace), and
-// how many steps gave the trace up, re-traced or merged; and whether the two runs' losses are bit-identical (they must be: the rule
-// decides only where chunks are).
+// how many steps gave the trace up, re-traced or merged. A third run aligns too, with each step's skips
+// said when its forward begins (ferry::will_skip, D107: "said_ahead"). And whether the runs' losses are
+// bit-identical (they must be: the rule and the hints decide only where chunks are).
 //
 //   bench_layer_drop [--preset=small] [--layer-drop=0.1] [--steps=12] [--warmup-steps=3] [--batch=4]
 //                    [--seq=128] [--checkpoint-activations] [--copies=stream|sync] + ferry options
@@ -48,6 +49,7 @@ struct RuleResult {
   double moved_over_floor = 0, moved_over_floor_departing = 0, floor_bytes = 0;
   int64_t departing_steps = 0;
   int64_t gave_up = 0, traced = 0, merged = 0, skipped_uses = 0, unforeseen_uses = 0;  // over the measured steps
+  int64_t hinted_uses = 0, hints_broken = 0;  // trace positions said skipped, and those used anyway
   int64_t device_peak_bytes = 0;
   int64_t chunk_size_bytes = 0;  // the compute copy's, as ChunkedModel chose it (auto: D99's cap in)
   double waste = 0;              // of the final layout
@@ -61,7 +63,8 @@ struct Run {
   bool checkpoint = false, stream_copies = true;
 };
 
-RuleResult train(const Run& run, const ferry::Config& config, bool align) {
+// `say_skips`: each step's skips told ferry::will_skip when its forward begins.
+RuleResult train(const Run& run, const ferry::Config& config, bool align, bool say_skips = false) {
   torch::manual_seed(1);
   auto net = std::make_shared<gpt::GptImpl>(run.gc);
   // The draws of one step, the same under both rules: block i is skipped where skip[i].
@@ -95,13 +98,18 @@ RuleResult train(const Run& run, const ferry::Config& config, bool align) {
     const bool measured = step >= run.warmup_steps;
     if (measured && step == run.warmup_steps) model.store().reset_peak_stats();
     const auto start = Clock::now();
-    at::Tensor loss = model.forward([&] { return gpt::GptImpl::loss(net->forward(x), y); });
+    at::Tensor loss = model.forward([&] {
+      for (size_t i = 0; say_skips && i < skip.size(); ++i) {
+        if (skip[i]) ferry::will_skip(*net->blocks[i]);
+      }
+      return gpt::GptImpl::loss(net->forward(x), y);
+    });
     adam.backward_step(loss);
     const double l = loss.item<double>();  // waits for the step's device work
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
     r.losses.push_back(l);
     const ferry::IterationStats s = model.last_iteration();
-    std::cerr << "bench_layer_drop: " << (align ? "aligned" : "strict") << " step " << step
+    std::cerr << "bench_layer_drop: " << (align ? say_skips ? "said ahead" : "aligned" : "strict") << " step " << step
               << (measured ? "" : " (warm-up)") << ": " << seconds << " s, loss " << l << ", moved in "
               << ferry::format_bytes(s.h2d_bytes) << " (" << ferry::format_bytes(s.demand_h2d_bytes())
               << " on demand)" << (s.diverged ? ", gave the trace up" : "") << (s.traced ? ", traced" : "")
@@ -134,6 +142,8 @@ RuleResult train(const Run& run, const ferry::Config& config, bool align) {
     r.merged += s.trace_merged ? 1 : 0;
     r.skipped_uses += s.trace_skipped;
     r.unforeseen_uses += s.trace_unforeseen;
+    r.hinted_uses += s.trace_hinted;
+    r.hints_broken += s.trace_hints_broken;
   }
   if (with_optimal > 0) {  // a reference of 0 counted only where nothing moved: 1
     r.moved_over_optimal = optimal > 0 ? static_cast<double>(moved_with_optimal) / static_cast<double>(optimal) : 1.0;
@@ -168,6 +178,7 @@ std::string json(const RuleResult& r) {
     << ", \"steps_gave_up\": "
     << r.gave_up << ", \"steps_traced\": " << r.traced << ", \"steps_merged\": " << r.merged
     << ", \"trace_uses_skipped\": " << r.skipped_uses << ", \"unforeseen_uses\": " << r.unforeseen_uses
+    << ", \"trace_uses_said_skipped\": " << r.hinted_uses << ", \"said_but_used\": " << r.hints_broken
     << ", \"device_peak_bytes\": " << r.device_peak_bytes << ", \"chunk_size_bytes\": " << r.chunk_size_bytes
     << ", \"waste\": " << r.waste << "}";
   return o.str();
@@ -199,6 +210,8 @@ int run_benchmark(int argc, char** argv) {
   run.gc.seq = std::max(run.gc.seq, run.seq);
   const RuleResult strict = train(run, config, /*align=*/false);
   const RuleResult aligned = train(run, config, /*align=*/true);
+  const RuleResult said = train(run, config, /*align=*/true, /*say_skips=*/true);
+  const bool identical = strict.losses == aligned.losses && aligned.losses == said.losses;
   std::ostringstream out;
   out.precision(6);
   out << "{\n  \"benchmark\": \"layer_drop\",\n  \"commit\": \"" << commit << "\",\n  \"env\": "
@@ -210,13 +223,18 @@ int run_benchmark(int argc, char** argv) {
       << ", \"checkpoint_activations\": " << (run.checkpoint ? "true" : "false") << ", \"chunk_size_bytes\": "
       << config.chunk_size_bytes << ", \"device_budget_bytes\": " << config.device_budget_bytes
       << ", \"precision\": \"" << ferry::to_string(config.precision) << "\"},\n  \"strict\": " << json(strict)
-      << ",\n  \"aligned\": " << json(aligned) << ",\n  \"aligned_over_strict\": {\"step_s\": "
+      << ",\n  \"aligned\": " << json(aligned) << ",\n  \"said_ahead\": " << json(said)
+      << ",\n  \"aligned_over_strict\": {\"step_s\": "
       << aligned.step_s / strict.step_s << ", \"demand_h2d_bytes\": "
       << (strict.demand_h2d_bytes > 0 ? aligned.demand_h2d_bytes / strict.demand_h2d_bytes : 0.0)
       << ", \"h2d_bytes\": " << (strict.h2d_bytes > 0 ? aligned.h2d_bytes / strict.h2d_bytes : 0.0)
-      << "},\n  \"losses_bit_identical\": " << (strict.losses == aligned.losses ? "true" : "false") << "\n}\n";
+      << "},\n  \"said_ahead_over_aligned\": {\"step_s\": " << said.step_s / aligned.step_s
+      << ", \"demand_h2d_bytes\": "
+      << (aligned.demand_h2d_bytes > 0 ? said.demand_h2d_bytes / aligned.demand_h2d_bytes : 0.0)
+      << ", \"h2d_bytes\": " << (aligned.h2d_bytes > 0 ? said.h2d_bytes / aligned.h2d_bytes : 0.0)
+      << "},\n  \"losses_bit_identical\": " << (identical ? "true" : "false") << "\n}\n";
   std::cout << out.str();
-  return strict.losses == aligned.losses ? 0 : 1;
+  return identical ? 0 : 1;
 }
 
 }  // namespace

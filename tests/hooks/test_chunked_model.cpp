@@ -25,6 +25,7 @@
 #include "../../common/event_trace.h"
 #include "../../hooks/chunked_model.h"
 #include "../../hooks/interceptor.h"
+#include "../../hooks/skip_hint.h"
 #include "../test_util.h"
 #include "../trace_check.h"
 #include "module_twins.h"
@@ -83,10 +84,13 @@ TORCH_MODULE(TinyGpt);
 
 // The same decoder with LayerDrop (stochastic depth): block i is skipped where skip[i] (the test draws
 // it per iteration, the same for both twins), so the parameter uses differ from one iteration to the
-// next.
+// next. With say_skips it tells ferry::will_skip its skips when its forward begins (a no-op unwrapped).
 struct LayerDropGptImpl : TinyGptImpl {
   using TinyGptImpl::TinyGptImpl;
   torch::Tensor forward(torch::Tensor idx) {
+    for (size_t i = 0; say_skips && i < blocks.size() && i < skip.size(); ++i) {
+      if (skip[i]) ferry::will_skip(*blocks[i]);
+    }
     auto pos = torch::arange(idx.size(1), torch::kLong);
     auto x = wte(idx) + wpe(pos);
     for (size_t i = 0; i < blocks.size(); ++i) {
@@ -95,6 +99,7 @@ struct LayerDropGptImpl : TinyGptImpl {
     return torch::matmul(ln_f(x), wte->weight.t());
   }
   std::vector<bool> skip;
+  bool say_skips = false;
 };
 TORCH_MODULE(LayerDropGpt);
 
@@ -305,7 +310,8 @@ TEST(ChunkedModel, ConvNetWithBatchNormMatches) {
 // and copies that lag as CUDA's do: every iteration's loss and gradients equal the unwrapped twin's,
 // and after the warm-up no iteration gives the trace up or re-traces; the trace is followed and
 // prefetched from in every one (D98). The same draws under the strict rule (align_to_trace false:
-// give up at the first difference, re-trace the next) leave the uses waiting for more bytes.
+// give up at the first difference, re-trace the next) leave the uses waiting for more bytes. And
+// aligned with the skips said ahead (ferry::will_skip, D107): the same values, fewer bytes moved in.
 TEST(ChunkedModel, LayerDropMatchesUnwrappedAndKeepsFollowingTheTrace) {
   const int64_t V = 64, D = 32, L = 6, T = 8, chunk = 8 << 10;
   std::mt19937 rng(5);
@@ -315,11 +321,15 @@ TEST(ChunkedModel, LayerDropMatchesUnwrappedAndKeepsFollowingTheTrace) {
     for (int64_t b = 0; b < L; ++b) skipped_blocks += (skips[it][b] = rng() % 4 == 0) ? 1 : 0;
   }
   ASSERT_GT(skipped_blocks, 10);
-  auto train = [&](bool align) {
+  struct Totals {
+    int64_t demand = 0, gave_up_or_traced = 0, moved = 0, hinted = 0, broken = 0;
+  };
+  auto train = [&](bool align, bool say_skips = false) {
     torch::manual_seed(11);
     LayerDropGpt ref(V, D, L, T);
     torch::manual_seed(11);
     LayerDropGpt net(V, D, L, T);
+    ref->say_skips = net->say_skips = say_skips;
     const int64_t budget = 4 * largest_chunk_bytes(*net, chunk);
     ChunkedModelOptions options = lagging_copies();
     options.scheduler.align_to_trace = align;
@@ -329,30 +339,40 @@ TEST(ChunkedModel, LayerDropMatchesUnwrappedAndKeepsFollowingTheTrace) {
       auto idx = torch::randint(0, V, {2, T}, torch::kLong);
       return torch::nn::functional::cross_entropy(m->forward(idx).view({-1, V}), idx.view({-1}));
     };
-    int64_t demand = 0, gave_up_or_traced = 0;
+    Totals t;
     for (size_t it = 0; it < skips.size(); ++it) {
-      const std::string what = std::string(align ? "aligned" : "strict") + " iteration " + std::to_string(it);
+      const std::string what =
+          std::string(align ? say_skips ? "said ahead" : "aligned" : "strict") + " iteration " + std::to_string(it);
       ref->skip = net->skip = skips[it];
       compare_iteration(ref, net, model, loss_of, what);
       const IterationStats s = model.last_iteration();
       EXPECT_LE(s.device_peak_bytes, budget) << what;
       if (it < 2) continue;  // the warm-up, and the first iteration after the repack
-      demand += s.demand_h2d_bytes();
-      gave_up_or_traced += (s.diverged || s.traced) ? 1 : 0;
+      t.demand += s.demand_h2d_bytes();
+      t.gave_up_or_traced += (s.diverged || s.traced) ? 1 : 0;
+      t.moved += s.h2d_bytes;
+      t.hinted += s.trace_hinted;
+      t.broken += s.trace_hints_broken;
       if (align) {
         EXPECT_FALSE(s.diverged) << what;
         EXPECT_FALSE(s.traced) << what;
         EXPECT_GT(s.prefetched_bytes, 0) << what;
       }
     }
-    return std::make_pair(demand, gave_up_or_traced);
+    return t;
   };
-  const auto strict = train(false), aligned = train(true);
-  EXPECT_GT(strict.second, 6) << "the strict rule gives the trace up or re-traces in most iterations";
-  EXPECT_EQ(aligned.second, 0);
-  EXPECT_LT(aligned.first, strict.first) << "bytes the uses waited for";
-  std::cout << "LayerDrop GPT, 12 iterations: host->device bytes the uses waited for: strict " << strict.first
-            << ", aligned " << aligned.first << "\n";
+  const Totals strict = train(false), aligned = train(true), said = train(true, true);
+  EXPECT_GT(strict.gave_up_or_traced, 6) << "the strict rule gives the trace up or re-traces in most iterations";
+  EXPECT_EQ(aligned.gave_up_or_traced, 0);
+  EXPECT_EQ(said.gave_up_or_traced, 0);
+  EXPECT_LT(aligned.demand, strict.demand) << "bytes the uses waited for";
+  EXPECT_EQ(aligned.hinted, 0);
+  EXPECT_GT(said.hinted, 0);
+  EXPECT_EQ(said.broken, 0);
+  EXPECT_LT(said.moved, aligned.moved) << "no prefetch of a block said skipped";
+  std::cout << "LayerDrop GPT, 12 iterations: host->device bytes the uses waited for: strict " << strict.demand
+            << ", aligned " << aligned.demand << ", skips said ahead " << said.demand << "; moved in: strict "
+            << strict.moved << ", aligned " << aligned.moved << ", said ahead " << said.moved << "\n";
 }
 
 TEST(ChunkedModel, SharedFrozenUnusedAndDivergence) {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <iostream>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -578,8 +579,11 @@ struct FakeRemote final : RemoteChunks {
 };
 
 // One iteration: forward over `fwd`, then backward over `bwd`.
-void run_with_backward(Fixture& f, const std::vector<int64_t>& fwd, const std::vector<int64_t>& bwd) {
+// `will_skip`: said to the scheduler when the iteration begins (Scheduler::will_not_use).
+void run_with_backward(Fixture& f, const std::vector<int64_t>& fwd, const std::vector<int64_t>& bwd,
+                       const std::vector<int64_t>& will_skip = {}) {
   f.scheduler->begin_iteration();
+  f.scheduler->will_not_use(will_skip);
   for (int64_t p : fwd) {
     f.scheduler->pre_use(p);
     f.scheduler->post_use(p, TensorState::kHoldAfterFwd);
@@ -714,6 +718,75 @@ TEST(Scheduler, LayerDropAlignedWaitsForFewerMovesThanRetracing) {
               << "; moved both ways over the iterations' own floors: strict " << strict.both_ways << " / "
               << strict.floor << ", aligned " << aligned.both_ways << " / " << aligned.floor << "\n";
   }
+}
+
+// The same LayerDrop, aligning, with each iteration's skips said when it begins (Note [Skips said
+// ahead]) against learnt as they come: the hinted run prefetches no chunk of a skipped layer, so it
+// moves fewer bytes (here exactly its iterations' own floors), and its uses wait for no more. A
+// wrong hint (every layer said skipped, then all used) gives up nothing: the trace is followed, every
+// use matches, and each is counted broken.
+TEST(Scheduler, LayerDropSkipsSaidAheadMoveNearerTheFloor) {
+  constexpr int kLayers = 24, kRoom = 14, kIterations = 40;
+  std::mt19937 rng(7);
+  std::vector<std::vector<int64_t>> forwards, skips;
+  for (int it = 0; it < kIterations; ++it) {
+    std::vector<int64_t> layers, skipped;
+    for (int64_t l = 0; l < kLayers; ++l) (it == 0 || rng() % 10 != 0 ? layers : skipped).push_back(l);
+    forwards.push_back(layers);
+    skips.push_back(skipped);
+  }
+  struct Totals {
+    int64_t demand = 0, moved = 0, both_ways = 0, floor = 0, hinted = 0, broken = 0;
+  };
+  auto train = [&](bool hint, bool stream) {
+    Fixture f(/*budget=*/kRoom * 100, nullptr, 0, kLayers, /*align=*/true, 1, stream, /*measure_floor=*/true);
+    Totals t;
+    for (int it = 0; it < kIterations; ++it) {
+      const std::vector<int64_t>& fwd = forwards[it];
+      run_with_backward(f, fwd, std::vector<int64_t>(fwd.rbegin(), fwd.rend()),
+                        hint ? skips[it] : std::vector<int64_t>{});
+      if (it == 0) f.relayout();
+      if (it < 2) continue;
+      EXPECT_LE(f.last.device_peak_bytes, kRoom * 100);
+      EXPECT_FALSE(f.last.diverged || f.last.traced) << "iteration " << it;
+      EXPECT_LE(f.last.floor_bytes, f.last.moved_bytes()) << "iteration " << it;
+      t.demand += f.last.demand_h2d_bytes();
+      t.moved += f.last.h2d_bytes;
+      t.both_ways += f.last.moved_bytes();
+      t.floor += f.last.floor_bytes;
+      t.hinted += f.last.trace_hinted;
+      t.broken += f.last.trace_hints_broken;
+    }
+    return t;
+  };
+  for (const bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "stream copies" : "synchronous copies");
+    const Totals learnt = train(false, stream), said = train(true, stream);
+    EXPECT_EQ(learnt.hinted, 0);
+    EXPECT_GT(said.hinted, 0);
+    EXPECT_EQ(said.broken, 0);
+    EXPECT_LT(said.moved, learnt.moved);
+    EXPECT_LT(said.both_ways * learnt.floor, learnt.both_ways * said.floor) << "moved over floor, nearer 1";
+    EXPECT_EQ(said.both_ways, said.floor) << "here the floor itself (123,200 B on both engines)";
+    EXPECT_LE(said.demand, learnt.demand);
+    std::cout << "LayerDrop (24 layers, room for 14, p = 0.1), 38 iterations, " << (stream ? "stream" : "synchronous")
+              << " copies, aligned: host->device bytes moved: skips learnt " << learnt.moved << ", said ahead "
+              << said.moved << "; a use waited for: " << learnt.demand << ", " << said.demand
+              << "; moved both ways over the iterations' own floors: " << learnt.both_ways << " / " << learnt.floor
+              << ", " << said.both_ways << " / " << said.floor << "\n";
+  }
+  // Every layer said skipped, then all used.
+  Fixture f(/*budget=*/kRoom * 100, nullptr, 0, kLayers, /*align=*/true, 1, false, /*measure_floor=*/true);
+  std::vector<int64_t> all(kLayers);
+  std::iota(all.begin(), all.end(), 0);
+  const std::vector<int64_t> backward(all.rbegin(), all.rend());
+  run_with_backward(f, all, backward);
+  f.relayout();
+  run_with_backward(f, all, backward, all);
+  EXPECT_FALSE(f.last.diverged || f.last.traced);
+  EXPECT_EQ(f.last.trace_skipped + f.last.trace_unforeseen, 0);
+  EXPECT_EQ(f.last.trace_hints_broken, 2 * kLayers);
+  EXPECT_THROW(f.scheduler->will_not_use({kLayers}), c10::Error) << "an index out of range";
 }
 
 }  // namespace

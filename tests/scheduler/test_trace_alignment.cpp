@@ -1,7 +1,7 @@
 // TraceAlignment (scheduler/trace_alignment.h): uses aligned against a trace by hand-made examples
 // (skips, long ones, another order, nearest positions, unforeseen uses, repeated uses), the merged
 // trace with its backward start, non-model bytes and parameters in use, the positions backward passes
-// over, and a property test over random departures from random traces.
+// over, skips said ahead, and a property test over random departures from random traces.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -152,6 +152,45 @@ TEST(TraceAlignment, BackwardPassesOverTheParametersForwardDidNotUse) {
   TraceAlignment b(t);
   align_all(b, {0, 1, 2, 0});
   EXPECT_EQ(b.begin_backward(), nullptr);
+}
+
+// Note [Skips said ahead]: forward 0 1 2 3, backward 3 2 1 0. The model says, before its first use,
+// that it will skip 1 and 2: their positions are passed over, forward and backward, at once.
+TEST(TraceAlignment, ASkipSaidAheadPassesItsPositionsOverForwardAndBackward) {
+  const AccessTrace t = make_trace({0, 1, 2, 3}, {3, 2, 1, 0});
+  TraceAlignment a(t);
+  EXPECT_EQ(a.pass_over({}), nullptr) << "nothing said, nothing passed over";
+  const std::shared_ptr<const std::vector<char>> first = a.pass_over({1});
+  ASSERT_NE(first, nullptr);
+  EXPECT_EQ(*first, (std::vector<char>{0, 1, 0, 0, 0, 0, 1, 0}));
+  const std::shared_ptr<const std::vector<char>> both = a.pass_over({2, 1});
+  EXPECT_EQ(*both, (std::vector<char>{0, 1, 1, 0, 0, 1, 1, 0}));
+  EXPECT_EQ(*first, (std::vector<char>{0, 1, 0, 0, 0, 0, 1, 0})) << "the vector handed out before is not changed";
+  EXPECT_EQ(a.hinted(), 4) << "1 said twice counts once";
+  EXPECT_EQ(a.pass_over({2}), both) << "nothing new: the same vector";
+  align_all(a, {0, 3});
+  EXPECT_EQ(a.hints_broken(), 0);
+  const std::shared_ptr<const std::vector<char>> backward = a.begin_backward();
+  ASSERT_NE(backward, nullptr);
+  EXPECT_EQ(*backward, (std::vector<char>{0, 0, 0, 0, 0, 1, 1, 0})) << "backward's own: forward skipped 1 and 2";
+  EXPECT_EQ(a.pass_over({3}), backward) << "ignored in backward";
+}
+
+// A hint the iteration proves wrong changes no use: the position still matches (counted broken), and
+// backward's passed-over positions come from what forward used, not from the hint. A hint for a
+// parameter used already in this iteration is ignored: its backward comes.
+TEST(TraceAlignment, AWrongSkipSaidAheadStillMatchesAndBackwardFollowsTheUses) {
+  const AccessTrace t = make_trace({0, 1, 2, 3}, {3, 2, 1, 0});
+  TraceAlignment a(t);
+  a.align(0, 100);
+  EXPECT_EQ(a.pass_over({0}), nullptr) << "0 was used: its backward comes";
+  ASSERT_NE(a.pass_over({1}), nullptr);
+  EXPECT_EQ(align_all(a, {1, 2, 3}), (std::vector<int64_t>{1, 2, 3})) << "the hinted position still matches";
+  EXPECT_EQ(a.hints_broken(), 1);
+  EXPECT_EQ(a.begin_backward(), nullptr) << "forward used all its trace: nothing is passed over";
+  EXPECT_EQ(a.passed_over(), nullptr) << "the hint is gone with it";
+  EXPECT_EQ(align_all(a, {3, 2, 1, 0}), (std::vector<int64_t>{4, 5, 6, 7}));
+  EXPECT_EQ(a.hints_broken(), 2) << "1's backward position was hinted too";
 }
 
 // Random traces (a forward of distinct parameters, some used twice like tied weights, and its reverse
