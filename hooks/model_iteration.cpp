@@ -267,7 +267,7 @@ ChunkedModel::Outside ChunkedModel::before_outside_use(int64_t param) {
 }
 
 void ChunkedModel::will_skip(const torch::nn::Module& module) {
-  if (phase_.load() != ModelPhase::kForward) return;  // the Scope is forward()'s: always so but in a nested one
+  if (phase_.load() != ModelPhase::kForward) return;  // forward()'s Scope is open while fn() runs: kForward
   scheduler_->will_not_use(params_only_in(*module_, module, table_));
 }
 

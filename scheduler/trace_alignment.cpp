@@ -100,7 +100,7 @@ std::shared_ptr<const std::vector<char>> TraceAlignment::pass_over(const std::ve
     }
     for (auto it = first; it != last; ++it) {
       const int64_t q = *it;
-      if (passed_over_ && (*passed_over_)[q]) continue;
+      if (over ? (*over)[q] != 0 : passed_over_ && (*passed_over_)[q] != 0) continue;  // said before
       if (!over) {
         over = passed_over_ ? std::make_shared<std::vector<char>>(*passed_over_)
                             : std::make_shared<std::vector<char>>(n, 0);
