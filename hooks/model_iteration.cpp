@@ -11,7 +11,9 @@
 
 #include <exception>
 #include <string>
+#include <vector>
 
+#include "../common/event_trace.h"
 #include "../common/logging.h"
 #include "chunked_model.h"
 #include "param_use_recorder.h"
@@ -268,7 +270,13 @@ ChunkedModel::Outside ChunkedModel::before_outside_use(int64_t param) {
 
 void ChunkedModel::will_skip(const torch::nn::Module& module) {
   if (phase_.load() != ModelPhase::kForward) return;  // forward()'s Scope is open while fn() runs: kForward
-  scheduler_->will_not_use(params_only_in(*module_, module, table_));
+  const std::vector<int64_t> params = params_only_in(*module_, module, table_);
+  if (trace::enabled()) {  // shown in the trace: which part was said skipped, and how much of it
+    trace::instant("model", "will_skip",
+                   "\"params\": " + std::to_string(params.size()) +
+                       (params.empty() ? std::string() : ", \"first\": \"" + table_.name(params.front()) + "\""));
+  }
+  scheduler_->will_not_use(params);
 }
 
 void ChunkedModel::check_outside_use(int64_t param) {

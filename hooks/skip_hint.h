@@ -17,7 +17,7 @@
 //    unchanged without ferry.
 //  - A hint changes where chunks are, never a value: results are bit-identical with and without it. A
 //    hint proven wrong (the part runs after all) costs moves (its chunks come on demand), counted in
-//    IterationStats::trace_hints_broken.
+//    IterationStats::trace_hints_broken. Each hint is an instant event `will_skip` in the event trace.
 //  - The earlier the better: prefetches issued before the hint stand. It holds for the rest of the
 //    iteration; the next forward starts without hints.
 //  - A parameter `module` shares with a part of the model outside it (an output projection tied to the

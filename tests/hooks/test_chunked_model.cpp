@@ -340,6 +340,7 @@ TEST(ChunkedModel, LayerDropMatchesUnwrappedAndKeepsFollowingTheTrace) {
       return torch::nn::functional::cross_entropy(m->forward(idx).view({-1, V}), idx.view({-1}));
     };
     Totals t;
+    if (say_skips) trace::start();  // each hint is an instant event there
     for (size_t it = 0; it < skips.size(); ++it) {
       const std::string what =
           std::string(align ? say_skips ? "said ahead" : "aligned" : "strict") + " iteration " + std::to_string(it);
@@ -358,6 +359,16 @@ TEST(ChunkedModel, LayerDropMatchesUnwrappedAndKeepsFollowingTheTrace) {
         EXPECT_FALSE(s.traced) << what;
         EXPECT_GT(s.prefetched_bytes, 0) << what;
       }
+    }
+    if (say_skips) {
+      trace::stop();
+      // One per block said skipped, in every iteration, naming the block's first parameter (h<i>.ln1.weight)
+      // and its 12 parameters.
+      EXPECT_EQ(test::check_trace("hints = [e for e in ev if e['ph'] == 'i' and e['name'] == 'will_skip']\n"
+                                  "assert len(hints) == " + std::to_string(skipped_blocks) + ", len(hints)\n"
+                                  "assert all(e['args']['first'].startswith('h') for e in hints), hints[:3]\n"
+                                  "assert all(e['args']['params'] == 12 for e in hints), hints[:3]\n"),
+                0);
     }
     return t;
   };
