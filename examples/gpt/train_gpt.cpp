@@ -4,7 +4,7 @@
 // Options parse strictly (ferry/common/cli.h): a bad value names the option and what was expected.
 //
 //   train_gpt [--preset=tiny] [--steps=300] [--batch=8] [--seq=128] [--lr=3e-3] [--warmup=20]
-//             [--micro-batches=1] [--max-grad-norm=1.0] [--checkpoint-activations]
+//             [--micro-batches=1] [--max-grad-norm=1.0] [--checkpoint-activations] [--layer-drop=P]
 //             [--corpus=/usr/share/common-licenses] [--save=DIR] [--resume=DIR] [--seed=1]
 //             [--log-every=10] [--expect-loss-below=X] [--trace=FILE.json] [--state-format=fp32|compact]
 //             [--round-trip-slots=K] [--init-scope]  + ferry's options (--device, --precision, --chunk-size,
@@ -20,11 +20,16 @@
 // across the ranks (Note [Sharded optimizer state]); rank 0 prints the progress, every log line names
 // its rank. --save writes one checkpoint (rank 0 writes it); --resume reads it at any world size.
 //
+// LayerDrop (--layer-drop=P): each block is skipped with probability P in each micro-batch's forward,
+// drawn when the forward begins (the same draws on every rank) and said to ferry then
+// (ferry::will_skip, D107), so no chunk of a skipped block is moved in for it.
+//
 // Defaults follow the device: on a GPU bf16 and a device budget of 90% of its memory; on the CPU
 // (simulated device) fp32 (bf16 with --state-format=compact, which needs a 16-bit compute copy), a
 // chunk size of 1/8 of the model and a device budget of half the model, so chunks really move.
 #include "../../ferry.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
@@ -32,6 +37,7 @@
 #include <optional>
 #include <random>
 #include <tuple>
+#include <vector>
 
 #include "corpus.h"
 #include "gpt.h"
@@ -44,7 +50,7 @@ void on_stop_signal(int) { g_stop.store(true); }
 struct Args {
   std::string preset = "tiny";
   int64_t steps = 300, batch = 8, seq = 128, micro_batches = 1, warmup = 20, log_every = 10, seed = 1;
-  double lr = 3e-3, max_grad_norm = 1.0;
+  double lr = 3e-3, max_grad_norm = 1.0, layer_drop = 0;
   bool checkpoint_activations = false, init_scope = false;
   std::string corpus = "/usr/share/common-licenses", save, resume, trace, state_format = "fp32";
   ferry::StateFormat format = ferry::StateFormat::kFp32;  // --state-format, parsed once
@@ -64,6 +70,8 @@ ferry::cli::Options options_for(Args& a) {
       .add("micro-batches", &a.micro_batches, "gradient accumulation: micro-batches per step (default 1)", 1)
       .add("max-grad-norm", &a.max_grad_norm, "global gradient clipping, 0 = none (default 1.0)", 0.0)
       .add_flag("checkpoint-activations", &a.checkpoint_activations, "recompute each block in backward")
+      .add("layer-drop", &a.layer_drop, "LayerDrop: skip each block with probability P per forward, said ahead to "
+           "ferry (ferry::will_skip; default 0)", 0.0, 1.0)
       .add("corpus", &a.corpus, "a text file or a directory of them (default /usr/share/common-licenses)")
       .add("save", &a.save, "save the training state into DIR at the end (checked before training)")
       .add("resume", &a.resume, "resume from the training state in DIR")
@@ -160,8 +168,14 @@ int train(int argc, char** argv) {
   ferry::log::info("train_gpt: corpus ", corpus.path(), " (", corpus.files(), " files, ", corpus.size(),
                    " bytes); preset ", gc.name, ": ", n_params / 1e6, "M parameters, hidden ", gc.hidden, " x ",
                    gc.layers, " layers, ", gc.heads, " heads");
-  if (args.checkpoint_activations) {
-    net->run_block = [](gpt::Block& b, const torch::Tensor& x) {
+  // LayerDrop: block i is skipped in this forward where skip[i] (drawn per micro-batch below).
+  std::vector<char> skip(static_cast<size_t>(gc.layers), 0);
+  size_t next_block = 0;
+  if (args.checkpoint_activations || args.layer_drop > 0) {
+    net->run_block = [&skip, &next_block, checkpoint = args.checkpoint_activations](gpt::Block& b,
+                                                                                   const torch::Tensor& x) {
+      if (skip[next_block++ % skip.size()]) return x;
+      if (!checkpoint) return b->forward(x);
       return ferry::checkpoint([b](const std::vector<at::Tensor>& in) mutable { return b->forward(in[0]); }, {x});
     };
   }
@@ -197,6 +211,7 @@ int train(int argc, char** argv) {
   auto t_window = t_start;
   double window_loss = 0, first_window_loss = -1, last_window_loss = 0;
   int64_t window_steps = 0, moved_window = 0, skipped = 0, steps_done = 0;
+  int64_t blocks_dropped = 0, block_runs = 0, said_but_used = 0;  // --layer-drop, over the whole run
   std::vector<double> losses;
   for (int64_t step = first_step; step < first_step + args.steps && !g_stop.load(); ++step) {
     const double lr = args.lr * std::min(1.0, static_cast<double>(step + 1) / std::max<int64_t>(1, args.warmup));
@@ -210,7 +225,21 @@ int train(int argc, char** argv) {
       std::tie(x, y) = corpus.sample(micro, args.seq, rng);
       x = x.to(device);
       y = y.to(device);
-      auto loss = model.forward([&] { return gpt::GptImpl::loss(net->forward(x), y) / args.micro_batches; });
+      if (args.layer_drop > 0) {  // the same draws on every rank: a step's parameter uses agree across them
+        std::mt19937_64 draw(static_cast<uint64_t>(args.seed) * 1000003 + static_cast<uint64_t>(step) * 64 +
+                             static_cast<uint64_t>(k));
+        std::uniform_real_distribution<double> u(0.0, 1.0);
+        for (char& s : skip) s = u(draw) < args.layer_drop ? 1 : 0;
+      }
+      next_block = 0;
+      auto loss = model.forward([&] {
+        for (size_t i = 0; i < skip.size(); ++i) {
+          if (skip[i]) ferry::will_skip(*net->blocks[i]);  // said before any block runs
+        }
+        return gpt::GptImpl::loss(net->forward(x), y) / args.micro_batches;
+      });
+      blocks_dropped += std::count(skip.begin(), skip.end(), 1);
+      block_runs += static_cast<int64_t>(skip.size());
       // The last backward and the step as one pipeline (Note [Pipelined step]).
       if (k + 1 == args.micro_batches) {
         r = adam.backward_step(loss);
@@ -220,6 +249,7 @@ int train(int argc, char** argv) {
       step_loss = step_loss.defined() ? step_loss + loss.detach() : loss.detach();
       const ferry::IterationStats it = model.last_iteration();
       moved_window += it.h2d_bytes + it.d2h_bytes;
+      said_but_used += it.trace_hints_broken;
     }
     adam.zero_grad();
     const double loss_sum = step_loss.item<double>();
@@ -273,6 +303,11 @@ int train(int argc, char** argv) {
       ferry::to_string(config.precision), device.str().c_str(),
       config.device_budget_bytes ? ("budget " + ferry::format_bytes(config.device_budget_bytes)).c_str() : "no budget",
       ferry::to_string(args.format), static_cast<long long>(adam.device_state_chunks()), static_cast<long long>(model.layout().num_chunks()));
+  if (report && args.layer_drop > 0) {
+    std::printf("layer drop %.2f: %lld of %lld block runs skipped, said ahead (%lld trace uses said skipped came "
+                "anyway)\n", args.layer_drop, static_cast<long long>(blocks_dropped), static_cast<long long>(block_runs),
+                static_cast<long long>(said_but_used));
+  }
   if (report && args.round_trip_slots > 0) {
     const ferry::optim::RoundTrips::Stats t = adam.round_trip_stats();
     std::printf("round trips: %lld of the host updates' parameter chunks through %lld slots (at most %lld held), %lld "
