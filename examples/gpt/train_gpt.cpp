@@ -305,7 +305,8 @@ int train(int argc, char** argv) {
       ferry::to_string(args.format), static_cast<long long>(adam.device_state_chunks()), static_cast<long long>(model.layout().num_chunks()));
   if (report && args.layer_drop > 0) {
     std::printf("layer drop %.2f: %lld of %lld block runs skipped, said ahead (%lld trace uses said skipped came "
-                "anyway)\n", args.layer_drop, static_cast<long long>(blocks_dropped), static_cast<long long>(block_runs),
+                "anyway)\n",
+                args.layer_drop, static_cast<long long>(blocks_dropped), static_cast<long long>(block_runs),
                 static_cast<long long>(said_but_used));
   }
   if (report && args.round_trip_slots > 0) {
