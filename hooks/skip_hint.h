@@ -19,7 +19,9 @@
 //    hint proven wrong (the part runs after all) costs moves (its chunks come on demand), counted in
 //    IterationStats::trace_hints_broken. Each hint is an instant event `will_skip` in the event trace.
 //  - The earlier the better: prefetches issued before the hint stand. It holds for the rest of the
-//    iteration; the next forward starts without hints.
+//    iteration (each forward() of it, and its backward); the next iteration starts without hints.
+//  - Acted on while the trace is followed aligning: not while the warm-up records it, nor with the
+//    parameters sharded across ranks (N > 1), where the trace is strict (Scheduler::will_not_use).
 //  - A parameter `module` shares with a part of the model outside it (an output projection tied to the
 //    embedding; a block registered twice) is left out: that part still uses it.
 //  - Fails, naming it, for a parameter of `module` that the model does not hold (another model's block).
