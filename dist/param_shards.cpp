@@ -98,7 +98,7 @@ void ParamShards::start_locked(int64_t group, bool prefetch) {
   if (prefetch) ++stats_.prefetched;
 }
 
-void ParamShards::install_locked(int64_t group, const at::Tensor& out) {
+void ParamShards::check_group_locked(int64_t group, const at::Tensor& out) const {
   const int64_t seg = segment_bytes_;
   // Every rank's group index (on the device: one small copy to the host).
   const at::Tensor heads = out.view({world_, seg}).slice(1, seg - kHeaderBytes, seg).to(at::kCPU).contiguous();
@@ -108,9 +108,15 @@ void ParamShards::install_locked(int64_t group, const at::Tensor& out) {
     std::memcpy(&theirs, head + k * kHeaderBytes, sizeof(theirs));
     TORCH_CHECK(theirs == group, "ferry: rank ", rank_, " gathered the parameter chunks of group ", group,
                 " while rank ", k, " gathered group ", theirs, ": the ranks use the parameters in different "
-                "orders (data-dependent control flow, different shapes?). Sharded parameters need the same order "
-                "of parameter uses on every rank");
+                "orders (data-dependent control flow, different shapes?) or said different skips ahead "
+                "(ferry::will_skip). Sharded parameters need the same order of parameter uses, and the same "
+                "skips said, on every rank");
   }
+}
+
+void ParamShards::install_locked(int64_t group, const at::Tensor& out) {
+  check_group_locked(group, out);
+  const int64_t seg = segment_bytes_;
   const int64_t first = group * world_, last = std::min<int64_t>(chunks_.size(), first + world_);
   for (int64_t i = first; i < last; ++i) {
     if (owned(i)) continue;
@@ -185,13 +191,20 @@ std::vector<ChunkId> ParamShards::group(ChunkId chunk) const {
 
 void ParamShards::release_group_locked(int64_t group) {
   Flight& flight = flights_[group];
+  const int64_t first = group * world_, last = std::min<int64_t>(chunks_.size(), first + world_);
   if (flight.pending) {  // started by a prefetch that no use claimed: complete it (every rank does)
     std::unique_ptr<Pending> pending = std::move(flight.pending);
     pending->wait();
+    const at::Tensor out = std::move(flight.out);
     flight.out = at::Tensor();
+    check_group_locked(group, out);  // unused, but a gather of another group on some rank is a mismatch
+    int64_t received = 0;
+    for (int64_t i = first; i < last; ++i) received += owned(i) ? 0 : store_.chunk_info(chunks_[i]).nbytes;
+    ++stats_.unclaimed;
+    stats_.unclaimed_bytes += received;
+    stats_.gathered_bytes += received;
   }
   present_[group] = 0;
-  const int64_t first = group * world_, last = std::min<int64_t>(chunks_.size(), first + world_);
   for (int64_t i = first; i < last; ++i) {
     const ChunkId c = chunks_[i];
     if (owned(i) || store_.location(c) == Location::kNone) continue;

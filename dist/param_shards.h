@@ -24,8 +24,8 @@
 //    after forward, it is gathered twice: 3 (N-1)/N, for a compute copy that never exceeds the groups
 //    in use (D45).
 //  - Each rank's contribution carries the group index; a rank that gathers a different group (the ranks
-//    used the parameters in different orders) makes every rank fail naming both groups, instead of
-//    mixing up parameters.
+//    used the parameters in different orders, or said different skips ahead) makes every rank fail
+//    naming both groups, instead of mixing up parameters.
 //  - Before a gather reads the chunk this rank owns, the send guard (set_send_guard) is called with its
 //    layout index and must return once that chunk holds the values to send: HybridAdam's host update of
 //    it may still be running behind the step (Note [Update behind the next forward]). A gather is a
@@ -50,7 +50,11 @@ struct ParamShardStats {
   int64_t prefetched = 0;        // ... of them started by prefetch() (count)
   int64_t waited = 0;            // fetches that found their gather still running (count)
   int64_t wait_ns = 0;           // time blocked on gathers in fetch()
-  int64_t gathered_bytes = 0;    // payload bytes received from other ranks
+  int64_t gathered_bytes = 0;    // payload bytes received from other ranks (unclaimed ones included)
+  // Prefetched gathers that no use claimed before their group was given up (a part the step then
+  // skipped), and the bytes they received: sent for nothing.
+  int64_t unclaimed = 0;
+  int64_t unclaimed_bytes = 0;
   int64_t released_chunks = 0;   // payloads given up (count)
   int64_t landed_on_device = 0;  // gathered chunks installed straight into device payloads (count)
 };
@@ -93,6 +97,8 @@ class ParamShards final : public RemoteChunks {
   void start_locked(int64_t group, bool prefetch);
   void fetch_locked(int64_t group);
   void release_group_locked(int64_t group);
+  // Fails naming both groups if a rank's part of `out` (a gather of `group`) came from another group.
+  void check_group_locked(int64_t group, const at::Tensor& out) const;
   void install_locked(int64_t group, const at::Tensor& out);
 
   mutable std::mutex mutex_;

@@ -259,11 +259,23 @@ TEST(ParamShards, ReleaseAndFetchMoveTheOwnersValues) {
     require(s.gathers == 2 && s.prefetched == 1 && s.waited == 1, "the fetch waited for the prefetch's gather");
     require(mine.holds(0, value(0, 0)) && mine.holds(1, value(1, 1)), "group 0 holds its owners' values");
 
+    // A prefetch no use claims (a part the step skipped): given up with its group, its bytes counted as
+    // received for nothing. (Group 1 given up first: a present group is not prefetched.)
+    shards.release(mine.chunks[2]);
+    shards.prefetch(mine.chunks[2]);
+    require(shards.remote(mine.chunks[2]), "a group on its way is still remote");
+    shards.release(mine.chunks[2]);
+    s = shards.stats();
+    require(s.gathers == 3 && s.prefetched == 2 && s.unclaimed == 1, "one prefetch unclaimed");
+    require(s.unclaimed_bytes == mine.nbytes(received), "the bytes the unclaimed gather received");
+    require(s.gathered_bytes == mine.nbytes(received) * 2 + mine.nbytes(1 - rank), "counted as received too");
+    require(mine.store->location(mine.chunks[received]) == Location::kNone, "nothing installed");
+
     // The last group has one member (chunk 4, rank 0's): rank 1 contributes nothing but joins.
     shards.fetch_all();
     require(!shards.any_remote() && shards.present_bytes() == all_bytes, "fetch_all: everything present");
     require(mine.holds(4, value(4, 0)), "chunk 4 is rank 0's");
-    require(comm->all_gathers == 3, "fetch_all gathered the one remote group left");
+    require(comm->all_gathers == 5, "fetch_all gathered the two remote groups left");
 
     // An owner's new values (an update) reach the other rank at the next gather.
     for (size_t i = 0; i < kNumels.size(); ++i) {
@@ -278,12 +290,16 @@ TEST(ParamShards, ReleaseAndFetchMoveTheOwnersValues) {
     stats[rank] = shards.stats();
   });
   for (int r = 0; r < 2; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
-  // Per rank: 2 + 3 gathers; rank 0 received chunks 1, 3 twice; rank 1 chunks 0, 2, 4 twice.
-  EXPECT_EQ(stats[0].gathers, 6);
-  EXPECT_EQ(stats[0].gathered_bytes, 2 * (64 + 64) * 4);
-  EXPECT_EQ(stats[1].gathered_bytes, 2 * (64 + 32 + 48) * 4);
-  EXPECT_EQ(stats[0].released_chunks, 2 * 2);
-  EXPECT_EQ(stats[1].released_chunks, 2 * 3);
+  // Per rank: 8 gathers (fetch, prefetch, the unclaimed one, 2 + 3 by fetch_all); rank 0 received chunk
+  // 1 twice and chunk 3 four times (once unclaimed); rank 1 chunks 0 and 4 twice, chunk 2 four times.
+  EXPECT_EQ(stats[0].gathers, 8);
+  EXPECT_EQ(stats[0].gathered_bytes, (2 * 64 + 4 * 64) * 4);
+  EXPECT_EQ(stats[1].gathered_bytes, (2 * 64 + 2 * 48 + 4 * 32) * 4);
+  EXPECT_EQ(stats[0].unclaimed, 1);
+  EXPECT_EQ(stats[1].unclaimed, 1);
+  // 2 + 1 chunks (rank 1: 3 + 1): the unclaimed gather installed nothing to give up.
+  EXPECT_EQ(stats[0].released_chunks, 2 * 2 + 1);
+  EXPECT_EQ(stats[1].released_chunks, 2 * 3 + 1);
 }
 
 // A gathered chunk goes to the device when it has room, else to the host (never an OutOfMemoryError).
@@ -369,6 +385,24 @@ TEST(ParamShards, RanksGatheringDifferentGroupsFailNamingBoth) {
             std::string::npos)
       << errors[1];
   EXPECT_NE(errors[0].find("different orders"), std::string::npos) << errors[0];
+}
+
+// The same where the mismatched gathers were prefetches that no use claimed (ranks that said different
+// skips ahead, ferry::will_skip: one prefetched a group the other's step skips): the release that
+// completes them finds the mismatch.
+TEST(ParamShards, UnclaimedGathersOfDifferentGroupsFailNamingBoth) {
+  const auto errors = run_ranks(2, [](int rank, std::shared_ptr<FakeCommunicator> comm) {
+    RankChunks mine(rank);
+    ParamShards shards(*mine.store, mine.chunks, comm);
+    shards.release_all();
+    const ChunkId prefetched = mine.chunks[rank == 0 ? 0 : 2];
+    shards.prefetch(prefetched);
+    shards.release(prefetched);
+  });
+  EXPECT_NE(errors[0].find("rank 0 gathered the parameter chunks of group 0 while rank 1 gathered group 1"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[1].find("said different skips ahead"), std::string::npos) << errors[1];
 }
 
 // At N = 1 every chunk is owned: a release gives nothing up (the group still counts as not gathered,
