@@ -20,8 +20,12 @@
 //    IterationStats::trace_hints_broken. Each hint is an instant event `will_skip` in the event trace.
 //  - The earlier the better: prefetches issued before the hint stand. It holds for the rest of the
 //    iteration (each forward() of it, and its backward); the next iteration starts without hints.
-//  - Acted on while the trace is followed aligning: not while the warm-up records it, nor with the
-//    parameters sharded across ranks (N > 1), where the trace is strict (Scheduler::will_not_use).
+//  - Acted on while the trace is followed aligning (Scheduler::will_not_use): not while the warm-up
+//    records it, nor under SchedulerOptions::align_to_trace = false.
+//  - With parameters sharded across ranks (N > 1) every rank must say the same skips at the same point,
+//    as it must use the same parameters in the same order (draw them from a seed every rank shares): a
+//    skipped part's groups are then gathered by no rank. A rank that says otherwise fails, as every rank
+//    does, at the next gather, naming the groups (D108).
 //  - A parameter `module` shares with a part of the model outside it (an output projection tied to the
 //    embedding; a block registered twice) is left out: that part still uses it.
 //  - Fails, naming it, for a parameter of `module` that the model does not hold (another model's block).

@@ -61,9 +61,9 @@ void Scheduler::set_remote(std::shared_ptr<RemoteChunks> remote) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(!in_iteration_, "ferry: Scheduler::set_remote() inside an iteration");
   remote_ = std::move(remote);
-  // Sharded groups are fetched by collectives in the order of the uses: every rank must follow one trace
-  // exactly, or give it up at the same use (D98).
-  trace_.set_align(options_.align_to_trace && !remote_);
+  // Sharded groups are fetched by collectives in the order of the uses. Aligning keeps every rank on one
+  // trace: its matches, skips and hints are functions of the uses and hints alone, which every rank
+  // makes alike (Note [Sharded runs align], D108).
   releases_.invalidate();
 }
 

@@ -45,9 +45,9 @@ struct SchedulerOptions {
   int prefetch_depth = 2;         // distinct chunks ahead to start moving in (0: no prefetch)
   int64_t prefetch_window = 256;  // trace positions searched for them
   int64_t non_model_window = 4;   // positions ahead whose non-model peak the budget reserves
-  // Uses that differ from the trace are aligned against it (Note [A run that departs from its trace]).
-  // false: strict, any difference gives the trace up for the rest of the iteration and re-traces (as
-  // before D98; always so while parameters are sharded).
+  // Uses that differ from the trace are aligned against it (Note [A run that departs from its trace]),
+  // sharded parameters too (D108). false: strict, any difference gives the trace up for the rest of the
+  // iteration and re-traces (as before D98).
   bool align_to_trace = true;
   // The DeviceBudget (chunk/device.h; ChunkedModel sets both from the one it makes of its Config):
   // device bytes for chunks of every store: parameters + state (0: no limit).
@@ -90,8 +90,10 @@ class Scheduler {
   // skips, ferry::will_skip): while the trace is followed aligning, prefetch and OPT pass their trace
   // positions over, forward and backward (Note [Skips said ahead], trace_alignment.h). A parameter used
   // anyway is served as any use (on demand if its chunk went): a wrong hint costs moves, never a
-  // result. Ignored outside an iteration, in backward, while recording or strict (sharded), and for a
-  // parameter this iteration used already. Fails for an index out of range.
+  // result. Ignored outside an iteration, in backward, while recording or strict, and for a parameter
+  // this iteration used already. Fails for an index out of range. With sharded parameters every rank
+  // must say the same, at the same point of its uses: prefetches are gathers, collectives (a rank that
+  // differs fails at its next gather, ParamShards).
   void will_not_use(const std::vector<int64_t>& params);
   // The backward pass starts (ChunkedModel::backward): recorded in the trace, so that sharded groups are
   // given up after their forward uses only.

@@ -9,9 +9,9 @@
 // trace (its version: what every rank must agree on before forward releases follow it) and says once,
 // after the warm-up, that the layout should be repacked in first-use order.
 //
-// Strict mode (align false; the scheduler sets it while parameters are sharded, whose fetches are
-// collectives every rank must make in one order): positions are the uses' indices and any difference
-// gives up, as before D98.
+// Strict mode (align false: SchedulerOptions::align_to_trace): positions are the uses' indices and any
+// difference gives up, as before D98. Both modes are functions of the uses (and hints) alone, so ranks
+// that use the parameters alike follow alike (sharded groups are fetched by collectives in that order).
 //
 // A forward-only (evaluation) recording becomes the trace only while there is none from a training
 // iteration: evaluation between training steps would otherwise flip the trace back and forth. An
@@ -89,8 +89,6 @@ class TraceState {
   void retrace() {
     if (trace_) retrace_next_ = true;
   }
-  // Aligning, or strict (false), from the next iteration on.
-  void set_align(bool align) { align_ = align; }
   // Iterations ended so far.
   int64_t iterations() const { return iteration_; }
 

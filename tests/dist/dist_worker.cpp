@@ -28,7 +28,8 @@
 // --eval-every=K: after every K-th step an evaluation forward (no backward) on the rank's rows.
 // --shard-params=0: every rank keeps every parameter chunk (Note [Sharded parameters] off).
 // --reshard=0 / --reshard-gap=G (default 0: every group given up after forward):
-// SchedulerOptions::reshard_after_forward / reshard_min_gap.
+// SchedulerOptions::reshard_after_forward / reshard_min_gap. --align=0: SchedulerOptions::align_to_trace
+// off (the strict rule).
 // --reorder-rank=R: from the second step on, rank R uses the head before the rest in forward (ranks with
 // different use orders once the parameters are sharded).
 // --state-format=compact: HybridAdamOptions::state_format (with --precision=bf16).
@@ -51,6 +52,12 @@
 // the device) is NaN: the step skips that chunk (backward_step) or everything (step), as in one process.
 // --checkpoint=1: the MLP as two ferry::checkpoint segments (with --activations=auto: the plan agreed
 // across ranks; --device-capacity may differ per rank). Reports plans= and plan= (K kept, r recomputed).
+// --drop-mlp=P: LayerDrop on the MLP: each step skips it with probability P, drawn from the step's index
+// (the same draw on every rank and in the reference); --say-skips=1: the skip is said ahead
+// (ferry::will_skip); --say-skips-rank=R: only rank R says it (ranks that disagree). Reports mlp_skipped=
+// (steps), diverged= (iterations that gave the trace up), retraced= (iterations that recorded it after
+// the warm-up), hinted= and hints_broken= (trace positions), demand_gathers= (group gathers not started
+// ahead of their use), unclaimed= (prefetched gathers no use claimed).
 // --precision=... and every other ferry option. Prints one line "FERRY_DIST_RESULT key=value ...".
 #include <torch/torch.h>
 
@@ -132,6 +139,11 @@ int run(int argc, char** argv) {
   const int forwards = std::stoi(option(rest, "forwards", "1"));
   const int nan_step = std::stoi(option(rest, "nan-step", "-1"));
   const int nan_rank = std::stoi(option(rest, "nan-rank", "-1"));
+  const double drop_mlp = std::stod(option(rest, "drop-mlp", "0"));
+  const bool say_skips = option(rest, "say-skips", "0") == "1";
+  const int say_skips_rank = std::stoi(option(rest, "say-skips-rank", "-1"));
+  TORCH_CHECK(drop_mlp == 0 || (resume.empty() && rewind.empty() && nan_step < 0),
+              "--drop-mlp counts the MLP's own steps from the first: no --resume, --rewind or --nan-step with it");
   TORCH_CHECK(emulate == 1 || config.world_size == 1, "--emulate-world is for the single-process reference");
   TORCH_CHECK(forwards == 1 || (emulate == 1 && micro == 1 && batch % (config.world_size * forwards) == 0),
               "--forwards needs --emulate-world=1, --micro=1 and a batch that splits over ranks and forwards");
@@ -147,6 +159,8 @@ int run(int argc, char** argv) {
   model_options.scheduler.reshard_min_gap = std::stoll(option(rest, "reshard-gap", "0"));
   model_options.scheduler.reshard_after_forward = option(rest, "reshard", "1") == "1";
   model_options.scheduler.warmup_iterations = std::stoi(option(rest, "warmup-iterations", "1"));
+  const int64_t model_warmup = model_options.scheduler.warmup_iterations;
+  model_options.scheduler.align_to_trace = option(rest, "align", "1") == "1";
   const std::string copies = option(rest, "copies", "sync");
   TORCH_CHECK(copies == "sync" || copies == "stream", "--copies must be sync or stream, got ", copies);
   if (copies == "stream") model_options.copy_engine = [] { return std::make_unique<ferry::StreamModelCopyEngine>(); };
@@ -193,6 +207,8 @@ int run(int argc, char** argv) {
   };
   int64_t ring_before_last = 0;  // ring bytes sent before the last step
   int64_t overflows = 0;
+  // --drop-mlp: steps without the MLP (and those of them it would have trained in); the trace's counts.
+  int64_t mlp_skipped = 0, mlp_skipped_trainable = 0, diverged = 0, retraced = 0, hinted = 0, hints_broken = 0;
   for (int step = first_step; step < steps; ++step) {
     if (!rewound && step == rewind_at) {
       adam.load(rewind_dir);
@@ -209,6 +225,13 @@ int run(int argc, char** argv) {
       for (auto& p : (*layer)->parameters()) p.set_requires_grad(step >= frozen_until);
     }
     net->use_spare = spare_from >= 0 && step >= spare_from;
+    if (drop_mlp > 0) {  // the same draw on every rank: the uses stay the same on every rank
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
+      net->skip_mlp = torch::rand({1}, gen).item<double>() < drop_mlp;
+      net->say_skip = say_skips || config.rank == say_skips_rank;
+      mlp_skipped += net->skip_mlp;
+      mlp_skipped_trainable += net->skip_mlp && step >= frozen_until;  // a step the MLP's own count misses
+    }
     const ferry::test::Batch global = ferry::test::global_batch(step, batch);
     const torch::Tensor idx = global.idx, target = global.target;
     ferry::StepResult r;
@@ -263,7 +286,12 @@ int run(int argc, char** argv) {
         }
         r = adam.step();
       }
-      evictions += model.last_iteration().evictions;
+      const ferry::IterationStats it = model.last_iteration();
+      evictions += it.evictions;
+      diverged += it.diverged;
+      retraced += it.traced && it.index >= model_warmup;
+      hinted += it.trace_hinted;
+      hints_broken += it.trace_hints_broken;
     }
     overflows += r.overflow;
     TORCH_CHECK(r.applied != (step == nan_step) && r.overflow == (step == nan_step), "step ", step,
@@ -349,8 +377,9 @@ int run(int argc, char** argv) {
       const std::string& name = model.param_name(p);
       const bool mlp = name.rfind("up.", 0) == 0 || name.rfind("down.", 0) == 0;
       const int64_t missed = model.layout().slots()[p].chunk == skipped_chunk ? 1 : 0;
+      const int64_t mlp_missed = std::min(frozen_until, steps) + mlp_skipped_trainable;
       const int64_t want = name == "spare" ? (spare_from >= 0 ? std::max(0, steps - spare_from) : 0)
-                           : mlp ? adam.step_count(0) - std::min(frozen_until, steps) - missed
+                           : mlp ? adam.step_count(0) - mlp_missed - missed
                                  : adam.step_count(0) - missed;
       TORCH_CHECK(count == want, "param_step_count of ", name, ": ", count, ", expected ", want);
       ++own_step_counts;
@@ -389,6 +418,9 @@ int run(int argc, char** argv) {
             << " loss=" << loss_sum << " eval_loss=" << eval_loss << " touched_ok=" << touched_ok
             << " touched_refused=" << touched_refused << " own_step_counts=" << own_step_counts
             << " param_tensors=" << model.num_params() << " overflows=" << overflows
+            << " mlp_skipped=" << mlp_skipped << " diverged=" << diverged << " retraced=" << retraced
+            << " hinted=" << hinted << " hints_broken=" << hints_broken << " demand_gathers=" << ps.gathers - ps.prefetched
+            << " unclaimed=" << ps.unclaimed
             << " plans=" << model.activations().plans() << " plan=" << plan_string(model.activations().keep()) << std::endl;
   if (option(rest, "eval-without-optimizer", "0") == "1") {
     // Training done, the optimizer dropped, the model evaluated: its sharded groups are still gathered

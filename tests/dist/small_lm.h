@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../../hooks/checkpoint.h"
+#include "../../hooks/skip_hint.h"
 
 namespace ferry::test {
 
@@ -24,9 +25,15 @@ struct SmallLmImpl : torch::nn::Module {
   }
   // frozen: the MLP gets no gradient from these rows (its output is detached). checkpointed: the MLP
   // runs as two ferry::checkpoint segments (up + gelu, down), the activation plan's candidates.
+  // skip_mlp: the MLP does not run (a block LayerDrop skips); say_skip: said ahead (ferry::will_skip).
   torch::Tensor forward(const torch::Tensor& idx, bool frozen = false) {
+    if (skip_mlp && say_skip) {
+      ferry::will_skip(*up);
+      ferry::will_skip(*down);
+    }
     auto x = emb(idx);
     if (use_spare) x = x + spare;
+    if (skip_mlp) return head(norm(x));
     torch::Tensor mlp;
     if (checkpointed) {
       auto h = ferry::checkpoint([this](const std::vector<at::Tensor>& in) { return torch::gelu(up(in[0])); }, {x});
@@ -39,6 +46,7 @@ struct SmallLmImpl : torch::nn::Module {
   }
   bool use_spare = false;
   bool checkpointed = false;
+  bool skip_mlp = false, say_skip = false;
   torch::nn::Embedding emb{nullptr};
   torch::nn::Linear up{nullptr}, down{nullptr}, head{nullptr};
   torch::nn::LayerNorm norm{nullptr};

@@ -828,6 +828,64 @@ TEST(Dist, RanksUsingParametersInDifferentOrdersFailClearly) {
   }
 }
 
+// D108: LayerDrop across ranks. The MLP is skipped in steps 2 and 3 of 5 (drawn from the step: the
+// same on every rank), its parameters sharded. Under the aligning rule (the default), with the skips
+// said ahead (ferry::will_skip), through the pipelined step, and under the strict rule, every rank's
+// parameters are one process's.
+TEST(Dist, LayerDropEqualsOneProcessUnderEveryRule) {
+  expect_equals_one_process(2, {"--drop-mlp=0.3"});
+  expect_equals_one_process(2, {"--drop-mlp=0.3", "--say-skips=1", "--api=backward_step"});
+  expect_equals_one_process(2, {"--drop-mlp=0.3", "--align=0"});
+}
+
+// D108: the same LayerDrop over 8 steps (the MLP skipped in 3), three ways. Strict, each skip gives the
+// trace up and the next step re-traces. Aligned, no step does, but the skipped MLP's group is gathered
+// ahead for nothing (unclaimed). Said ahead, nothing is gathered for nothing: fewer gathers, none of
+// them waited for more often. The parameters are the same bits under every rule.
+TEST(Dist, ShardedLayerDropFollowsItsTraceAndSkipsSaidAheadAreNotGathered) {
+  auto run = [](const std::vector<std::string>& rule) {
+    const std::string dir = temp_dir();
+    std::vector<std::string> args{"--out=" + dir, "--steps=8", "--batch=8", "--drop-mlp=0.3"};
+    args.insert(args.end(), rule.begin(), rule.end());
+    std::vector<Proc> ranks = run_world(2, args);
+    for (const Proc& p : ranks) EXPECT_EQ(p.exit_code, 0) << describe(ranks);
+    return std::make_pair(ranks, dir);
+  };
+  const auto [strict, strict_dir] = run({"--align=0"});
+  const auto [aligned, aligned_dir] = run({});
+  const auto [said, said_dir] = run({"--say-skips=1"});
+  for (int r = 0; r < 2; ++r) {
+    auto s = result_of(strict[r]), a = result_of(aligned[r]), h = result_of(said[r]);
+    EXPECT_EQ(s["mlp_skipped"], 3) << describe(strict);
+    EXPECT_EQ(s["diverged"], 3) << "rank " << r << ": every skip after the warm-up gives the trace up";
+    EXPECT_EQ(s["retraced"], 3) << "rank " << r;
+    EXPECT_EQ(a["diverged"] + a["retraced"] + h["diverged"] + h["retraced"], 0) << describe(aligned) << describe(said);
+    EXPECT_GT(a["prefetched"], s["prefetched"]) << "rank " << r;
+    EXPECT_GT(a["unclaimed"], 0) << "rank " << r << ": the skipped MLP's group, learnt only as it is skipped";
+    EXPECT_EQ(a["hinted"], 0);
+    EXPECT_GT(h["hinted"], 0) << "rank " << r;
+    EXPECT_EQ(h["hints_broken"], 0) << "rank " << r;
+    EXPECT_EQ(h["unclaimed"], 0) << "rank " << r << ": said ahead, never gathered";
+    EXPECT_LT(h["gathers"], a["gathers"]) << "rank " << r;
+    EXPECT_LE(h["demand_gathers"], a["demand_gathers"]) << "rank " << r;
+    const std::string file = "/rank" + std::to_string(r) + ".bin";
+    EXPECT_EQ(read_params(aligned_dir + file), read_params(strict_dir + file)) << "rank " << r;
+    EXPECT_EQ(read_params(said_dir + file), read_params(strict_dir + file)) << "rank " << r;
+  }
+}
+
+// A rank that says a skip the others do not say prefetches differently: the ranks' gathers differ, and
+// every rank fails within the timeout (the first to see it naming both groups and the hint), none hangs.
+TEST(Dist, RanksThatSayDifferentSkipsAheadFailClearly) {
+  const auto ranks = run_world(2, {"--steps=5", "--drop-mlp=0.3", "--say-skips-rank=1"});
+  bool named = false;
+  for (const Proc& p : ranks) {
+    EXPECT_EQ(p.exit_code, 1) << describe(ranks);
+    named = named || p.err.find("or said different skips ahead (ferry::will_skip)") != std::string::npos;
+  }
+  EXPECT_TRUE(named) << describe(ranks);
+}
+
 TEST(Dist, FourRanksWithGradientAccumulationEqualOneProcess) {
   expect_equals_one_process(4, {"--micro=2", "--batch=16"});
 }

@@ -543,7 +543,8 @@ TEST(SchedulerOptions, BadValuesAreRejected) {
 // Sharded parameters through the scheduler, with a stand-in for dist::ParamShards: groups {0, 1} and
 // {2, 3}, none owned here; what it is asked, in order.
 struct FakeRemote final : RemoteChunks {
-  explicit FakeRemote(ChunkStore& store) : store(store) {}
+  // Groups of two chunks over the store's `chunks` chunks.
+  explicit FakeRemote(ChunkStore& store, int chunks = 4) : store(store), present(static_cast<size_t>(chunks / 2), true) {}
   static int64_t group_of(ChunkId c) { return c / 2; }
   bool remote(ChunkId c) const override { return !present[group_of(c)]; }
   void fetch(ChunkId c) override {
@@ -560,21 +561,26 @@ struct FakeRemote final : RemoteChunks {
   std::vector<ChunkId> group(ChunkId c) const override { return {group_of(c) * 2, group_of(c) * 2 + 1}; }
   void release(ChunkId c) override {
     log.push_back("release " + std::to_string(group_of(c)));
-    for (ChunkId m : group(c)) store.retire(m);
+    for (ChunkId m : group(c)) {  // a group not gathered (skipped) has nothing to give up, as in ParamShards
+      if (store.location(m) != Location::kNone) store.retire(m);
+    }
     present[group_of(c)] = false;
   }
-  bool any_remote() const override { return !present[0] || !present[1]; }
-  void fetch_all() override { fetch(0), fetch(2); }
+  bool any_remote() const override { return std::find(present.begin(), present.end(), false) != present.end(); }
+  void fetch_all() override {
+    for (size_t g = 0; g < present.size(); ++g) fetch(static_cast<ChunkId>(2 * g));
+  }
   void release_all() override {
-    for (ChunkId c : {0, 2}) {
-      for (ChunkId m : group(c)) {
+    for (size_t g = 0; g < present.size(); ++g) {
+      for (ChunkId m : group(static_cast<ChunkId>(2 * g))) {
         if (store.location(m) != Location::kNone) store.retire(m);
       }
-      present[group_of(c)] = false;
+      present[g] = false;
     }
   }
+  int64_t count(const std::string& entry) const { return std::count(log.begin(), log.end(), entry); }
   ChunkStore& store;
-  bool present[2] = {true, true};
+  std::vector<bool> present;
   std::vector<std::string> log;
 };
 
@@ -619,8 +625,11 @@ TEST(Scheduler, RemoteGroupsAreFetchedBeforeUsePrefetchedAndGivenUpAfterForward)
 TEST(Scheduler, RemoteGroupsWithAFarNextUseAreGivenUpAfterForwardAndFetchedAgain) {
   Fixture f(/*budget=*/0);
   // Rebuilt with reshard_min_gap 1: group 0's next use (position 6) is 4 after its forward (ends at
-  // 1); group 1's (position 4) directly follows its forward: kept.
+  // 1); group 1's (position 4) directly follows its forward: kept. Strict, so that each changed order
+  // below gives the trace up and the next iteration records a new one (aligned, a new trace comes
+  // from a merge: ShardedRunsAlignSkipsSaidAheadAreNotGatheredAndAMergedTraceWaitsForConfirmation).
   SchedulerOptions so;
+  so.align_to_trace = false;
   so.prefetch_depth = 1;
   so.reshard_min_gap = 1;
   f.scheduler = std::make_unique<Scheduler>(*f.store, f.policy, make_memory_probe(DeviceKind::kSimulated), so,
@@ -656,6 +665,81 @@ TEST(Scheduler, RemoteGroupsWithAFarNextUseAreGivenUpAfterForwardAndFetchedAgain
   run_with_backward(f, {1, 0, 3}, {3});
   ASSERT_FALSE(f.last.diverged);
   EXPECT_EQ(std::count(remote->log.begin(), remote->log.end(), "release 0"), 0);
+}
+
+// D108: with sharded parameters the trace is followed aligning, as in one process. Three groups of two
+// chunks; the middle one (a block) is skipped in forward and backward. Learnt as it comes, the skip
+// keeps the following going (the strict rule gives the trace up), but the skipped group is prefetched
+// (a gather that every rank makes, then given up unclaimed) and the group after it is gathered only
+// when its use comes. Said ahead, the block is not gathered at all and the group after it is, ahead. Every skipped iteration releases group 0 after forward as the confirmed trace says.
+// After TraceState::kPruneAfter iterations without the block its positions are dropped: a merged trace,
+// a new version, on which nothing is given up until the ranks confirm it.
+TEST(Scheduler, ShardedRunsAlignSkipsSaidAheadAreNotGatheredAndAMergedTraceWaitsForConfirmation) {
+  Fixture f(/*budget=*/0, nullptr, 0, /*chunks=*/6);
+  SchedulerOptions so;
+  so.prefetch_depth = 1;
+  so.reshard_min_gap = 1;
+  f.scheduler = std::make_unique<Scheduler>(*f.store, f.policy, make_memory_probe(DeviceKind::kSimulated), so,
+                                            f.tensors, f.tensors);
+  const std::vector<int64_t> fwd = {0, 1, 2, 3, 4, 5}, bwd = {5, 4, 3, 2, 1, 0};
+  const std::vector<int64_t> fwd_skip = {0, 1, 4, 5}, bwd_skip = {5, 4, 1, 0}, block = {2, 3};
+  run_with_backward(f, fwd, bwd);
+  f.relayout();
+  auto remote = std::make_shared<FakeRemote>(*f.store, 6);
+  f.scheduler->set_remote(remote);
+  f.scheduler->allow_forward_releases(f.scheduler->trace_version(), true);
+  const int64_t version = f.scheduler->trace_version();
+  auto iteration = [&](const std::vector<int64_t>& forward, const std::vector<int64_t>& backward,
+                       const std::vector<int64_t>& said = {}) {
+    remote->release_all();
+    remote->log.clear();
+    run_with_backward(f, forward, backward, said);
+  };
+  iteration(fwd, bwd);  // exactly the trace
+  EXPECT_EQ(remote->count("fetch 1"), 2) << "forward and, given up after it, backward";
+  // Learnt: followed on, the block's group prefetched once (at its forward place) and never fetched.
+  iteration(fwd_skip, bwd_skip);
+  EXPECT_FALSE(f.last.diverged);
+  EXPECT_FALSE(f.last.traced);
+  EXPECT_GT(f.last.trace_skipped, 0);
+  EXPECT_EQ(remote->count("prefetch 1"), 1);
+  EXPECT_EQ(remote->count("fetch 1"), 0);
+  EXPECT_EQ(remote->count("release 0"), 1) << "the confirmed trace's release after forward";
+  EXPECT_EQ(remote->count("prefetch 2"), 0) << "the group after the block: its gather waited for";
+  EXPECT_EQ(remote->count("fetch 2"), 1);
+  // Said ahead: no gather of the block at all.
+  iteration(fwd_skip, bwd_skip, block);
+  EXPECT_FALSE(f.last.diverged);
+  EXPECT_GT(f.last.trace_hinted, 0);
+  EXPECT_EQ(f.last.trace_hints_broken, 0);
+  EXPECT_EQ(remote->count("prefetch 1") + remote->count("fetch 1"), 0);
+  EXPECT_EQ(remote->log, (std::vector<std::string>{"fetch 0", "prefetch 2", "release 0", "release 1", "fetch 2",
+                                                   "prefetch 0", "fetch 0"}))
+      << "the group after the block gathered ahead; the block's given up unused, as every rank does";
+  EXPECT_EQ(remote->count("release 0"), 1);
+  EXPECT_EQ(f.scheduler->trace_version(), version) << "skips change no trace";
+  // Strict, the first skip gives the trace up.
+  {
+    Fixture strict(/*budget=*/0, nullptr, 0, /*chunks=*/6, /*align=*/false);
+    run_with_backward(strict, fwd, bwd);
+    strict.relayout();
+    strict.scheduler->set_remote(std::make_shared<FakeRemote>(*strict.store, 6));
+    run_with_backward(strict, fwd_skip, bwd_skip, block);
+    EXPECT_TRUE(strict.last.diverged);
+    EXPECT_EQ(strict.last.trace_hinted, 0) << "a hint is not taken where the rule is strict";
+  }
+  // Two more iterations without the block: its positions, unused for kPruneAfter, are dropped.
+  for (int i = 0; i < 2; ++i) iteration(fwd_skip, bwd_skip, block);
+  ASSERT_EQ(TraceState::kPruneAfter, 4);
+  EXPECT_TRUE(f.last.trace_merged);
+  EXPECT_EQ(f.scheduler->trace_version(), version + 1);
+  EXPECT_EQ(f.scheduler->trace()->size(), 8);
+  iteration(fwd_skip, bwd_skip);
+  EXPECT_EQ(f.last.trace_skipped, 0) << "the merged trace is the block-less order";
+  EXPECT_EQ(remote->count("release 0"), 0) << "released on a trace the ranks have not confirmed";
+  f.scheduler->allow_forward_releases(f.scheduler->trace_version(), true);
+  iteration(fwd_skip, bwd_skip);
+  EXPECT_EQ(remote->count("release 0"), 1);
 }
 
 // LayerDrop on 24 layers (one chunk each) with room for 14: every iteration skips each layer with
