@@ -14,6 +14,14 @@
 // said when its forward begins (ferry::will_skip, D107: "said_ahead"). And whether the runs' losses are
 // bit-identical (they must be: the rule and the hints decide only where chunks are).
 //
+// Across ranks (started by torchrun --no-python, SLURM or by hand: ferry::dist::connect; sharded
+// parameters, each rank its own batches, the same draws on every rank) each run also reports its
+// parameter groups' gathers per step ("dist": started ahead or waited for, bytes received, time blocked)
+// against the floor of the uses the steps made: each group that held a parameter of a part the step ran
+// gathered once (D108). Rank 0 prints the JSON. There a gathered chunk lands on the device without a
+// host->device copy where the device has room, while the steps' own floors (IterationFloor) count a move
+// for it: moved_over_floor reads below 1 and is no floor across ranks; the gathers' is.
+//
 //   bench_layer_drop [--preset=small] [--layer-drop=0.1] [--steps=12] [--warmup-steps=3] [--batch=4]
 //                    [--seq=128] [--checkpoint-activations] [--copies=stream|sync] + ferry options
 //
@@ -26,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "../../dist/param_shards.h"
 #include "../../examples/gpt/gpt.h"
 #include "../../ferry.h"
 
@@ -51,6 +60,12 @@ struct RuleResult {
   int64_t gave_up = 0, traced = 0, merged = 0, skipped_uses = 0, unforeseen_uses = 0;  // over the measured steps
   int64_t hinted_uses = 0, hints_broken = 0;  // trace positions said skipped, and those used anyway
   int64_t device_peak_bytes = 0;
+  // Sharded parameters (world > 1), per measured step: group gathers, those started ahead of their use,
+  // the bytes received, the time blocked in fetches; the floor of the bytes (every group that held a
+  // used parameter gathered once) and the ring bytes this rank sent (gathers + reduce-scatters).
+  double gathers = 0, prefetched_gathers = 0, gathered_bytes = 0, gather_wait_s = 0, gather_floor_bytes = 0;
+  double ring_bytes = 0, gathers_still_running = 0;  // ... and the prefetched ones a use found running
+  double unclaimed_gathers = 0, unclaimed_bytes = 0;  // ... and those no use claimed (a skipped part's)
   int64_t chunk_size_bytes = 0;  // the compute copy's, as ChunkedModel chose it (auto: D99's cap in)
   double waste = 0;              // of the final layout
   std::vector<double> losses;
@@ -61,7 +76,29 @@ struct Run {
   double layer_drop = 0.1;
   int64_t steps = 12, warmup_steps = 3, batch = 4, seq = 128;
   bool checkpoint = false, stream_copies = true;
+  std::shared_ptr<ferry::dist::Communicator> comm;  // null: one process
 };
+
+// The bytes this rank receives to gather, once each, every group of layout chunks that holds a parameter
+// of a part the step runs (all but the skipped blocks'): a sharded step's floor (dist/param_shards.h).
+int64_t gather_floor_bytes(ferry::ChunkedModel& model, const std::vector<bool>& skip, int world, int rank) {
+  const int64_t chunks = model.layout().num_chunks();
+  std::vector<char> used(static_cast<size_t>((chunks + world - 1) / world), 0);
+  for (int64_t p = 0; p < model.num_params(); ++p) {
+    const std::string& name = model.param_name(p);
+    bool skipped = false;
+    for (size_t i = 0; i < skip.size() && !skipped; ++i) {
+      skipped = skip[i] && name.rfind("blocks." + std::to_string(i) + ".", 0) == 0;
+    }
+    if (!skipped) used[static_cast<size_t>(model.layout().slots()[p].chunk / world)] = 1;
+  }
+  int64_t bytes = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (!used[static_cast<size_t>(c / world)] || c % world == rank) continue;
+    bytes += model.store().chunk_info(model.param_chunk(c)).nbytes;
+  }
+  return bytes;
+}
 
 // `say_skips`: each step's skips told ferry::will_skip when its forward begins.
 RuleResult train(const Run& run, const ferry::Config& config, bool align, bool say_skips = false) {
@@ -82,7 +119,12 @@ RuleResult train(const Run& run, const ferry::Config& config, bool align, bool s
   const bool simulated = ferry::resolve_device_kind(config.device) == ferry::DeviceKind::kSimulated;
   if (simulated && run.stream_copies) options.copy_engine = [] { return std::make_unique<ferry::StreamModelCopyEngine>(); };
   ferry::ChunkedModel model(net, config, std::move(options));
-  ferry::HybridAdam adam(model, ferry::HybridAdamOptions{});
+  ferry::HybridAdamOptions adam_options;
+  adam_options.communicator = run.comm;
+  ferry::HybridAdam adam(model, adam_options);
+  const int world = run.comm ? run.comm->world_size() : 1, rank = run.comm ? run.comm->rank() : 0;
+  ferry::dist::ParamShardStats shards_before;
+  ferry::dist::CommStats comm_before;
   const c10::Device device = model.store().device();
   RuleResult r;
   int64_t with_optimal = 0, moved_with_optimal = 0, optimal = 0, moved_exact = 0, optimal_exact = 0;
@@ -93,10 +135,15 @@ RuleResult train(const Run& run, const ferry::Config& config, bool align, bool s
     for (size_t i = 0; i < skip.size(); ++i) skip[i] = step > 0 && u(draw) < run.layer_drop;  // warm-up: all
     next_block = 0;
     torch::manual_seed(static_cast<uint64_t>(step));
+    if (rank > 0) torch::manual_seed(static_cast<uint64_t>(step) * 1000003 + static_cast<uint64_t>(rank));  // own rows
     const at::Tensor tokens = torch::randint(0, run.gc.vocab, {run.batch, run.seq + 1}, torch::kLong).to(device);
     const at::Tensor x = tokens.slice(1, 0, run.seq), y = tokens.slice(1, 1, run.seq + 1);
     const bool measured = step >= run.warmup_steps;
-    if (measured && step == run.warmup_steps) model.store().reset_peak_stats();
+    if (measured && step == run.warmup_steps) {
+      model.store().reset_peak_stats();
+      if (adam.param_shards()) shards_before = adam.param_shards()->stats();
+      if (run.comm) comm_before = run.comm->stats();
+    }
     const auto start = Clock::now();
     at::Tensor loss = model.forward([&] {
       for (size_t i = 0; say_skips && i < skip.size(); ++i) {
@@ -109,7 +156,9 @@ RuleResult train(const Run& run, const ferry::Config& config, bool align, bool s
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
     r.losses.push_back(l);
     const ferry::IterationStats s = model.last_iteration();
-    std::cerr << "bench_layer_drop: " << (align ? say_skips ? "said ahead" : "aligned" : "strict") << " step " << step
+    // Rank 0 speaks (every rank's counts are alike: the same uses, the same draws).
+    const char* rule = align ? say_skips ? "said ahead" : "aligned" : "strict";
+    if (rank == 0) std::cerr << "bench_layer_drop: " << rule << " step " << step
               << (measured ? "" : " (warm-up)") << ": " << seconds << " s, loss " << l << ", moved in "
               << ferry::format_bytes(s.h2d_bytes) << " (" << ferry::format_bytes(s.demand_h2d_bytes())
               << " on demand)" << (s.diverged ? ", gave the trace up" : "") << (s.traced ? ", traced" : "")
@@ -144,6 +193,20 @@ RuleResult train(const Run& run, const ferry::Config& config, bool align, bool s
     r.unforeseen_uses += s.trace_unforeseen;
     r.hinted_uses += s.trace_hinted;
     r.hints_broken += s.trace_hints_broken;
+    if (world > 1) r.gather_floor_bytes += static_cast<double>(gather_floor_bytes(model, skip, world, rank)) / n;
+  }
+  if (const auto shards = adam.param_shards()) {
+    const ferry::dist::ParamShardStats a = shards->stats();
+    const ferry::dist::CommStats c = run.comm->stats();
+    const double n = static_cast<double>(run.steps);
+    r.gathers = static_cast<double>(a.gathers - shards_before.gathers) / n;
+    r.prefetched_gathers = static_cast<double>(a.prefetched - shards_before.prefetched) / n;
+    r.gathered_bytes = static_cast<double>(a.gathered_bytes - shards_before.gathered_bytes) / n;
+    r.unclaimed_gathers = static_cast<double>(a.unclaimed - shards_before.unclaimed) / n;
+    r.unclaimed_bytes = static_cast<double>(a.unclaimed_bytes - shards_before.unclaimed_bytes) / n;
+    r.gathers_still_running = static_cast<double>(a.waited - shards_before.waited) / n;
+    r.gather_wait_s = static_cast<double>(a.wait_ns - shards_before.wait_ns) * 1e-9 / n;
+    r.ring_bytes = static_cast<double>(c.ring_bytes_sent - comm_before.ring_bytes_sent) / n;
   }
   if (with_optimal > 0) {  // a reference of 0 counted only where nothing moved: 1
     r.moved_over_optimal = optimal > 0 ? static_cast<double>(moved_with_optimal) / static_cast<double>(optimal) : 1.0;
@@ -180,7 +243,18 @@ std::string json(const RuleResult& r) {
     << ", \"trace_uses_skipped\": " << r.skipped_uses << ", \"unforeseen_uses\": " << r.unforeseen_uses
     << ", \"trace_uses_said_skipped\": " << r.hinted_uses << ", \"said_but_used\": " << r.hints_broken
     << ", \"device_peak_bytes\": " << r.device_peak_bytes << ", \"chunk_size_bytes\": " << r.chunk_size_bytes
-    << ", \"waste\": " << r.waste << "}";
+    << ", \"waste\": " << r.waste;
+  if (r.gather_floor_bytes > 0) {
+    o << ", \"dist\": {\"gathers_per_step\": " << r.gathers << ", \"prefetched_gathers_per_step\": "
+      << r.prefetched_gathers << ", \"demand_gathers_per_step\": " << r.gathers - r.prefetched_gathers
+      << ", \"prefetched_still_running_per_step\": " << r.gathers_still_running
+      << ", \"unclaimed_gathers_per_step\": " << r.unclaimed_gathers << ", \"unclaimed_bytes_per_step\": "
+      << r.unclaimed_bytes
+      << ", \"gathered_bytes_per_step\": " << r.gathered_bytes << ", \"gather_floor_bytes_per_step\": "
+      << r.gather_floor_bytes << ", \"gathered_over_floor\": " << r.gathered_bytes / r.gather_floor_bytes
+      << ", \"gather_wait_s_per_step\": " << r.gather_wait_s << ", \"ring_bytes_per_step\": " << r.ring_bytes << "}";
+  }
+  o << "}";
   return o.str();
 }
 
@@ -208,6 +282,7 @@ int run_benchmark(int argc, char** argv) {
   run.stream_copies = copies == "stream";
   run.gc = gpt::preset(preset);
   run.gc.seq = std::max(run.gc.seq, run.seq);
+  run.comm = ferry::dist::connect(config);  // null alone
   const RuleResult strict = train(run, config, /*align=*/false);
   const RuleResult aligned = train(run, config, /*align=*/true);
   const RuleResult said = train(run, config, /*align=*/true, /*say_skips=*/true);
@@ -222,7 +297,8 @@ int run_benchmark(int argc, char** argv) {
       << ", \"seq\": " << run.seq << ", \"steps\": " << run.steps << ", \"warmup_steps\": " << run.warmup_steps
       << ", \"checkpoint_activations\": " << (run.checkpoint ? "true" : "false") << ", \"chunk_size_bytes\": "
       << config.chunk_size_bytes << ", \"device_budget_bytes\": " << config.device_budget_bytes
-      << ", \"precision\": \"" << ferry::to_string(config.precision) << "\"},\n  \"strict\": " << json(strict)
+      << ", \"precision\": \"" << ferry::to_string(config.precision) << "\", \"world\": " << config.world_size
+      << "},\n  \"strict\": " << json(strict)
       << ",\n  \"aligned\": " << json(aligned) << ",\n  \"said_ahead\": " << json(said)
       << ",\n  \"aligned_over_strict\": {\"step_s\": "
       << aligned.step_s / strict.step_s << ", \"demand_h2d_bytes\": "
@@ -233,7 +309,7 @@ int run_benchmark(int argc, char** argv) {
       << (aligned.demand_h2d_bytes > 0 ? said.demand_h2d_bytes / aligned.demand_h2d_bytes : 0.0)
       << ", \"h2d_bytes\": " << (aligned.h2d_bytes > 0 ? said.h2d_bytes / aligned.h2d_bytes : 0.0)
       << "},\n  \"losses_bit_identical\": " << (identical ? "true" : "false") << "\n}\n";
-  std::cout << out.str();
+  if (config.rank == 0) std::cout << out.str();
   return identical ? 0 : 1;
 }
 
