@@ -185,8 +185,12 @@ void Scheduler::prefetch_locked(int64_t position) {
     const ChunkId c = trace.chunk_at(q);
     if (std::find(seen.begin(), seen.end(), c) != seen.end()) continue;
     seen.push_back(c);
-    if (remote_ && remote_->remote(c)) {  // its group's gather first; the move follows at its use
+    if (remote_ && remote_->remote(c)) {
+      // Its group's gather first (which waits for this rank's own member's update: the send guard), then
+      // that member, if it is this rank's and on the host, moved in too. (Before D108 the move waited for
+      // the use; at N > 1 most of the uses' moves were then on demand.)
       remote_->prefetch(c);
+      if (store_->location(c) == Location::kHost && store_->prefetch(c)) meter_.count_prefetch();
       continue;
     }
     if (store_->location(c) == Location::kDevice) continue;
