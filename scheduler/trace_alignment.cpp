@@ -127,6 +127,8 @@ int64_t TraceAlignment::align(TensorId param, ChunkId chunk, const std::vector<T
     return at;
   }
   unforeseen_.push_back(Unforeseen{cursor_, param, chunk, in_backward_, in_use});
+  const auto [first, last] = positions_of(param);
+  if (first == last) ++unforeseen_absent_;  // a parameter the trace never had
   return -1;
 }
 

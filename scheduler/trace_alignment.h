@@ -25,7 +25,9 @@
 // The trace becomes the order of what recent iterations used, a superset of each: a skipped forward
 // use costs a prefetch that was not needed, an unforeseen use a demand move.
 // The caller (TraceState) gives up aligning (the old rule: LRU, record the next iteration) when
-// unforeseen uses pile up: the trace is no longer this program's.
+// unforeseen uses of parameters the trace holds pile up: the trace is no longer this program's. Uses
+// of parameters it never had do not count: recording afresh would not serve them better than the merge
+// (a step of LayerDrop records a trace without its skipped blocks; later steps bring them).
 //
 // What it buys and costs, measured: docs/ARCHITECTURE.md D98.
 //
@@ -83,6 +85,9 @@ class TraceAlignment {
   int64_t cursor() const { return cursor_; }
   int64_t matched() const { return matched_; }                  // uses matched (count)
   int64_t unforeseen() const { return static_cast<int64_t>(unforeseen_.size()); }  // count
+  // ... of them, uses of parameters the trace has no position of at all (a part its recording skipped:
+  // LayerDrop in the step that recorded it; a branch taken for the first time). Count.
+  int64_t unforeseen_absent() const { return unforeseen_absent_; }
   // Whether trace position q was used in this iteration.
   bool used(int64_t position) const { return used_[position] != 0; }
   // Trace positions not used in this iteration (count).
@@ -121,6 +126,7 @@ class TraceAlignment {
   std::vector<char> used_;
   std::vector<int64_t> by_param_;  // the trace's positions ordered by (parameter, position); made when first needed
   std::vector<Unforeseen> unforeseen_;
+  int64_t unforeseen_absent_ = 0;
   std::shared_ptr<const std::vector<char>> passed_over_;  // set by pass_over() and begin_backward()
   std::vector<char> hinted_at_;                           // per position: passed over by pass_over()
   int64_t hinted_ = 0, hints_broken_ = 0;

@@ -43,11 +43,13 @@ int64_t TraceState::use(int64_t param, ChunkId chunk, const std::vector<TensorId
   if (!following()) return -1;
   if (alignment_) {
     const int64_t at = alignment_->align(param, chunk, in_use);
+    // Uses of parameters the trace never had (a part its recording skipped) are merged, never given up for.
     const int64_t limit = std::max<int64_t>(kGiveUpMin, trace_->size() / 4);
-    if (at < 0 && alignment_->unforeseen() > limit) {
-      give_up("ferry scheduler: " + std::to_string(alignment_->unforeseen()) +
-              " parameter uses in this iteration are not in the recorded trace (more than " + std::to_string(limit) +
-              "; the last: parameter " + std::to_string(param) +
+    const int64_t beyond = alignment_->unforeseen() - alignment_->unforeseen_absent();
+    if (at < 0 && beyond > limit) {
+      give_up("ferry scheduler: " + std::to_string(beyond) +
+              " uses in this iteration of parameters the recorded trace holds found no position in it (more than " +
+              std::to_string(limit) + "; the last: parameter " + std::to_string(param) +
               "); evicting by LRU for the rest of this iteration and re-tracing the next one. The program's "
               "order of parameter uses has changed (another model path, changed shapes or a different loss)");
     }

@@ -3,8 +3,8 @@
 // record; the last recording becomes the trace in use; later iterations follow it, each use aligned
 // against it (TraceAlignment, Note [A run that departs from its trace]): uses the iteration skips,
 // takes in another order or makes unforeseen keep the following going, and the iteration's end merges
-// them into the trace (a new version). When unforeseen uses pile up (more than max(16, a quarter of
-// the trace)), or in strict mode at the first use that differs, the iteration gives up the trace
+// them into the trace (a new version). When unforeseen uses of parameters the trace holds pile up
+// (more than max(16, a quarter of the trace)), or in strict mode at the first use that differs, the iteration gives up the trace
 // (diverged) and the next one is recorded again (a re-trace). It also counts iterations, numbers each
 // trace (its version: what every rank must agree on before forward releases follow it) and says once,
 // after the warm-up, that the layout should be repacked in first-use order.
@@ -94,7 +94,8 @@ class TraceState {
 
   // A position no training iteration used for this many in a row is dropped from the trace.
   static constexpr int64_t kPruneAfter = 4;
-  // Giving up: more unforeseen uses in one iteration than max(this, a quarter of the trace).
+  // Giving up: more unforeseen uses in one iteration than max(this, a quarter of the trace), not
+  // counting those of parameters the trace has no position of (TraceAlignment::unforeseen_absent).
   static constexpr int64_t kGiveUpMin = 16;
 
  private:

@@ -369,22 +369,50 @@ TEST(Scheduler, ASkippedParameterKeepsTheTraceItsPrefetchesAndIsDroppedWhenItSta
 }
 
 TEST(Scheduler, ADifferentProgramGivesTheTraceUpAndIsRetraced) {
-  // 40 chunks; a trace over 0..19, then iterations over 20..39 only: unforeseen uses pile up past
+  // 20 chunks; a trace over 0..19, then iterations that run 0..19 three times (the same parameters in
+  // another program: a loop): the second and third passes' uses find no position left, pile up past
   // max(16, 20 / 4), the iteration goes LRU and the next records.
+  Fixture f(/*budget=*/500, nullptr, 0, /*chunks=*/20);
+  std::vector<int64_t> first, thrice;
+  for (int i = 0; i < 20; ++i) first.push_back(i);
+  for (int pass = 0; pass < 3; ++pass) thrice.insert(thrice.end(), first.begin(), first.end());
+  f.run(first);
+  f.relayout();
+  f.run(thrice);
+  EXPECT_TRUE(f.last.diverged);
+  EXPECT_FALSE(f.last.trace_merged);
+  f.run(thrice);
+  EXPECT_TRUE(f.last.traced);
+  f.run(thrice);
+  EXPECT_FALSE(f.last.traced);
+  EXPECT_FALSE(f.last.diverged);
+  EXPECT_EQ(f.last.trace_unforeseen + f.last.trace_skipped, 0);
+}
+
+// D108: uses of parameters the trace never had (a part the recorded step skipped: LayerDrop in the
+// warm-up or in a step re-traced for a new activation plan) are merged, never given up for, however
+// many: recording afresh would serve them no better, and the next iteration follows them. A trace over
+// 0..19, then iterations over 20..39 only (before D108 the first of them gave the trace up and the
+// next recorded afresh, following nothing).
+TEST(Scheduler, UsesOfParametersTheTraceNeverHadAreMergedNotGivenUpFor) {
   Fixture f(/*budget=*/500, nullptr, 0, /*chunks=*/40);
   std::vector<int64_t> first, second;
   for (int i = 0; i < 20; ++i) first.push_back(i), second.push_back(20 + i);
   f.run(first);
   f.relayout();
   f.run(second);
-  EXPECT_TRUE(f.last.diverged);
-  EXPECT_FALSE(f.last.trace_merged);
-  f.run(second);
-  EXPECT_TRUE(f.last.traced);
+  EXPECT_FALSE(f.last.diverged);
+  EXPECT_EQ(f.last.trace_unforeseen, 20);
+  EXPECT_TRUE(f.last.trace_merged);
   f.run(second);
   EXPECT_FALSE(f.last.traced);
+  EXPECT_EQ(f.last.trace_unforeseen, 0);
+  EXPECT_EQ(f.last.trace_skipped, 20) << "followed: the merged trace holds both programs";
+  for (int64_t i = 0; i < TraceState::kPruneAfter; ++i) f.run(second);
   EXPECT_FALSE(f.last.diverged);
-  EXPECT_EQ(f.last.trace_unforeseen + f.last.trace_skipped, 0);
+  EXPECT_EQ(f.last.trace_skipped, 0);
+  EXPECT_EQ(f.scheduler->trace()->tensors(), (std::vector<TensorId>(second.begin(), second.end())))
+      << "the old program's positions pruned";
 }
 
 // LayerDrop on 8 layers (one chunk each) with room for 3: every iteration skips each layer with
