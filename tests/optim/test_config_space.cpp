@@ -18,6 +18,7 @@
 #include <string>
 
 #include "../../common/cpu_features.h"
+#include "../seeds.h"
 #include "hybrid_adam_fixtures.h"
 #include "same_state.h"
 
@@ -169,7 +170,7 @@ TEST_P(ConfigSpace, TrainsTheReferencesBitsOrIsRefusedClearly) {
   ASSERT_NO_FATAL_FAILURE(expect_same_state(reference.adam, run->adam, reference.model, run->model, "the end"));
 }
 
-INSTANTIATE_TEST_SUITE_P(Seeds, ConfigSpace, ::testing::Range(0, 120));
+INSTANTIATE_TEST_SUITE_P(Seeds, ConfigSpace, ferry::test::seeds(120));
 
 }  // namespace
 }  // namespace ferry::test

@@ -31,6 +31,7 @@
 #include <string>
 
 #include "../../chunk/stream_model_engine.h"
+#include "../seeds.h"
 #include "hybrid_adam_fixtures.h"
 #include "same_state.h"
 
@@ -359,7 +360,7 @@ TEST_P(MechanismCombinations, ChangeNoBitAgainstTheRunWithoutThem) {
   if (resume) remove_checkpoint(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(Seeds, MechanismCombinations, ::testing::Range(0, 160));
+INSTANTIATE_TEST_SUITE_P(Seeds, MechanismCombinations, ferry::test::seeds(160));
 
 }  // namespace
 }  // namespace ferry::test

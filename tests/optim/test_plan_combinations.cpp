@@ -24,6 +24,7 @@
 #include "../../hooks/chunked_model.h"
 #include "../../optim/hybrid_adam.h"
 #include "../hooks/checkpointed_blocks.h"
+#include "../seeds.h"
 #include "../test_util.h"
 
 namespace ferry {
@@ -160,7 +161,7 @@ TEST_P(PlanCombinations, ChangeNoBitAgainstRecomputeWithRoomForEverything) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Seeds, PlanCombinations, ::testing::Range(0, 32));
+INSTANTIATE_TEST_SUITE_P(Seeds, PlanCombinations, ferry::test::seeds(32));
 
 }  // namespace
 }  // namespace ferry
