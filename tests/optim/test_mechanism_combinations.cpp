@@ -149,6 +149,10 @@ void draw_activations(std::mt19937& rng, const Semantics& s, Mechanisms& m) {
   const int64_t over[] = {-1, 0, 48 << 10, 4 << 20};  // unknown, no room, some segments, every segment
   m.capacity_over_budget = over[rng() % 4];
   m.joint = m.activations == ActivationPolicy::kAuto && m.device_state_chunks < 0 && rng() % 2;
+  // The joint placement's solves settle the running host updates first (Engine::place_jointly_if_due_locked):
+  // a step where one may come waits for the worker, so a hold through it would never end (the soak's
+  // case 479 hung so; D109).
+  if (m.joint) m.hold_worker = false;
 }
 
 HybridAdamOptions options_for(const Semantics& s, const Mechanisms& m) {
