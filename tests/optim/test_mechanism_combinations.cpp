@@ -264,6 +264,9 @@ void between_steps(Between what, int step, Trainee& reference, Trainee& run) {
       return;
     case Between::kEvaluate: {
       torch::NoGradGuard no_grad;
+      // Both nets take the path of the coming step: a run resumed from a checkpoint has run no step of its
+      // own, so its flag need not be the reference's (the soak's cases 485, 811, ...: D109).
+      reference.use_extra = run.use_extra = step % 2 == 0;
       const Batch x = batch(900 + step);
       const torch::Tensor want = forward_loss(reference.model, reference.net, x);
       run.lag.begun();
