@@ -15,6 +15,9 @@ scale=${1:-1}
 stall=${FERRY_SOAK_STALL_S:-300}
 [[ $scale =~ ^[1-9][0-9]*$ ]] || { echo "soak.sh: scale must be a positive integer, got '$scale'" >&2; exit 2; }
 [[ $stall =~ ^[1-9][0-9]*$ ]] || { echo "soak.sh: FERRY_SOAK_STALL_S must be a positive integer, got '$stall'" >&2; exit 2; }
+# As ctest runs the sanitizer build's tests (cmake/FerryTargets.cmake); no effect on other builds.
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:protect_shadow_gap=0}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1}
 logs=$(mktemp -d "${TMPDIR:-/tmp}/ferry-soak-XXXXXX")
 failed=()
 # name, binary, CI's count (the soak's first seed), the soak's count, gtest filter
