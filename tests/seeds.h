@@ -5,10 +5,12 @@
 // what was expected, rather than quietly running the default cases.
 #include <gtest/gtest.h>
 
-#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
+
+#include "../common/cli.h"
 
 namespace ferry::test {
 
@@ -17,33 +19,27 @@ struct SeedRange {
   int count = 0;
 };
 
-// Parses "<first>:<count>" (first >= 0, count >= 1, first + count within int). False if malformed.
-inline bool parse_seed_range(const char* text, SeedRange& out) {
-  if (!text) return false;
-  const std::string s(text);
-  const size_t colon = s.find(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == s.size()) return false;
-  for (size_t i = 0; i < s.size(); ++i) {
-    if (i != colon && (s[i] < '0' || s[i] > '9')) return false;
-  }
-  if (colon > 9 || s.size() - colon - 1 > 9) return false;  // each fits an int
-  const long long first = std::atoll(s.substr(0, colon).c_str());
-  const long long count = std::atoll(s.substr(colon + 1).c_str());
-  if (count < 1 || first + count > 2147483647LL) return false;
-  out = {static_cast<int>(first), static_cast<int>(count)};
-  return true;
+// Parses "<first>:<count>" (first >= 0, count >= 1, first + count within int) with the options' strict
+// integer parser; throws cli::UsageError naming what was expected.
+inline SeedRange parse_seed_range(const std::string& text) {
+  const size_t colon = text.find(':');
+  if (colon == std::string::npos) throw cli::UsageError("expected <first>:<count>, got '" + text + "'");
+  constexpr int64_t kMax = std::numeric_limits<int>::max();
+  const int64_t first = cli::parse_int("the first seed", text.substr(0, colon), 0, kMax - 1);
+  const int64_t count = cli::parse_int("the count", text.substr(colon + 1), 1, kMax - first);
+  return {static_cast<int>(first), static_cast<int>(count)};
 }
 
 // [0, default_count), or FERRY_TEST_SEEDS's range; a malformed setting aborts, naming it.
 inline SeedRange seed_range(int default_count) {
-  SeedRange r{0, default_count};
-  if (const char* env = std::getenv("FERRY_TEST_SEEDS")) {
-    if (!parse_seed_range(env, r)) {
-      std::fprintf(stderr, "ferry test: FERRY_TEST_SEEDS='%s': expected <first>:<count>, e.g. 1000:500\n", env);
-      std::abort();
-    }
+  const char* env = std::getenv("FERRY_TEST_SEEDS");
+  if (!env) return {0, default_count};
+  try {
+    return parse_seed_range(env);
+  } catch (const cli::UsageError& e) {
+    std::fprintf(stderr, "ferry test: FERRY_TEST_SEEDS='%s': %s (e.g. 1000:500)\n", env, e.what());
+    std::abort();
   }
-  return r;
 }
 
 // The seeds a parametrized suite instantiates (INSTANTIATE_TEST_SUITE_P(..., seeds(160))).

@@ -110,7 +110,8 @@ Semantics draw_semantics(std::mt19937& rng) {
 // updates behind forward), with the same parameters used in every step. Elsewhere the step waits for
 // them, and the hold would never end: with 'extra', used by even steps only, a gradient the counts of
 // the step before did not foresee lands in a chunk whose update is queued, and waits for that update
-// (Note [A chunk final before its last use]).
+// (Note [A chunk final before its last use]). Nor under the joint placement, drawn later: draw_activations
+// clears the hold there.
 bool may_hold_worker(const Semantics& s, const Mechanisms& m) {
   return m.pipelined && m.carry_over && m.behind_forward && s.max_grad_norm == 0 &&
          s.precision != Precision::kFp16 && s.micro_batches == 1 && !s.extra;
